@@ -1,0 +1,36 @@
+# gossamer: `make demo` and `make test` work on a fresh machine (they create .venv).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint proto bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the pinned CPU build first, so nothing pulls a multi-GB CUDA torch
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gossamer demo
+
+test: $(STAMP) lint
+	$(BIN)/pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check gossamer tests bench
+	$(BIN)/mypy gossamer
+
+proto: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. \
+		--mypy_out=. --mypy_grpc_out=. protos/gossamer/v1/*.proto
+
+bench: $(STAMP)
+	$(BIN)/python bench/ps_throughput.py
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

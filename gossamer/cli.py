@@ -1,0 +1,330 @@
+"""The `gossamer` command line (also `coordinator` and `worker`); imports are lazy so servers start fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from gossamer.errors import GossamerError
+
+DEFAULT_COORDINATOR = "127.0.0.1:7070"
+
+
+def _env(name: str, default: Any) -> Any:
+    """GOSSAMER_<NAME> from the environment, else `default` (CLI flags override both)."""
+    raw = os.environ.get(f"GOSSAMER_{name}")
+    if raw is None:
+        return default
+    if isinstance(default, bool):
+        return raw.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, (int, float)):
+        return type(default)(raw)
+    return raw
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# --- coordinator ------------------------------------------------------------------------------
+def cmd_coordinator_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gossamer.coordinator.config import CoordinatorConfig
+    from gossamer.coordinator.server import serve
+
+    _setup_logging(args.log_level)
+    config = CoordinatorConfig(
+        host=args.host, port=args.port, state_dir=args.state_dir,
+        heartbeat_interval_s=args.heartbeat_interval, lease_timeout_s=args.lease_timeout,
+        check_imports=not args.no_import_check,
+    )
+    asyncio.run(serve(config, ready_file=args.ready_file))
+    return 0
+
+
+# --- worker -----------------------------------------------------------------------------------
+def cmd_worker_join(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gossamer.worker.agent import AgentConfig, NodeAgent, parse_labels
+
+    _setup_logging(args.log_level)
+    config = AgentConfig(
+        coordinator=args.coordinator, name=args.name, address=args.address,
+        nproc_per_node=args.nproc_per_node, spot=args.spot, labels=parse_labels(args.labels),
+        grace_s=args.grace, threads_per_role=args.threads, log_level=args.log_level.upper(),
+    )
+    asyncio.run(NodeAgent(config).run())
+    return 0
+
+
+# --- client verbs -----------------------------------------------------------------------------
+def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from gossamer.client import Client
+
+    client = Client(args.coordinator)
+    client.ping(timeout=args.connect_timeout)
+    return client
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise GossamerError(f"--set expects field=value, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from gossamer.experiment import Experiment
+
+    exp = Experiment.from_toml(args.file, overrides=_parse_set(args.set))
+    client = _client(args)
+    job = client.submit(exp)
+    print(job.id)
+    if args.wait:
+        return _watch(job, quiet=args.quiet)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    client = _client(args)
+    console = Console()
+    if args.id:
+        st = client.job(args.id).status()
+        if args.json:
+            print(json.dumps(st, indent=1))
+            return 0
+        m = st["metrics"]
+        console.print(f"[bold]{st['name']}[/] ({st['id']}): {st['state']}  step {st['steps']}/{st['total_steps']}"
+                      f"  generation {st['generation']}")
+        if st["message"]:
+            console.print(f"  {st['message']}")
+        for k in ("loss", "eval_accuracy", "eval_loss", "samples", "samples_per_s", "bytes_up", "bytes_down"):
+            if k in m:
+                console.print(f"  {k:14s} {m[k]:.6g}")
+        if st["checkpoint"]:
+            console.print(f"  checkpoint     {st['checkpoint']}")
+        table = Table("node", "role", "index", "endpoint")
+        for r in st["roles"]:
+            table.add_row(r["node"], r["role"], str(r["index"]), r["endpoint"])
+        console.print(table)
+        return 0
+    exps = client.experiments()
+    nodes = client.nodes()
+    if args.json:
+        print(json.dumps({"experiments": exps, "nodes": nodes}, indent=1))
+        return 0
+    t = Table("experiment", "state", "steps", "eval acc", "message", title="experiments")
+    for e in exps:
+        acc = e["metrics"].get("eval_accuracy")
+        t.add_row(e["id"], e["state"], f"{e['steps']}/{e['total_steps']}",
+                  "" if acc is None else f"{acc:.4f}", e["message"][:60])
+    console.print(t)
+    _print_nodes(console, nodes)
+    return 0
+
+
+def _print_nodes(console: Any, nodes: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    t = Table("node", "address", "state", "role", "experiment", "spot", "lease age", title="nodes")
+    for n in nodes:
+        t.add_row(n["name"], n["address"], n["state"], n["role"], n["experiment"], "yes" if n["spot"] else "",
+                  f"{n['lease_age_s']:.1f}s")
+    console.print(t)
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    nodes = _client(args).nodes()
+    if args.json:
+        print(json.dumps(nodes, indent=1))
+    else:
+        _print_nodes(Console(), nodes)
+    return 0
+
+
+def _watch(job: Any, quiet: bool = False) -> int:
+    """Live progress bar until the experiment finishes; exit code 0 only if it completed."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    final: dict[str, Any] = {}
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"),
+        console=console, disable=quiet, transient=False,
+    ) as progress:
+        task = progress.add_task(job.id, total=None, info="", eta="-")
+        t_start: tuple[float, int] | None = None
+        for st in job.watch():
+            final = st
+            m = st["metrics"]
+            info = [st["state"]]
+            if "loss" in m:
+                info.append(f"loss {m['loss']:.4f}")
+            if "eval_accuracy" in m:
+                info.append(f"acc {m['eval_accuracy']:.4f}")
+            if m.get("samples_per_s"):
+                info.append(f"{m['samples_per_s']:.0f} samples/s")
+            eta = "-"
+            if st["state"] == "running" and st["steps"] > 0:
+                now = time.monotonic()
+                if t_start is None:
+                    t_start = (now, st["steps"])
+                elif st["steps"] > t_start[1]:
+                    rate = (st["steps"] - t_start[1]) / (now - t_start[0])
+                    eta = f"{(st['total_steps'] - st['steps']) / rate:.0f}s"
+            progress.update(task, total=st["total_steps"], completed=st["steps"], info="  ".join(info), eta=eta)
+    m = final.get("metrics", {})
+    print(f"{final.get('state')}: {final.get('message', '')}")
+    if "eval_accuracy" in m:
+        print(f"final eval accuracy: {m['eval_accuracy']:.4f}")
+    if final.get("checkpoint"):
+        print(f"checkpoint: {final['checkpoint']}")
+    return 0 if final.get("state") == "completed" else 1
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    return _watch(_client(args).job(args.id), quiet=args.quiet)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    st = _client(args).job(args.id).cancel()
+    print(f"{st['id']}: {st['state']}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gossamer.demo import run_demo
+
+    return run_demo(workers=args.workers, shards=args.shards, total_steps=args.steps, keep=args.keep)
+
+
+# --- parser -----------------------------------------------------------------------------------
+def _add_client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", "-c", default=_env("COORDINATOR", DEFAULT_COORDINATOR),
+                   help="coordinator HOST:PORT (env GOSSAMER_COORDINATOR)")
+    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for the coordinator")
+
+
+def _coordinator_parser(sub: Any) -> None:
+    co = sub.add_parser("coordinator", help="run the coordinator")
+    cosub = co.add_subparsers(dest="action", required=True)
+    s = cosub.add_parser("serve", help="serve the control plane (gRPC)")
+    s.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind (0.0.0.0 for all)")
+    s.add_argument("--port", type=int, default=_env("PORT", 7070), help="port (0 picks a free one)")
+    s.add_argument("--state-dir", default=_env("STATE_DIR", "./gossamer-state"), help="SQLite state and checkpoints")
+    s.add_argument("--heartbeat-interval", type=float, default=_env("HEARTBEAT_INTERVAL", 1.0), help="seconds")
+    s.add_argument("--lease-timeout", type=float, default=_env("LEASE_TIMEOUT", 10.0),
+                   help="seconds without heartbeat before a node is declared lost")
+    s.add_argument("--ready-file", default=None, help="write the bound port here once serving")
+    s.add_argument("--no-import-check", action="store_true", help="skip importing model/dataset at submit")
+    s.add_argument("--token-file", default=None, help="(reserved) join token file")
+    s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    s.set_defaults(fn=cmd_coordinator_serve)
+
+
+def _worker_parser(sub: Any) -> None:
+    wo = sub.add_parser("worker", help="run a node agent")
+    wosub = wo.add_subparsers(dest="action", required=True)
+    j = wosub.add_parser("join", help="join a coordinator and run the roles it assigns")
+    j.add_argument("coordinator", nargs="?", default=_env("COORDINATOR", DEFAULT_COORDINATOR), help="HOST:PORT")
+    j.add_argument("--name", default=_env("NAME", ""), help="node name (default hostname-id)")
+    j.add_argument("--address", default=_env("ADDRESS", ""), help="address other nodes use to reach this one")
+    j.add_argument("--nproc-per-node", type=int, default=_env("NPROC_PER_NODE", 1), help="local ranks per worker")
+    j.add_argument("--spot", action="store_true", default=_env("SPOT", False), help="preemptible machine")
+    j.add_argument("--labels", nargs="*", default=[], metavar="K=V")
+    j.add_argument("--grace", type=float, default=_env("GRACE", 5.0), help="seconds roles get to stop on SIGTERM")
+    j.add_argument("--threads", type=int, default=_env("THREADS", 1), help="torch threads per role process")
+    j.add_argument("--token-file", default=None, help="(reserved) join token file")
+    j.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    j.set_defaults(fn=cmd_worker_join)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gossamer", description="Decentralized, asynchronous, elastic training.")
+    sub = p.add_subparsers(dest="command", required=True)
+    _coordinator_parser(sub)
+    _worker_parser(sub)
+
+    s = sub.add_parser("submit", help="submit an experiment file (TOML)")
+    s.add_argument("file")
+    s.add_argument("--wait", action="store_true", help="follow progress until it finishes")
+    s.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    s.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a field")
+    _add_client_flags(s)
+    s.set_defaults(fn=cmd_submit)
+
+    st = sub.add_parser("status", help="experiments and nodes, or one experiment")
+    st.add_argument("id", nargs="?")
+    st.add_argument("--json", action="store_true")
+    _add_client_flags(st)
+    st.set_defaults(fn=cmd_status)
+
+    n = sub.add_parser("nodes", help="list nodes")
+    n.add_argument("--json", action="store_true")
+    _add_client_flags(n)
+    n.set_defaults(fn=cmd_nodes)
+
+    w = sub.add_parser("watch", help="live progress of an experiment")
+    w.add_argument("id")
+    w.add_argument("--quiet", "-q", action="store_true")
+    _add_client_flags(w)
+    w.set_defaults(fn=cmd_watch)
+
+    c = sub.add_parser("cancel", help="cancel an experiment")
+    c.add_argument("id")
+    _add_client_flags(c)
+    c.set_defaults(fn=cmd_cancel)
+
+    d = sub.add_parser("demo", help="a whole local cluster: coordinator, shards, workers, digits in async mode")
+    d.add_argument("--workers", type=int, default=3)
+    d.add_argument("--shards", type=int, default=2)
+    d.add_argument("--steps", type=int, default=1500)
+    d.add_argument("--keep", action="store_true", help="keep the demo's state directory")
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except GossamerError as e:
+        print(f"gossamer: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def coordinator_main() -> int:
+    """`coordinator serve ...` == `gossamer coordinator serve ...`."""
+    return main(["coordinator", *sys.argv[1:]])
+
+
+def worker_main() -> int:
+    """`worker join ...` == `gossamer worker join ...`."""
+    return main(["worker", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

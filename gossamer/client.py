@@ -1,0 +1,204 @@
+"""The Python client: submit experiments, follow them, list nodes (synchronous gRPC)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from gossamer.coordinator._status import from_rpc_error
+from gossamer.errors import GossamerError, UnavailableError
+from gossamer.experiment import Experiment
+from gossamer.v1 import coordinator_pb2 as pb
+from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+
+_STATE_NAMES = {
+    pb.EXPERIMENT_STATE_QUEUED: "queued",
+    pb.EXPERIMENT_STATE_STARTING: "starting",
+    pb.EXPERIMENT_STATE_RUNNING: "running",
+    pb.EXPERIMENT_STATE_COMPLETED: "completed",
+    pb.EXPERIMENT_STATE_FAILED: "failed",
+    pb.EXPERIMENT_STATE_CANCELLED: "cancelled",
+}
+_FINISHED = ("completed", "failed", "cancelled")
+
+
+def state_name(state: int) -> str:
+    return _STATE_NAMES.get(state, "unknown")
+
+
+def _role_name(role: int) -> str:
+    return {pb.ROLE_PARAMETER_SERVER: "ps", pb.ROLE_WORKER: "worker"}.get(role, "")
+
+
+def _node_state(state: int) -> str:
+    return pb.NodeState.Name(state).removeprefix("NODE_STATE_").lower()
+
+
+def status_dict(s: pb.ExperimentStatus) -> dict[str, Any]:
+    """An ExperimentStatus as a plain dict (what `job.status()` returns)."""
+    return {
+        "id": s.id,
+        "name": s.name,
+        "state": state_name(s.state),
+        "steps": s.steps,
+        "total_steps": s.total_steps,
+        "generation": s.generation,
+        "message": s.message,
+        "checkpoint": s.checkpoint,
+        "created_unix": s.created_unix,
+        "started_unix": s.started_unix,
+        "finished_unix": s.finished_unix,
+        "metrics": json.loads(s.metrics_json or "{}"),
+        "roles": [
+            {"node_id": r.node_id, "node": r.node_name, "role": _role_name(r.role), "index": r.index,
+             "endpoint": r.endpoint}
+            for r in s.roles
+        ],
+    }
+
+
+@dataclass(frozen=True)
+class Result:
+    """The outcome of a finished experiment."""
+
+    status: str
+    checkpoint: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    message: str = ""
+
+
+class Job:
+    """A submitted experiment."""
+
+    def __init__(self, client: Client, experiment_id: str) -> None:
+        self._client = client
+        self.id = experiment_id
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
+    def status(self) -> dict[str, Any]:
+        """State, steps done, generation, roles, message and current totals."""
+        return status_dict(self._client._call(self._client._exp.Get, pb.GetExperimentRequest(experiment_id=self.id)))
+
+    def metrics(self, since_unix: float = 0.0) -> list[dict[str, Any]]:
+        """The time series: one dict per reported point (time_unix, step, source, values...)."""
+        resp = self._client._call(
+            self._client._exp.GetMetrics, pb.GetMetricsRequest(experiment_id=self.id, since_unix=since_unix)
+        )
+        return [{"time_unix": p.time_unix, "step": p.step, "source": p.source, **dict(p.values)} for p in resp.points]
+
+    def cancel(self) -> dict[str, Any]:
+        return status_dict(self._client._call(self._client._exp.Cancel, pb.CancelExperimentRequest(experiment_id=self.id)))
+
+    def watch(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """Yield status dicts as the experiment changes, until it finishes (reconnects if needed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                stream = self._client._exp.Watch(
+                    pb.WatchExperimentRequest(experiment_id=self.id),
+                    timeout=None if deadline is None else max(0.1, deadline - time.monotonic()),
+                )
+                for s in stream:
+                    d = status_dict(s)
+                    yield d
+                    if d["state"] in _FINISHED:
+                        return
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise TimeoutError(f"experiment {self.id} not finished within {timeout} s") from None
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise from_rpc_error(e, self._client.address) from None
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"experiment {self.id} not finished within {timeout} s")
+            time.sleep(1.0)  # coordinator restarting: keep following
+
+    def wait(self, timeout: float | None = None) -> Result:
+        """Block until the experiment finishes; TimeoutError after `timeout` seconds."""
+        last: dict[str, Any] = {}
+        for status in self.watch(timeout=timeout):
+            last = status
+        return Result(
+            status=last["state"], checkpoint=last["checkpoint"], metrics=last["metrics"], message=last["message"]
+        )
+
+
+class Client:
+    """Talks to a coordinator at "host:port".
+
+    Args:
+        address: coordinator address.
+        token: join/API token sent as `authorization: Bearer` metadata.
+        tls: path to a CA bundle (PEM) to verify the coordinator, or True for system roots.
+        timeout: seconds per RPC.
+    """
+
+    def __init__(self, address: str, *, token: str | None = None, tls: str | bool | None = None,
+                 timeout: float = 30.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        if tls:
+            root = open(tls, "rb").read() if isinstance(tls, str) else None
+            self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=root))
+        else:
+            self._channel = grpc.insecure_channel(address)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._exp = pb_grpc.ExperimentServiceStub(self._channel)
+        self._nodes = pb_grpc.NodeServiceStub(self._channel)
+        self._ckpt = pb_grpc.CheckpointServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.address) from None
+
+    def ping(self, timeout: float = 5.0) -> None:
+        """Raise UnavailableError unless the coordinator answers within `timeout`."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise UnavailableError(f"coordinator at {self.address} is unreachable") from None
+
+    def submit(self, experiment: Experiment | dict[str, Any]) -> Job:
+        """Queue an experiment. ConfigError (naming the field) when the coordinator refuses it."""
+        exp = experiment if isinstance(experiment, Experiment) else Experiment.from_dict(experiment)
+        resp = self._call(self._exp.Submit, pb.SubmitRequest(experiment_json=exp.to_json()))
+        return Job(self, resp.experiment_id)
+
+    def job(self, experiment_id: str) -> Job:
+        return Job(self, experiment_id)
+
+    def experiments(self) -> list[dict[str, Any]]:
+        return [status_dict(s) for s in self._call(self._exp.List, pb.ListExperimentsRequest()).experiments]
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Every known node: id, name, address, state, role, experiment, spot (and more)."""
+        resp = self._call(self._nodes.ListNodes, pb.ListNodesRequest())
+        return [
+            {
+                "id": n.id, "name": n.name, "address": n.address, "state": _node_state(n.state),
+                "role": _role_name(n.role), "experiment": n.experiment_id, "spot": n.spot,
+                "labels": dict(n.labels), "cpus": n.cpus, "gpus": n.gpus,
+                "nproc_per_node": n.nproc_per_node, "lease_age_s": n.lease_age_s,
+            }
+            for n in resp.nodes
+        ]
+
+
+__all__ = ["Client", "GossamerError", "Job", "Result"]

@@ -1,0 +1,125 @@
+"""In-memory records of the coordinator's state (nodes, experiments, roles), persisted by `store.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from gossamer.v1 import coordinator_pb2 as pb
+
+ACTIVE_STATES = (
+    pb.EXPERIMENT_STATE_QUEUED,
+    pb.EXPERIMENT_STATE_STARTING,
+    pb.EXPERIMENT_STATE_RUNNING,
+)
+FINISHED_STATES = (
+    pb.EXPERIMENT_STATE_COMPLETED,
+    pb.EXPERIMENT_STATE_FAILED,
+    pb.EXPERIMENT_STATE_CANCELLED,
+)
+#: Cumulative per-source counters that are summed over sources for experiment totals.
+COUNTERS = ("samples", "bytes_up", "bytes_down", "updates")
+#: Rates summed over sources.
+RATES = ("samples_per_s",)
+
+
+@dataclass
+class NodeRec:
+    id: str
+    name: str
+    address: str
+    hostname: str = ""
+    spot: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+    cpus: int = 0
+    gpus: int = 0
+    nproc_per_node: int = 1
+    state: int = pb.NODE_STATE_READY
+    joined_unix: float = 0.0
+    last_seen: float = 0.0
+    experiment_id: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> NodeRec:
+        return cls(**json.loads(text))
+
+    @property
+    def alive(self) -> bool:
+        return self.state in (pb.NODE_STATE_READY, pb.NODE_STATE_BUSY)
+
+
+@dataclass
+class RoleRec:
+    node_id: str
+    role: int
+    index: int
+    state: int = pb.ROLE_STATE_UNSPECIFIED
+    endpoint: str = ""
+    message: str = ""
+
+
+@dataclass
+class ExpRec:
+    id: str
+    seq: int
+    name: str
+    spec_json: str
+    state: int = pb.EXPERIMENT_STATE_QUEUED
+    created_unix: float = 0.0
+    started_unix: float = 0.0
+    finished_unix: float = 0.0
+    message: str = ""
+    generation: int = 0
+    steps: int = 0
+    checkpoint: str = ""
+    lead_node: str = ""
+    next_worker_index: int = 0
+    final_metrics: dict[str, float] = field(default_factory=dict)
+    latest: dict[str, dict[str, float]] = field(default_factory=dict)
+    roles: list[RoleRec] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ExpRec:
+        data = json.loads(text)
+        data["roles"] = [RoleRec(**r) for r in data.get("roles", [])]
+        return cls(**data)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return json.loads(self.spec_json)
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    def roles_of(self, role: int) -> list[RoleRec]:
+        return sorted((r for r in self.roles if r.role == role), key=lambda r: r.index)
+
+    def totals(self) -> dict[str, float]:
+        """Experiment-wide metrics: counters and rates summed over sources, latest values, finals."""
+        out: dict[str, float] = {"steps": float(self.steps)}
+        newest_t = -1.0
+        for values in self.latest.values():
+            for k in COUNTERS + RATES:
+                if k in values:
+                    out[k] = out.get(k, 0.0) + values[k]
+            t = values.get("time_unix", 0.0)
+            if t > newest_t and "loss" in values:
+                newest_t = t
+                out["loss"] = values["loss"]
+            for k in ("eval_accuracy", "eval_loss"):
+                if k in values and values.get("eval_step", 0) >= out.get("eval_step", -1):
+                    out[k] = values[k]
+                    out["eval_step"] = values.get("eval_step", 0)
+        out.update(self.final_metrics)
+        if out.get("bytes_up") and "raw_bytes_up" in out:
+            out["compression_ratio"] = out["raw_bytes_up"] / out["bytes_up"]
+        return out

@@ -1,0 +1,160 @@
+"""SQLite (WAL) persistence of the coordinator: nodes, experiments, metrics, checkpoints, events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gossamer.coordinator.records import ExpRec, NodeRec
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS nodes (id TEXT PRIMARY KEY, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS experiments (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS metrics (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, experiment_id TEXT NOT NULL, time REAL NOT NULL,
+  step INTEGER NOT NULL, source TEXT NOT NULL, data TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS metrics_by_exp ON metrics (experiment_id, time);
+CREATE TABLE IF NOT EXISTS checkpoints (
+  experiment_id TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, kind TEXT NOT NULL,
+  time REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, experiment_id TEXT NOT NULL,
+  node_id TEXT NOT NULL, kind TEXT NOT NULL, message TEXT NOT NULL);
+"""
+
+
+class Store:
+    """One SQLite file; every statement runs on one dedicated thread, off the event loop."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.dir = Path(state_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "coordinator.sqlite"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gossamer-store")
+        self._db: sqlite3.Connection | None = None
+        self._pool.submit(self._open).result()
+
+    def _open(self) -> None:
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.executescript(_SCHEMA)
+        self._db = db
+
+    async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        db = self._db
+        assert db is not None
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, db)
+
+    def close(self) -> None:
+        def _close() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+        self._pool.submit(_close).result()
+        self._pool.shutdown()
+
+    # --- loading (startup, before the loop serves) ----------------------------------------
+    def load(self) -> tuple[list[NodeRec], list[ExpRec]]:
+        def _load(db: sqlite3.Connection) -> tuple[list[NodeRec], list[ExpRec]]:
+            nodes = [NodeRec.from_json(r[0]) for r in db.execute("SELECT data FROM nodes")]
+            exps = [
+                ExpRec.from_json(r[0])
+                for r in db.execute("SELECT data FROM experiments ORDER BY seq")
+            ]
+            return nodes, exps
+
+        assert self._db is not None
+        return self._pool.submit(_load, self._db).result()
+
+    # --- writes ---------------------------------------------------------------------------
+    async def save_node(self, node: NodeRec) -> None:
+        data = node.to_json()
+        await self.run(
+            lambda db: db.execute("INSERT OR REPLACE INTO nodes VALUES (?, ?)", (node.id, data))
+        )
+
+    async def save_experiment(self, exp: ExpRec) -> None:
+        data = exp.to_json()
+        await self.run(
+            lambda db: db.execute(
+                "INSERT OR REPLACE INTO experiments VALUES (?, ?, ?)", (exp.id, exp.seq, data)
+            )
+        )
+
+    async def add_metrics(self, exp_id: str, rows: list[tuple[float, int, str, dict[str, float]]]) -> None:
+        params = [(exp_id, t, step, src, json.dumps(vals)) for t, step, src, vals in rows]
+
+        def _ins(db: sqlite3.Connection) -> None:
+            db.execute("BEGIN")
+            db.executemany(
+                "INSERT INTO metrics (experiment_id, time, step, source, data) VALUES (?,?,?,?,?)",
+                params,
+            )
+            db.execute("COMMIT")
+
+        await self.run(_ins)
+
+    async def metrics(self, exp_id: str, since: float = 0.0) -> list[tuple[float, int, str, dict[str, Any]]]:
+        def _q(db: sqlite3.Connection) -> list[tuple[float, int, str, dict[str, Any]]]:
+            cur = db.execute(
+                "SELECT time, step, source, data FROM metrics WHERE experiment_id=? AND time>? "
+                "ORDER BY time, id",
+                (exp_id, since),
+            )
+            return [(t, s, src, json.loads(d)) for t, s, src, d in cur]
+
+        return await self.run(_q)
+
+    async def add_event(self, kind: str, message: str, experiment_id: str = "", node_id: str = "") -> None:
+        log.info("event %s: %s", kind, message)
+        now = time.time()
+        await self.run(
+            lambda db: db.execute(
+                "INSERT INTO events (time, experiment_id, node_id, kind, message) VALUES (?,?,?,?,?)",
+                (now, experiment_id, node_id, kind, message),
+            )
+        )
+
+    async def events(self, experiment_id: str | None = None) -> list[dict[str, Any]]:
+        def _q(db: sqlite3.Connection) -> list[dict[str, Any]]:
+            sql = "SELECT time, experiment_id, node_id, kind, message FROM events"
+            args: tuple[Any, ...] = ()
+            if experiment_id is not None:
+                sql += " WHERE experiment_id=?"
+                args = (experiment_id,)
+            cur = db.execute(sql + " ORDER BY id", args)
+            keys = ("time", "experiment_id", "node_id", "kind", "message")
+            return [dict(zip(keys, row, strict=True)) for row in cur]
+
+        return await self.run(_q)
+
+    async def add_checkpoint(self, exp_id: str, step: int, path: str, kind: str) -> float:
+        now = time.time()
+        await self.run(
+            lambda db: db.execute(
+                "INSERT INTO checkpoints VALUES (?,?,?,?,?)", (exp_id, step, path, kind, now)
+            )
+        )
+        return now
+
+    async def latest_checkpoint(self, exp_id: str) -> tuple[int, str, str, float] | None:
+        def _q(db: sqlite3.Connection) -> tuple[int, str, str, float] | None:
+            return db.execute(
+                "SELECT step, path, kind, time FROM checkpoints WHERE experiment_id=? "
+                "ORDER BY step DESC, time DESC LIMIT 1",
+                (exp_id,),
+            ).fetchone()
+
+        return await self.run(_q)

@@ -1,0 +1,56 @@
+"""`gossamer demo`: a coordinator, two shards and three workers on this machine, training digits async."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+from gossamer.client import Client
+from gossamer.experiment import Experiment
+from gossamer.local_cluster import LocalCluster
+
+
+def demo_experiment(workers: int, shards: int, total_steps: int) -> Experiment:
+    return Experiment(
+        name="digits-async",
+        model="gossamer.examples.digits:mlp",
+        dataset="gossamer.examples.digits:data",
+        mode="async",
+        optimizer="sgd", lr=0.05, momentum=0.9, batch_size=32,
+        staleness=4, num_ps_shards=shards, min_workers=workers, max_workers=workers,
+        total_steps=total_steps, eval_every=100, checkpoint_every=500, seed=0,
+    )
+
+
+def run_demo(workers: int = 3, shards: int = 2, total_steps: int = 1500, keep: bool = False) -> int:
+    from gossamer.cli import _watch
+
+    state = tempfile.mkdtemp(prefix="gossamer-demo-") if keep else None
+    t0 = time.monotonic()
+    with LocalCluster(state) as cluster:
+        print(f"coordinator: starting (state in {cluster.state_dir})")
+        address = cluster.start_coordinator(port=0)
+        print(f"coordinator: serving on {address}")
+        for i in range(shards):
+            cluster.add_node(f"ondemand-{i}")
+        for i in range(workers):
+            cluster.add_node(f"spot-{i}", spot=True)
+        print(f"nodes: {shards} on-demand (they will host the shards), {workers} spot (workers); "
+              f"logs in {cluster.log_dir}")
+        client = Client(address)
+        deadline = time.monotonic() + 60
+        while len([n for n in client.nodes() if n["state"] == "ready"]) < shards + workers:
+            if time.monotonic() > deadline:
+                print("nodes did not join within 60 s; see the logs")
+                return 1
+            time.sleep(0.2)
+        job = client.submit(demo_experiment(workers, shards, total_steps))
+        print(f"submitted {job.id}: digits MLP, async SGD, {shards} shards x {workers} workers, "
+              f"{total_steps} steps")
+        code = _watch(job)
+        result = job.wait(timeout=10)
+        m = result.metrics
+        print(f"samples {m.get('samples', 0):.0f}, bytes up {m.get('bytes_up', 0) / 1e6:.1f} MB, "
+              f"down {m.get('bytes_down', 0) / 1e6:.1f} MB, wall {time.monotonic() - t0:.0f} s")
+        client.close()
+    return code

@@ -1,0 +1,42 @@
+"""The one small error hierarchy of gossamer; `gossamer.coordinator._status` maps it to gRPC codes."""
+
+from __future__ import annotations
+
+
+class GossamerError(Exception):
+    """Base class of every error gossamer raises on purpose."""
+
+
+class ConfigError(GossamerError, ValueError):
+    """A configuration (Experiment, server flags, TOML file) is invalid.
+
+    `field` names the offending field so clients can point at it.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class NotFoundError(GossamerError):
+    """A named object (experiment, node, checkpoint) does not exist."""
+
+
+class UnavailableError(GossamerError):
+    """A peer (coordinator, shard) cannot be reached or did not answer in time."""
+
+
+class ProtocolError(GossamerError):
+    """A message on the wire is malformed, oversized or inconsistent with the shard plan."""
+
+
+class ShardError(GossamerError):
+    """A parameter-server shard answered a request with an error reply."""
+
+
+class CheckpointError(GossamerError):
+    """A checkpoint is missing, partial or fails its checksum."""
+
+
+class AuthError(GossamerError):
+    """Credentials (token, certificate, CurveZMQ key) are missing or wrong."""

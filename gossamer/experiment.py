@@ -1,0 +1,212 @@
+"""The Experiment: one validated, frozen description of a training run (TOML, CLI and RPC map onto it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gossamer.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MODES = ("sync", "async", "gossip", "diloco")
+#: Modes this release runs end to end; the others are accepted by the parser but refused at submit.
+IMPLEMENTED_MODES = ("sync", "async")
+OPTIMIZERS = ("sgd", "adamw")
+TOPOLOGIES = ("exponential", "ring", "random")
+PARALLELISMS = ("ddp", "fsdp", "pipeline")
+_COMPRESSION = re.compile(
+    r"^(none|fp16|bf16|int8|sign|adaptive|qsgd:\d+|topk:(0?\.\d+|1(\.0*)?|\d+e-\d+)|powersgd:\d+)$"
+)
+_CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experiment:
+    """A training run. Every field has a default except `name`, `model` and `dataset`.
+
+    `model` and `dataset` are "module:callable" paths; the model callable returns an
+    nn.Module (called with `model_args`), the dataset callable a (train, eval) pair of
+    map-style Datasets yielding (input, target) (called with `dataset_args`).
+    `batch_size` is per worker node; in sync mode `global_batch_size`, when set, fixes the
+    global batch and splits it over the current workers.
+    """
+
+    name: str
+    model: str
+    dataset: str
+    model_args: dict[str, Any] = field(default_factory=dict)
+    dataset_args: dict[str, Any] = field(default_factory=dict)
+    mode: str = "async"
+    compression: str = "none"
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    global_batch_size: int | None = None
+    staleness: int | None = None
+    lr_staleness_scaling: bool = True
+    num_ps_shards: int = 1
+    min_workers: int = 1
+    max_workers: int = 16
+    total_steps: int = 1000
+    eval_every: int = 100
+    checkpoint_every: int = 0
+    checkpoint_dir: str = ""
+    seed: int = 0
+    inner_steps: int = 20
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    topology: str = "exponential"
+    parallelism: str = "ddp"
+    chunk_numel: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        def bad(name: str, msg: str) -> ConfigError:
+            return ConfigError(name, msg)
+
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise bad("name", "must be a non-empty string")
+        for f in ("model", "dataset"):
+            v = getattr(self, f)
+            if not isinstance(v, str) or not _CALLABLE.match(v):
+                raise bad(f, f"must look like 'package.module:callable', got {v!r}")
+        for f in ("model_args", "dataset_args"):
+            if not isinstance(getattr(self, f), dict):
+                raise bad(f, "must be a table/dict")
+        if self.mode not in MODES:
+            raise bad("mode", f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if not isinstance(self.compression, str) or not _COMPRESSION.match(self.compression):
+            raise bad(
+                "compression",
+                f"unknown codec {self.compression!r}; none|fp16|bf16|int8|qsgd:L|topk:R|powersgd:K|sign|adaptive",
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise bad("optimizer", f"unknown optimizer {self.optimizer!r}; choose {', '.join(OPTIMIZERS)}")
+        for f in ("lr", "outer_lr"):
+            v = getattr(self, f)
+            if _not_number(v) or not math.isfinite(v) or v <= 0:
+                raise bad(f, f"must be a finite number > 0, got {v!r}")
+        for f in ("momentum", "outer_momentum", "weight_decay"):
+            v = getattr(self, f)
+            if _not_number(v) or not math.isfinite(v) or v < 0 or (f != "weight_decay" and v >= 1):
+                raise bad(f, f"must be in [0, 1), got {v!r}")
+        if self.nesterov and self.momentum == 0:
+            raise bad("nesterov", "needs momentum > 0")
+        for f in ("batch_size", "num_ps_shards", "min_workers", "max_workers", "total_steps",
+                  "inner_steps", "chunk_numel"):
+            if not _positive_int(getattr(self, f)):
+                raise bad(f, f"must be an integer >= 1, got {getattr(self, f)!r}")
+        for f in ("eval_every", "checkpoint_every", "seed"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise bad(f, f"must be an integer >= 0, got {v!r}")
+        if self.max_workers < self.min_workers:
+            raise bad("max_workers", f"must be >= min_workers ({self.min_workers})")
+        if self.global_batch_size is not None:
+            if not _positive_int(self.global_batch_size):
+                raise bad("global_batch_size", "must be an integer >= 1 or unset")
+            if self.mode != "sync":
+                raise bad("global_batch_size", "only applies to mode='sync'")
+            if self.global_batch_size < self.min_workers:
+                raise bad("global_batch_size", "must be >= min_workers (one sample per worker)")
+        if self.staleness is not None and (
+            not isinstance(self.staleness, int) or isinstance(self.staleness, bool) or self.staleness < 0
+        ):
+            raise bad("staleness", f"must be an integer >= 0 or None, got {self.staleness!r}")
+        if self.topology not in TOPOLOGIES:
+            raise bad("topology", f"unknown topology {self.topology!r}; choose {', '.join(TOPOLOGIES)}")
+        if self.parallelism not in PARALLELISMS:
+            raise bad("parallelism", f"unknown parallelism {self.parallelism!r}; choose {', '.join(PARALLELISMS)}")
+        if not isinstance(self.checkpoint_dir, str):
+            raise bad("checkpoint_dir", "must be a path string")
+
+    # --- conversions -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Experiment:
+        """Build from a plain dict (TOML table, JSON); unknown keys are an error naming them."""
+        if not isinstance(data, dict):
+            raise ConfigError("experiment", "must be an object/table")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(unknown[0], "unknown field")
+        for required in ("name", "model", "dataset"):
+            if required not in data:
+                raise ConfigError(required, "is required")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> Experiment:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError("experiment", f"not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_toml(
+        cls, path: str | os.PathLike[str], overrides: dict[str, Any] | None = None
+    ) -> Experiment:
+        """Read a TOML experiment file. Precedence: `overrides` (CLI) > GOSSAMER_EXP_* env > file."""
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError as e:
+            raise ConfigError("file", f"{p} does not exist") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("file", f"{p} is not valid TOML: {e}") from e
+        data = dict(data.get("experiment", data))
+        data.update(_env_overrides())
+        data.update(overrides or {})
+        return cls.from_dict(data)
+
+    # --- derived values ----------------------------------------------------------------
+    def effective_global_batch(self, num_workers: int) -> int:
+        """Samples per global step in sync mode."""
+        return self.global_batch_size or self.batch_size * num_workers
+
+
+def _env_overrides() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    fields = {f.name: f for f in dataclasses.fields(Experiment)}
+    for key, raw in os.environ.items():
+        if not key.startswith("GOSSAMER_EXP_"):
+            continue
+        name = key[len("GOSSAMER_EXP_"):].lower()
+        if name in fields:
+            out[name] = _parse_scalar(raw)
+    return out
+
+
+def _parse_scalar(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _not_number(v: object) -> bool:
+    return isinstance(v, bool) or not isinstance(v, (int, float))
+
+
+def _positive_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1

@@ -1,0 +1,116 @@
+"""A whole cluster as local processes (coordinator + node agents on free loopback ports), for demo and tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gossamer.errors import UnavailableError
+
+
+class LocalCluster:
+    """Starts real processes; `close()` (or the context manager) stops every one it started, by PID."""
+
+    def __init__(self, state_dir: str | os.PathLike[str] | None = None, *, heartbeat_interval: float = 0.5,
+                 lease_timeout: float = 5.0, log_dir: str | os.PathLike[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self._tmp = None if state_dir else tempfile.TemporaryDirectory(prefix="gossamer-")
+        self.state_dir = Path(state_dir or self._tmp.name)  # type: ignore[union-attr]
+        self.log_dir = Path(log_dir or self.state_dir / "logs")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.heartbeat_interval = heartbeat_interval
+        self.lease_timeout = lease_timeout
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.nodes: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _spawn(self, args: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.log_dir / log_name, "ab")
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-m", "gossamer.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                env={**self.env, **(env or {})}, start_new_session=True,
+            )
+        finally:
+            log.close()
+
+    def start_coordinator(self, port: int | None = None, timeout: float = 30.0) -> str:
+        """Start (or restart, on the same state dir and port) the coordinator; returns HOST:PORT."""
+        ready = self.state_dir / "coordinator.port"
+        ready.unlink(missing_ok=True)
+        port = self.port if port is None else port
+        self.coordinator = self._spawn(
+            ["coordinator", "serve", "--port", str(port), "--state-dir", str(self.state_dir),
+             "--heartbeat-interval", str(self.heartbeat_interval), "--lease-timeout", str(self.lease_timeout),
+             "--ready-file", str(ready)],
+            "coordinator.log",
+        )
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if self.coordinator.poll() is not None or time.monotonic() > deadline:
+                raise UnavailableError(f"coordinator did not start; see {self.log_dir / 'coordinator.log'}")
+            time.sleep(0.05)
+        self.port = int(ready.read_text())
+        return self.address
+
+    def add_node(self, name: str, *, spot: bool = False, nproc_per_node: int = 1,
+                 env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        args = ["worker", "join", self.address, "--name", name, "--nproc-per-node", str(nproc_per_node)]
+        if spot:
+            args.append("--spot")
+        proc = self._spawn(args, f"{name}.log", env)
+        self.nodes[name] = proc
+        return proc
+
+    def kill_coordinator(self) -> None:
+        """SIGKILL the coordinator (and nothing else)."""
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.kill()
+            self.coordinator.wait(timeout=10)
+
+    def stop_node(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+        proc = self.nodes.pop(name)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                return proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        return proc.returncode
+
+    def close(self) -> None:
+        for name in list(self.nodes):
+            self.stop_node(name, timeout=15.0)
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.send_signal(signal.SIGTERM)
+            try:
+                self.coordinator.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.coordinator.kill()
+                self.coordinator.wait()
+        # Anything a node's process group still holds (role processes) goes too.
+        for proc in [self.coordinator, *self.nodes.values()]:
+            if proc is not None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

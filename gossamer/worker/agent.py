@@ -1,0 +1,305 @@
+"""The node agent (`gossamer worker join`): joins, heartbeats, and runs assigned roles in spawned processes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import grpc
+
+from gossamer.errors import ConfigError
+from gossamer.v1 import coordinator_pb2 as pb
+from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+_SPAWN = mp.get_context("spawn")  # never fork: gRPC state does not survive it
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """`gossamer worker join` flags."""
+
+    coordinator: str
+    name: str = ""
+    address: str = ""  # host other nodes reach this node's shard on; default: the route to the coordinator
+    nproc_per_node: int = 1
+    spot: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+    grace_s: float = 5.0
+    threads_per_role: int = 1
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if ":" not in self.coordinator:
+            raise ConfigError("coordinator", f"expected HOST:PORT, got {self.coordinator!r}")
+        if self.nproc_per_node < 1:
+            raise ConfigError("nproc_per_node", "must be >= 1")
+        if self.grace_s < 0:
+            raise ConfigError("grace_s", "must be >= 0")
+
+
+def route_address(coordinator: str) -> str:
+    """The local IP used to reach the coordinator (loopback when it is local)."""
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", "127.0.0.1", "::1", ""):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cuda_count() -> int:
+    # Counting GPUs must not import torch (slow) in the agent: ask the driver's device files.
+    try:
+        return len([d for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit()])
+    except OSError:
+        return 0
+
+
+@dataclass
+class _Running:
+    key: tuple[str, int, int, int]
+    procs: list[BaseProcess]
+    pipes: list[Connection]
+    assignment: pb.Assignment
+    stopping: bool = False
+    reported: bool = False
+
+
+class NodeAgent:
+    """Keeps this node joined and its role processes matching the coordinator's assignment set."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.address = config.address or route_address(config.coordinator)
+        self.node_id = ""
+        self.heartbeat_s = 1.0
+        self.running: dict[tuple[str, int, int, int], _Running] = {}
+        self.finished: set[tuple[str, int, int, int]] = set()
+        self._stop = asyncio.Event()
+        self._last_serial = 0
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.NodeServiceStub | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------
+    async def run(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self.config.coordinator)
+        self._stub = pb_grpc.NodeServiceStub(self._channel)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop.set)
+        await self._join()
+        tasks = [asyncio.create_task(t) for t in (self._heartbeats(), self._watch(), self._monitor())]
+        await self._stop.wait()
+        for t in tasks:
+            t.cancel()
+        await self.shutdown("signal")
+
+    async def shutdown(self, reason: str) -> None:
+        """Stop role processes (they finish their step and leave the shards), then Leave."""
+        t0 = time.monotonic()
+        await self._stop_all(self.config.grace_s)
+        assert self._stub is not None
+        try:
+            await self._stub.Leave(pb.LeaveRequest(node_id=self.node_id, reason=reason), timeout=3.0)
+        except grpc.RpcError as e:
+            log.warning("Leave not delivered (%s); the lease will expire instead", e.code())
+        if self._channel is not None:
+            await self._channel.close()
+        log.info("left the cluster in %.1f s", time.monotonic() - t0)
+
+    async def _join(self) -> None:
+        assert self._stub is not None
+        req = pb.JoinRequest(
+            name=self.config.name, address=self.address, hostname=socket.gethostname(), spot=self.config.spot,
+            labels=self.config.labels, cpus=os.cpu_count() or 1, gpus=_cuda_count(),
+            nproc_per_node=self.config.nproc_per_node, node_id=self.node_id,
+        )
+        delay, warned = 0.5, False
+        while not self._stop.is_set():
+            try:
+                resp = await self._stub.Join(req, timeout=5.0)
+                self.node_id = resp.node_id
+                self.heartbeat_s = resp.heartbeat_interval_s
+                log.info("joined %s as node %s (address %s)", self.config.coordinator, self.node_id, self.address)
+                return
+            except grpc.RpcError as e:
+                if not warned:
+                    log.warning("waiting for the coordinator at %s (%s)", self.config.coordinator, e.code())
+                    warned = True
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+
+    async def _heartbeats(self) -> None:
+        assert self._stub is not None
+        warned = False
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                resp = await self._stub.Heartbeat(pb.HeartbeatRequest(node_id=self.node_id), timeout=self.heartbeat_s * 3)
+                if warned:
+                    log.info("coordinator reachable again")
+                    warned = False
+                if not resp.known:
+                    log.warning("coordinator does not know this node; joining again")
+                    await self._join()
+            except grpc.RpcError as e:
+                if not warned:
+                    log.warning("heartbeat failed (%s); roles keep running, retrying", e.code())
+                    warned = True
+
+    async def _watch(self) -> None:
+        assert self._stub is not None
+        while True:
+            try:
+                stream = self._stub.WatchAssignments(pb.WatchAssignmentsRequest(node_id=self.node_id))
+                async for aset in stream:
+                    if aset.serial >= self._last_serial:
+                        self._last_serial = aset.serial
+                        self._apply(list(aset.assignments))
+            except grpc.RpcError as e:
+                log.debug("assignment stream ended (%s); reconnecting", e.code())
+            await asyncio.sleep(1.0)
+
+    # --- roles -------------------------------------------------------------------------
+    @staticmethod
+    def _key(a: pb.Assignment) -> tuple[str, int, int, int]:
+        return (a.experiment_id, a.role, a.index, a.generation)
+
+    def _apply(self, assignments: list[pb.Assignment]) -> None:
+        wanted = {self._key(a): a for a in assignments}
+        for key, run in list(self.running.items()):
+            if key not in wanted:
+                self._terminate(run)
+        for key, a in wanted.items():
+            if key in self.running:
+                self._update(self.running[key], a)
+            elif key not in self.finished:
+                self._start(a)
+        self.finished &= set(wanted)
+
+    def _spec(self, a: pb.Assignment) -> dict[str, Any]:
+        return {
+            "coordinator": self.config.coordinator, "node_id": self.node_id, "address": self.address,
+            "experiment_id": a.experiment_id, "index": a.index, "num_workers": a.num_workers,
+            "experiment_json": a.experiment_json, "shard_endpoints": dict(a.shard_endpoints),
+            "checkpoint_dir": a.checkpoint_dir, "lead": a.lead, "threads": self.config.threads_per_role,
+            "log_level": self.config.log_level,
+        }
+
+    def _start(self, a: pb.Assignment) -> None:
+        from gossamer.worker import roles
+
+        spec = self._spec(a)
+        procs: list[BaseProcess] = []
+        pipes: list[Connection] = []
+        if a.role == pb.ROLE_PARAMETER_SERVER:
+            spec["label"] = f"ps{a.index}"
+            procs.append(_SPAWN.Process(target=roles.run_server, args=(spec,), name=f"gossamer-ps{a.index}"))
+        else:
+            nproc = self.config.nproc_per_node
+            port = _free_port()
+            for rank in range(nproc):
+                recv, send = _SPAWN.Pipe(duplex=False)
+                rspec = {**spec, "local_rank": rank, "nproc": nproc, "master_port": port,
+                         "label": f"w{a.index}.{rank}"}
+                procs.append(_SPAWN.Process(target=roles.run_worker_rank, args=(rspec, recv),
+                                            name=f"gossamer-w{a.index}.{rank}"))
+                pipes.append(send)
+        for p in procs:
+            p.start()
+        log.info("started %s %d of %s (%d process%s)", "shard" if a.role == pb.ROLE_PARAMETER_SERVER else "worker",
+                 a.index, a.experiment_id, len(procs), "es" if len(procs) > 1 else "")
+        self.running[self._key(a)] = _Running(self._key(a), procs, pipes, a)
+
+    def _update(self, run: _Running, a: pb.Assignment) -> None:
+        if a.SerializeToString(deterministic=True) == run.assignment.SerializeToString(deterministic=True):
+            return
+        run.assignment = a
+        for pipe in run.pipes:
+            try:
+                pipe.send({"lead": a.lead, "num_workers": a.num_workers, "endpoints": dict(a.shard_endpoints)})
+            except (BrokenPipeError, OSError):
+                pass
+
+    def _terminate(self, run: _Running) -> None:
+        run.stopping = True
+        for p in run.procs:
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGTERM)
+
+    async def _stop_all(self, grace: float) -> None:
+        for run in self.running.values():
+            self._terminate(run)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.is_alive() for r in self.running.values() for p in r.procs):
+            await asyncio.sleep(0.05)
+        for run in self.running.values():
+            for p in run.procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=1)
+        self.running.clear()
+
+    async def _monitor(self) -> None:
+        """Reap role processes; report a crash to the coordinator; stop a worker's other ranks."""
+        while True:
+            await asyncio.sleep(0.2)
+            for key, run in list(self.running.items()):
+                codes = [p.exitcode for p in run.procs]
+                if all(c is None for c in codes):
+                    continue
+                failed = [c for c in codes if c not in (None, 0)]
+                if failed and not run.stopping and not run.reported:
+                    run.reported = True
+                    await self._report_failure(run, failed[0])
+                    self._terminate(run)
+                if all(c is not None for c in codes):
+                    for pipe in run.pipes:
+                        pipe.close()
+                    del self.running[key]
+                    if not run.stopping:
+                        self.finished.add(key)
+
+    async def _report_failure(self, run: _Running, code: int) -> None:
+        a = run.assignment
+        assert self._stub is not None
+        msg = f"role process exited with code {code}"
+        log.error("%s %d of %s: %s", pb.Role.Name(a.role), a.index, a.experiment_id, msg)
+        try:
+            await self._stub.ReportRole(
+                pb.ReportRoleRequest(node_id=self.node_id, experiment_id=a.experiment_id, role=a.role,
+                                     index=a.index, state=pb.ROLE_STATE_FAILED, message=msg),
+                timeout=5.0,
+            )
+        except grpc.RpcError:
+            pass
+
+
+def parse_labels(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise ConfigError("labels", f"expected key=value, got {item!r}")
+        out[k] = v
+    return out
+

@@ -1,0 +1,173 @@
+"""Entry points of role processes (spawned by the node agent): a parameter-server shard or a worker rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from gossamer.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def _setup(spec: dict[str, Any]) -> None:
+    logging.basicConfig(
+        level=spec.get("log_level", "INFO"),
+        format=f"%(asctime)s %(levelname)s [{spec.get('label', 'role')}] %(name)s: %(message)s",
+    )
+    import torch
+
+    # Role processes share the machine with each other: one intra-op thread each unless told.
+    torch.set_num_threads(int(os.environ.get("GOSSAMER_THREADS", spec.get("threads", 1))))
+
+
+def _fault_delay(worker_index: int) -> float:
+    """GOSSAMER_FAULT=delay:worker=I:seconds=S slows worker I by S seconds per step."""
+    spec = os.environ.get("GOSSAMER_FAULT", "")
+    for fault in filter(None, spec.split(",")):
+        kind, *kvs = fault.split(":")
+        args = dict(kv.split("=", 1) for kv in kvs if "=" in kv)
+        if kind == "delay" and int(args.get("worker", -1)) == worker_index:
+            return float(args.get("seconds", 0.0))
+    return 0.0
+
+
+def run_server(spec: dict[str, Any]) -> None:
+    """Host parameter-server shard `spec['index']` until SIGTERM or the experiment ends."""
+    _setup(spec)
+    from gossamer.experiment import Experiment
+    from gossamer.paramserver import (
+        OptimizerConfig,
+        ShardConfig,
+        ShardPlan,
+        ShardServer,
+        flatten_params,
+    )
+    from gossamer.worker.reporter import Reporter
+    from gossamer.worker.trainer import build
+
+    exp = Experiment.from_json(spec["experiment_json"])
+    shard = spec["index"]
+    reporter = Reporter(spec["coordinator"], spec["experiment_id"], f"{spec['node_id']}/ps{shard}")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        import torch
+
+        model, _, _ = build(exp, torch.device("cpu"))
+        plan = ShardPlan.for_module(model, exp.num_ps_shards, exp.chunk_numel)
+        flat = flatten_params(model)
+        init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks_of_shard(shard)}
+        config = ShardConfig(
+            experiment=spec["experiment_id"], shard=shard, mode=exp.mode, staleness=exp.staleness,
+            optimizer=OptimizerConfig(
+                name=exp.optimizer, lr=exp.lr, momentum=exp.momentum, nesterov=exp.nesterov,
+                weight_decay=exp.weight_decay,
+            ),
+            total_steps=exp.total_steps, lr_staleness_scaling=exp.lr_staleness_scaling,
+        )
+        server = ShardServer(config, plan, init)
+        endpoint = server.bind(host=spec["address"], port=0)
+        log.info("shard %d of %s serving %d parameters on %s", shard, spec["experiment_id"],
+                 plan.shard_numel(shard), endpoint)
+        reporter.role(spec["node_id"], pb.ROLE_PARAMETER_SERVER, shard, pb.ROLE_STATE_SERVING, endpoint=endpoint)
+        thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+        thread.start()
+        while not stop.wait(1.0):
+            st = server.stats()
+            reporter.metric(int(st.get("version", 0)), {
+                "ps_updates": float(st.get("updates", 0)),
+                "ps_bytes_in": float(st.get("bytes_in", 0)),
+                "ps_bytes_out": float(st.get("bytes_out", 0)),
+                "ps_errors": float(st.get("errors", 0)),
+            })
+        thread.join(timeout=5)
+        server.close()
+    except Exception as e:  # noqa: BLE001 — report any failure to the coordinator, then exit non-zero
+        log.exception("shard %d failed", shard)
+        reporter.role(spec["node_id"], pb.ROLE_PARAMETER_SERVER, shard, pb.ROLE_STATE_FAILED,
+                      message=f"{type(e).__name__}: {e}", retry_s=10)
+        reporter.close()
+        raise SystemExit(1) from None
+    reporter.close()
+
+
+def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> None:
+    """Run local rank `spec['local_rank']` of a worker role."""
+    _setup(spec)
+    import torch
+    import torch.distributed as dist
+
+    from gossamer.experiment import Experiment
+    from gossamer.worker.reporter import Reporter
+    from gossamer.worker.trainer import RankContext, Trainer
+
+    rank, world = spec["local_rank"], spec["nproc"]
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    device = torch.device(f"cuda:{spec.get('device_index', rank) % max(1, torch.cuda.device_count())}") \
+        if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    source = f"{spec['node_id']}/{rank}"
+    reporter = Reporter(spec["coordinator"], spec["experiment_id"], source)
+    index = spec["index"]
+    try:
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group(
+                backend="nccl" if cuda else "gloo",
+                init_method=f"tcp://127.0.0.1:{spec['master_port']}",
+                rank=rank,
+                world_size=world,
+            )
+        ctx = RankContext(
+            experiment_id=spec["experiment_id"],
+            experiment=Experiment.from_json(spec["experiment_json"]),
+            node_id=spec["node_id"],
+            worker_index=index,
+            num_workers=spec["num_workers"],
+            endpoints={int(k): v for k, v in spec["shard_endpoints"].items()},
+            checkpoint_dir=spec["checkpoint_dir"],
+            lead=spec["lead"],
+            local_rank=rank,
+            local_world=world,
+            device=device,
+            step_delay_s=_fault_delay(index),
+        )
+
+        def updates() -> dict[str, Any] | None:
+            latest = None
+            while conn is not None and conn.poll():
+                latest = conn.recv()
+            return latest
+
+        class _Trainer(Trainer):
+            def saved(self, step: int, path: str, kind: str) -> None:
+                reporter.checkpoint(step, path, kind)
+
+        trainer = _Trainer(ctx, on_metrics=reporter.metric, updates=updates, should_stop=stop.is_set)
+        if rank == 0:
+            reporter.role(spec["node_id"], pb.ROLE_WORKER, index, pb.ROLE_STATE_SERVING)
+        trainer.run()
+        reporter.flush()
+        if rank == 0 and trainer.final_path:
+            reporter.complete(spec["node_id"], trainer.final_metrics, trainer.final_path)
+    except Exception as e:  # noqa: BLE001
+        log.error("worker %d rank %d failed:\n%s", index, rank, traceback.format_exc())
+        if not stop.is_set():
+            reporter.role(spec["node_id"], pb.ROLE_WORKER, index, pb.ROLE_STATE_FAILED,
+                          message=f"{type(e).__name__}: {e}", retry_s=10)
+        reporter.close()
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    reporter.close()

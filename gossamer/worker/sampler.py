@@ -1,0 +1,35 @@
+"""Which samples a worker trains on at each step: a pure function of (seed, epoch, step, membership)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _epoch_perm(n: int, seed: int, epoch: int, stream: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed((seed * 1_000_003 + stream * 10_007 + epoch) % (2**63))
+    return torch.randperm(n, generator=g)
+
+
+def even_split(items: torch.Tensor, parts: int, part: int) -> torch.Tensor:
+    """Part `part` of `parts` near-equal contiguous pieces (the first ones one longer)."""
+    n = items.numel()
+    base, extra = divmod(n, parts)
+    start = part * base + min(part, extra)
+    return items[start : start + base + (1 if part < extra else 0)]
+
+
+def sync_global_batch(n: int, global_batch: int, step: int, seed: int) -> torch.Tensor:
+    """Indices of the global batch at `step`: the same whatever the number of workers."""
+    per_epoch = n // global_batch
+    if per_epoch == 0:
+        raise ValueError(f"global batch {global_batch} is larger than the data set ({n})")
+    epoch, pos = divmod(step, per_epoch)
+    return _epoch_perm(n, seed, epoch)[pos * global_batch : (pos + 1) * global_batch]
+
+
+def async_batch(n: int, batch: int, step: int, seed: int, worker: int) -> torch.Tensor:
+    """Indices of worker `worker`'s own batch at its `step` (an independent stream per worker)."""
+    batch = min(batch, n)
+    per_epoch = n // batch
+    epoch, pos = divmod(step, per_epoch)
+    return _epoch_perm(n, seed, epoch, stream=worker + 1)[pos * batch : (pos + 1) * batch]

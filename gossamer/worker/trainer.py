@@ -1,0 +1,284 @@
+"""The training loop of one local rank: compute, all-reduce inside the node, exchange its slice with the shards."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gossamer._import_check import resolve
+from gossamer.checkpoint.manifest import save_model_checkpoint
+from gossamer.experiment import Experiment
+from gossamer.paramserver import ShardClient, ShardPlan, flatten_grads, unflatten_into
+from gossamer.worker import sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankContext:
+    """Where this rank sits: experiment, worker index, local rank, shard endpoints, lead flag."""
+
+    experiment_id: str
+    experiment: Experiment
+    node_id: str
+    worker_index: int
+    num_workers: int
+    endpoints: dict[int, str]
+    checkpoint_dir: str
+    lead: bool = False
+    local_rank: int = 0
+    local_world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    step_delay_s: float = 0.0  # injected slowness (GOSSAMER_FAULT=delay:...), for tests
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    samples: int = 0
+    loss: float = float("nan")
+    version: int = 0
+    samples_per_s: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+
+Hook = Callable[[int, dict[str, float]], None]
+
+
+def build(exp: Experiment, device: torch.device) -> tuple[nn.Module, Any, Any]:
+    """Model (seeded, so every process builds identical initial parameters) and (train, eval) data."""
+    torch.manual_seed(exp.seed)
+    model = resolve(exp.model)(**exp.model_args).to(device)  # type: ignore[operator]
+    train, evalset = resolve(exp.dataset)(**exp.dataset_args)  # type: ignore[operator]
+    return model, train, evalset
+
+
+def _stack(ds: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tensors = getattr(ds, "tensors", None)
+    if tensors is not None:  # TensorDataset: index all at once
+        return tensors[0][idx], tensors[1][idx]
+    items = [ds[int(i)] for i in idx]
+    return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.as_tensor([int(y) for _, y in items])
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, ds: Any, device: torch.device, batch: int = 1024) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) over a whole dataset."""
+    model.eval()
+    correct, loss, n = 0, 0.0, len(ds)
+    for start in range(0, n, batch):
+        x, y = _stack(ds, torch.arange(start, min(n, start + batch)))
+        out = model(x.to(device))
+        loss += F.cross_entropy(out, y.to(device), reduction="sum").item()
+        correct += (out.argmax(-1).cpu() == y).sum().item()
+    model.train()
+    return correct / max(1, n), loss / max(1, n)
+
+
+class Trainer:
+    """One local rank of a worker node.
+
+    Every step: pick this rank's samples, backprop sum(loss)/denominator, all-reduce the
+    gradient inside the node (gloo/NCCL), push this rank's chunks to their shards and get
+    the new values back, then re-assemble the full parameters inside the node.
+    """
+
+    def __init__(self, ctx: RankContext, *, on_metrics: Hook | None = None,
+                 updates: Callable[[], dict[str, Any] | None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> None:
+        self.ctx = ctx
+        self.exp = ctx.experiment
+        self.model, self.train_set, self.eval_set = build(self.exp, ctx.device)
+        self.plan = ShardPlan.for_module(self.model, self.exp.num_ps_shards, self.exp.chunk_numel)
+        self.mine = self.plan.chunks_of_rank(ctx.local_rank, ctx.local_world)
+        self.client = ShardClient(
+            experiment=ctx.experiment_id,
+            sender=f"{ctx.node_id}:{ctx.worker_index}",
+            plan=self.plan,
+            endpoints=ctx.endpoints,
+            chunks=[c.index for c in self.mine],
+        )
+        self.on_metrics = on_metrics or (lambda step, values: None)
+        self.updates = updates or (lambda: None)
+        self.should_stop = should_stop or (lambda: False)
+        self.flat = torch.zeros(self.plan.total_numel, dtype=torch.float32, device=ctx.device)
+        self.versions: dict[int, int] = {}
+        self.clock = 0
+        self.stats = StepStats()
+        self._last_eval = 0
+        self._last_ckpt = 0
+        self._ckpt_thread: threading.Thread | None = None
+        self.final_path = ""
+
+    # --- parameter exchange ------------------------------------------------------------
+    def _assemble(self, values: dict[int, torch.Tensor]) -> None:
+        """Make every local rank hold the full parameters, given this rank's fresh chunks."""
+        if self.ctx.local_world == 1:
+            self.plan.scatter(self.flat, values)
+        else:
+            buf = torch.zeros_like(self.flat)
+            self.plan.scatter(buf, {k: v.to(buf.device) for k, v in values.items()})
+            dist.all_reduce(buf)  # chunks are disjoint across ranks: the sum is a gather
+            self.flat = buf
+        unflatten_into(self.model, self.flat)
+
+    def pull(self) -> bool:
+        res = self.client.pull()
+        self.versions = res.versions
+        self._assemble(res.values)
+        return res.done
+
+    @property
+    def version(self) -> int:
+        return min(self.versions.values()) if self.versions else 0
+
+    # --- one step ----------------------------------------------------------------------
+    def _batch(self) -> tuple[torch.Tensor, int]:
+        n = len(self.train_set)
+        if self.exp.mode == "sync":
+            g = self.exp.effective_global_batch(self.ctx.num_workers)
+            idx = sampler.sync_global_batch(n, g, self.version, self.exp.seed)
+            idx = sampler.even_split(idx, self.ctx.num_workers, self.ctx.worker_index)
+            denom = g
+        else:
+            idx = sampler.async_batch(n, self.exp.batch_size, self.clock, self.exp.seed, self.ctx.worker_index)
+            denom = idx.numel()
+        return sampler.even_split(idx, self.ctx.local_world, self.ctx.local_rank), denom
+
+    def step(self) -> bool:
+        """One training step; True when the experiment has reached total_steps."""
+        idx, denom = self._batch()
+        x, y = _stack(self.train_set, idx)
+        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+        self.model.zero_grad(set_to_none=False)
+        loss_sum = F.cross_entropy(self.model(x), y, reduction="sum")
+        (loss_sum / denom).backward()
+        grad = flatten_grads(self.model)
+        node_samples = torch.tensor([float(idx.numel()), loss_sum.item()])
+        if self.ctx.local_world > 1:
+            dist.all_reduce(grad)
+            dist.all_reduce(node_samples)
+        if self.ctx.step_delay_s:
+            time.sleep(self.ctx.step_delay_s)
+        grads = {c.index: grad[c.flat_offset : c.flat_offset + c.numel].cpu() for c in self.mine}
+        sync = self.exp.mode == "sync"
+        res = self.client.push_pull(
+            grads,
+            clock=self.clock,
+            basis=self.versions,
+            step=self.version if sync else None,
+            num_workers=self.ctx.num_workers if sync else None,
+        )
+        self.versions = res.versions
+        self._assemble(res.values)
+        self.clock += 1
+        self.stats.steps += 1
+        self.stats.samples += int(node_samples[0].item())
+        self.stats.loss = node_samples[1].item() / max(1.0, node_samples[0].item())
+        return res.done
+
+    # --- whole run ---------------------------------------------------------------------
+    def run(self) -> None:
+        """Train until the shards report total_steps; the lead then evaluates and checkpoints."""
+        self.client.hello()
+        done = self.pull()
+        t_report, t0, samples0 = time.monotonic(), time.monotonic(), 0
+        while not done and not self.should_stop():
+            self._apply_updates()
+            done = self.step()
+            now = time.monotonic()
+            if now - t_report >= 1.0 or done:
+                rate = (self.stats.samples - samples0) / max(1e-9, now - t_report)
+                t_report, samples0 = now, self.stats.samples
+                self._report(rate)
+            self._maybe_eval_and_checkpoint()
+        if self._ckpt_thread is not None:
+            self._ckpt_thread.join()
+        if done:
+            self._apply_updates()
+            if self.ctx.lead:
+                self.pull()  # the final parameters, whoever pushed last
+                self.finish()
+        self.client.leave()
+        self.client.close()
+        log.info("worker %d rank %d finished after %d steps (%.1f s)", self.ctx.worker_index,
+                 self.ctx.local_rank, self.stats.steps, time.monotonic() - t0)
+
+    def _apply_updates(self) -> None:
+        upd = self.updates()
+        if upd:
+            self.ctx.lead = bool(upd.get("lead", self.ctx.lead))
+            self.ctx.num_workers = int(upd.get("num_workers", self.ctx.num_workers))
+
+    def _report(self, rate: float) -> None:
+        values = {
+            "bytes_up": float(self.client.bytes_up),
+            "bytes_down": float(self.client.bytes_down),
+        }
+        if self.ctx.local_rank == 0:
+            values.update(
+                loss=self.stats.loss, samples=float(self.stats.samples), samples_per_s=rate,
+                updates=float(self.stats.steps), version=float(self.version),
+            )
+        self.on_metrics(self.version, values)
+
+    def _maybe_eval_and_checkpoint(self) -> None:
+        if not self.ctx.lead or self.ctx.local_rank != 0:
+            return
+        v = self.version
+        every = self.exp.eval_every
+        if every and v // every > self._last_eval and v < self.exp.total_steps:
+            self._last_eval = v // every
+            acc, loss = evaluate(self.model, self.eval_set, self.ctx.device)
+            self.on_metrics(v, {"eval_accuracy": acc, "eval_loss": loss, "eval_step": float(v)})
+        ck = self.exp.checkpoint_every
+        if ck and v // ck > self._last_ckpt and v < self.exp.total_steps:
+            self._last_ckpt = v // ck
+            if self._ckpt_thread is None or not self._ckpt_thread.is_alive():
+                # Snapshot now, persist in the background: training does not wait for disk.
+                snapshot = {k: t.detach().cpu().clone() for k, t in self.model.state_dict().items()}
+                self._ckpt_thread = threading.Thread(
+                    target=self._save, args=(snapshot, v, "periodic"), daemon=True
+                )
+                self._ckpt_thread.start()
+
+    def checkpoint_path(self, label: str) -> Path:
+        return Path(self.ctx.checkpoint_dir) / self.ctx.experiment_id / label
+
+    def _save(self, state: dict[str, torch.Tensor], step: int, kind: str) -> str:
+        label = "final" if kind == "final" else f"step-{step:08d}"
+        path = save_model_checkpoint(
+            self.checkpoint_path(label), state,
+            {"experiment_id": self.ctx.experiment_id, "step": step, "kind": kind,
+             "experiment": self.exp.to_dict(), "torch": torch.__version__},
+        )
+        self.on_metrics(step, {"checkpoint_step": float(step)})
+        self.saved(step, str(path), kind)
+        return str(path)
+
+    def saved(self, step: int, path: str, kind: str) -> None:
+        """Hook: a checkpoint was written (the role process registers it with the coordinator)."""
+
+    def finish(self) -> None:
+        """Final eval and final checkpoint (lead, all local ranks hold the final parameters)."""
+        if self.ctx.local_rank != 0:
+            return
+        acc, loss = evaluate(self.model, self.eval_set, self.ctx.device)
+        v = self.version
+        self.on_metrics(v, {"eval_accuracy": acc, "eval_loss": loss, "eval_step": float(v)})
+        self.final_path = self._save(
+            {k: t.detach().cpu().clone() for k, t in self.model.state_dict().items()}, v, "final"
+        )
+        self.final_metrics = {"eval_accuracy": acc, "eval_loss": loss, "steps": float(v)}
+        log.info("final: step %d eval accuracy %.4f loss %.4f -> %s", v, acc, loss, self.final_path)

@@ -1,0 +1,32 @@
+"""Parameter server: shard plan, shard server, client (push/pull), consistency, optimizers."""
+
+from __future__ import annotations
+
+from gossamer.paramserver.client import PullResult, ShardClient
+from gossamer.paramserver.consistency import ApplyRecord, SSPGate, lr_factor
+from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer
+from gossamer.paramserver.shard import ShardConfig, ShardServer
+from gossamer.paramserver.shard_plan import (
+    Chunk,
+    ShardPlan,
+    flatten_grads,
+    flatten_params,
+    unflatten_into,
+)
+
+__all__ = [
+    "ApplyRecord",
+    "Chunk",
+    "OptimizerConfig",
+    "PullResult",
+    "SSPGate",
+    "ShardClient",
+    "ShardConfig",
+    "ShardPlan",
+    "ShardServer",
+    "build_optimizer",
+    "flatten_grads",
+    "flatten_params",
+    "lr_factor",
+    "unflatten_into",
+]

@@ -1,0 +1,251 @@
+"""Worker side of the parameter server: push gradients and pull parameters over DEALER sockets."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from gossamer.errors import ConfigError, ProtocolError, ShardError, UnavailableError
+from gossamer.paramserver.shard import chunk_key, parse_chunk_key
+from gossamer.paramserver.shard_plan import ShardPlan
+from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
+
+__all__ = ["PullResult", "ShardClient"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PullResult:
+    """Parameters returned by a pull or push: chunk values by index, shard versions."""
+
+    versions: dict[int, int]
+    values: dict[int, torch.Tensor]
+    done: bool
+    staleness: dict[int, int] = field(default_factory=dict)
+
+
+class ShardClient:
+    """Talks to the shards owning `chunks` (default: all chunks) for one sender id.
+
+    Several local ranks of one worker use the same `sender` with disjoint `chunks`; a shard
+    applies the worker's update once it has every chunk. Requests to different shards are
+    sent first and collected after, so shards work in parallel. Gradient tensors handed to
+    `push_pull` are sent zero-copy; they are not read any more once it returns.
+    """
+
+    def __init__(
+        self,
+        *,
+        experiment: str,
+        sender: str,
+        plan: ShardPlan,
+        endpoints: dict[int, str],
+        chunks: list[int] | None = None,
+        timeout_s: float = 60.0,
+        context: zmq.Context | None = None,
+        limits: FrameLimits | None = None,
+    ) -> None:
+        if not sender:
+            raise ConfigError("sender", "must be a non-empty string")
+        if timeout_s <= 0:
+            raise ConfigError("timeout_s", f"must be > 0, got {timeout_s!r}")
+        self.experiment = experiment
+        self.sender = sender
+        self.plan = plan
+        self.timeout_s = timeout_s
+        self.limits = limits or FrameLimits()
+        indices = sorted(c.index for c in plan.chunks) if chunks is None else sorted(chunks)
+        self._by_shard: dict[int, list[int]] = {}
+        for idx in indices:
+            if not 0 <= idx < len(plan.chunks):
+                raise ConfigError("chunks", f"chunk {idx} is not in the plan")
+            self._by_shard.setdefault(plan.chunks[idx].shard, []).append(idx)
+        missing = sorted(set(self._by_shard) - set(endpoints))
+        if missing:
+            raise ConfigError("endpoints", f"no endpoint for shards {missing}")
+        self._endpoints = {s: endpoints[s] for s in self._by_shard}
+        self._own_context = context is None
+        self._ctx = context if context is not None else zmq.Context()
+        self._socks: dict[int, zmq.Socket] = {s: self._connect(s) for s in self._endpoints}
+        self._rid = 0
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.messages = 0
+
+    @property
+    def shards(self) -> list[int]:
+        """The shards this client talks to."""
+        return sorted(self._by_shard)
+
+    def chunks_of_shard(self, shard: int) -> list[int]:
+        return list(self._by_shard.get(shard, []))
+
+    # -- API --------------------------------------------------------------------------
+    def hello(self) -> None:
+        """Register this sender as an active worker on every involved shard."""
+        self._request({s: self._msg("HELLO", s) for s in self.shards})
+
+    def pull(self) -> PullResult:
+        """Current values of this client's chunks."""
+        reqs = {s: self._msg("PULL", s, {"chunks": self._by_shard[s]}) for s in self.shards}
+        return self._result(self._request(reqs))
+
+    def push_pull(
+        self,
+        grads: dict[int, torch.Tensor],
+        *,
+        clock: int,
+        basis: dict[int, int],
+        step: int | None = None,
+        num_workers: int | None = None,
+    ) -> PullResult:
+        """Push gradients (by chunk index) and return the new values of those chunks.
+
+        `basis` maps shard -> the version the gradients were computed on; in sync mode pass
+        `step` and `num_workers`.
+
+        Raises:
+            ShardError: a shard rejected the push (nothing of it was applied there).
+            UnavailableError: a shard did not answer within `timeout_s`.
+        """
+        per_shard: dict[int, dict[str, torch.Tensor]] = {}
+        for idx, g in grads.items():
+            c = self.plan.chunks[idx]
+            t = g.detach().reshape(-1)
+            if t.dtype != torch.float32:
+                t = t.float()
+            per_shard.setdefault(c.shard, {})[chunk_key(idx)] = t
+        reqs: dict[int, Message] = {}
+        for s, tensors in per_shard.items():
+            if s not in self._socks:
+                raise ConfigError("grads", f"chunks of shard {s} are not this client's")
+            meta: dict[str, Any] = {"clock": clock, "basis": basis.get(s, 0)}
+            if step is not None:
+                meta["step"] = step
+                meta["num_workers"] = num_workers if num_workers is not None else 1
+            reqs[s] = self._msg("PUSH", s, meta, tensors)
+        return self._result(self._request(reqs))
+
+    def stats(self, shard: int) -> dict[str, Any]:
+        """The STATS reply of `shard` (histogram keys as ints)."""
+        if shard not in self._socks:
+            self._socks[shard] = self._connect(shard)
+        meta = dict(self._request({shard: self._msg("STATS", shard)})[shard].meta)
+        meta.pop("rid", None)
+        for key in ("staleness", "version_staleness"):
+            meta[key] = {int(k): v for k, v in meta.get(key, {}).items()}
+        return meta
+
+    def leave(self) -> None:
+        """Leave the active set of every involved shard (releases SSP waits on us)."""
+        self._request({s: self._msg("LEAVE", s) for s in self.shards})
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()
+        if self._own_context:
+            self._ctx.term()
+
+    def __enter__(self) -> ShardClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing ---------------------------------------------------------------------
+    def _connect(self, shard: int) -> zmq.Socket:
+        endpoint = self._endpoints.get(shard)
+        if endpoint is None:
+            raise ConfigError("endpoints", f"no endpoint for shard {shard}")
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        sock.connect(endpoint)
+        return sock
+
+    def _msg(
+        self,
+        op: str,
+        shard: int,
+        meta: dict[str, Any] | None = None,
+        tensors: dict[str, torch.Tensor] | None = None,
+    ) -> Message:
+        self._rid += 1
+        return Message(
+            op=op,
+            experiment=self.experiment,
+            shard=shard,
+            sender=self.sender,
+            meta={**(meta or {}), "rid": self._rid},
+            tensors=tensors or {},
+        )
+
+    def _request(self, reqs: dict[int, Message]) -> dict[int, Message]:
+        waiting: dict[zmq.Socket, tuple[int, Any]] = {}
+        for s, msg in reqs.items():
+            frames = encode(msg)
+            self.bytes_up += frames_nbytes(frames)
+            self.messages += 1
+            self._socks[s].send_multipart(frames, copy=False)
+            waiting[self._socks[s]] = (s, msg.meta["rid"])
+        replies: dict[int, Message] = {}
+        poller = zmq.Poller()
+        for sock in waiting:
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout_s
+        while waiting:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                lost = sorted(s for s, _ in waiting.values())
+                for s in lost:  # a late reply must not be read as the next request's
+                    self._socks[s].close(linger=0)
+                    self._socks[s] = self._connect(s)
+                raise UnavailableError(
+                    f"shards {lost} did not answer within {self.timeout_s:.1f}s"
+                )
+            for sock, _ in poller.poll(left_ms):
+                s, rid = waiting[sock]
+                frames = sock.recv_multipart(copy=False)
+                self.bytes_down += frames_nbytes(frames)
+                try:
+                    reply = decode(frames, self.limits)
+                except ProtocolError as e:
+                    raise ShardError(f"shard {s} sent an undecodable reply: {e}") from e
+                if reply.meta.get("rid") != rid:
+                    logger.warning("dropped a stale reply from shard %d (rid %r)", s,
+                                   reply.meta.get("rid"))
+                    continue
+                replies[s] = reply
+                poller.unregister(sock)
+                del waiting[sock]
+        errors = [
+            f"shard {s}: {r.meta.get('error', '?')} ({r.meta.get('code', '?')})"
+            for s, r in sorted(replies.items())
+            if r.op == "ERROR"
+        ]
+        if errors:
+            raise ShardError("; ".join(errors))
+        return replies
+
+    def _result(self, replies: dict[int, Message]) -> PullResult:
+        values: dict[int, torch.Tensor] = {}
+        versions: dict[int, int] = {}
+        staleness: dict[int, int] = {}
+        done = False
+        for s, reply in replies.items():
+            versions[s] = reply.version
+            done = done or bool(reply.meta.get("done", False))
+            if "staleness" in reply.meta:
+                staleness[s] = int(reply.meta["staleness"])
+            for name, t in reply.tensors.items():
+                values[parse_chunk_key(name)] = t
+        return PullResult(versions=versions, values=values, done=done, staleness=staleness)

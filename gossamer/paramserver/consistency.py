@@ -1,0 +1,201 @@
+"""Stale-synchronous-parallel bookkeeping of one shard: worker clocks, held replies, staleness.
+
+SSP (Ho et al. 2013, "More Effective Distributed ML via a Stale Synchronous Parallel
+Parameter Server") lets the fastest worker run at most `staleness` updates ahead of the
+slowest active one: after applying worker w's update, w's reply (its next parameters) is
+held back while ``clock[w] - min(active clocks) > staleness``. ``staleness=None`` is fully
+asynchronous (nothing is ever held); ``staleness=0`` is lock-step.
+
+Staleness-aware learning rate (Zhang et al. 2016, "Staleness-aware Async-SGD for
+Distributed Deep Learning", arXiv:1511.05950): an update computed on parameters
+`version_staleness` versions old is applied with ``lr / max(1, version_staleness)``.
+
+This module is pure logic (time is passed in), so it is unit-tested without sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from gossamer.errors import ConfigError
+
+__all__ = ["ApplyRecord", "SSPGate", "lr_factor"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def lr_factor(version_staleness: int) -> float:
+    """The staleness-aware lr multiplier 1/max(1, tau) of arXiv:1511.05950."""
+    return 1.0 / max(1, version_staleness)
+
+
+@dataclass(frozen=True)
+class ApplyRecord:
+    """What the gate recorded about one applied update."""
+
+    lead: int
+    version_staleness: int
+    lr_factor: float
+
+
+@dataclass
+class _Worker:
+    clock: int
+    last_seen: float
+    held: list[tuple[Any, float]] = field(default_factory=list)
+
+
+class SSPGate(Generic[T]):
+    """Clock table of the active workers of one shard, and the replies held for SSP.
+
+    A worker's clock counts its updates applied on this shard; a worker joining late starts
+    level with the slowest active worker, so it neither stalls the others nor runs ahead.
+    Workers that sent nothing for `worker_timeout_s` (and are not waiting on a held reply)
+    drop out of the active set, which releases whoever waited on them.
+    """
+
+    def __init__(
+        self,
+        staleness: int | None,
+        *,
+        lr_staleness_scaling: bool = False,
+        worker_timeout_s: float = 30.0,
+    ) -> None:
+        if staleness is not None and (
+            not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0
+        ):
+            raise ConfigError("staleness", f"must be an int >= 0 or None, got {staleness!r}")
+        if worker_timeout_s <= 0:
+            raise ConfigError("worker_timeout_s", f"must be > 0, got {worker_timeout_s!r}")
+        self.staleness = staleness
+        self.lr_staleness_scaling = lr_staleness_scaling
+        self.worker_timeout_s = worker_timeout_s
+        self._workers: dict[str, _Worker] = {}
+        self._departed: dict[str, int] = {}
+        self.lead_histogram: Counter[int] = Counter()
+        self.version_staleness_histogram: Counter[int] = Counter()
+        self.waits: Counter[str] = Counter()
+        self.wait_seconds: Counter[str] = Counter()
+
+    # -- membership -------------------------------------------------------------------
+    @property
+    def active(self) -> list[str]:
+        return sorted(self._workers)
+
+    def min_clock(self) -> int | None:
+        return min((w.clock for w in self._workers.values()), default=None)
+
+    def clock(self, worker: str) -> int | None:
+        w = self._workers.get(worker)
+        return None if w is None else w.clock
+
+    def join(self, worker: str, now: float) -> None:
+        """Register `worker` as active (idempotent; also refreshes its last-seen time)."""
+        w = self._workers.get(worker)
+        if w is not None:
+            w.last_seen = now
+            return
+        floor = self.min_clock() or 0
+        clock = max(self._departed.pop(worker, 0), floor)
+        self._workers[worker] = _Worker(clock=clock, last_seen=now)
+        logger.debug("worker %s joined at clock %d", worker, clock)
+
+    def touch(self, worker: str, now: float) -> None:
+        w = self._workers.get(worker)
+        if w is None:
+            self.join(worker, now)
+        else:
+            w.last_seen = now
+
+    def leave(self, worker: str, now: float) -> list[tuple[str, T]]:
+        """Remove `worker`; returns its own held replies and any replies this releases."""
+        w = self._workers.pop(worker, None)
+        if w is None:
+            return []
+        self._departed[worker] = w.clock
+        out = [(worker, item) for item, _ in w.held]
+        if w.held:
+            self._count_wait(worker, now - min(since for _, since in w.held))
+        return out + self.release(now)
+
+    def expire(self, now: float) -> tuple[list[str], list[tuple[str, T]]]:
+        """Drop workers silent for longer than the timeout; returns (dropped, released)."""
+        dead = [
+            name
+            for name, w in self._workers.items()
+            if not w.held and now - w.last_seen > self.worker_timeout_s
+        ]
+        released: list[tuple[str, T]] = []
+        for name in dead:
+            logger.info("worker %s timed out of the active set", name)
+            released.extend(self.leave(name, now))
+        return dead, released
+
+    # -- updates ----------------------------------------------------------------------
+    def on_apply(self, worker: str, *, version: int, basis: int, now: float) -> ApplyRecord:
+        """Record an applied update of `worker` (computed on `basis`, applied at `version`).
+
+        Returns the lead over the slowest active worker, the version staleness and the lr
+        factor to use (1.0 unless `lr_staleness_scaling`). Advances the worker's clock.
+        """
+        self.touch(worker, now)
+        w = self._workers[worker]
+        slowest = self.min_clock()
+        lead = w.clock - (slowest if slowest is not None else w.clock)
+        vs = max(0, version - basis)
+        self.lead_histogram[lead] += 1
+        self.version_staleness_histogram[vs] += 1
+        w.clock += 1
+        factor = lr_factor(vs) if self.lr_staleness_scaling else 1.0
+        return ApplyRecord(lead=lead, version_staleness=vs, lr_factor=factor)
+
+    def must_wait(self, worker: str) -> bool:
+        """True while `worker` is more than `staleness` clocks ahead of the slowest."""
+        if self.staleness is None:
+            return False
+        w = self._workers.get(worker)
+        slowest = self.min_clock()
+        if w is None or slowest is None:
+            return False
+        return w.clock - slowest > self.staleness
+
+    def hold(self, worker: str, item: T, now: float) -> None:
+        """Keep `item` (a reply) until `must_wait(worker)` turns false."""
+        self._workers[worker].held.append((item, now))
+
+    def release(self, now: float) -> list[tuple[str, T]]:
+        """Pop every held item whose worker may proceed now."""
+        out: list[tuple[str, T]] = []
+        for name, w in self._workers.items():
+            if w.held and not self.must_wait(name):
+                out.extend((name, item) for item, _ in w.held)
+                # The parts of one multi-part update are one wait.
+                self._count_wait(name, now - min(since for _, since in w.held))
+                w.held = []
+                w.last_seen = now
+        return out
+
+    def held_count(self) -> int:
+        return sum(len(w.held) for w in self._workers.values())
+
+    def _count_wait(self, worker: str, seconds: float) -> None:
+        self.waits[worker] += 1
+        self.wait_seconds[worker] += max(0.0, seconds)
+
+    def stats(self) -> dict[str, Any]:
+        """Histograms and wait counters (string keys, so they travel as msgpack maps)."""
+        return {
+            "staleness": {str(k): v for k, v in sorted(self.lead_histogram.items())},
+            "version_staleness": {
+                str(k): v for k, v in sorted(self.version_staleness_histogram.items())
+            },
+            "waits": dict(self.waits),
+            "wait_seconds": {k: round(v, 6) for k, v in self.wait_seconds.items()},
+            "clocks": {k: w.clock for k, w in sorted(self._workers.items())},
+            "active": self.active,
+        }

@@ -1,0 +1,547 @@
+"""One parameter-server shard: a ZMQ ROUTER loop that validates pushes, applies them, replies."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from gossamer.errors import ConfigError, ProtocolError
+from gossamer.paramserver.consistency import SSPGate
+from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer, set_lr_factor
+from gossamer.paramserver.shard_plan import ShardPlan
+from gossamer.transport.frames import (
+    FrameLimits,
+    Message,
+    check_finite,
+    decode,
+    encode,
+    frames_nbytes,
+)
+
+__all__ = ["ShardConfig", "ShardServer", "chunk_key", "parse_chunk_key"]
+
+logger = logging.getLogger(__name__)
+
+_MODES = ("sync", "async")
+_POLL_MS = 50
+_EXPIRE_EVERY_S = 0.5
+
+
+def chunk_key(index: int) -> str:
+    """The tensor name chunk `index` travels under."""
+    return f"c{index}"
+
+
+def parse_chunk_key(name: str) -> int:
+    """Inverse of `chunk_key`; raises ProtocolError for any other name."""
+    if len(name) < 2 or name[0] != "c" or not name[1:].isdigit() or len(name) > 12:
+        raise ProtocolError(f"tensor name {name!r} is not a chunk key like 'c12'")
+    return int(name[1:])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardConfig:
+    """Settings of one shard server."""
+
+    experiment: str
+    shard: int
+    mode: str
+    staleness: int | None
+    optimizer: OptimizerConfig
+    total_steps: int
+    lr_staleness_scaling: bool = False
+    worker_timeout_s: float = 30.0
+    limits: FrameLimits = field(default_factory=FrameLimits)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.experiment, str) or not self.experiment:
+            raise ConfigError("experiment", "must be a non-empty string")
+        if not isinstance(self.shard, int) or self.shard < 0:
+            raise ConfigError("shard", f"must be an int >= 0, got {self.shard!r}")
+        if self.mode not in _MODES:
+            raise ConfigError("mode", f"must be one of {_MODES}, got {self.mode!r}")
+        if self.staleness is not None and (
+            not isinstance(self.staleness, int)
+            or isinstance(self.staleness, bool)
+            or self.staleness < 0
+        ):
+            raise ConfigError("staleness", f"must be an int >= 0 or None, got {self.staleness!r}")
+        if not isinstance(self.optimizer, OptimizerConfig):
+            raise ConfigError("optimizer", "must be an OptimizerConfig")
+        if not isinstance(self.total_steps, int) or self.total_steps < 0:
+            raise ConfigError("total_steps", f"must be an int >= 0, got {self.total_steps!r}")
+        if not self.worker_timeout_s > 0:
+            raise ConfigError("worker_timeout_s", f"must be > 0, got {self.worker_timeout_s!r}")
+        if not isinstance(self.limits, FrameLimits):
+            raise ConfigError("limits", "must be a FrameLimits")
+
+
+class _Reject(Exception):
+    """A request that gets an ERROR reply; nothing of it is applied."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Part:
+    """One PUSH message of an update (a local rank's slice)."""
+
+    identity: bytes
+    rid: Any
+    basis: int
+    grads: dict[int, torch.Tensor]
+
+
+@dataclass
+class _Update:
+    """The parts received so far of one worker's update for one clock (or step)."""
+
+    sender: str
+    parts: list[_Part] = field(default_factory=list)
+    covered: set[int] = field(default_factory=set)
+
+
+class ShardServer:
+    """Holds this shard's chunks and optimizer state; serves HELLO/PULL/PUSH/STATS/LEAVE.
+
+    The serve loop is single-threaded; `stats`, `state_dict` and `values` may be called from
+    other threads (they take the same lock as updates).
+    """
+
+    def __init__(self, config: ShardConfig, plan: ShardPlan, init: dict[int, torch.Tensor]) -> None:
+        if config.shard >= plan.num_shards:
+            raise ConfigError("shard", f"shard {config.shard} not in a plan of {plan.num_shards}")
+        self.config = config
+        self.plan = plan
+        self._chunks = {c.index: c for c in plan.chunks_of_shard(config.shard)}
+        if set(init) != set(self._chunks):
+            raise ConfigError(
+                "init", f"needs exactly chunks {sorted(self._chunks)}, got {sorted(init)}"
+            )
+        self._params: dict[int, torch.Tensor] = {}
+        for idx, c in sorted(self._chunks.items()):
+            value = init[idx].detach().reshape(-1).to(torch.float32).clone()
+            if value.numel() != c.numel:
+                raise ConfigError("init", f"chunk {idx} has {value.numel()} elements, not {c.numel}")
+            self._params[idx] = value
+        self._optimizer = build_optimizer(config.optimizer, list(self._params.values()))
+        self._gate: SSPGate[tuple[bytes, Any, list[int]]] = SSPGate(
+            config.staleness if config.mode == "async" else None,
+            lr_staleness_scaling=config.lr_staleness_scaling,
+            worker_timeout_s=config.worker_timeout_s,
+        )
+        self._version = 0
+        self._pending: dict[tuple[str, int], _Update] = {}
+        self._sync_step: dict[str, _Update] = {}
+        self._sync_num_workers: int | None = None
+        self._lock = threading.Lock()
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.endpoint = ""
+        self.updates = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.errors = 0
+        self.dropped = 0
+
+    # -- lifecycle --------------------------------------------------------------------
+    def bind(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Bind the ROUTER socket; returns ``tcp://host:port`` (the real port if 0)."""
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if port == 0:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            sock.bind(f"tcp://{host}:{port}")
+        self._sock = sock
+        self.endpoint = f"tcp://{host}:{port}"
+        logger.info(
+            "shard %d of %r serving %d chunks at %s",
+            self.config.shard,
+            self.config.experiment,
+            len(self._chunks),
+            self.endpoint,
+        )
+        return self.endpoint
+
+    def start(self) -> threading.Thread:
+        """Run `serve` in a daemon thread (binding to a random loopback port if needed)."""
+        if self._sock is None:
+            self.bind()
+        self._thread = threading.Thread(
+            target=self.serve, args=(self._stop,), name=f"shard-{self.config.shard}", daemon=True
+        )
+        self._thread.start()
+        return self._thread
+
+    def close(self) -> None:
+        """Stop the loop (if started here) and close the socket."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def serve(self, stop: threading.Event) -> None:
+        """The single-threaded poll loop; returns when `stop` is set."""
+        sock = self._sock
+        if sock is None:
+            raise RuntimeError("bind() before serve()")
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        next_expire = time.monotonic() + _EXPIRE_EVERY_S
+        while not stop.is_set():
+            if poller.poll(_POLL_MS):
+                for _ in range(256):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_frames(frames)
+            now = time.monotonic()
+            if now >= next_expire:
+                next_expire = now + _EXPIRE_EVERY_S
+                with self._lock:
+                    _, released = self._gate.expire(now)
+                    self._send_released(released)
+
+    # -- state ------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def done(self) -> bool:
+        return self._version >= self.config.total_steps
+
+    def values(self) -> dict[int, torch.Tensor]:
+        """Copies of this shard's chunk values, by chunk index."""
+        with self._lock:
+            return {idx: p.clone() for idx, p in self._params.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Chunk values, optimizer state and version, for checkpointing."""
+        with self._lock:
+            return {
+                "experiment": self.config.experiment,
+                "shard": self.config.shard,
+                "plan_fingerprint": self.plan.fingerprint(),
+                "version": self._version,
+                "values": {idx: p.clone() for idx, p in self._params.items()},
+                "optimizer": _clone_state(self._optimizer.state_dict()),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (same plan and shard)."""
+        if state.get("plan_fingerprint") != self.plan.fingerprint():
+            raise ConfigError("plan", "checkpoint was taken with a different shard plan")
+        with self._lock:
+            for idx, p in self._params.items():
+                p.copy_(state["values"][idx])
+            self._optimizer.load_state_dict(state["optimizer"])
+            self._version = int(state["version"])
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and histograms (the STATS reply's meta)."""
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
+        gate = self._gate.stats()
+        return {
+            "experiment": self.config.experiment,
+            "shard": self.config.shard,
+            "mode": self.config.mode,
+            "version": self._version,
+            "done": self.done,
+            "updates": self.updates,
+            "staleness": gate["staleness"],
+            "version_staleness": gate["version_staleness"],
+            "waits": gate["waits"],
+            "wait_seconds": gate["wait_seconds"],
+            "clocks": gate["clocks"],
+            "active": gate["active"],
+            "held": self._gate.held_count(),
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "errors": self.errors,
+            "dropped": self.dropped,
+        }
+
+    # -- request handling -------------------------------------------------------------
+    def _on_frames(self, frames: Sequence[zmq.Frame]) -> None:
+        if len(frames) < 2 or len(frames[0].buffer) == 0:
+            self.dropped += 1
+            logger.warning("shard %d: dropped a message without a routable identity", self.config.shard)
+            return
+        identity = frames[0].bytes
+        payload = frames[1:]
+        self.bytes_in += frames_nbytes(payload)
+        rid: Any = None
+        try:
+            msg = decode(payload, self.config.limits)
+            rid = msg.meta.get("rid")
+            with self._lock:
+                self._dispatch(identity, msg)
+        except ProtocolError as e:
+            self._reply_error(identity, rid, str(e), "INVALID_ARGUMENT")
+        except _Reject as e:
+            self._reply_error(identity, rid, str(e), e.code)
+        except Exception as e:  # keep serving whatever one request did
+            logger.exception("shard %d: internal error handling a request", self.config.shard)
+            self._reply_error(identity, rid, f"internal error: {type(e).__name__}: {e}", "INTERNAL")
+
+    def _dispatch(self, identity: bytes, msg: Message) -> None:
+        if msg.experiment != self.config.experiment:
+            raise _Reject(
+                f"experiment {msg.experiment!r} does not match this shard's "
+                f"{self.config.experiment!r}",
+                "FAILED_PRECONDITION",
+            )
+        if msg.shard != self.config.shard:
+            raise _Reject(f"message for shard {msg.shard} reached shard {self.config.shard}")
+        now = time.monotonic()
+        rid = msg.meta.get("rid")
+        if msg.op == "HELLO":
+            self._gate.join(msg.sender or identity.hex(), now)
+            self._reply(identity, "WELCOME", {"rid": rid, "done": self.done,
+                                               "plan": self.plan.fingerprint()})
+        elif msg.op == "PULL":
+            if msg.sender:
+                self._gate.touch(msg.sender, now)
+            self._reply_params(identity, rid, self._pull_chunks(msg), {})
+        elif msg.op == "PUSH":
+            self._on_push(identity, msg, now)
+        elif msg.op == "STATS":
+            self._reply(identity, "STATS", {"rid": rid, **self._stats()})
+        elif msg.op == "LEAVE":
+            released = self._gate.leave(msg.sender, now)
+            self._send_released(released)
+            self._reply(identity, "BYE", {"rid": rid})
+        else:
+            raise _Reject(f"unknown op {msg.op!r}", "UNIMPLEMENTED")
+
+    def _pull_chunks(self, msg: Message) -> list[int]:
+        if msg.tensors:
+            raise _Reject("PULL carries no tensors")
+        chunks = msg.meta.get("chunks")
+        if chunks is None:
+            return sorted(self._chunks)
+        if not isinstance(chunks, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in chunks
+        ):
+            raise _Reject("PULL meta 'chunks' must be a list of ints")
+        unknown = [i for i in chunks if i not in self._chunks]
+        if unknown:
+            raise _Reject(f"chunks {unknown[:8]} are not on shard {self.config.shard}", "NOT_FOUND")
+        return list(chunks)
+
+    def _meta_int(self, msg: Message, key: str, minimum: int = 0) -> int:
+        value = msg.meta.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise _Reject(f"PUSH meta {key!r} must be an int >= {minimum}, got {value!r}")
+        return value
+
+    def _validate_grads(self, msg: Message) -> dict[int, torch.Tensor]:
+        if not msg.tensors:
+            raise _Reject("PUSH carries no gradients")
+        grads: dict[int, torch.Tensor] = {}
+        for name, t in msg.tensors.items():
+            idx = parse_chunk_key(name)
+            c = self._chunks.get(idx)
+            if c is None:
+                raise _Reject(f"chunk {idx} is not on shard {self.config.shard}", "NOT_FOUND")
+            if t.dtype != torch.float32:
+                raise _Reject(f"gradient {name!r} must be float32, got {t.dtype}")
+            if tuple(t.shape) != (c.numel,):
+                raise _Reject(f"gradient {name!r} must have shape [{c.numel}], got {list(t.shape)}")
+            grads[idx] = t
+        check_finite(msg)
+        return grads
+
+    def _on_push(self, identity: bytes, msg: Message, now: float) -> None:
+        rid = msg.meta.get("rid")
+        clock = self._meta_int(msg, "clock")
+        basis = self._meta_int(msg, "basis")
+        sync = self.config.mode == "sync"
+        step = num_workers = 0
+        if sync:
+            step = self._meta_int(msg, "step")
+            num_workers = self._meta_int(msg, "num_workers", 1)
+        sender = msg.sender
+        if not sender:
+            raise _Reject("PUSH needs a sender id")
+        key = (sender, step if sync else clock)
+        try:
+            grads = self._validate_grads(msg)
+        except (_Reject, ProtocolError) as e:
+            # One bad part spoils the whole update: never apply the other parts alone.
+            self._abort(key, f"another part was rejected: {e}")
+            raise
+        self._gate.touch(sender, now)
+        if self.done:
+            self._reply_params(identity, rid, sorted(grads), {"staleness": 0})
+            return
+        if sync and step != self._version:
+            raise _Reject(
+                f"sync push for step {step} but the shard is at step {self._version}",
+                "FAILED_PRECONDITION",
+            )
+        update = self._pending.get(key)
+        if update is None:
+            update = self._pending[key] = _Update(sender=sender)
+        overlap = update.covered.intersection(grads)
+        if overlap:
+            # A duplicated chunk means the update is inconsistent: drop all of it.
+            self._abort(key, f"chunks {sorted(overlap)[:8]} pushed twice for one update")
+            raise _Reject(f"chunks {sorted(overlap)[:8]} pushed twice for one update")
+        update.parts.append(_Part(identity=identity, rid=rid, basis=basis, grads=grads))
+        update.covered.update(grads)
+        if len(update.covered) < len(self._chunks):
+            return
+        del self._pending[key]
+        if sync:
+            self._on_sync_contribution(update, num_workers, now)
+        else:
+            self._apply_async(update, now)
+
+    def _abort(self, key: tuple[str, int], reason: str) -> None:
+        update = self._pending.pop(key, None)
+        if update is None:
+            return
+        for part in update.parts:
+            self._reply_error(part.identity, part.rid, f"update aborted: {reason}", "ABORTED")
+
+    def _apply(self, grads: dict[int, torch.Tensor], lr_factor: float) -> None:
+        for idx, p in self._params.items():
+            p.grad = grads[idx]
+        set_lr_factor(self._optimizer, self.config.optimizer.lr, lr_factor)
+        self._optimizer.step()
+        for p in self._params.values():
+            p.grad = None
+        self._version += 1
+        self.updates += 1
+
+    def _apply_async(self, update: _Update, now: float) -> None:
+        basis = min(p.basis for p in update.parts)
+        record = self._gate.on_apply(update.sender, version=self._version, basis=basis, now=now)
+        grads: dict[int, torch.Tensor] = {}
+        for part in update.parts:
+            grads.update(part.grads)
+        self._apply(grads, record.lr_factor)
+        extra = {"staleness": record.version_staleness, "lead": record.lead}
+        if self._gate.must_wait(update.sender):
+            for part in update.parts:
+                self._gate.hold(update.sender, (part.identity, part.rid, sorted(part.grads)), now)
+        else:
+            for part in update.parts:
+                self._reply_params(part.identity, part.rid, sorted(part.grads), extra)
+        self._send_released(self._gate.release(now))
+
+    def _on_sync_contribution(self, update: _Update, num_workers: int, now: float) -> None:
+        if self._sync_num_workers is None:
+            self._sync_num_workers = num_workers
+        if num_workers != self._sync_num_workers or update.sender in self._sync_step:
+            reason = (
+                f"{update.sender!r} already contributed to step {self._version}"
+                if update.sender in self._sync_step
+                else f"num_workers {num_workers} != {self._sync_num_workers} for this step"
+            )
+            for part in update.parts:
+                self._reply_error(part.identity, part.rid, reason, "FAILED_PRECONDITION")
+            return
+        self._sync_step[update.sender] = update
+        if len(self._sync_step) < num_workers:
+            return
+        contributions = [self._sync_step[s] for s in sorted(self._sync_step)]
+        self._sync_step = {}
+        self._sync_num_workers = None
+        summed: dict[int, torch.Tensor] = {}
+        for contrib in contributions:  # a fixed order (by sender) keeps the sum deterministic
+            for part in contrib.parts:
+                for idx, g in part.grads.items():
+                    if idx in summed:
+                        summed[idx].add_(g)
+                    else:
+                        summed[idx] = g.clone()
+            self._gate.on_apply(contrib.sender, version=self._version, basis=self._version, now=now)
+        self._apply(summed, 1.0)
+        for contrib in contributions:
+            for part in contrib.parts:
+                self._reply_params(part.identity, part.rid, sorted(part.grads), {"staleness": 0})
+
+    # -- replies ----------------------------------------------------------------------
+    def _send_released(self, released: list[tuple[str, tuple[bytes, Any, list[int]]]]) -> None:
+        for _, (identity, rid, chunks) in released:
+            self._reply_params(identity, rid, chunks, {"staleness": 0})
+
+    def _reply_params(
+        self, identity: bytes, rid: Any, chunks: list[int], extra: dict[str, Any]
+    ) -> None:
+        # Clones: the send is zero-copy and the next update mutates the parameters.
+        tensors = {f"c{idx}": self._params[idx].clone() for idx in chunks}
+        self._reply(identity, "PARAMS", {"rid": rid, "done": self.done, **extra}, tensors)
+
+    def _reply(
+        self,
+        identity: bytes,
+        op: str,
+        meta: dict[str, Any],
+        tensors: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        msg = Message(
+            op=op,
+            experiment=self.config.experiment,
+            shard=self.config.shard,
+            version=self._version,
+            sender=f"shard-{self.config.shard}",
+            meta=meta,
+            tensors=tensors or {},
+        )
+        frames = encode(msg)
+        self.bytes_out += frames_nbytes(frames)
+        assert self._sock is not None
+        self._sock.send_multipart([identity, *frames], copy=False)
+
+    def _reply_error(self, identity: bytes, rid: Any, message: str, code: str) -> None:
+        self.errors += 1
+        logger.warning("shard %d: rejected a request: %s (%s)", self.config.shard, message, code)
+        if not isinstance(rid, int | str | None) or isinstance(rid, bool):
+            rid = None
+        try:
+            self._reply(identity, "ERROR", {"rid": rid, "error": message, "code": code})
+        except zmq.ZMQError as e:
+            logger.warning("shard %d: could not send an error reply: %s", self.config.shard, e)
+
+
+def _clone_state(state: dict[str, Any]) -> dict[str, Any]:
+    def clone(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.clone()
+        if isinstance(x, dict):
+            return {k: clone(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clone(v) for v in x]
+        return x
+
+    return clone(state)

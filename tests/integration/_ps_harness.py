@@ -1,0 +1,75 @@
+"""Test harness: real shard servers (ZMQ, loopback, port 0) for an Experiment, and the reference loop."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gossamer.experiment import Experiment
+from gossamer.paramserver import (
+    OptimizerConfig,
+    ShardClient,
+    ShardConfig,
+    ShardPlan,
+    ShardServer,
+    flatten_params,
+)
+from gossamer.worker import sampler
+from gossamer.worker.trainer import build
+
+
+class Shards:
+    """`exp.num_ps_shards` ShardServers in background threads, initialised like the PS role does."""
+
+    def __init__(self, exp: Experiment, experiment_id: str = "e") -> None:
+        model, _, _ = build(exp, torch.device("cpu"))
+        self.plan = ShardPlan.for_module(model, exp.num_ps_shards, exp.chunk_numel)
+        flat = flatten_params(model)
+        self.servers: list[ShardServer] = []
+        self.endpoints: dict[int, str] = {}
+        for s in range(exp.num_ps_shards):
+            init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone()
+                    for c in self.plan.chunks_of_shard(s)}
+            cfg = ShardConfig(
+                experiment=experiment_id, shard=s, mode=exp.mode, staleness=exp.staleness,
+                optimizer=OptimizerConfig(name=exp.optimizer, lr=exp.lr, momentum=exp.momentum,
+                                          nesterov=exp.nesterov, weight_decay=exp.weight_decay),
+                total_steps=exp.total_steps, lr_staleness_scaling=exp.lr_staleness_scaling,
+            )
+            srv = ShardServer(cfg, self.plan, init)
+            self.endpoints[s] = srv.bind()
+            srv.start()
+            self.servers.append(srv)
+        self.experiment_id = experiment_id
+
+    def flat(self) -> torch.Tensor:
+        client = ShardClient(experiment=self.experiment_id, sender="reader", plan=self.plan, endpoints=self.endpoints)
+        try:
+            res = client.pull()
+        finally:
+            client.close()
+        out = torch.zeros(self.plan.total_numel)
+        self.plan.scatter(out, res.values)
+        return out
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.close()
+
+
+def reference_sync(exp: Experiment, global_batch: int) -> torch.Tensor:
+    """Plain single-process PyTorch on the same global batches, same optimizer: the flat parameters."""
+    torch.set_num_threads(1)
+    model, train, _ = build(exp, torch.device("cpu"))
+    x_all, y_all = train.tensors
+    if exp.optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=exp.lr, momentum=exp.momentum,
+                                                     nesterov=exp.nesterov, weight_decay=exp.weight_decay)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=exp.lr, weight_decay=exp.weight_decay)
+    for step in range(exp.total_steps):
+        idx = sampler.sync_global_batch(len(train), global_batch, step, exp.seed)
+        opt.zero_grad()
+        F.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
+        opt.step()
+    return flatten_params(model)

@@ -1,0 +1,118 @@
+"""Sync (BSP) mode through the real training loop equals single-process training on the global batch."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as tmp
+
+from gossamer.experiment import Experiment
+from gossamer.worker.trainer import RankContext, Trainer
+from tests.integration._ps_harness import Shards, reference_sync
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _exp(**kw: object) -> Experiment:
+    base: dict[str, object] = dict(
+        name="sync", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
+        mode="sync", optimizer="sgd", lr=0.05, momentum=0.9, num_ps_shards=2, total_steps=50, eval_every=0,
+    )
+    base.update(kw)
+    return Experiment(**base)  # type: ignore[arg-type]
+
+
+def _run_workers(exp: Experiment, shards: Shards, workers: int, ckpt: Path) -> None:
+    threads, errors = [], []
+
+    def run(w: int) -> None:
+        try:
+            ctx = RankContext(experiment_id="e", experiment=exp, node_id=f"node{w}", worker_index=w,
+                              num_workers=workers, endpoints=shards.endpoints, checkpoint_dir=str(ckpt))
+            Trainer(ctx).run()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    for w in range(workers):
+        threads.append(threading.Thread(target=run, args=(w,)))
+        threads[-1].start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+
+
+def test_sync_two_workers_of_16_equal_single_process_batch_32(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    exp = _exp(batch_size=16)
+    shards = Shards(exp)
+    try:
+        _run_workers(exp, shards, workers=2, ckpt=tmp_path)
+        got = shards.flat()
+    finally:
+        shards.close()
+    want = reference_sync(exp, global_batch=32)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_sync_global_batch_gives_same_parameters_for_1_2_3_workers(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    exp = _exp(global_batch_size=48, total_steps=30)
+    results = []
+    for workers in (1, 2, 3):
+        shards = Shards(exp)
+        try:
+            _run_workers(exp, shards, workers=workers, ckpt=tmp_path)
+            results.append(shards.flat())
+        finally:
+            shards.close()
+    want = reference_sync(exp, global_batch=48)
+    for got in results:
+        assert (got - want).abs().max().item() <= 1e-5
+
+
+def _rank_main(rank: int, world: int, port: int, exp_json: str, endpoints: dict[int, str], ckpt: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ctx = RankContext(experiment_id="e", experiment=Experiment.from_json(exp_json), node_id="node0",
+                          worker_index=0, num_workers=1, endpoints=endpoints, checkpoint_dir=ckpt,
+                          local_rank=rank, local_world=world)
+        Trainer(ctx).run()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_local_ranks_allreduce_inside_node_and_exchange_own_slices(tmp_path: Path) -> None:
+    """One worker node with 2 gloo ranks; small chunks so each rank owns different chunks on both shards."""
+    import socket
+
+    exp = _exp(batch_size=32, total_steps=20, chunk_numel=2048)
+    shards = Shards(exp)
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = tmp.get_context("spawn")
+        procs = [ctx.Process(target=_rank_main, args=(r, 2, port, exp.to_json(), shards.endpoints, str(tmp_path)))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(150)
+        assert [p.exitcode for p in procs] == [0, 0]
+        stats = [s.stats() for s in shards.servers]
+        got = shards.flat()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        shards.close()
+    assert len(shards.plan.chunks_of_rank(0, 2)) > 0 and len(shards.plan.chunks_of_rank(1, 2)) > 0
+    assert all(st["version"] == 20 for st in stats)
+    want = reference_sync(exp, global_batch=32)
+    assert (got - want).abs().max().item() <= 1e-5

@@ -1,0 +1,106 @@
+"""The Experiment validator: good configs round-trip, bad ones raise ConfigError naming the field."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gossamer import ConfigError, Experiment
+
+BASE = {"name": "x", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data"}
+
+
+def test_defaults_round_trip_through_json() -> None:
+    exp = Experiment(**BASE, compression="topk:0.01", staleness=2)
+    assert Experiment.from_json(exp.to_json()) == exp
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("mode", "turbo"),
+        ("lr", -0.1),
+        ("lr", math.nan),
+        ("lr", 0),
+        ("momentum", 1.0),
+        ("batch_size", 0),
+        ("batch_size", 2.5),
+        ("staleness", -1),
+        ("compression", "zip"),
+        ("compression", "topk:abc"),
+        ("optimizer", "lbfgs"),
+        ("model", "no_colon"),
+        ("topology", "star"),
+        ("parallelism", "tensor"),
+        ("total_steps", 0),
+    ],
+)
+def test_invalid_field_is_named(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as err:
+        Experiment(**{**BASE, field: value})
+    assert err.value.field == field
+
+
+def test_max_workers_below_min_is_refused() -> None:
+    with pytest.raises(ConfigError, match="max_workers"):
+        Experiment(**BASE, min_workers=4, max_workers=2)
+
+
+def test_global_batch_only_in_sync() -> None:
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        Experiment(**BASE, mode="async", global_batch_size=64)
+    assert Experiment(**BASE, mode="sync", global_batch_size=64).effective_global_batch(3) == 64
+    assert Experiment(**BASE, mode="sync", batch_size=16).effective_global_batch(3) == 48
+
+
+def test_unknown_key_in_dict_is_named() -> None:
+    with pytest.raises(ConfigError) as err:
+        Experiment.from_dict({**BASE, "learning_rate": 0.1})
+    assert err.value.field == "learning_rate"
+
+
+def test_toml_file_with_cli_and_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "e.toml"
+    f.write_text(
+        'name = "t"\nmodel = "gossamer.examples.digits:mlp"\ndataset = "gossamer.examples.digits:data"\n'
+        "lr = 0.1\nbatch_size = 8\nstaleness = 3\n"
+    )
+    monkeypatch.setenv("GOSSAMER_EXP_BATCH_SIZE", "16")
+    monkeypatch.setenv("GOSSAMER_EXP_STALENESS", "5")
+    exp = Experiment.from_toml(f, overrides={"staleness": 1})
+    assert (exp.lr, exp.batch_size, exp.staleness) == (0.1, 16, 1)  # file < env < CLI
+
+
+def test_bad_toml_file_is_a_config_error(tmp_path: Path) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text("name = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        Experiment.from_toml(f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        Experiment.from_toml(tmp_path / "missing.toml")
+
+
+_values = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=8),
+    st.lists(st.integers(), max_size=2),
+)
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from([
+    "mode", "lr", "momentum", "batch_size", "staleness", "compression", "num_ps_shards", "min_workers",
+    "max_workers", "total_steps", "global_batch_size", "seed", "eval_every", "optimizer", "nesterov",
+]), _values, max_size=4))
+def test_validator_accepts_or_names_a_field(fields: dict[str, object]) -> None:
+    try:
+        exp = Experiment.from_dict({**BASE, **fields})
+    except ConfigError as e:
+        assert e.field  # always names the field it refused
+    except TypeError:
+        pytest.fail("a bad value escaped validation as TypeError")
+    else:
+        assert Experiment.from_json(exp.to_json()) == exp

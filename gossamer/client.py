@@ -16,7 +16,7 @@ from gossamer.experiment import Experiment
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 
-_STATE_NAMES = {
+_STATE_NAMES: dict[int, str] = {
     pb.EXPERIMENT_STATE_QUEUED: "queued",
     pb.EXPERIMENT_STATE_STARTING: "starting",
     pb.EXPERIMENT_STATE_RUNNING: "running",
@@ -28,15 +28,16 @@ _FINISHED = ("completed", "failed", "cancelled")
 
 
 def state_name(state: int) -> str:
-    return _STATE_NAMES.get(state, "unknown")
+    return _STATE_NAMES.get(int(state), "unknown")
 
 
 def _role_name(role: int) -> str:
-    return {pb.ROLE_PARAMETER_SERVER: "ps", pb.ROLE_WORKER: "worker"}.get(role, "")
+    names: dict[int, str] = {pb.ROLE_PARAMETER_SERVER: "ps", pb.ROLE_WORKER: "worker"}
+    return names.get(int(role), "")
 
 
 def _node_state(state: int) -> str:
-    return pb.NodeState.Name(state).removeprefix("NODE_STATE_").lower()
+    return pb.NodeState.Name(pb.NodeState.ValueType(state)).removeprefix("NODE_STATE_").lower()
 
 
 def status_dict(s: pb.ExperimentStatus) -> dict[str, Any]:

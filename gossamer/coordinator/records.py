@@ -36,7 +36,7 @@ class NodeRec:
     cpus: int = 0
     gpus: int = 0
     nproc_per_node: int = 1
-    state: int = pb.NODE_STATE_READY
+    state: pb.NodeState.ValueType = pb.NODE_STATE_READY
     joined_unix: float = 0.0
     last_seen: float = 0.0
     experiment_id: str = ""
@@ -56,9 +56,9 @@ class NodeRec:
 @dataclass
 class RoleRec:
     node_id: str
-    role: int
+    role: pb.Role.ValueType
     index: int
-    state: int = pb.ROLE_STATE_UNSPECIFIED
+    state: pb.RoleState.ValueType = pb.ROLE_STATE_UNSPECIFIED
     endpoint: str = ""
     message: str = ""
 
@@ -69,7 +69,7 @@ class ExpRec:
     seq: int
     name: str
     spec_json: str
-    state: int = pb.EXPERIMENT_STATE_QUEUED
+    state: pb.ExperimentState.ValueType = pb.EXPERIMENT_STATE_QUEUED
     created_unix: float = 0.0
     started_unix: float = 0.0
     finished_unix: float = 0.0
@@ -100,7 +100,7 @@ class ExpRec:
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
 
-    def roles_of(self, role: int) -> list[RoleRec]:
+    def roles_of(self, role: pb.Role.ValueType) -> list[RoleRec]:
         return sorted((r for r in self.roles if r.role == role), key=lambda r: r.index)
 
     def totals(self) -> dict[str, float]:

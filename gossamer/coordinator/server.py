@@ -121,7 +121,7 @@ class Coordinator:
                     node, pb.NODE_STATE_LOST, f"lease expired ({now - node.last_seen:.1f}s without heartbeat)"
                 )
 
-    async def _remove_node(self, node: NodeRec, state: int, why: str) -> None:
+    async def _remove_node(self, node: NodeRec, state: pb.NodeState.ValueType, why: str) -> None:
         node.state = state
         exp_id, node.experiment_id = node.experiment_id, ""
         kind = "lost" if state == pb.NODE_STATE_LOST else "leave"
@@ -219,12 +219,12 @@ class Coordinator:
                 await self.store.save_node(self.nodes[r.node_id])
         await self._notify()
 
-    def _bind(self, exp: ExpRec, node: NodeRec, role: int, index: int) -> None:
+    def _bind(self, exp: ExpRec, node: NodeRec, role: pb.Role.ValueType, index: int) -> None:
         node.experiment_id = exp.id
         node.state = pb.NODE_STATE_BUSY
         exp.roles.append(RoleRec(node_id=node.id, role=role, index=index, state=pb.ROLE_STATE_UNSPECIFIED))
 
-    async def _finish(self, exp: ExpRec, state: int, message: str) -> None:
+    async def _finish(self, exp: ExpRec, state: pb.ExperimentState.ValueType, message: str) -> None:
         exp.state = state
         exp.message = message
         exp.finished_unix = time.time()
@@ -433,7 +433,8 @@ class Coordinator:
         )
 
     def node_info(self, n: NodeRec) -> pb.NodeInfo:
-        role, index = pb.ROLE_UNSPECIFIED, -1
+        role: pb.Role.ValueType = pb.ROLE_UNSPECIFIED
+        index = -1
         exp = self.exps.get(n.experiment_id)
         if exp is not None:
             mine = next((r for r in exp.roles if r.node_id == n.id), None)

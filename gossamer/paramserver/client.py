@@ -209,9 +209,7 @@ class ShardClient:
                 for s in lost:  # a late reply must not be read as the next request's
                     self._socks[s].close(linger=0)
                     self._socks[s] = self._connect(s)
-                raise UnavailableError(
-                    f"shards {lost} did not answer within {self.timeout_s:.1f}s"
-                )
+                raise UnavailableError(f"shards {lost} did not answer within {self.timeout_s:.1f}s")
             for sock, _ in poller.poll(left_ms):
                 s, rid = waiting[sock]
                 frames = sock.recv_multipart(copy=False)
@@ -221,8 +219,9 @@ class ShardClient:
                 except ProtocolError as e:
                     raise ShardError(f"shard {s} sent an undecodable reply: {e}") from e
                 if reply.meta.get("rid") != rid:
-                    logger.warning("dropped a stale reply from shard %d (rid %r)", s,
-                                   reply.meta.get("rid"))
+                    logger.warning(
+                        "dropped a stale reply from shard %d (rid %r)", s, reply.meta.get("rid")
+                    )
                     continue
                 replies[s] = reply
                 poller.unregister(sock)

@@ -80,7 +80,7 @@ class SSPGate(Generic[T]):
         self.lead_histogram: Counter[int] = Counter()
         self.version_staleness_histogram: Counter[int] = Counter()
         self.waits: Counter[str] = Counter()
-        self.wait_seconds: Counter[str] = Counter()
+        self.wait_seconds: dict[str, float] = {}
 
     # -- membership -------------------------------------------------------------------
     @property
@@ -185,7 +185,7 @@ class SSPGate(Generic[T]):
 
     def _count_wait(self, worker: str, seconds: float) -> None:
         self.waits[worker] += 1
-        self.wait_seconds[worker] += max(0.0, seconds)
+        self.wait_seconds[worker] = self.wait_seconds.get(worker, 0.0) + max(0.0, seconds)
 
     def stats(self) -> dict[str, Any]:
         """Histograms and wait counters (string keys, so they travel as msgpack maps)."""

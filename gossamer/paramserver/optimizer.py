@@ -53,12 +53,7 @@ class OptimizerConfig:
 
 
 def _finite_nonneg(x: object) -> bool:
-    return (
-        isinstance(x, int | float)
-        and not isinstance(x, bool)
-        and math.isfinite(x)
-        and x >= 0
-    )
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
 def build_optimizer(config: OptimizerConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -78,7 +73,7 @@ def build_optimizer(config: OptimizerConfig, params: list[torch.Tensor]) -> torc
     return torch.optim.AdamW(
         params,
         lr=config.lr,
-        betas=tuple(config.betas),
+        betas=(float(config.betas[0]), float(config.betas[1])),
         eps=config.eps,
         weight_decay=config.weight_decay,
     )

@@ -123,6 +123,8 @@ class ShardServer:
         self.config = config
         self.plan = plan
         self._chunks = {c.index: c for c in plan.chunks_of_shard(config.shard)}
+        if not self._chunks:
+            raise ConfigError("shard", f"shard {config.shard} holds no chunks in this plan")
         if set(init) != set(self._chunks):
             raise ConfigError(
                 "init", f"needs exactly chunks {sorted(self._chunks)}, got {sorted(init)}"
@@ -131,7 +133,9 @@ class ShardServer:
         for idx, c in sorted(self._chunks.items()):
             value = init[idx].detach().reshape(-1).to(torch.float32).clone()
             if value.numel() != c.numel:
-                raise ConfigError("init", f"chunk {idx} has {value.numel()} elements, not {c.numel}")
+                raise ConfigError(
+                    "init", f"chunk {idx} has {value.numel()} elements, not {c.numel}"
+                )
             self._params[idx] = value
         self._optimizer = build_optimizer(config.optimizer, list(self._params.values()))
         self._gate: SSPGate[tuple[bytes, Any, list[int]]] = SSPGate(
@@ -292,7 +296,9 @@ class ShardServer:
     def _on_frames(self, frames: Sequence[zmq.Frame]) -> None:
         if len(frames) < 2 or len(frames[0].buffer) == 0:
             self.dropped += 1
-            logger.warning("shard %d: dropped a message without a routable identity", self.config.shard)
+            logger.warning(
+                "shard %d: dropped a message without a routable identity", self.config.shard
+            )
             return
         identity = frames[0].bytes
         payload = frames[1:]
@@ -324,8 +330,11 @@ class ShardServer:
         rid = msg.meta.get("rid")
         if msg.op == "HELLO":
             self._gate.join(msg.sender or identity.hex(), now)
-            self._reply(identity, "WELCOME", {"rid": rid, "done": self.done,
-                                               "plan": self.plan.fingerprint()})
+            self._reply(
+                identity,
+                "WELCOME",
+                {"rid": rid, "done": self.done, "plan": self.plan.fingerprint()},
+            )
         elif msg.op == "PULL":
             if msg.sender:
                 self._gate.touch(msg.sender, now)

@@ -183,7 +183,9 @@ class ShardPlan:
         blob = json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-    def gather(self, flat: torch.Tensor, chunks: Iterable[Chunk] | None = None) -> dict[int, torch.Tensor]:
+    def gather(
+        self, flat: torch.Tensor, chunks: Iterable[Chunk] | None = None
+    ) -> dict[int, torch.Tensor]:
         """Views of `flat` (the flat parameter/gradient vector) for each chunk, by index."""
         chosen = self.chunks if chunks is None else chunks
         return {c.index: flat[c.flat_offset : c.flat_offset + c.numel] for c in chosen}

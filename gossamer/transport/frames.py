@@ -137,7 +137,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     if flat.dtype is not torch.uint8:
         flat = flat.view(torch.uint8)
     # The numpy array keeps a reference to the tensor, so the view keeps the memory alive.
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 def encode(msg: Message) -> list[bytes | memoryview]:
@@ -262,9 +262,7 @@ def decode(
     for f in frames:
         total += _frame_len(f)
         if total > limits.max_message_bytes:
-            raise ProtocolError(
-                f"message exceeds max_message_bytes={limits.max_message_bytes}"
-            )
+            raise ProtocolError(f"message exceeds max_message_bytes={limits.max_message_bytes}")
     head = frames[0]
     if _frame_len(head) > limits.max_header_bytes:
         raise ProtocolError(

@@ -82,7 +82,7 @@ class Reporter:
             except grpc.RpcError:
                 time.sleep(0.5)
 
-    def role(self, node_id: str, role: int, index: int, state: int, endpoint: str = "", message: str = "",
+    def role(self, node_id: str, role: pb.Role.ValueType, index: int, state: pb.RoleState.ValueType, endpoint: str = "", message: str = "",
              retry_s: float = 60.0) -> None:
         """Report the role's state, retrying while the coordinator is unreachable."""
         req = pb.ReportRoleRequest(

@@ -27,12 +27,12 @@ def _setup(spec: dict[str, Any]) -> None:
 
 
 def _fault_delay(worker_index: int) -> float:
-    """GOSSAMER_FAULT=delay:worker=I:seconds=S slows worker I by S seconds per step."""
+    """GOSSAMER_FAULT=delay:seconds=S[:worker=I] slows worker I (any worker of this node) by S s per step."""
     spec = os.environ.get("GOSSAMER_FAULT", "")
     for fault in filter(None, spec.split(",")):
         kind, *kvs = fault.split(":")
         args = dict(kv.split("=", 1) for kv in kvs if "=" in kv)
-        if kind == "delay" and int(args.get("worker", -1)) == worker_index:
+        if kind == "delay" and int(args.get("worker", worker_index)) == worker_index:
             return float(args.get("seconds", 0.0))
     return 0.0
 

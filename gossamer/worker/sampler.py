@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 
+@lru_cache(maxsize=8)  # one permutation per epoch and stream, not one per step
 def _epoch_perm(n: int, seed: int, epoch: int, stream: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed((seed * 1_000_003 + stream * 10_007 + epoch) % (2**63))
     return torch.randperm(n, generator=g)

@@ -54,11 +54,8 @@ def _serve(exp_json: str, q: mp.Queue, stop: mp.Event) -> None:  # type: ignore[
     )
     q.put(srv.bind())
     ev = threading.Event()
-    t = threading.Thread(target=srv.serve, args=(ev,), daemon=True)
-    t.start()
-    stop.wait()
-    ev.set()
-    t.join(5)
+    threading.Thread(target=lambda: (stop.wait(), ev.set()), daemon=True).start()
+    srv.serve(ev)  # in the main thread, as the parameter-server role runs it
     srv.close()
 
 

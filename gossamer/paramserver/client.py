@@ -13,7 +13,14 @@ import zmq
 from gossamer.errors import ConfigError, ProtocolError, ShardError, UnavailableError
 from gossamer.paramserver.shard import chunk_key, parse_chunk_key
 from gossamer.paramserver.shard_plan import ShardPlan
-from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
+from gossamer.transport.frames import (
+    ZERO_COPY_THRESHOLD,
+    FrameLimits,
+    Message,
+    decode,
+    encode,
+    frames_nbytes,
+)
 
 __all__ = ["PullResult", "ShardClient"]
 
@@ -165,6 +172,7 @@ class ShardClient:
         if endpoint is None:
             raise ConfigError("endpoints", f"no endpoint for shard {shard}")
         sock = self._ctx.socket(zmq.DEALER)
+        sock.copy_threshold = ZERO_COPY_THRESHOLD  # pyzmq copies below this; see frames.py
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)

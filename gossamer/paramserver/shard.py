@@ -17,6 +17,7 @@ from gossamer.paramserver.consistency import SSPGate
 from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer, set_lr_factor
 from gossamer.paramserver.shard_plan import ShardPlan
 from gossamer.transport.frames import (
+    ZERO_COPY_THRESHOLD,
     FrameLimits,
     Message,
     check_finite,
@@ -164,6 +165,7 @@ class ShardServer:
         """Bind the ROUTER socket; returns ``tcp://host:port`` (the real port if 0)."""
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
+        sock.copy_threshold = ZERO_COPY_THRESHOLD  # pyzmq copies below this; see frames.py
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes)
         sock.setsockopt(zmq.SNDHWM, 0)

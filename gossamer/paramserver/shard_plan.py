@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import json
@@ -23,10 +24,11 @@ DEFAULT_CHUNK_NUMEL = 1 << 20
 
 @dataclass(frozen=True)
 class Chunk:
-    """A contiguous piece of one parameter.
+    """A contiguous range of the flat parameter vector; it may span several parameters.
 
-    `param_offset` is the offset inside the (flattened) parameter `name`, `flat_offset` the
-    offset in the concatenation of all parameters in `named_parameters()` order.
+    `flat_offset` is the offset in the concatenation of all parameters in
+    `named_parameters()` order; `name` and `param_offset` say where the chunk starts (which
+    parameter, and the offset inside it).
     """
 
     index: int
@@ -64,7 +66,7 @@ class ShardPlan:
         num_shards: int,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
     ) -> ShardPlan:
-        """Cut each parameter into chunks of at most `chunk_numel` and place them greedily.
+        """Cut the flat vector into equal chunks of at most `chunk_numel` and place them greedily.
 
         Raises:
             ConfigError: on a non-positive `num_shards`/`chunk_numel`, a negative size or a
@@ -75,18 +77,28 @@ class ShardPlan:
         if not isinstance(chunk_numel, int) or chunk_numel <= 0:
             raise ConfigError("chunk_numel", f"must be a positive int, got {chunk_numel!r}")
         seen: set[str] = set()
-        pieces: list[Chunk] = []
-        flat = 0
+        starts: list[tuple[int, str]] = []  # (flat offset, parameter name) of non-empty params
+        total = 0
         for name, numel in named_numels:
             if name in seen:
                 raise ConfigError("named_numels", f"duplicate parameter {name!r}")
             if not isinstance(numel, int) or numel < 0:
                 raise ConfigError("named_numels", f"{name!r} has bad numel {numel!r}")
             seen.add(name)
-            for off in range(0, numel, chunk_numel):
-                n = min(chunk_numel, numel - off)
-                pieces.append(Chunk(len(pieces), name, off, flat + off, n, -1))
-            flat += numel
+            if numel:
+                starts.append((total, name))
+            total += numel
+        # Equal contiguous ranges, as few as the size limit allows but at least one per shard:
+        # small parameters are packed together, so a small model costs one frame per shard
+        # (per-tensor costs dominate small messages), and elementwise optimizers do not care
+        # where a chunk starts.
+        count = min(total, max(-(-total // chunk_numel), num_shards))
+        pieces: list[Chunk] = []
+        for i in range(count):
+            lo, hi = i * total // count, (i + 1) * total // count
+            p = bisect.bisect_right([o for o, _ in starts], lo) - 1
+            offset, name = starts[p]
+            pieces.append(Chunk(i, name, lo - offset, lo, hi - lo, -1))
         placement = _greedy(pieces, num_shards)
         chunks = tuple(
             Chunk(c.index, c.name, c.param_offset, c.flat_offset, c.numel, placement[c.index])
@@ -155,28 +167,26 @@ class ShardPlan:
         return plan
 
     def _validate(self) -> None:
-        offsets = {}
-        flat = 0
+        starts: dict[str, int] = {}
+        total = 0
         for name, numel in self.params:
-            offsets[name] = (flat, numel)
-            flat += numel
-        covered = {name: 0 for name, _ in self.params}
+            starts[name] = total
+            total += numel
+        flat = 0
         for i, c in enumerate(self.chunks):
             if c.index != i:
                 raise ConfigError("plan", f"chunk {i} has index {c.index}")
             if not 0 <= c.shard < self.num_shards:
                 raise ConfigError("plan", f"chunk {i} is on shard {c.shard} of {self.num_shards}")
-            if c.name not in offsets:
+            if c.name not in starts:
                 raise ConfigError("plan", f"chunk {i} names unknown parameter {c.name!r}")
-            base, numel = offsets[c.name]
-            if c.param_offset != covered[c.name] or c.flat_offset != base + c.param_offset:
-                raise ConfigError("plan", f"chunk {i} does not continue parameter {c.name!r}")
-            if c.numel <= 0 or c.param_offset + c.numel > numel:
-                raise ConfigError("plan", f"chunk {i} overruns parameter {c.name!r}")
-            covered[c.name] += c.numel
-        for name, numel in self.params:
-            if covered[name] != numel:
-                raise ConfigError("plan", f"parameter {name!r} is not fully covered")
+            if c.flat_offset != flat or c.flat_offset != starts[c.name] + c.param_offset:
+                raise ConfigError("plan", f"chunk {i} does not continue where chunk {i - 1} ended")
+            if not 0 < c.numel <= self.chunk_numel:
+                raise ConfigError("plan", f"chunk {i} has {c.numel} elements")
+            flat += c.numel
+        if flat != total:
+            raise ConfigError("plan", f"chunks cover {flat} of {total} elements")
 
     def fingerprint(self) -> str:
         """A short stable hash of the plan (equal plans, equal fingerprints)."""

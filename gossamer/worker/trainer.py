@@ -18,7 +18,13 @@ from torch import nn
 from gossamer._import_check import resolve
 from gossamer.checkpoint.manifest import save_model_checkpoint
 from gossamer.experiment import Experiment
-from gossamer.paramserver import ShardClient, ShardPlan, flatten_grads, unflatten_into
+from gossamer.paramserver import (
+    ShardClient,
+    ShardPlan,
+    flatten_grads,
+    flatten_params,
+    unflatten_into,
+)
 from gossamer.worker import sampler
 
 log = logging.getLogger(__name__)
@@ -113,6 +119,8 @@ class Trainer:
         self.updates = updates or (lambda: None)
         self.should_stop = should_stop or (lambda: False)
         self.flat = torch.zeros(self.plan.total_numel, dtype=torch.float32, device=ctx.device)
+        self.flat_grad: torch.Tensor | None = None
+        self._bind_flat()
         self.versions: dict[int, int] = {}
         self.clock = 0
         self.stats = StepStats()
@@ -122,6 +130,32 @@ class Trainer:
         self.final_path = ""
 
     # --- parameter exchange ------------------------------------------------------------
+    def _bind_flat(self) -> None:
+        """Make parameters and gradients views of two flat fp32 buffers (as DDP buckets do).
+
+        Fresh chunk values are then written straight into the parameters and the gradient
+        is already flat after backward: no per-step flatten/unflatten copies.
+        """
+        params = [p for _, p in self.model.named_parameters()]
+        if not params or any(p.dtype != torch.float32 for p in params):
+            return  # mixed dtypes: keep the copying path
+        self.flat = flatten_params(self.model).to(self.ctx.device)
+        self.flat_grad = torch.zeros_like(self.flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.data = self.flat[offset : offset + n].view_as(p)
+            p.grad = self.flat_grad[offset : offset + n].view_as(p)
+            offset += n
+
+    def _grads_are_views(self) -> bool:
+        if self.flat_grad is None:
+            return False
+        base = self.flat_grad.untyped_storage().data_ptr()
+        return all(
+            p.grad is not None and p.grad.untyped_storage().data_ptr() == base for p in self.model.parameters()
+        )
+
     def _assemble(self, values: dict[int, torch.Tensor]) -> None:
         """Make every local rank hold the full parameters, given this rank's fresh chunks."""
         if self.ctx.local_world == 1:
@@ -130,8 +164,9 @@ class Trainer:
             buf = torch.zeros_like(self.flat)
             self.plan.scatter(buf, {k: v.to(buf.device) for k, v in values.items()})
             dist.all_reduce(buf)  # chunks are disjoint across ranks: the sum is a gather
-            self.flat = buf
-        unflatten_into(self.model, self.flat)
+            self.flat.copy_(buf)
+        if self.flat_grad is None:
+            unflatten_into(self.model, self.flat)
 
     def pull(self) -> bool:
         res = self.client.pull()
@@ -164,7 +199,10 @@ class Trainer:
         self.model.zero_grad(set_to_none=False)
         loss_sum = F.cross_entropy(self.model(x), y, reduction="sum")
         (loss_sum / denom).backward()
-        grad = flatten_grads(self.model)
+        if self.flat_grad is not None and not self._grads_are_views():
+            self.flat_grad = None  # autograd replaced a .grad: fall back to copying
+            unflatten_into(self.model, self.flat)
+        grad = self.flat_grad if self.flat_grad is not None else flatten_grads(self.model)
         node_samples = torch.tensor([float(idx.numel()), loss_sum.item()])
         if self.ctx.local_world > 1:
             dist.all_reduce(grad)

@@ -14,6 +14,7 @@ from gossamer.errors import ProtocolError
 from gossamer.transport.frames import (
     DTYPES,
     WIRE_VERSION,
+    ZERO_COPY_THRESHOLD,
     FrameLimits,
     Message,
     check_finite,
@@ -100,9 +101,11 @@ def test_round_trip_is_bit_exact_for_every_dtype_and_shape(dtype, shape, seed, t
 
 
 def test_large_tensor_is_sent_zero_copy_and_decoded_writable():
-    t = torch.randn(100_000)
+    t = torch.randn(ZERO_COPY_THRESHOLD // 4 + 1)
     frames = encode(Message(op="PUSH", tensors={"g": t}))
     assert isinstance(frames[1], memoryview)
+    small = encode(Message(op="PUSH", tensors={"g": torch.randn(ZERO_COPY_THRESHOLD // 4)}))
+    assert isinstance(small[1], bytes)
     got = decode([bytes(f) for f in frames]).tensors["g"]
     got.add_(1.0)  # immutable input is copied, so this is safe
     assert torch.equal(got, t + 1.0)

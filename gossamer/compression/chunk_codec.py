@@ -1,0 +1,321 @@
+"""Compress and decompress one shard-plan chunk, codec by codec for each parameter inside it."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gossamer.compression.codec import Codec, Payload
+from gossamer.compression.codec_spec import parse_codec
+from gossamer.compression.error_feedback import ErrorFeedback
+from gossamer.errors import ConfigError, ProtocolError
+from gossamer.paramserver.shard_plan import ShardPlan
+
+__all__ = ["CHUNK_META_VERSION", "ChunkCompressor", "Segment"]
+
+CHUNK_META_VERSION = 1
+_CHUNK_META_KEYS = {"v", "chunk", "numel", "segments"}
+_SEGMENT_META_KEYS = {"param", "offset", "numel", "codec", "meta"}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of one parameter that lies inside a chunk.
+
+    `param_offset` is where it starts inside the parameter, `chunk_offset` inside the chunk;
+    `shape` is the parameter's real shape when the segment covers all of it and the caller
+    gave it, else ``(numel,)``.
+    """
+
+    param: str
+    param_offset: int
+    chunk_offset: int
+    numel: int
+    shape: tuple[int, ...]
+    codec: str
+
+
+class ChunkCompressor:
+    """Encodes chunks of the flat gradient (workers) and decodes them (shards).
+
+    Each chunk is cut into `Segment`s, one per parameter it touches, and every segment is
+    compressed on its own by the codec its parameter maps to, so a codec never mixes two
+    parameters (PowerSGD sees real matrices, top-k ranks within one tensor).
+
+    Wire format of chunk ``i`` (`encode`'s result; `decode` takes the same): tensors named
+    ``c{i}/{s}/{part}`` -- ``s`` the segment's position in the chunk, ``part`` the codec's
+    payload tensor ("values", "indices", "p", ...) -- and one msgpack-safe meta map::
+
+        {"v": 1, "chunk": i, "numel": chunk numel,
+         "segments": [{"param": name, "offset": param_offset, "numel": n,
+                       "codec": canonical spec, "meta": payload meta}, ...]}
+
+    The decoder checks every field against its own plan and codec choice (a worker whose
+    codec differs from the shard's is refused with a ProtocolError naming both), so
+    encoder and decoder only share the constructor arguments; PowerSGD's warm-start state
+    stays in the encoder, its payload being self-contained.
+
+    Error feedback runs per segment (key ``c{i}/{s}``) in the encoder: the residual is
+    added before encoding and what decoding lost becomes the next residual.
+
+    Counters (both directions add to them, an instance normally doing one): `raw_bytes`
+    (fp32 bytes of the chunks), `wire_bytes` (payload tensor bytes; the meta is not
+    counted), `encode_seconds`, `decode_seconds`. Not thread-safe.
+
+    Args:
+        spec: the default codec spec (see `parse_codec`).
+        plan: the shard plan the chunk indices refer to.
+        error_feedback: True/False for every segment; None: on for biased codecs
+            (`Codec.biased`) only.
+        overrides: (fnmatch pattern on the parameter name, codec spec) pairs; the first
+            matching pattern wins, else `spec`.
+        shapes: real shapes of parameters by name, so a whole-parameter segment keeps its
+            matrix shape (PowerSGD needs it); others are 1-D.
+        seed: seeds QSGD's draws and PowerSGD's initial Q.
+
+    Raises:
+        ConfigError: a bad spec (field "compression" or "overrides") or a shape whose size
+            differs from the plan's (field "shapes").
+    """
+
+    def __init__(
+        self,
+        spec: str,
+        plan: ShardPlan,
+        *,
+        error_feedback: bool | None = None,
+        overrides: Sequence[tuple[str, str]] = (),
+        shapes: Mapping[str, Sequence[int]] | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.plan = plan
+        self._error_feedback = error_feedback
+        self._seed = seed
+        self._codecs: dict[str, Codec] = {}
+        self.default_spec = self._codec(spec, "compression").spec
+        self.overrides: list[tuple[str, str]] = []
+        for item in overrides:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise ConfigError("overrides", f"expected (pattern, codec) pairs, got {item!r}")
+            pattern, override = item
+            if not isinstance(pattern, str):
+                raise ConfigError("overrides", f"pattern must be a string, got {pattern!r}")
+            self.overrides.append((pattern, self._codec(override, "overrides").spec))
+        numels = dict(plan.params)
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in (shapes or {}).items():
+            if name not in numels:
+                raise ConfigError("shapes", f"{name!r} is not a parameter of the plan")
+            dims = tuple(int(d) for d in shape)
+            if math.prod(dims) != numels[name] or any(d < 0 for d in dims):
+                raise ConfigError(
+                    "shapes", f"{name!r} has {numels[name]} elements, not shape {list(dims)}"
+                )
+            self._shapes[name] = dims
+        self._starts: list[tuple[str, int, int]] = []  # (name, flat start, numel), non-empty
+        total = 0
+        for name, numel in plan.params:
+            if numel:
+                self._starts.append((name, total, numel))
+            total += numel
+        self._segments: dict[int, tuple[Segment, ...]] = {}
+        self.feedback = ErrorFeedback()
+        self.raw_bytes = 0
+        self.wire_bytes = 0
+        self.encode_seconds = 0.0
+        self.decode_seconds = 0.0
+
+    def _codec(self, spec: str, field: str) -> Codec:
+        codec = parse_codec(spec, seed=self._seed, field=field)
+        return self._codecs.setdefault(codec.spec, codec)
+
+    def codec_of(self, param: str) -> str:
+        """The canonical codec spec used for parameter `param`."""
+        for pattern, spec in self.overrides:
+            if fnmatch.fnmatchcase(param, pattern):
+                return spec
+        return self.default_spec
+
+    def codecs(self) -> dict[str, str]:
+        """The codec spec of every parameter of the plan, in plan order."""
+        return {name: self.codec_of(name) for name, _ in self.plan.params}
+
+    def uses_error_feedback(self, param: str) -> bool:
+        if self._error_feedback is not None:
+            return self._error_feedback
+        return self._codecs[self.codec_of(param)].biased
+
+    def segments(self, chunk_index: int) -> tuple[Segment, ...]:
+        """The parameter segments of a chunk, in order.
+
+        Raises:
+            ProtocolError: `chunk_index` is not a chunk of the plan.
+        """
+        cached = self._segments.get(chunk_index)
+        if cached is not None:
+            return cached
+        if (
+            not isinstance(chunk_index, int)
+            or isinstance(chunk_index, bool)
+            or not 0 <= chunk_index < len(self.plan.chunks)
+        ):
+            raise ProtocolError(f"chunk {chunk_index!r} is not in the plan")
+        c = self.plan.chunks[chunk_index]
+        lo, hi = c.flat_offset, c.flat_offset + c.numel
+        segs = []
+        for name, start, numel in self._starts:
+            a, b = max(lo, start), min(hi, start + numel)
+            if a >= b:
+                continue
+            whole = b - a == numel
+            shape = self._shapes.get(name, (numel,)) if whole else (b - a,)
+            segs.append(Segment(name, a - start, a - lo, b - a, shape, self.codec_of(name)))
+        self._segments[chunk_index] = result = tuple(segs)
+        return result
+
+    def encode(
+        self, chunk_index: int, flat_values: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Compress the values (a gradient or delta) of chunk `chunk_index`.
+
+        Args:
+            flat_values: the chunk's `numel` values (any float dtype, finite); not modified.
+
+        Returns:
+            (wire tensors by name, meta), the format in the class docstring.
+
+        Raises:
+            ValueError: `flat_values` has the wrong size, dtype or non-finite values.
+            ProtocolError: `chunk_index` is not in the plan.
+        """
+        t0 = time.perf_counter()
+        segs = self.segments(chunk_index)
+        numel = self.plan.chunks[chunk_index].numel
+        if not isinstance(flat_values, torch.Tensor) or flat_values.numel() != numel:
+            raise ValueError(f"chunk {chunk_index} has {numel} values, got {flat_values!r:.80}")
+        x = flat_values.detach().reshape(-1)
+        tensors: dict[str, torch.Tensor] = {}
+        seg_meta: list[dict[str, Any]] = []
+        for s, seg in enumerate(segs):
+            codec = self._codecs[seg.codec]
+            key = f"c{chunk_index}/{s}"
+            v = x[seg.chunk_offset : seg.chunk_offset + seg.numel].reshape(seg.shape)
+            if self.uses_error_feedback(seg.param):
+                v = self.feedback.compensate(key, v)
+                payload = codec.encode(v, key=key)
+                self.feedback.update(key, v, codec.decode(payload, seg.shape, torch.float32))
+            else:
+                payload = codec.encode(v, key=key)
+            for part, t in payload.tensors.items():
+                tensors[f"{key}/{part}"] = t
+            seg_meta.append(
+                {
+                    "param": seg.param,
+                    "offset": seg.param_offset,
+                    "numel": seg.numel,
+                    "codec": seg.codec,
+                    "meta": dict(payload.meta),
+                }
+            )
+        meta = {"v": CHUNK_META_VERSION, "chunk": chunk_index, "numel": numel, "segments": seg_meta}
+        self.raw_bytes += 4 * numel
+        self.wire_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.encode_seconds += time.perf_counter() - t0
+        return tensors, meta
+
+    def decode(
+        self, chunk_index: int, tensors: Mapping[str, torch.Tensor], meta: Any
+    ) -> torch.Tensor:
+        """Rebuild chunk `chunk_index` as an fp32 tensor of shape (numel,).
+
+        Args:
+            tensors: the received tensors; those named ``c{chunk_index}/...`` are this
+                chunk's (others, e.g. other chunks of the same message, are ignored).
+            meta: the meta map `encode` returned.
+
+        Raises:
+            ProtocolError: anything malformed or inconsistent with the plan and codecs.
+        """
+        t0 = time.perf_counter()
+        segs = self.segments(chunk_index)
+        numel = self.plan.chunks[chunk_index].numel
+        if not isinstance(tensors, Mapping):
+            raise ProtocolError(f"chunk {chunk_index}: tensors must be a map")
+        self._check_chunk_meta(chunk_index, numel, len(segs), meta)
+        prefix = f"c{chunk_index}/"
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in segs]
+        wire = 0
+        for name, t in tensors.items():
+            if not isinstance(name, str) or not name.startswith(prefix):
+                continue
+            s_str, sep, part = name[len(prefix) :].partition("/")
+            if not sep or not s_str.isdigit() or len(s_str) > 6 or int(s_str) >= len(segs):
+                raise ProtocolError(f"chunk {chunk_index}: unexpected tensor {name!r}")
+            parts[int(s_str)][part] = t
+            if isinstance(t, torch.Tensor):
+                wire += t.numel() * t.element_size()
+        out = torch.empty(numel, dtype=torch.float32)
+        for s, seg in enumerate(segs):
+            m = meta["segments"][s]
+            where = f"chunk {chunk_index} segment {s} ({seg.param})"
+            if m["codec"] != seg.codec:
+                raise ProtocolError(
+                    f"{where}: sender used codec {m['codec']!r}, this side expects {seg.codec!r}"
+                )
+            if m["param"] != seg.param or m["offset"] != seg.param_offset or m["numel"] != seg.numel:
+                raise ProtocolError(
+                    f"{where}: meta says {m['param']!r}[{m['offset']!r}:+{m['numel']!r}], "
+                    f"the plan says {seg.param!r}[{seg.param_offset}:+{seg.numel}]"
+                )
+            try:
+                value = self._codecs[seg.codec].decode(
+                    Payload(parts[s], m["meta"]), seg.shape, torch.float32
+                )
+            except ProtocolError as e:
+                raise ProtocolError(f"{where}: {e}") from None
+            out[seg.chunk_offset : seg.chunk_offset + seg.numel] = value.reshape(-1)
+        self.raw_bytes += 4 * numel
+        self.wire_bytes += wire
+        self.decode_seconds += time.perf_counter() - t0
+        return out
+
+    @staticmethod
+    def _check_chunk_meta(chunk_index: int, numel: int, nsegs: int, meta: Any) -> None:
+        where = f"chunk {chunk_index}"
+        if not isinstance(meta, dict) or set(meta) != _CHUNK_META_KEYS:
+            keys = sorted(map(str, meta)) if isinstance(meta, dict) else type(meta).__name__
+            raise ProtocolError(f"{where}: meta must be a map with keys {sorted(_CHUNK_META_KEYS)}, got {keys}")
+        if type(meta["v"]) is not int or meta["v"] != CHUNK_META_VERSION:
+            raise ProtocolError(f"{where}: unsupported chunk meta version {meta['v']!r}")
+        if type(meta["chunk"]) is not int or meta["chunk"] != chunk_index:
+            raise ProtocolError(f"{where}: meta names chunk {meta['chunk']!r}")
+        if type(meta["numel"]) is not int or meta["numel"] != numel:
+            raise ProtocolError(f"{where}: meta says {meta['numel']!r} values, the plan {numel}")
+        segments = meta["segments"]
+        if not isinstance(segments, list) or len(segments) != nsegs:
+            got = len(segments) if isinstance(segments, list) else type(segments).__name__
+            raise ProtocolError(f"{where}: expected {nsegs} segments in meta, got {got}")
+        for s, m in enumerate(segments):
+            if not isinstance(m, dict) or set(m) != _SEGMENT_META_KEYS:
+                raise ProtocolError(
+                    f"{where}: segment {s} meta must be a map with keys {sorted(_SEGMENT_META_KEYS)}"
+                )
+            for key, kind in (("param", str), ("offset", int), ("numel", int), ("codec", str)):
+                if type(m[key]) is not kind:
+                    raise ProtocolError(f"{where}: segment {s} meta {key!r} must be {kind.__name__}")
+            if not isinstance(m["meta"], dict):
+                raise ProtocolError(f"{where}: segment {s} payload meta must be a map")
+
+    def reset(self) -> None:
+        """Forget error-feedback residuals and PowerSGD warm starts (e.g. after a rejoin)."""
+        self.feedback.reset()
+        for codec in self._codecs.values():
+            reset = getattr(codec, "reset", None)
+            if reset is not None:
+                reset()

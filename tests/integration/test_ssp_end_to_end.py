@@ -1,0 +1,72 @@
+"""SSP through real processes: a worker slowed by an injected delay bounds everyone's lead; None never waits."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gossamer import Client
+from gossamer.examples.digits import mlp
+from gossamer.local_cluster import LocalCluster
+from gossamer.paramserver import ShardClient, ShardPlan
+
+pytestmark = pytest.mark.timeout(240)
+SLOW = {"GOSSAMER_FAULT": "delay:seconds=0.03"}  # about 5x a normal step on this workload
+
+
+def _stats(exp_id: str, endpoint: str) -> dict:  # type: ignore[type-arg]
+    plan = ShardPlan.for_module(mlp(), 1)
+    client = ShardClient(experiment=exp_id, sender="observer", plan=plan, endpoints={0: endpoint}, timeout_s=10)
+    try:
+        return client.stats(0)
+    finally:
+        client.close()
+
+
+def _run(cluster: LocalCluster, staleness: int | None) -> dict:  # type: ignore[type-arg]
+    client = Client(cluster.address)
+    deadline = time.monotonic() + 60
+    while sum(n["state"] == "ready" for n in client.nodes()) < 4:
+        assert time.monotonic() < deadline, client.nodes()
+        time.sleep(0.2)
+    job = client.submit({
+        "name": f"ssp-{staleness}", "model": "gossamer.examples.digits:mlp",
+        "dataset": "gossamer.examples.digits:data", "mode": "async", "staleness": staleness,
+        "num_ps_shards": 1, "min_workers": 3, "max_workers": 3, "total_steps": 100_000, "eval_every": 0,
+    })
+    deadline = time.monotonic() + 120
+    while (st := job.status())["steps"] < 400:
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    endpoint = next(r["endpoint"] for r in st["roles"] if r["role"] == "ps")
+    stats = _stats(job.id, endpoint)
+    job.cancel()
+    client.close()
+    return stats
+
+
+def test_ssp_staleness_2_with_a_slow_worker_never_applies_staler_updates(cluster: LocalCluster) -> None:
+    cluster.start_coordinator(port=0)
+    cluster.add_node("ps")
+    time.sleep(0.3)
+    for i in range(2):
+        cluster.add_node(f"fast{i}", spot=True)
+    cluster.add_node("slow", spot=True, env=SLOW)
+    stats = _run(cluster, staleness=2)
+    hist = stats["staleness"]
+    assert sum(hist.values()) >= 400
+    assert max(hist) <= 2, hist
+    assert sum(stats["waits"].values()) > 0  # the fast workers were held back
+
+
+def test_fully_async_fast_workers_never_wait(cluster: LocalCluster) -> None:
+    cluster.start_coordinator(port=0)
+    cluster.add_node("ps")
+    time.sleep(0.3)
+    for i in range(2):
+        cluster.add_node(f"fast{i}", spot=True)
+    cluster.add_node("slow", spot=True, env=SLOW)
+    stats = _run(cluster, staleness=None)
+    assert sum(stats["waits"].values()) == 0
+    assert max(stats["staleness"]) > 2  # without a bound the fast ones run far ahead

@@ -69,7 +69,9 @@ class _HalfCodec(_CastCodec):
 
     def _to_wire(self, flat: torch.Tensor) -> torch.Tensor:
         top = torch.finfo(self.wire_dtype).max
-        return flat.clamp(-top, top).to(self.wire_dtype)
+        # Clamp in a dtype that holds `top` exactly (bf16 rounds 65504 up to 65536).
+        wide = flat if flat.dtype == torch.float64 else flat.float()
+        return wide.clamp(-top, top).to(self.wire_dtype)
 
     def error_bound(self, t: torch.Tensor) -> torch.Tensor:
         a = t.double().abs()

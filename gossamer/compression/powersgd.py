@@ -82,7 +82,7 @@ class PowerSGDCodec(Codec):
         q = m.T @ p
         if key is not None:
             self._q[key] = q
-        return Payload({"p": p.float(), "q": q.float()}, {"rank": r})
+        return Payload({"p": p.float().contiguous(), "q": q.float().contiguous()}, {"rank": r})
 
     def _decode(self, p: Payload, shape: tuple[int, ...]) -> torch.Tensor:
         r = self.low_rank(shape)

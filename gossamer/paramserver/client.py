@@ -21,6 +21,7 @@ from gossamer.transport.frames import (
     encode,
     frames_nbytes,
 )
+from gossamer.transport.throttle import TokenBucket
 
 __all__ = ["PullResult", "ShardClient"]
 
@@ -57,6 +58,7 @@ class ShardClient:
         timeout_s: float = 60.0,
         context: zmq.Context | None = None,
         limits: FrameLimits | None = None,
+        throttle: TokenBucket | None = None,
     ) -> None:
         if not sender:
             raise ConfigError("sender", "must be a non-empty string")
@@ -81,6 +83,7 @@ class ShardClient:
         self._ctx = context if context is not None else zmq.Context()
         self._socks: dict[int, zmq.Socket] = {s: self._connect(s) for s in self._endpoints}
         self._rid = 0
+        self.throttle = throttle
         self.bytes_up = 0
         self.bytes_down = 0
         self.messages = 0
@@ -149,6 +152,21 @@ class ShardClient:
             meta[key] = {int(k): v for k, v in meta.get(key, {}).items()}
         return meta
 
+    def probe(self, nbytes: int = 256 * 1024) -> tuple[float, float]:
+        """Measure the link to the first shard: (round-trip latency s, transmission s of `nbytes`).
+
+        Two round trips through the same socket (and throttle) as pushes: a tiny STATS, then
+        one carrying `nbytes` of padding; the difference is what the bytes cost.
+        """
+        shard = self.shards[0]
+        t0 = time.perf_counter()
+        self._request({shard: self._msg("STATS", shard)})
+        latency = time.perf_counter() - t0
+        pad = torch.zeros(nbytes, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        self._request({shard: self._msg("STATS", shard, tensors={"probe": pad})})
+        return latency, max(1e-9, time.perf_counter() - t0 - latency)
+
     def leave(self) -> None:
         """Leave the active set of every involved shard (releases SSP waits on us)."""
         self._request({s: self._msg("LEAVE", s) for s in self.shards})
@@ -201,7 +219,10 @@ class ShardClient:
         waiting: dict[zmq.Socket, tuple[int, Any]] = {}
         for s, msg in reqs.items():
             frames = encode(msg)
-            self.bytes_up += frames_nbytes(frames)
+            nbytes = frames_nbytes(frames)
+            if self.throttle is not None:
+                self.throttle.consume(nbytes)
+            self.bytes_up += nbytes
             self.messages += 1
             self._socks[s].send_multipart(frames, copy=False)
             waiting[self._socks[s]] = (s, msg.meta["rid"])

@@ -1,0 +1,121 @@
+"""`compression="adaptive"`: per tensor, the least lossy codec that keeps transfer time under a share of compute."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gossamer.errors import ConfigError
+
+#: From exact to most aggressive; each step costs some accuracy and saves bytes.
+LADDER: tuple[str, ...] = ("none", "bf16", "int8", "topk:0.1", "topk:0.01", "topk:0.001")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveConfig:
+    """Knobs of the adaptive policy.
+
+    `target_share`: transfer time allowed per step, as a share of compute time (0.2 = 20%).
+    Transfer time is bytes / bandwidth; the fixed round-trip latency is measured apart and
+    not counted, since no codec can shorten it.
+    """
+
+    target_share: float = 0.2
+    ladder: tuple[str, ...] = LADDER
+    decide_every: int = 5
+    smoothing: float = 0.5  # EWMA weight of the newest measurement
+    hysteresis: float = 0.7  # go less lossy only if the prediction is under this share of budget
+
+    def __post_init__(self) -> None:
+        if not 0 < self.target_share <= 10:
+            raise ConfigError("target_share", "must be in (0, 10]")
+        if len(self.ladder) < 2:
+            raise ConfigError("ladder", "needs at least two codecs")
+        if self.decide_every < 1:
+            raise ConfigError("decide_every", "must be >= 1")
+        if not 0 < self.smoothing <= 1 or not 0 < self.hysteresis <= 1:
+            raise ConfigError("smoothing", "smoothing and hysteresis must be in (0, 1]")
+
+
+class AdaptivePolicy:
+    """Chooses a codec per tensor from measured compute time and link bandwidth.
+
+    Feed it `observe_step(compute_s)` every step and `observe_transfer(nbytes, seconds)`
+    whenever a transfer's pure transmission time is known (a bandwidth probe, or a push
+    minus the measured latency). `decide()` re-plans every `decide_every` steps: all
+    tensors start at the least lossy codec and the tensor with the most bytes moves one
+    step down the ladder until the predicted transfer time fits the budget.
+    """
+
+    def __init__(
+        self, tensors: dict[str, int], ratio: dict[str, float], config: AdaptiveConfig | None = None
+    ) -> None:
+        """`tensors`: name -> numel; `ratio`: codec spec -> nominal compression ratio."""
+        self.config = config or AdaptiveConfig()
+        missing = [c for c in self.config.ladder if c not in ratio]
+        if missing:
+            raise ConfigError("ladder", f"no nominal ratio for {missing}")
+        self.tensors = dict(tensors)
+        self.ratio = ratio
+        self.level = {name: 0 for name in self.tensors}
+        self.compute_s: float | None = None
+        self.bandwidth_bps: float | None = None
+        self._steps = 0
+        self.decisions = 0
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        a = self.config.smoothing
+        return new if old is None else a * new + (1 - a) * old
+
+    def observe_step(self, compute_s: float) -> None:
+        if compute_s > 0 and math.isfinite(compute_s):
+            self.compute_s = self._ewma(self.compute_s, compute_s)
+        self._steps += 1
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0 and math.isfinite(seconds):
+            self.bandwidth_bps = self._ewma(self.bandwidth_bps, nbytes / seconds)
+
+    def codec(self, name: str) -> str:
+        return self.config.ladder[self.level[name]]
+
+    def choices(self) -> dict[str, str]:
+        return {name: self.codec(name) for name in self.tensors}
+
+    def predicted_bytes(self, levels: dict[str, int]) -> float:
+        ladder = self.config.ladder
+        return sum(4 * n / self.ratio[ladder[levels[name]]] for name, n in self.tensors.items())
+
+    def due(self) -> bool:
+        return self._steps > 0 and self._steps % self.config.decide_every == 0
+
+    def decide(self) -> bool:
+        """Re-plan the codecs; True when any choice changed."""
+        if self.compute_s is None or self.bandwidth_bps is None:
+            return False
+        budget = self.config.target_share * self.compute_s * self.bandwidth_bps  # bytes per step
+        top = len(self.config.ladder) - 1
+        levels = {name: 0 for name in self.tensors}
+        while self.predicted_bytes(levels) > budget:
+            movable = [n for n in self.tensors if levels[n] < top]
+            if not movable:
+                break
+            ladder = self.config.ladder
+            worst = max(
+                movable, key=lambda n: (4 * self.tensors[n] / self.ratio[ladder[levels[n]]], n)
+            )
+            levels[worst] += 1
+        # Hysteresis: only relax where the relaxed plan fits comfortably, so a noisy
+        # measurement does not flip codecs back and forth.
+        relaxed = {n: lv for n, lv in levels.items() if lv < self.level[n]}
+        if relaxed and self.predicted_bytes(levels) > self.config.hysteresis * budget:
+            for n in relaxed:
+                levels[n] = self.level[n]
+        changed = levels != self.level
+        self.level = levels
+        self.decisions += 1
+        return changed
+
+    def mean_level(self) -> float:
+        total = sum(self.tensors.values()) or 1
+        return sum(self.level[n] * k for n, k in self.tensors.items()) / total

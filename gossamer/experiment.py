@@ -49,6 +49,9 @@ class Experiment:
     dataset_args: dict[str, Any] = field(default_factory=dict)
     mode: str = "async"
     compression: str = "none"
+    compression_overrides: dict[str, str] = field(default_factory=dict)
+    pull_compression: str = "none"
+    adaptive_target_share: float = 0.2
     optimizer: str = "sgd"
     lr: float = 0.05
     momentum: float = 0.0
@@ -88,11 +91,16 @@ class Experiment:
                 raise bad(f, "must be a table/dict")
         if self.mode not in MODES:
             raise bad("mode", f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if not isinstance(self.compression, str) or not _COMPRESSION.match(self.compression):
-            raise bad(
-                "compression",
-                f"unknown codec {self.compression!r}; none|fp16|bf16|int8|qsgd:L|topk:R|powersgd:K|sign|adaptive",
-            )
+        _check_codec("compression", self.compression, allow_adaptive=True)
+        _check_codec("pull_compression", self.pull_compression, allow_adaptive=False)
+        if not isinstance(self.compression_overrides, dict):
+            raise bad("compression_overrides", "must map a parameter-name pattern to a codec")
+        for pattern, spec in self.compression_overrides.items():
+            if not isinstance(pattern, str) or not pattern:
+                raise bad("compression_overrides", f"pattern {pattern!r} must be a non-empty string")
+            _check_codec("compression_overrides", spec, allow_adaptive=False)
+        if _not_number(self.adaptive_target_share) or not 0 < self.adaptive_target_share <= 10:
+            raise bad("adaptive_target_share", f"must be in (0, 10], got {self.adaptive_target_share!r}")
         if self.optimizer not in OPTIMIZERS:
             raise bad("optimizer", f"unknown optimizer {self.optimizer!r}; choose {', '.join(OPTIMIZERS)}")
         for f in ("lr", "outer_lr"):
@@ -183,6 +191,28 @@ class Experiment:
     def effective_global_batch(self, num_workers: int) -> int:
         """Samples per global step in sync mode."""
         return self.global_batch_size or self.batch_size * num_workers
+
+
+def _check_codec(field_name: str, spec: object, *, allow_adaptive: bool) -> None:
+    if not isinstance(spec, str) or not _COMPRESSION.match(spec):
+        raise ConfigError(
+            field_name,
+            f"unknown codec {spec!r}; none|fp16|bf16|int8|qsgd:L|topk:R|powersgd:K|sign"
+            + ("|adaptive" if allow_adaptive else ""),
+        )
+    if spec == "adaptive":
+        if not allow_adaptive:
+            raise ConfigError(field_name, "'adaptive' is only for `compression`")
+        return
+    # Checked here without importing torch (the coordinator validates experiments too); the
+    # ranges are those of gossamer.compression.parse_codec.
+    name, _, arg = spec.partition(":")
+    if name == "qsgd" and not 1 <= int(arg) <= 127:
+        raise ConfigError(field_name, f"{spec!r}: qsgd needs 1 <= L <= 127")
+    if name == "powersgd" and int(arg) < 1:
+        raise ConfigError(field_name, f"{spec!r}: powersgd needs rank K >= 1")
+    if name == "topk" and not 0 < float(arg) <= 1:
+        raise ConfigError(field_name, f"{spec!r}: topk needs 0 < R <= 1")
 
 
 def _env_overrides() -> dict[str, Any]:

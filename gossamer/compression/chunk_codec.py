@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,9 +15,17 @@ from gossamer.compression.codec import Codec, Payload
 from gossamer.compression.codec_spec import parse_codec
 from gossamer.compression.error_feedback import ErrorFeedback
 from gossamer.errors import ConfigError, ProtocolError
-from gossamer.paramserver.shard_plan import ShardPlan
+
+if TYPE_CHECKING:  # the data plane imports this module: no import cycle at run time
+    from gossamer.paramserver.shard_plan import ShardPlan
 
 __all__ = ["CHUNK_META_VERSION", "ChunkCompressor", "Segment"]
+
+
+def _elementwise(spec: str) -> bool:
+    """Codecs that treat entries independently of the tensor's shape (all but PowerSGD)."""
+    return not spec.startswith("powersgd")
+
 
 CHUNK_META_VERSION = 1
 _CHUNK_META_KEYS = {"v", "chunk", "numel", "segments"}
@@ -61,8 +69,12 @@ class ChunkCompressor:
     encoder and decoder only share the constructor arguments; PowerSGD's warm-start state
     stays in the encoder, its payload being self-contained.
 
-    Error feedback runs per segment (key ``c{i}/{s}``) in the encoder: the residual is
-    added before encoding and what decoding lost becomes the next residual.
+    Adjacent segments with the same shape-agnostic codec (all but PowerSGD) are merged into
+    one 1-D segment, so a chunk of many small parameters costs one payload, not one each.
+
+    Error feedback runs per chunk (key ``c{i}``) in the encoder, on the segments whose codec
+    uses it: the residual is added before encoding and what decoding lost becomes the next
+    residual. Keyed by chunk, it survives a change of codecs that re-cuts the segments.
 
     Counters (both directions add to them, an instance normally doing one): `raw_bytes`
     (fp32 bytes of the chunks), `wire_bytes` (payload tensor bytes; the meta is not
@@ -131,6 +143,11 @@ class ChunkCompressor:
         self.encode_seconds = 0.0
         self.decode_seconds = 0.0
 
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The parameter shapes this compressor was given."""
+        return dict(self._shapes)
+
     def _codec(self, spec: str, field: str) -> Codec:
         codec = parse_codec(spec, seed=self._seed, field=field)
         return self._codecs.setdefault(codec.spec, codec)
@@ -175,7 +192,26 @@ class ChunkCompressor:
                 continue
             whole = b - a == numel
             shape = self._shapes.get(name, (numel,)) if whole else (b - a,)
-            segs.append(Segment(name, a - start, a - lo, b - a, shape, self.codec_of(name)))
+            full = self._shapes.get(name)
+            if not whole and full is not None and len(full) >= 2:
+                row = math.prod(full[1:])
+                if row and (a - start) % row == 0 and (b - a) % row == 0:
+                    shape = ((b - a) // row, *full[1:])  # whole rows of a matrix stay a matrix
+            seg = Segment(name, a - start, a - lo, b - a, shape, self.codec_of(name))
+            prev = segs[-1] if segs else None
+            if prev is not None and prev.codec == seg.codec and _elementwise(seg.codec):
+                # Elementwise codecs do not care where a parameter ends: one segment (and so
+                # one payload) for the run saves a header entry per parameter.
+                segs[-1] = Segment(
+                    prev.param,
+                    prev.param_offset,
+                    prev.chunk_offset,
+                    prev.numel + seg.numel,
+                    (prev.numel + seg.numel,),
+                    seg.codec,
+                )
+            else:
+                segs.append(seg)
         self._segments[chunk_index] = result = tuple(segs)
         return result
 
@@ -199,21 +235,28 @@ class ChunkCompressor:
         numel = self.plan.chunks[chunk_index].numel
         if not isinstance(flat_values, torch.Tensor) or flat_values.numel() != numel:
             raise ValueError(f"chunk {chunk_index} has {numel} values, got {flat_values!r:.80}")
-        x = flat_values.detach().reshape(-1)
+        x = flat_values.detach().reshape(-1).to(torch.float32)
+        # Error feedback runs on the whole chunk (key "c{i}"), so the memory survives a
+        # change of codecs (adaptive) that re-cuts the chunk's segments.
+        key = f"c{chunk_index}"
+        feedback = any(self.uses_error_feedback(seg.param) for seg in segs)
+        if feedback:
+            x = self.feedback.compensate(key, x)
+            kept = torch.empty_like(x)
         tensors: dict[str, torch.Tensor] = {}
         seg_meta: list[dict[str, Any]] = []
         for s, seg in enumerate(segs):
             codec = self._codecs[seg.codec]
-            key = f"c{chunk_index}/{s}"
-            v = x[seg.chunk_offset : seg.chunk_offset + seg.numel].reshape(seg.shape)
-            if self.uses_error_feedback(seg.param):
-                v = self.feedback.compensate(key, v)
-                payload = codec.encode(v, key=key)
-                self.feedback.update(key, v, codec.decode(payload, seg.shape, torch.float32))
-            else:
-                payload = codec.encode(v, key=key)
+            lo, hi = seg.chunk_offset, seg.chunk_offset + seg.numel
+            v = x[lo:hi].reshape(seg.shape)
+            payload = codec.encode(v, key=f"{seg.param}@{seg.param_offset}")
+            if feedback:
+                if self.uses_error_feedback(seg.param):
+                    kept[lo:hi] = codec.decode(payload, seg.shape, torch.float32).reshape(-1)
+                else:
+                    kept[lo:hi] = x[lo:hi]  # no feedback here: nothing is carried over
             for part, t in payload.tensors.items():
-                tensors[f"{key}/{part}"] = t
+                tensors[f"{key}/{s}/{part}"] = t
             seg_meta.append(
                 {
                     "param": seg.param,
@@ -223,6 +266,8 @@ class ChunkCompressor:
                     "meta": dict(payload.meta),
                 }
             )
+        if feedback:
+            self.feedback.update(key, x, kept)
         meta = {"v": CHUNK_META_VERSION, "chunk": chunk_index, "numel": numel, "segments": seg_meta}
         self.raw_bytes += 4 * numel
         self.wire_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -268,7 +313,11 @@ class ChunkCompressor:
                 raise ProtocolError(
                     f"{where}: sender used codec {m['codec']!r}, this side expects {seg.codec!r}"
                 )
-            if m["param"] != seg.param or m["offset"] != seg.param_offset or m["numel"] != seg.numel:
+            if (
+                m["param"] != seg.param
+                or m["offset"] != seg.param_offset
+                or m["numel"] != seg.numel
+            ):
                 raise ProtocolError(
                     f"{where}: meta says {m['param']!r}[{m['offset']!r}:+{m['numel']!r}], "
                     f"the plan says {seg.param!r}[{seg.param_offset}:+{seg.numel}]"
@@ -290,7 +339,9 @@ class ChunkCompressor:
         where = f"chunk {chunk_index}"
         if not isinstance(meta, dict) or set(meta) != _CHUNK_META_KEYS:
             keys = sorted(map(str, meta)) if isinstance(meta, dict) else type(meta).__name__
-            raise ProtocolError(f"{where}: meta must be a map with keys {sorted(_CHUNK_META_KEYS)}, got {keys}")
+            raise ProtocolError(
+                f"{where}: meta must be a map with keys {sorted(_CHUNK_META_KEYS)}, got {keys}"
+            )
         if type(meta["v"]) is not int or meta["v"] != CHUNK_META_VERSION:
             raise ProtocolError(f"{where}: unsupported chunk meta version {meta['v']!r}")
         if type(meta["chunk"]) is not int or meta["chunk"] != chunk_index:
@@ -308,7 +359,9 @@ class ChunkCompressor:
                 )
             for key, kind in (("param", str), ("offset", int), ("numel", int), ("codec", str)):
                 if type(m[key]) is not kind:
-                    raise ProtocolError(f"{where}: segment {s} meta {key!r} must be {kind.__name__}")
+                    raise ProtocolError(
+                        f"{where}: segment {s} meta {key!r} must be {kind.__name__}"
+                    )
             if not isinstance(m["meta"], dict):
                 raise ProtocolError(f"{where}: segment {s} payload meta must be a map")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from gossamer.compression.codec import Codec
 from gossamer.compression.float_codecs import BF16Codec, FP16Codec, NoneCodec
@@ -16,7 +17,13 @@ __all__ = ["CODEC_NAMES", "parse_codec"]
 
 #: Codec families, in the order of the experiment's `compression` field documentation.
 CODEC_NAMES = ("none", "fp16", "bf16", "int8", "qsgd", "topk", "powersgd", "sign")
-_PLAIN = {"none": NoneCodec, "fp16": FP16Codec, "bf16": BF16Codec, "int8": Int8Codec, "sign": SignCodec}
+_PLAIN: dict[str, Callable[[], Codec]] = {
+    "none": NoneCodec,
+    "fp16": FP16Codec,
+    "bf16": BF16Codec,
+    "int8": Int8Codec,
+    "sign": SignCodec,
+}
 
 
 def _int_arg(spec: str, arg: str, field: str) -> int:

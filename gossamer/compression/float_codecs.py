@@ -44,6 +44,7 @@ class NoneCodec(_CastCodec):
 
     Error bound: exact for fp32, fp16 and bf16 inputs; fp64 inputs are rounded to fp32
     (relative 2**-24), and encoding one outside the fp32 range raises ValueError.
+    Decoding into fp32 returns a view of the payload's tensor, not a copy.
     """
 
     name: ClassVar[str] = "none"

@@ -278,10 +278,6 @@ class Coordinator:
         exp = Experiment.from_json(experiment_json)
         if exp.mode not in IMPLEMENTED_MODES:
             raise ConfigError("mode", f"mode {exp.mode!r} is not available in this release; use sync or async")
-        if exp.compression != "none":
-            raise ConfigError(
-                "compression", f"codec {exp.compression!r} is not available in this release; use 'none'"
-            )
         if exp.parallelism != "ddp":
             raise ConfigError("parallelism", f"{exp.parallelism!r} is not available in this release; use 'ddp'")
         if self.config.check_imports:

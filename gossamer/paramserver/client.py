@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import zmq
 
+from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.errors import ConfigError, ProtocolError, ShardError, UnavailableError
 from gossamer.paramserver.shard import chunk_key, parse_chunk_key
 from gossamer.paramserver.shard_plan import ShardPlan
@@ -59,7 +60,11 @@ class ShardClient:
         context: zmq.Context | None = None,
         limits: FrameLimits | None = None,
         throttle: TokenBucket | None = None,
+        compressor: ChunkCompressor | None = None,
+        pull_codec: str = "none",
     ) -> None:
+        """`compressor` encodes pushed gradients; `pull_codec` asks shards for compressed
+        parameter differences instead of full values (see ShardServer)."""
         if not sender:
             raise ConfigError("sender", "must be a non-empty string")
         if timeout_s <= 0:
@@ -84,6 +89,19 @@ class ShardClient:
         self._socks: dict[int, zmq.Socket] = {s: self._connect(s) for s in self._endpoints}
         self._rid = 0
         self.throttle = throttle
+        self.compressor = compressor
+        self.pull_codec = pull_codec
+        self._pull_decoder: ChunkCompressor | None = None
+        if pull_codec != "none":
+            self._pull_decoder = ChunkCompressor(
+                pull_codec,
+                plan,
+                error_feedback=False,
+                shapes=compressor.shapes if compressor is not None else None,
+            )
+        self._held: dict[int, torch.Tensor] = {}  # chunk values we hold (pull compression)
+        self.raw_bytes_up = 0
+        self.raw_bytes_down = 0
         self.bytes_up = 0
         self.bytes_down = 0
         self.messages = 0
@@ -103,7 +121,10 @@ class ShardClient:
 
     def pull(self) -> PullResult:
         """Current values of this client's chunks."""
-        reqs = {s: self._msg("PULL", s, {"chunks": self._by_shard[s]}) for s in self.shards}
+        reqs = {
+            s: self._msg("PULL", s, {"chunks": self._by_shard[s], "pull_codec": self.pull_codec})
+            for s in self.shards
+        }
         return self._result(self._request(reqs))
 
     def push_pull(
@@ -135,10 +156,26 @@ class ShardClient:
         for s, tensors in per_shard.items():
             if s not in self._socks:
                 raise ConfigError("grads", f"chunks of shard {s} are not this client's")
-            meta: dict[str, Any] = {"clock": clock, "basis": basis.get(s, 0)}
+            meta: dict[str, Any] = {
+                "clock": clock,
+                "basis": basis.get(s, 0),
+                "pull_codec": self.pull_codec,
+            }
             if step is not None:
                 meta["step"] = step
                 meta["num_workers"] = num_workers if num_workers is not None else 1
+            self.raw_bytes_up += sum(4 * t.numel() for t in tensors.values())
+            if self.compressor is not None:
+                wire: dict[str, torch.Tensor] = {}
+                chunk_meta: dict[str, Any] = {}
+                for name, t in tensors.items():
+                    idx = parse_chunk_key(name)
+                    part, chunk_meta[str(idx)] = self.compressor.encode(idx, t)
+                    wire.update(part)
+                tensors = wire
+                meta["compression"] = chunk_meta
+                meta["codec"] = self.compressor.default_spec
+                meta["codec_overrides"] = [list(p) for p in self.compressor.overrides]
             reqs[s] = self._msg("PUSH", s, meta, tensors)
         return self._result(self._request(reqs))
 
@@ -264,6 +301,23 @@ class ShardClient:
             raise ShardError("; ".join(errors))
         return replies
 
+    def _apply_deltas(self, shard: int, reply: Message, compressed: Any) -> dict[int, torch.Tensor]:
+        """Rebuild chunk values from compressed differences against what we hold."""
+        if self._pull_decoder is None or not isinstance(compressed, dict):
+            raise ShardError(f"shard {shard} sent compressed parameters we did not ask for")
+        out: dict[int, torch.Tensor] = {}
+        for key, cmeta in compressed.items():
+            idx = int(key) if isinstance(key, str) and key.isdigit() else -1
+            if idx not in self._held:
+                raise ShardError(
+                    f"shard {shard} sent a difference for chunk {key!r} we do not hold"
+                )
+            try:
+                out[idx] = self._held[idx] + self._pull_decoder.decode(idx, reply.tensors, cmeta)
+            except ProtocolError as e:
+                raise ShardError(f"shard {shard} sent an undecodable difference: {e}") from e
+        return out
+
     def _result(self, replies: dict[int, Message]) -> PullResult:
         values: dict[int, torch.Tensor] = {}
         versions: dict[int, int] = {}
@@ -274,6 +328,14 @@ class ShardClient:
             done = done or bool(reply.meta.get("done", False))
             if "staleness" in reply.meta:
                 staleness[s] = int(reply.meta["staleness"])
+            compressed = reply.meta.get("pull_compression")
             for name, t in reply.tensors.items():
-                values[parse_chunk_key(name)] = t
+                if "/" not in name:
+                    values[parse_chunk_key(name)] = t
+            if compressed:
+                values.update(self._apply_deltas(s, reply, compressed))
+            for idx in values:
+                self.raw_bytes_down += 4 * self.plan.chunks[idx].numel
+            if self._pull_decoder is not None:
+                self._held.update(values)
         return PullResult(versions=versions, values=values, done=done, staleness=staleness)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import zmq
 
+from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.errors import ConfigError, ProtocolError
 from gossamer.paramserver.consistency import SSPGate
 from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer, set_lr_factor
@@ -118,7 +119,15 @@ class ShardServer:
     other threads (they take the same lock as updates).
     """
 
-    def __init__(self, config: ShardConfig, plan: ShardPlan, init: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        config: ShardConfig,
+        plan: ShardPlan,
+        init: dict[int, torch.Tensor],
+        *,
+        shapes: dict[str, tuple[int, ...]] | None = None,
+    ) -> None:
+        """`shapes`: parameter shapes by name, so compressed segments decode as matrices."""
         if config.shard >= plan.num_shards:
             raise ConfigError("shard", f"shard {config.shard} not in a plan of {plan.num_shards}")
         self.config = config
@@ -144,6 +153,14 @@ class ShardServer:
             lr_staleness_scaling=config.lr_staleness_scaling,
             worker_timeout_s=config.worker_timeout_s,
         )
+        self._shapes = dict(shapes or {})
+        self._decoders: dict[tuple[str, tuple[tuple[str, str], ...]], ChunkCompressor] = {}
+        # Pull compression: what each worker holds of every chunk, so replies carry the
+        # compressed difference; what a lossy codec drops stays in the next difference.
+        self._views: dict[tuple[str, int], torch.Tensor] = {}
+        self._pull_encoders: dict[str, ChunkCompressor] = {}
+        self._pull_of: dict[bytes, tuple[str, str]] = {}  # ZMQ identity -> (sender, pull codec)
+        self.raw_bytes_out = 0
         self._version = 0
         self._pending: dict[tuple[str, int], _Update] = {}
         self._sync_step: dict[str, _Update] = {}
@@ -290,6 +307,7 @@ class ShardServer:
             "held": self._gate.held_count(),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
+            "raw_bytes_out": self.raw_bytes_out,
             "errors": self.errors,
             "dropped": self.dropped,
         }
@@ -340,12 +358,18 @@ class ShardServer:
         elif msg.op == "PULL":
             if msg.sender:
                 self._gate.touch(msg.sender, now)
-            self._reply_params(identity, rid, self._pull_chunks(msg), {})
+            chunks = self._pull_chunks(msg)
+            self._note_pull_codec(identity, msg)
+            for idx in chunks:  # a PULL restarts the worker's view: full values follow
+                self._views.pop((msg.sender, idx), None)
+            self._reply_params(identity, rid, chunks, {})
         elif msg.op == "PUSH":
             self._on_push(identity, msg, now)
         elif msg.op == "STATS":
             self._reply(identity, "STATS", {"rid": rid, **self._stats()})
         elif msg.op == "LEAVE":
+            for key in [k for k in self._views if k[0] == msg.sender]:
+                del self._views[key]
             released = self._gate.leave(msg.sender, now)
             self._send_released(released)
             self._reply(identity, "BYE", {"rid": rid})
@@ -373,9 +397,56 @@ class ShardServer:
             raise _Reject(f"PUSH meta {key!r} must be an int >= {minimum}, got {value!r}")
         return value
 
+    def _decoder(self, spec: Any, overrides: Any) -> ChunkCompressor:
+        if not isinstance(spec, str) or not isinstance(overrides, list):
+            raise _Reject("PUSH meta 'codec' must be a string and 'codec_overrides' a list")
+        pairs: list[tuple[str, str]] = []
+        for item in overrides:
+            if not (
+                isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)
+            ):
+                raise _Reject("PUSH meta 'codec_overrides' must hold [pattern, codec] pairs")
+            pairs.append((item[0], item[1]))
+        key = (spec, tuple(pairs))
+        decoder = self._decoders.get(key)
+        if decoder is None:
+            try:
+                decoder = ChunkCompressor(spec, self.plan, overrides=pairs, shapes=self._shapes)
+            except ConfigError as e:
+                raise _Reject(f"cannot decode: {e}") from None
+            if (
+                len(self._decoders) >= 64
+            ):  # an adaptive sender changes choices; keep a bounded cache
+                self._decoders.pop(next(iter(self._decoders)))
+            self._decoders[key] = decoder
+        return decoder
+
+    def _decompress(self, msg: Message) -> dict[int, torch.Tensor]:
+        chunk_meta = msg.meta["compression"]
+        if not isinstance(chunk_meta, dict) or not chunk_meta:
+            raise _Reject("PUSH meta 'compression' must map chunk index -> chunk meta")
+        decoder = self._decoder(msg.meta.get("codec"), msg.meta.get("codec_overrides", []))
+        grads: dict[int, torch.Tensor] = {}
+        for key, meta in chunk_meta.items():
+            if not isinstance(key, str) or not key.isdigit() or len(key) > 9:
+                raise _Reject(f"compressed chunk key {key!r} is not a chunk index")
+            idx = int(key)
+            if idx not in self._chunks:
+                raise _Reject(f"chunk {idx} is not on shard {self.config.shard}", "NOT_FOUND")
+            grads[idx] = decoder.decode(idx, msg.tensors, meta)
+        stray = {n.split("/", 1)[0] for n in msg.tensors} - {f"c{i}" for i in grads}
+        if stray:
+            raise _Reject(f"tensors {sorted(stray)[:4]} belong to no declared compressed chunk")
+        for idx, g in grads.items():
+            if not bool(torch.isfinite(g).all()):
+                raise _Reject(f"chunk {idx}: decoded gradient is not finite")
+        return grads
+
     def _validate_grads(self, msg: Message) -> dict[int, torch.Tensor]:
         if not msg.tensors:
             raise _Reject("PUSH carries no gradients")
+        if "compression" in msg.meta:
+            return self._decompress(msg)
         grads: dict[int, torch.Tensor] = {}
         for name, t in msg.tensors.items():
             idx = parse_chunk_key(name)
@@ -390,8 +461,27 @@ class ShardServer:
         check_finite(msg)
         return grads
 
+    def _note_pull_codec(self, identity: bytes, msg: Message) -> None:
+        spec = msg.meta.get("pull_codec", "none")
+        if not isinstance(spec, str) or len(spec) > 64:
+            raise _Reject("meta 'pull_codec' must be a codec spec string")
+        if spec == "none":
+            self._pull_of.pop(identity, None)
+            return
+        if spec not in self._pull_encoders:
+            try:
+                self._pull_encoders[spec] = ChunkCompressor(
+                    spec, self.plan, error_feedback=False, shapes=self._shapes
+                )
+            except ConfigError as e:
+                raise _Reject(f"pull_codec: {e}") from None
+        if not msg.sender:
+            raise _Reject("pull compression needs a sender id")
+        self._pull_of[identity] = (msg.sender, spec)
+
     def _on_push(self, identity: bytes, msg: Message, now: float) -> None:
         rid = msg.meta.get("rid")
+        self._note_pull_codec(identity, msg)
         clock = self._meta_int(msg, "clock")
         basis = self._meta_int(msg, "basis")
         sync = self.config.mode == "sync"
@@ -509,9 +599,34 @@ class ShardServer:
     def _reply_params(
         self, identity: bytes, rid: Any, chunks: list[int], extra: dict[str, Any]
     ) -> None:
-        # Clones: the send is zero-copy and the next update mutates the parameters.
-        tensors = {f"c{idx}": self._params[idx].clone() for idx in chunks}
-        self._reply(identity, "PARAMS", {"rid": rid, "done": self.done, **extra}, tensors)
+        meta: dict[str, Any] = {"rid": rid, "done": self.done, **extra}
+        tensors: dict[str, torch.Tensor] = {}
+        pull = self._pull_of.get(identity)
+        if pull is None:
+            # Clones: the send may be zero-copy and the next update mutates the parameters.
+            tensors = {f"c{idx}": self._params[idx].clone() for idx in chunks}
+        else:
+            sender, spec = pull
+            encoder = self._pull_encoders[spec]
+            compressed: dict[str, Any] = {}
+            for idx in chunks:
+                current = self._params[idx]
+                view = self._views.get((sender, idx))
+                if view is None:  # first contact: full values, and they become the view
+                    tensors[f"c{idx}"] = current.clone()
+                    self._views[(sender, idx)] = current.clone()
+                    continue
+                wire, cmeta = encoder.encode(idx, current - view)
+                # Track exactly what the worker will hold: what the codec dropped stays in
+                # the next difference (error feedback through the view).
+                view.add_(encoder.decode(idx, wire, cmeta))
+                tensors.update(wire)
+                compressed[str(idx)] = cmeta
+            if compressed:
+                meta["pull_compression"] = compressed
+                meta["codec"] = spec
+        self.raw_bytes_out += sum(4 * self._chunks[idx].numel for idx in chunks)
+        self._reply(identity, "PARAMS", meta, tensors)
 
     def _reply(
         self,

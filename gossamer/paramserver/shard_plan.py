@@ -65,8 +65,13 @@ class ShardPlan:
         named_numels: list[tuple[str, int]],
         num_shards: int,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        row_numels: dict[str, int] | None = None,
     ) -> ShardPlan:
-        """Cut the flat vector into equal chunks of at most `chunk_numel` and place them greedily.
+        """Cut the flat vector into near-equal chunks of at most `chunk_numel`, place them greedily.
+
+        Each cut moves to a parameter boundary when one is within a quarter chunk, else to a
+        row boundary of the parameter it falls in (`row_numels`: elements per row, i.e.
+        per index of dim 0), so codecs such as PowerSGD still see whole rows of a matrix.
 
         Raises:
             ConfigError: on a non-positive `num_shards`/`chunk_numel`, a negative size or a
@@ -88,15 +93,42 @@ class ShardPlan:
             if numel:
                 starts.append((total, name))
             total += numel
-        # Equal contiguous ranges, as few as the size limit allows but at least one per shard:
-        # small parameters are packed together, so a small model costs one frame per shard
-        # (per-tensor costs dominate small messages), and elementwise optimizers do not care
-        # where a chunk starts.
+        # Near-equal contiguous ranges, as few as the size limit allows but at least one per
+        # shard: small parameters are packed together, so a small model costs one frame per
+        # shard (per-tensor costs dominate small messages); elementwise optimizers do not care
+        # where a chunk starts, and row-aligned cuts keep matrices for PowerSGD.
         count = min(total, max(-(-total // chunk_numel), num_shards))
+        sizes = dict(named_numels)
+        rows = row_numels or {}
+        offsets = [o for o, _ in starts]
+        cuts = [0]
+        for i in range(1, count):
+            ideal = i * total // count
+            p = bisect.bisect_right(offsets, ideal) - 1
+            start, name = starts[p]
+            end = start + sizes[name]
+            slack = max(1, total // count // 4)
+            near = min((start, end), key=lambda b: abs(b - ideal))
+            if abs(near - ideal) <= slack:
+                cut = near
+            else:
+                row = max(1, rows.get(name, 1))
+                cut = start + round((ideal - start) / row) * row
+            if not cuts[-1] < cut < total or cut - cuts[-1] > chunk_numel:
+                cut = ideal  # snapping would break a size limit: cut where planned
+            if cut > cuts[-1]:
+                cuts.append(cut)
+        cuts.append(total)
+        ranges: list[tuple[int, int]] = []
+        for lo, hi in zip(cuts, cuts[1:], strict=False):
+            while hi - lo > chunk_numel:  # a snapped neighbour made this one too long
+                ranges.append((lo, lo + chunk_numel))
+                lo += chunk_numel
+            if hi > lo:
+                ranges.append((lo, hi))
         pieces: list[Chunk] = []
-        for i in range(count):
-            lo, hi = i * total // count, (i + 1) * total // count
-            p = bisect.bisect_right([o for o, _ in starts], lo) - 1
+        for i, (lo, hi) in enumerate(ranges):
+            p = bisect.bisect_right(offsets, lo) - 1
             offset, name = starts[p]
             pieces.append(Chunk(i, name, lo - offset, lo, hi - lo, -1))
         placement = _greedy(pieces, num_shards)
@@ -113,7 +145,8 @@ class ShardPlan:
     ) -> ShardPlan:
         """`build` from `module.named_parameters()`."""
         named = [(n, p.numel()) for n, p in module.named_parameters()]
-        return cls.build(named, num_shards, chunk_numel)
+        rows = {n: p[0].numel() for n, p in module.named_parameters() if p.dim() >= 2 and len(p)}
+        return cls.build(named, num_shards, chunk_numel, rows)
 
     @property
     def total_numel(self) -> int:

@@ -97,13 +97,14 @@ class TensorSpec:
         return self.numel * DTYPES[self.dtype].itemsize
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "codec": self.codec,
-            "meta": self.meta,
-        }
+        # "codec" and "meta" are left out at their defaults: a compressed push carries one
+        # entry per payload tensor, and these bytes would be a tenth of its size.
+        wire: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.codec != "none":
+            wire["codec"] = self.codec
+        if self.meta:
+            wire["meta"] = self.meta
+        return wire
 
 
 @dataclass

@@ -26,6 +26,18 @@ def _setup(spec: dict[str, Any]) -> None:
     torch.set_num_threads(int(os.environ.get("GOSSAMER_THREADS", spec.get("threads", 1))))
 
 
+def _fault_bandwidth() -> Any:
+    """GOSSAMER_FAULT=bandwidth:rate=10mbit caps this node's pushes (a token bucket)."""
+    from gossamer.transport.throttle import TokenBucket, parse_bandwidth
+
+    for fault in filter(None, os.environ.get("GOSSAMER_FAULT", "").split(",")):
+        kind, *kvs = fault.split(":")
+        args = dict(kv.split("=", 1) for kv in kvs if "=" in kv)
+        if kind == "bandwidth" and "rate" in args:
+            return TokenBucket(parse_bandwidth(args["rate"]), burst_bytes=int(args.get("burst", 16384)))
+    return None
+
+
 def _fault_delay(worker_index: int) -> float:
     """GOSSAMER_FAULT=delay:seconds=S[:worker=I] slows worker I (any worker of this node) by S s per step."""
     spec = os.environ.get("GOSSAMER_FAULT", "")
@@ -72,7 +84,8 @@ def run_server(spec: dict[str, Any]) -> None:
             ),
             total_steps=exp.total_steps, lr_staleness_scaling=exp.lr_staleness_scaling,
         )
-        server = ShardServer(config, plan, init)
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        server = ShardServer(config, plan, init, shapes=shapes)
         endpoint = server.bind(host=spec["address"], port=0)
         log.info("shard %d of %s serving %d parameters on %s", shard, spec["experiment_id"],
                  plan.shard_numel(shard), endpoint)
@@ -141,6 +154,7 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
             local_world=world,
             device=device,
             step_delay_s=_fault_delay(index),
+            throttle=_fault_bandwidth(),
         )
 
         def updates() -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from gossamer._import_check import resolve
 from gossamer.checkpoint.manifest import save_model_checkpoint
+from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.experiment import Experiment
 from gossamer.paramserver import (
     ShardClient,
@@ -25,7 +26,9 @@ from gossamer.paramserver import (
     flatten_params,
     unflatten_into,
 )
+from gossamer.transport.throttle import TokenBucket
 from gossamer.worker import sampler
+from gossamer.worker.adaptive_link import AdaptiveLink
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ class RankContext:
     local_world: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     step_delay_s: float = 0.0  # injected slowness (GOSSAMER_FAULT=delay:...), for tests
+    throttle: TokenBucket | None = None  # emulated slow link (GOSSAMER_FAULT=bandwidth:...)
 
 
 @dataclass
@@ -108,13 +112,31 @@ class Trainer:
         self.model, self.train_set, self.eval_set = build(self.exp, ctx.device)
         self.plan = ShardPlan.for_module(self.model, self.exp.num_ps_shards, self.exp.chunk_numel)
         self.mine = self.plan.chunks_of_rank(ctx.local_rank, ctx.local_world)
+        shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        compressor = None
+        if self.exp.compression not in ("none", "adaptive") or self.exp.compression_overrides:
+            compressor = ChunkCompressor(
+                "none" if self.exp.compression == "adaptive" else self.exp.compression,
+                self.plan,
+                overrides=list(self.exp.compression_overrides.items()),
+                shapes=shapes,
+                seed=self.exp.seed * 1000 + ctx.worker_index,
+            )
         self.client = ShardClient(
             experiment=ctx.experiment_id,
             sender=f"{ctx.node_id}:{ctx.worker_index}",
             plan=self.plan,
             endpoints=ctx.endpoints,
             chunks=[c.index for c in self.mine],
+            compressor=compressor,
+            pull_codec=self.exp.pull_compression,
+            throttle=ctx.throttle,
         )
+        self.adaptive: AdaptiveLink | None = None
+        if self.exp.compression == "adaptive" and self.mine:
+            self.adaptive = AdaptiveLink(self.client, self.plan, shapes,
+                                         target_share=self.exp.adaptive_target_share,
+                                         seed=self.exp.seed * 1000 + ctx.worker_index)
         self.on_metrics = on_metrics or (lambda step, values: None)
         self.updates = updates or (lambda: None)
         self.should_stop = should_stop or (lambda: False)
@@ -193,6 +215,7 @@ class Trainer:
 
     def step(self) -> bool:
         """One training step; True when the experiment has reached total_steps."""
+        t_compute = time.perf_counter()
         idx, denom = self._batch()
         x, y = _stack(self.train_set, idx)
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
@@ -209,6 +232,7 @@ class Trainer:
             dist.all_reduce(node_samples)
         if self.ctx.step_delay_s:
             time.sleep(self.ctx.step_delay_s)
+        compute_s = time.perf_counter() - t_compute
         grads = {c.index: grad[c.flat_offset : c.flat_offset + c.numel].cpu() for c in self.mine}
         sync = self.exp.mode == "sync"
         res = self.client.push_pull(
@@ -220,6 +244,8 @@ class Trainer:
         )
         self.versions = res.versions
         self._assemble(res.values)
+        if self.adaptive is not None:
+            self.adaptive.after_step(compute_s)
         self.clock += 1
         self.stats.steps += 1
         self.stats.samples += int(node_samples[0].item())
@@ -260,10 +286,17 @@ class Trainer:
             self.ctx.num_workers = int(upd.get("num_workers", self.ctx.num_workers))
 
     def _report(self, rate: float) -> None:
+        c = self.client
         values = {
-            "bytes_up": float(self.client.bytes_up),
-            "bytes_down": float(self.client.bytes_down),
+            "bytes_up": float(c.bytes_up),
+            "bytes_down": float(c.bytes_down),
+            "raw_bytes_up": float(c.raw_bytes_up),
+            "raw_bytes_down": float(c.raw_bytes_down),
         }
+        if c.compressor is not None:
+            values["encode_s"] = c.compressor.encode_seconds
+        if self.adaptive is not None:
+            values.update(self.adaptive.metrics())
         if self.ctx.local_rank == 0:
             values.update(
                 loss=self.stats.loss, samples=float(self.stats.samples), samples_per_s=rate,

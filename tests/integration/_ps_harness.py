@@ -36,7 +36,8 @@ class Shards:
                                           nesterov=exp.nesterov, weight_decay=exp.weight_decay),
                 total_steps=exp.total_steps, lr_staleness_scaling=exp.lr_staleness_scaling,
             )
-            srv = ShardServer(cfg, self.plan, init)
+            shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+            srv = ShardServer(cfg, self.plan, init, shapes=shapes)
             self.endpoints[s] = srv.bind()
             srv.start()
             self.servers.append(srv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgpack
 import pytest
@@ -25,7 +26,18 @@ from gossamer.transport.frames import Message
 from gossamer.transport.frames import decode as decode_frames
 from gossamer.transport.frames import encode as encode_frames
 
-SPECS = ["none", "fp16", "bf16", "int8", "qsgd:4", "qsgd:127", "topk:0.1", "topk:1", "powersgd:2", "sign"]
+SPECS = [
+    "none",
+    "fp16",
+    "bf16",
+    "int8",
+    "qsgd:4",
+    "qsgd:127",
+    "topk:0.1",
+    "topk:1",
+    "powersgd:2",
+    "sign",
+]
 INPUT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Half-ulp of rounding a decoded fp32 value into the output dtype: (relative, absolute).
 OUTPUT_ROUNDING = {
@@ -91,8 +103,16 @@ def within_bound(codec: Codec, x: torch.Tensor, y: torch.Tensor) -> tuple[bool, 
 
 @pytest.mark.parametrize("spec", SPECS)
 @FAST
-@given(shape=shapes, dtype=st.sampled_from(INPUT_DTYPES), scale=scales, layout=layouts, seed=st.integers(0, 2**31))
-def test_every_codec_round_trips_within_its_documented_error_bound(spec, shape, dtype, scale, layout, seed):
+@given(
+    shape=shapes,
+    dtype=st.sampled_from(INPUT_DTYPES),
+    scale=scales,
+    layout=layouts,
+    seed=st.integers(0, 2**31),
+)
+def test_every_codec_round_trips_within_its_documented_error_bound(
+    spec, shape, dtype, scale, layout, seed
+):
     codec = parse_codec(spec, seed=seed)
     x = make_tensor(shape, dtype, scale, seed, layout)
     before = x.clone()
@@ -111,13 +131,15 @@ def test_every_codec_round_trips_within_its_documented_error_bound(spec, shape, 
 @pytest.mark.parametrize("dtype", INPUT_DTYPES)
 @FAST
 @given(shape=shapes, scale=scales, layout=layouts, seed=st.integers(0, 2**31))
-def test_cast_codecs_are_exact_for_values_representable_on_the_wire(spec, dtype, shape, scale, layout, seed):
+def test_cast_codecs_are_exact_for_values_representable_on_the_wire(
+    spec, dtype, shape, scale, layout, seed
+):
     codec = parse_codec(spec)
     wire = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[spec]
     x = make_tensor(shape, dtype, scale, seed, layout)
-    top = min(torch.finfo(wire).max, torch.finfo(dtype).max)
-    x = x.double().clamp(-top, top).to(wire).to(dtype)  # representable in both
-    x = x.to(wire).to(dtype)
+    top = min(torch.finfo(wire).max, torch.finfo(dtype).max) / 2
+    x = x.double().clamp(-top, top).to(wire).to(dtype)
+    x = torch.where(x.to(wire).to(dtype) == x, x, torch.zeros_like(x))  # representable in both
     assert torch.equal(codec.decode(codec.encode(x), shape, dtype), x)
 
 
@@ -151,11 +173,14 @@ def test_powersgd_is_exact_on_a_matrix_of_lower_rank_and_warm_start_improves_the
     low = torch.randn(60, 2, generator=g) @ torch.randn(2, 50, generator=g)
     codec = parse_codec("powersgd:2")
     y = codec.decode(codec.encode(low, key="w"), (60, 50), torch.float32)
-    assert torch.allclose(y, low, atol=1e-4)
+    # exact up to the fp16 rounding of the factors (2**-11 relative per factor entry)
+    assert float((y - low).norm() / low.norm()) < 2e-3
     m = torch.randn(60, 50, generator=g)
     errs = []
     for _ in range(6):
-        errs.append(float((codec.decode(codec.encode(m, key="m"), (60, 50), torch.float32) - m).norm()))
+        errs.append(
+            float((codec.decode(codec.encode(m, key="m"), (60, 50), torch.float32) - m).norm())
+        )
     assert errs[-1] < errs[0]
 
 
@@ -164,8 +189,14 @@ def test_powersgd_is_exact_on_a_matrix_of_lower_rank_and_warm_start_improves_the
 
 @pytest.mark.parametrize("spec", ["topk:0.05", "sign", "powersgd:1", "int8"])
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31), steps=st.integers(1, 6), shape=st.sampled_from([(37,), (12, 20), (1,), (0,)]))
-def test_error_feedback_keeps_sum_of_decoded_plus_residual_equal_to_sum_of_inputs(spec, seed, steps, shape):
+@given(
+    seed=st.integers(0, 2**31),
+    steps=st.integers(1, 6),
+    shape=st.sampled_from([(37,), (12, 20), (1,), (0,)]),
+)
+def test_error_feedback_keeps_sum_of_decoded_plus_residual_equal_to_sum_of_inputs(
+    spec, seed, steps, shape
+):
     codec = parse_codec(spec, seed=seed)
     ef = ErrorFeedback()
     g = torch.Generator().manual_seed(seed)
@@ -182,7 +213,8 @@ def test_error_feedback_keeps_sum_of_decoded_plus_residual_equal_to_sum_of_input
         magnitude += grad.double().abs() + decoded.double().abs()
     residual = ef.residual("k")
     assert residual is not None and residual.dtype == torch.float32
-    assert torch.allclose(sent + residual.double(), total, rtol=0, atol=1e-5 * (1 + float(magnitude.max(initial=0))))
+    # Each step rounds (g + e) and (g + e) - decoded in fp32: a few ulps of the magnitudes.
+    assert bool(((sent + residual.double() - total).abs() <= 2e-6 * (1 + magnitude)).all())
 
 
 def test_error_feedback_lets_topk_eventually_send_every_coordinate():
@@ -236,11 +268,15 @@ def test_qsgd_with_a_seed_is_reproducible():
 def test_topk_payload_holds_only_kept_indices_and_values():
     x = torch.randn(100_000)
     p = parse_codec("topk:0.01").encode(x)
-    assert p.tensors["indices"].dtype == torch.int32 and p.tensors["values"].dtype == torch.float32
+    assert p.tensors["indices"].dtype == torch.int32 and p.tensors["values"].dtype == torch.float16
     assert p.tensors["indices"].numel() == p.tensors["values"].numel() == 1000
-    assert p.nbytes == 1000 * (4 + 4)
+    assert p.nbytes == 1000 * (4 + 2)
     kept = x.abs().sort(descending=True).values[:1000]
-    assert torch.equal(p.tensors["values"].abs().sort(descending=True).values, kept)
+    assert torch.equal(p.tensors["values"].abs().sort(descending=True).values, kept.half())
+    small = parse_codec("topk:0.01").encode(torch.randn(30_000))
+    assert small.tensors["indices"].dtype == torch.int16  # 2-byte indices below 32768 entries
+    huge = parse_codec("topk:0.01").encode(torch.randn(30_000) * 1e6)
+    assert huge.tensors["values"].dtype == torch.float32  # out of fp16 range: exact fp32
 
 
 def test_nominal_ratios_meet_the_targets():
@@ -256,13 +292,34 @@ def test_nominal_ratios_meet_the_targets():
 def test_nominal_ratio_equals_real_payload_ratio(spec, shape):
     codec = parse_codec(spec)
     p = codec.encode(torch.randn(shape))
-    assert codec.nominal_ratio(math.prod(shape), shape) == pytest.approx(4 * math.prod(shape) / p.nbytes)
+    assert codec.nominal_ratio(math.prod(shape), shape) == pytest.approx(
+        4 * math.prod(shape) / p.nbytes
+    )
 
 
 # --- specs ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["", "zip", "topk", "topk:0", "topk:1.5", "topk:nan", "topk:x", "qsgd:0", "qsgd:128", "qsgd:-1", "powersgd:0", "powersgd:1.5", "int8:2", "fp16:1", None])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "",
+        "zip",
+        "topk",
+        "topk:0",
+        "topk:1.5",
+        "topk:nan",
+        "topk:x",
+        "qsgd:0",
+        "qsgd:128",
+        "qsgd:-1",
+        "powersgd:0",
+        "powersgd:1.5",
+        "int8:2",
+        "fp16:1",
+        None,
+    ],
+)
 def test_bad_specs_raise_config_error_naming_the_field(spec):
     with pytest.raises(ConfigError) as e:
         parse_codec(spec, field="compression")
@@ -284,7 +341,7 @@ def _valid(spec: str, shape: tuple[int, ...]) -> tuple[Codec, Payload]:
     return codec, codec.encode(x)
 
 
-def _set(p: Payload, name: str, t: object) -> Payload:
+def _set(p: Payload, name: str, t: Any) -> Payload:
     return Payload({**p.tensors, name: t}, dict(p.meta))
 
 
@@ -292,7 +349,7 @@ def _drop(p: Payload, name: str) -> Payload:
     return Payload({k: v for k, v in p.tensors.items() if k != name}, dict(p.meta))
 
 
-def _with_meta(p: Payload, **kw: object) -> Payload:
+def _with_meta(p: Payload, **kw: Any) -> Payload:
     return Payload(dict(p.tensors), {**p.meta, **kw})
 
 
@@ -303,22 +360,72 @@ def _edit(t: torch.Tensor, i: int, v: float | int) -> torch.Tensor:
 
 
 MALFORMED = {
-    "topk index out of range": ("topk:0.1", (50,), lambda p: _set(p, "indices", _edit(p.tensors["indices"], -1, 50))),
-    "topk negative index": ("topk:0.1", (50,), lambda p: _set(p, "indices", _edit(p.tensors["indices"], 0, -1))),
-    "topk duplicate index": ("topk:0.1", (50,), lambda p: _set(p, "indices", _edit(p.tensors["indices"], 1, int(p.tensors["indices"][0])))),
-    "topk unsorted indices": ("topk:0.1", (50,), lambda p: _set(p, "indices", p.tensors["indices"].flip(0).contiguous())),
-    "topk wrong count": ("topk:0.1", (50,), lambda p: Payload({"indices": p.tensors["indices"][:-1], "values": p.tensors["values"][:-1]})),
-    "topk truncated values": ("topk:0.1", (50,), lambda p: _set(p, "values", p.tensors["values"][:-1])),
-    "topk int64 indices": ("topk:0.1", (50,), lambda p: _set(p, "indices", p.tensors["indices"].long())),
-    "topk float indices": ("topk:0.1", (50,), lambda p: _set(p, "indices", p.tensors["indices"].float())),
-    "topk nan value": ("topk:0.1", (50,), lambda p: _set(p, "values", _edit(p.tensors["values"], 0, math.nan))),
+    "topk index out of range": (
+        "topk:0.1",
+        (50,),
+        lambda p: _set(p, "indices", _edit(p.tensors["indices"], -1, 50)),
+    ),
+    "topk negative index": (
+        "topk:0.1",
+        (50,),
+        lambda p: _set(p, "indices", _edit(p.tensors["indices"], 0, -1)),
+    ),
+    "topk duplicate index": (
+        "topk:0.1",
+        (50,),
+        lambda p: _set(p, "indices", _edit(p.tensors["indices"], 1, int(p.tensors["indices"][0]))),
+    ),
+    "topk unsorted indices": (
+        "topk:0.1",
+        (50,),
+        lambda p: _set(p, "indices", p.tensors["indices"].flip(0).contiguous()),
+    ),
+    "topk wrong count": (
+        "topk:0.1",
+        (50,),
+        lambda p: Payload(
+            {"indices": p.tensors["indices"][:-1], "values": p.tensors["values"][:-1]}
+        ),
+    ),
+    "topk truncated values": (
+        "topk:0.1",
+        (50,),
+        lambda p: _set(p, "values", p.tensors["values"][:-1]),
+    ),
+    "topk int64 indices": (
+        "topk:0.1",
+        (50,),
+        lambda p: _set(p, "indices", p.tensors["indices"].long()),
+    ),
+    "topk float indices": (
+        "topk:0.1",
+        (50,),
+        lambda p: _set(p, "indices", p.tensors["indices"].float()),
+    ),
+    "topk nan value": (
+        "topk:0.1",
+        (50,),
+        lambda p: _set(p, "values", _edit(p.tensors["values"], 0, math.nan)),
+    ),
     "topk missing values": ("topk:0.1", (50,), lambda p: _drop(p, "values")),
     "topk extra tensor": ("topk:0.1", (50,), lambda p: _set(p, "extra", torch.zeros(1))),
     "topk extra meta": ("topk:0.1", (50,), lambda p: _with_meta(p, ratio=0.1)),
-    "topk 2-d values": ("topk:0.1", (50,), lambda p: _set(p, "values", p.tensors["values"].reshape(1, -1))),
+    "topk 2-d values": (
+        "topk:0.1",
+        (50,),
+        lambda p: _set(p, "values", p.tensors["values"].reshape(1, -1)),
+    ),
     "int8 scales count": ("int8", (600,), lambda p: _set(p, "absmax", p.tensors["absmax"][:-1])),
-    "int8 negative scale": ("int8", (600,), lambda p: _set(p, "absmax", _edit(p.tensors["absmax"], 0, -1.0))),
-    "int8 infinite scale": ("int8", (600,), lambda p: _set(p, "absmax", _edit(p.tensors["absmax"], 0, math.inf))),
+    "int8 negative scale": (
+        "int8",
+        (600,),
+        lambda p: _set(p, "absmax", _edit(p.tensors["absmax"], 0, -1.0)),
+    ),
+    "int8 infinite scale": (
+        "int8",
+        (600,),
+        lambda p: _set(p, "absmax", _edit(p.tensors["absmax"], 0, math.inf)),
+    ),
     "int8 q is -128": ("int8", (600,), lambda p: _set(p, "q", _edit(p.tensors["q"], 3, -128))),
     "int8 q truncated": ("int8", (600,), lambda p: _set(p, "q", p.tensors["q"][:-1])),
     "int8 q as uint8": ("int8", (600,), lambda p: _set(p, "q", p.tensors["q"].view(torch.uint8))),
@@ -327,8 +434,16 @@ MALFORMED = {
     "int8 block meta bool": ("int8", (600,), lambda p: _with_meta(p, block=True)),
     "int8 block meta list": ("int8", (600,), lambda p: _with_meta(p, block=[256])),
     "int8 block meta missing": ("int8", (600,), lambda p: Payload(dict(p.tensors), {})),
-    "qsgd level above L": ("qsgd:4", (30,), lambda p: _set(p, "levels", _edit(p.tensors["levels"], 0, 5))),
-    "qsgd level -128": ("qsgd:4", (30,), lambda p: _set(p, "levels", _edit(p.tensors["levels"], 0, -128))),
+    "qsgd level above L": (
+        "qsgd:4",
+        (30,),
+        lambda p: _set(p, "levels", _edit(p.tensors["levels"], 0, 5)),
+    ),
+    "qsgd level -128": (
+        "qsgd:4",
+        (30,),
+        lambda p: _set(p, "levels", _edit(p.tensors["levels"], 0, -128)),
+    ),
     "qsgd negative norm": ("qsgd:4", (30,), lambda p: _set(p, "norm", -p.tensors["norm"])),
     "qsgd nan norm": ("qsgd:4", (30,), lambda p: _set(p, "norm", torch.tensor([math.nan]))),
     "qsgd norm of two": ("qsgd:4", (30,), lambda p: _set(p, "norm", p.tensors["norm"].repeat(2))),
@@ -337,18 +452,41 @@ MALFORMED = {
     "qsgd levels meta none": ("qsgd:4", (30,), lambda p: _with_meta(p, levels=None)),
     "powersgd p wrong rows": ("powersgd:2", (30, 20), lambda p: _set(p, "p", p.tensors["p"][:-1])),
     "powersgd q wrong rank": ("powersgd:2", (30, 20), lambda p: _set(p, "q", torch.zeros(20, 3))),
-    "powersgd both wrong rank": ("powersgd:2", (30, 20), lambda p: Payload({"p": torch.zeros(30, 3), "q": torch.zeros(20, 3)}, {"rank": 3})),
+    "powersgd both wrong rank": (
+        "powersgd:2",
+        (30, 20),
+        lambda p: Payload({"p": torch.zeros(30, 3), "q": torch.zeros(20, 3)}, {"rank": 3}),
+    ),
     "powersgd rank meta": ("powersgd:2", (30, 20), lambda p: _with_meta(p, rank=1)),
-    "powersgd raw instead": ("powersgd:2", (30, 20), lambda p: Payload({"values": torch.zeros(600)}, {"rank": 0})),
-    "powersgd overflowing factors": ("powersgd:2", (30, 20), lambda p: Payload({"p": torch.full((30, 2), 1e30), "q": torch.full((20, 2), 1e30)}, {"rank": 2})),
-    "powersgd q float16": ("powersgd:2", (30, 20), lambda p: _set(p, "q", p.tensors["q"].half())),
-    "sign padding bits set": ("sign", (13,), lambda p: _set(p, "bits", _edit(p.tensors["bits"], -1, 255))),
+    "powersgd raw instead": (
+        "powersgd:2",
+        (30, 20),
+        lambda p: Payload({"values": torch.zeros(600)}, {"rank": 0}),
+    ),
+    "powersgd overflowing factors": (
+        "powersgd:2",
+        (30, 20),
+        lambda p: Payload(
+            {"p": torch.full((30, 2), 1e30), "q": torch.full((20, 2), 1e30)}, {"rank": 2}
+        ),
+    ),
+    "powersgd q int16": ("powersgd:2", (30, 20), lambda p: _set(p, "q", p.tensors["q"].to(torch.int16))),
+    "powersgd p float32": ("powersgd:2", (30, 20), lambda p: _set(p, "p", p.tensors["p"].float())),
+    "sign padding bits set": (
+        "sign",
+        (13,),
+        lambda p: _set(p, "bits", _edit(p.tensors["bits"], -1, 255)),
+    ),
     "sign bits short": ("sign", (13,), lambda p: _set(p, "bits", p.tensors["bits"][:1])),
     "sign negative scale": ("sign", (13,), lambda p: _set(p, "scale", torch.tensor([-1.0]))),
     "sign inf scale": ("sign", (13,), lambda p: _set(p, "scale", torch.tensor([math.inf]))),
     "sign bits as bool": ("sign", (13,), lambda p: _set(p, "bits", p.tensors["bits"].bool())),
     "fp16 sent as fp32": ("fp16", (10,), lambda p: _set(p, "values", p.tensors["values"].float())),
-    "none inf value": ("none", (10,), lambda p: _set(p, "values", _edit(p.tensors["values"], 2, math.inf))),
+    "none inf value": (
+        "none",
+        (10,),
+        lambda p: _set(p, "values", _edit(p.tensors["values"], 2, math.inf)),
+    ),
     "none float64": ("none", (10,), lambda p: _set(p, "values", p.tensors["values"].double())),
     "none too long": ("none", (10,), lambda p: _set(p, "values", torch.zeros(11))),
     "none not a tensor": ("none", (10,), lambda p: _set(p, "values", [0.0] * 10)),
@@ -370,7 +508,11 @@ def test_malformed_payload_is_rejected_with_protocol_error(case):
 
 _wire_dtypes = sorted(WIRE_DTYPES, key=str)
 _junk_meta = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(), st.text(max_size=3),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(),
+    st.text(max_size=3),
     st.lists(st.integers(0, 300), max_size=3),
 )
 
@@ -379,10 +521,26 @@ _junk_meta = st.one_of(
 def mutations(draw: st.DrawFn, p: Payload) -> Payload:
     tensors, meta = dict(p.tensors), dict(p.meta)
     for _ in range(draw(st.integers(1, 3))):
-        kind = draw(st.sampled_from(["drop", "add", "dtype", "resize", "poke", "reshape", "meta", "meta_drop", "meta_add"]))
+        kind = draw(
+            st.sampled_from(
+                [
+                    "drop",
+                    "add",
+                    "dtype",
+                    "resize",
+                    "poke",
+                    "reshape",
+                    "meta",
+                    "meta_drop",
+                    "meta_add",
+                ]
+            )
+        )
         names = sorted(tensors)
         if kind == "add" or not names:
-            tensors[draw(st.sampled_from(["values", "p", "q", "bits", "x"]))] = torch.zeros(draw(st.integers(0, 5)))
+            tensors[draw(st.sampled_from(["values", "p", "q", "bits", "x"]))] = torch.zeros(
+                draw(st.integers(0, 5))
+            )
             continue
         name = draw(st.sampled_from(names))
         t = tensors[name]
@@ -399,12 +557,18 @@ def mutations(draw: st.DrawFn, p: Payload) -> Payload:
             t = t.clone()
             i = draw(st.integers(0, t.numel() - 1))
             if t.is_floating_point():
-                t.view(-1)[i] = draw(st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 1e38, 0.0, 5.0]))
+                t.view(-1)[i] = draw(
+                    st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 1e38, 0.0, 5.0])
+                )
             elif t.dtype == torch.bool:
                 t.view(-1)[i] = not bool(t.view(-1)[i])
             else:
                 info = torch.iinfo(t.dtype)
-                t.view(-1)[i] = draw(st.sampled_from([info.min, info.max, -1, 0, 1, 50, 255 if info.max >= 255 else 7]))
+                t.view(-1)[i] = draw(
+                    st.sampled_from(
+                        [info.min, info.max, -1, 0, 1, 50, 255 if info.max >= 255 else 7]
+                    )
+                )
             tensors[name] = t
         elif kind == "meta" and meta:
             meta[draw(st.sampled_from(sorted(meta)))] = draw(_junk_meta)
@@ -416,7 +580,11 @@ def mutations(draw: st.DrawFn, p: Payload) -> Payload:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), spec=st.sampled_from(SPECS), shape=st.sampled_from([(50,), (30, 20), (1,), (0,), (9,), (2, 3)]))
+@given(
+    data=st.data(),
+    spec=st.sampled_from(SPECS),
+    shape=st.sampled_from([(50,), (30, 20), (1,), (0,), (9,), (2, 3)]),
+)
 def test_fuzzed_payloads_decode_to_the_right_shape_or_raise_only_protocol_error(data, spec, shape):
     codec, p = _valid(spec, shape)
     bad = data.draw(mutations(p))
@@ -429,17 +597,25 @@ def test_fuzzed_payloads_decode_to_the_right_shape_or_raise_only_protocol_error(
 
 # --- chunk compressor -----------------------------------------------------------------------
 
-PARAMS = [("enc.weight", 24 * 16), ("enc.bias", 16), ("empty", 0), ("dec.weight", 16 * 10), ("dec.bias", 10)]
+PARAMS = [
+    ("enc.weight", 24 * 16),
+    ("enc.bias", 16),
+    ("empty", 0),
+    ("dec.weight", 16 * 10),
+    ("dec.bias", 10),
+]
 SHAPES = {"enc.weight": (24, 16), "enc.bias": (16,), "dec.weight": (16, 10), "dec.bias": (10,)}
 
 
 def plan(chunk_numel: int = 200) -> ShardPlan:
-    return ShardPlan.build(PARAMS, num_shards=2, chunk_numel=chunk_numel)
+    return ShardPlan.build(
+        PARAMS, num_shards=1 if chunk_numel >= 10_000 else 2, chunk_numel=chunk_numel
+    )
 
 
 def test_segments_tile_each_chunk_and_keep_real_shapes_only_for_whole_parameters():
     pl = plan(200)
-    cc = ChunkCompressor("none", pl, shapes=SHAPES)
+    cc = ChunkCompressor("powersgd:2", pl, shapes=SHAPES)
     starts = dict.fromkeys(n for n, _ in PARAMS)
     offset = 0
     for name, numel in PARAMS:
@@ -454,8 +630,11 @@ def test_segments_tile_each_chunk_and_keep_real_shapes_only_for_whole_parameters
             whole = s.numel == dict(PARAMS)[s.param]
             assert s.shape == (SHAPES[s.param] if whole else (s.numel,))
             at += s.numel
-    whole = ChunkCompressor("none", plan(10_000), shapes=SHAPES).segments(0)
+    whole = ChunkCompressor("powersgd:2", plan(10_000), shapes=SHAPES).segments(0)
     assert [s.shape for s in whole] == [(24, 16), (16,), (16, 10), (10,)]
+    # Shape-agnostic codecs merge a chunk's parameters into one segment (one payload).
+    merged = ChunkCompressor("topk:0.1", plan(10_000), shapes=SHAPES).segments(0)
+    assert [(s.numel, s.shape) for s in merged] == [(pl.total_numel, (pl.total_numel,))]
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -487,14 +666,18 @@ def test_chunk_payload_travels_through_the_frame_format_in_the_message_meta():
     dec = ChunkCompressor("topk:0.1", pl, shapes=SHAPES, overrides=[("*.bias", "none")])
     values = torch.randn(pl.total_numel)
     tensors, meta = enc.encode(0, values)
-    msg = decode_frames(encode_frames(Message(op="PUSH", tensors=tensors, meta={"compression": {"0": meta}})))
+    msg = decode_frames(
+        encode_frames(Message(op="PUSH", tensors=tensors, meta={"compression": {"0": meta}}))
+    )
     out = dec.decode(0, msg.tensors, msg.meta["compression"]["0"])
     assert torch.equal(out, dec.decode(0, tensors, meta))
     assert enc.wire_bytes < enc.raw_bytes / 3
 
 
 def test_overrides_pick_the_first_matching_pattern_and_default_otherwise():
-    cc = ChunkCompressor("topk:0.01", plan(), overrides=[("*.bias", "none"), ("enc.*", "int8"), ("enc.bias", "sign")])
+    cc = ChunkCompressor(
+        "topk:0.01", plan(), overrides=[("*.bias", "none"), ("enc.*", "int8"), ("enc.bias", "sign")]
+    )
     assert cc.codecs() == {
         "enc.weight": "int8",
         "enc.bias": "none",
@@ -506,11 +689,15 @@ def test_overrides_pick_the_first_matching_pattern_and_default_otherwise():
 
 
 def test_error_feedback_defaults_to_on_for_biased_codecs_only():
-    cc = ChunkCompressor("topk:0.1", plan(10_000), overrides=[("*.bias", "qsgd:8"), ("dec.*", "none")])
+    cc = ChunkCompressor(
+        "topk:0.1", plan(10_000), overrides=[("*.bias", "qsgd:8"), ("dec.*", "none")]
+    )
     assert cc.uses_error_feedback("enc.weight")
     assert not cc.uses_error_feedback("enc.bias") and not cc.uses_error_feedback("dec.weight")
     assert ChunkCompressor("none", plan(), error_feedback=True).uses_error_feedback("enc.weight")
-    assert not ChunkCompressor("sign", plan(), error_feedback=False).uses_error_feedback("enc.weight")
+    assert not ChunkCompressor("sign", plan(), error_feedback=False).uses_error_feedback(
+        "enc.weight"
+    )
 
 
 def test_chunk_error_feedback_accumulates_what_topk_dropped():
@@ -523,7 +710,7 @@ def test_chunk_error_feedback_accumulates_what_topk_dropped():
         grad = torch.randn(pl.total_numel, generator=g)
         sent += dec.decode(0, *enc.encode(0, grad)).double()
         total += grad.double()
-    residual = torch.cat([enc.feedback.residual(f"c0/{s}").reshape(-1) for s in range(len(enc.segments(0)))])
+    residual = enc.feedback.residual("c0").reshape(-1)  # error feedback is kept per chunk
     assert torch.allclose(sent + residual.double(), total, atol=1e-4)
 
 
@@ -541,8 +728,15 @@ def test_chunk_decode_rejects_meta_and_tensors_that_do_not_fit_the_plan(spec):
     tensors, meta = cc.encode(0, torch.randn(pl.total_numel))
     segs = meta["segments"]
     bad_metas = [
-        None, [], {**meta, "v": 2}, {**meta, "chunk": 1}, {**meta, "numel": 1}, {**meta, "numel": True},
-        {**meta, "segments": segs[:-1]}, {**meta, "segments": {}}, {**meta, "extra": 1},
+        None,
+        [],
+        {**meta, "v": 2},
+        {**meta, "chunk": 1},
+        {**meta, "numel": 1},
+        {**meta, "numel": True},
+        {**meta, "segments": segs[:-1]},
+        {**meta, "segments": {}},
+        {**meta, "extra": 1},
         {**meta, "segments": [{**segs[0], "offset": 1}, *segs[1:]]},
         {**meta, "segments": [{**segs[0], "param": "dec.bias"}, *segs[1:]]},
         {**meta, "segments": [{**segs[0], "numel": "384"}, *segs[1:]]},
@@ -576,3 +770,41 @@ def test_chunk_compressor_validates_its_configuration():
     assert e.value.field == "shapes"
     with pytest.raises(ValueError):
         ChunkCompressor("none", plan(10_000)).encode(0, torch.zeros(3))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    spec=st.sampled_from(["int8", "topk:0.1", "powersgd:2", "sign"]),
+    where=st.sampled_from(["top", "segment", "payload"]),
+    key=st.sampled_from(
+        [
+            "v",
+            "chunk",
+            "numel",
+            "segments",
+            "param",
+            "offset",
+            "codec",
+            "meta",
+            "block",
+            "rank",
+            "x",
+        ]
+    ),
+    junk=_junk_meta,
+)
+def test_fuzzed_chunk_meta_only_ever_raises_protocol_error(spec, where, key, junk):
+    pl = plan(10_000)
+    cc = ChunkCompressor(spec, pl, shapes=SHAPES)
+    tensors, meta = cc.encode(0, torch.randn(pl.total_numel))
+    if where == "top":
+        meta[key] = junk
+    elif where == "segment":
+        meta["segments"][0][key] = junk
+    else:
+        meta["segments"][0]["meta"][key] = junk
+    try:
+        out = cc.decode(0, tensors, meta)
+    except ProtocolError:
+        return
+    assert out.shape == (pl.total_numel,) and bool(torch.isfinite(out).all())

@@ -57,13 +57,7 @@ def test_golden_vector_decodes_to_documented_fields():
         "meta",
     ]
     assert header["v"] == WIRE_VERSION == 1
-    assert header["tensors"][1] == {
-        "name": "c5",
-        "dtype": "bfloat16",
-        "shape": [4],
-        "codec": "none",
-        "meta": {},
-    }
+    assert header["tensors"][1] == {"name": "c5", "dtype": "bfloat16", "shape": [4]}  # codec "none", no meta
 
 
 def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:

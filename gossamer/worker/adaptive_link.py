@@ -1,0 +1,85 @@
+"""Runs the adaptive codec policy for one rank: measures compute and the link, swaps the compressor."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import time
+
+from gossamer.compression.adaptive import AdaptiveConfig, AdaptivePolicy
+from gossamer.compression.chunk_codec import ChunkCompressor
+from gossamer.compression.codec_spec import parse_codec
+from gossamer.paramserver.client import ShardClient
+from gossamer.paramserver.shard_plan import ShardPlan
+
+log = logging.getLogger(__name__)
+
+
+class AdaptiveLink:
+    """Owns the client's compressor when `compression="adaptive"`.
+
+    Every `decide_every` steps it may probe the link (a small and a `probe_bytes` round
+    trip to a shard, at most every `probe_interval_s`), then lets the policy choose a codec
+    per parameter and installs a new compressor that keeps the error-feedback memory.
+    """
+
+    def __init__(self, client: ShardClient, plan: ShardPlan, shapes: dict[str, tuple[int, ...]], *,
+                 target_share: float = 0.2, seed: int = 0, probe_bytes: int = 128 * 1024,
+                 probe_interval_s: float = 1.0) -> None:
+        self.client = client
+        self.plan = plan
+        self.shapes = shapes
+        self.seed = seed
+        self.probe_bytes = probe_bytes
+        self.probe_interval_s = probe_interval_s
+        tensors = {name: numel for name, numel in plan.params if numel}
+        config = AdaptiveConfig(target_share=target_share)
+        ratio = {}
+        raw = 4 * sum(tensors.values())
+        for spec in config.ladder:
+            codec = parse_codec(spec)
+            wire = sum(4 * n / codec.nominal_ratio(n, shapes.get(name)) for name, n in tensors.items())
+            ratio[spec] = raw / wire
+        self.policy = AdaptivePolicy(tensors, ratio, config)
+        self.latency_s = 0.0
+        self._last_probe = -1e9
+        self.changes = 0
+        self._install()
+
+    def _install(self) -> None:
+        overrides = [(glob.escape(name), spec) for name, spec in self.policy.choices().items() if spec != "none"]
+        new = ChunkCompressor("none", self.plan, error_feedback=True, overrides=overrides,
+                              shapes=self.shapes, seed=self.seed)
+        old = self.client.compressor
+        if old is not None:  # keep residuals, so nothing a lossy codec dropped is lost
+            new.feedback = old.feedback
+            new.raw_bytes, new.wire_bytes = old.raw_bytes, old.wire_bytes
+            new.encode_seconds, new.decode_seconds = old.encode_seconds, old.decode_seconds
+        self.client.compressor = new
+
+    def after_step(self, compute_s: float) -> None:
+        self.policy.observe_step(compute_s)
+        if not self.policy.due():
+            return
+        now = time.monotonic()
+        if now - self._last_probe >= self.probe_interval_s:
+            self._last_probe = now
+            self.latency_s, transfer_s = self.client.probe(self.probe_bytes)
+            self.policy.observe_transfer(self.probe_bytes, transfer_s)
+        if self.policy.decide():
+            self.changes += 1
+            self._install()
+            log.info("adaptive codecs (%.3g MB/s, compute %.2f ms): %s",
+                     (self.policy.bandwidth_bps or 0) / 1e6, 1e3 * (self.policy.compute_s or 0),
+                     self.policy.choices())
+
+    def metrics(self) -> dict[str, float]:
+        out = {
+            "adaptive_level": self.policy.mean_level(),
+            "adaptive_bandwidth_bps": float(self.policy.bandwidth_bps or 0.0),
+            "adaptive_changes": float(self.changes),
+            "link_latency_s": self.latency_s,
+        }
+        for name in self.policy.tensors:
+            out[f"codec_level.{name}"] = float(self.policy.level[name])
+        return out

@@ -185,7 +185,7 @@ class ChunkCompressor:
             raise ProtocolError(f"chunk {chunk_index!r} is not in the plan")
         c = self.plan.chunks[chunk_index]
         lo, hi = c.flat_offset, c.flat_offset + c.numel
-        segs = []
+        segs: list[Segment] = []
         for name, start, numel in self._starts:
             a, b = max(lo, start), min(hi, start + numel)
             if a >= b:

@@ -159,8 +159,9 @@ class ShardClient:
             meta: dict[str, Any] = {
                 "clock": clock,
                 "basis": basis.get(s, 0),
-                "pull_codec": self.pull_codec,
             }
+            if self.pull_codec != "none":
+                meta["pull_codec"] = self.pull_codec
             if step is not None:
                 meta["step"] = step
                 meta["num_workers"] = num_workers if num_workers is not None else 1
@@ -175,7 +176,8 @@ class ShardClient:
                 tensors = wire
                 meta["compression"] = chunk_meta
                 meta["codec"] = self.compressor.default_spec
-                meta["codec_overrides"] = [list(p) for p in self.compressor.overrides]
+                if self.compressor.overrides:
+                    meta["codec_overrides"] = [list(p) for p in self.compressor.overrides]
             reqs[s] = self._msg("PUSH", s, meta, tensors)
         return self._result(self._request(reqs))
 

@@ -74,3 +74,47 @@ def reference_sync(exp: Experiment, global_batch: int) -> torch.Tensor:
         F.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
         opt.step()
     return flatten_params(model)
+
+
+def run_async(exp: Experiment, workers: int = 3, throttle_at: dict[int, object] | None = None) -> dict[str, object]:
+    """Train `exp` with `workers` Trainer threads against real shards; final metrics and trainers."""
+    import threading
+
+    from gossamer.paramserver import unflatten_into
+    from gossamer.worker.trainer import RankContext, Trainer, evaluate
+
+    torch.set_num_threads(1)
+    shards = Shards(exp)
+    trainers = [
+        Trainer(RankContext(experiment_id="e", experiment=exp, node_id=f"node{w}", worker_index=w,
+                            num_workers=workers, endpoints=shards.endpoints, checkpoint_dir="/tmp"))
+        for w in range(workers)
+    ]
+    errors: list[BaseException] = []
+
+    def run(t: Trainer) -> None:
+        try:
+            t.run()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in trainers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(600)
+    try:
+        assert not errors, errors
+        flat = shards.flat()
+        server_stats = [s.stats() for s in shards.servers]
+    finally:
+        shards.close()
+    model = trainers[0].model
+    unflatten_into(model, flat)
+    acc, loss = evaluate(model, trainers[0].eval_set, torch.device("cpu"))
+    return {
+        "accuracy": acc, "loss": loss, "trainers": trainers, "server_stats": server_stats,
+        "bytes_up": sum(t.client.bytes_up for t in trainers),
+        "bytes_down": sum(t.client.bytes_down for t in trainers),
+        "raw_bytes_up": sum(t.client.raw_bytes_up for t in trainers),
+    }

@@ -1,0 +1,64 @@
+"""compression="adaptive": a throttled link makes it compress harder within a few steps, and relax after."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from gossamer.experiment import Experiment
+from gossamer.transport.throttle import TokenBucket
+from gossamer.worker.trainer import RankContext, Trainer
+from tests.integration._ps_harness import Shards
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_adaptive_follows_the_link_bandwidth_down_and_back_up(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)
+    exp = Experiment(name="adaptive", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
+                     mode="async", lr=0.05, momentum=0.9, num_ps_shards=1, total_steps=10**6, eval_every=0,
+                     compression="adaptive")
+    shards = Shards(exp)
+    throttle = TokenBucket(rate_bps=None, burst_bytes=8 * 1024)
+    trainer = Trainer(RankContext(experiment_id="e", experiment=exp, node_id="n", worker_index=0, num_workers=1,
+                                  endpoints=shards.endpoints, checkpoint_dir=str(tmp_path), throttle=throttle))
+    assert trainer.adaptive is not None
+    stop = threading.Event()
+    trainer.should_stop = stop.is_set
+    thread = threading.Thread(target=trainer.run)
+    thread.start()
+    level = trainer.adaptive.policy.mean_level
+
+    def settle(seconds: float) -> tuple[float, int]:
+        time.sleep(seconds)
+        return level(), trainer.stats.steps
+
+    try:
+        fast, _ = settle(4.0)
+        throttle.set_rate(2e6)  # 16 Mbit/s: a full-precision push takes far longer than compute
+        steps_at_throttle = trainer.stats.steps
+        deadline = time.monotonic() + 30
+        while level() <= fast and time.monotonic() < deadline:
+            time.sleep(0.05)
+        slow, steps_to_react = level(), trainer.stats.steps - steps_at_throttle
+        throttle.set_rate(None)
+        deadline = time.monotonic() + 30
+        while level() > fast and time.monotonic() < deadline:
+            time.sleep(0.05)
+        relaxed = level()
+        bytes_before = trainer.client.bytes_up
+        time.sleep(1.0)
+        assert trainer.stats.steps > 0 and trainer.client.bytes_up > bytes_before  # still training
+    finally:
+        stop.set()
+        thread.join(60)
+        shards.close()
+    print(f"adaptive level fast={fast:.2f} throttled={slow:.2f} ({steps_to_react} steps) relaxed={relaxed:.2f}")
+    assert slow > fast, (fast, slow)
+    assert steps_to_react <= 25, f"took {steps_to_react} steps to react to the throttle"
+    assert relaxed == fast, (slow, relaxed)  # back to the unthrottled choice
+    metrics = trainer.adaptive.metrics()
+    assert metrics["adaptive_changes"] >= 2 and any(k.startswith("codec_level.") for k in metrics)

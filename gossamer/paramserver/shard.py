@@ -250,6 +250,11 @@ class ShardServer:
 
     # -- state ------------------------------------------------------------------------
     @property
+    def decode_seconds(self) -> float:
+        """Time spent decompressing pushes (all codecs)."""
+        return sum(d.decode_seconds for d in self._decoders.values())
+
+    @property
     def version(self) -> int:
         return self._version
 

@@ -6,56 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from gossamer.experiment import Experiment
-from gossamer.paramserver import (
-    OptimizerConfig,
-    ShardClient,
-    ShardConfig,
-    ShardPlan,
-    ShardServer,
-    flatten_params,
-)
+from gossamer.paramserver.local import LocalShards
+from gossamer.paramserver.shard_plan import flatten_params
 from gossamer.worker import sampler
 from gossamer.worker.trainer import build
 
-
-class Shards:
-    """`exp.num_ps_shards` ShardServers in background threads, initialised like the PS role does."""
-
-    def __init__(self, exp: Experiment, experiment_id: str = "e") -> None:
-        model, _, _ = build(exp, torch.device("cpu"))
-        self.plan = ShardPlan.for_module(model, exp.num_ps_shards, exp.chunk_numel)
-        flat = flatten_params(model)
-        self.servers: list[ShardServer] = []
-        self.endpoints: dict[int, str] = {}
-        for s in range(exp.num_ps_shards):
-            init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone()
-                    for c in self.plan.chunks_of_shard(s)}
-            cfg = ShardConfig(
-                experiment=experiment_id, shard=s, mode=exp.mode, staleness=exp.staleness,
-                optimizer=OptimizerConfig(name=exp.optimizer, lr=exp.lr, momentum=exp.momentum,
-                                          nesterov=exp.nesterov, weight_decay=exp.weight_decay),
-                total_steps=exp.total_steps, lr_staleness_scaling=exp.lr_staleness_scaling,
-            )
-            shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-            srv = ShardServer(cfg, self.plan, init, shapes=shapes)
-            self.endpoints[s] = srv.bind()
-            srv.start()
-            self.servers.append(srv)
-        self.experiment_id = experiment_id
-
-    def flat(self) -> torch.Tensor:
-        client = ShardClient(experiment=self.experiment_id, sender="reader", plan=self.plan, endpoints=self.endpoints)
-        try:
-            res = client.pull()
-        finally:
-            client.close()
-        out = torch.zeros(self.plan.total_numel)
-        self.plan.scatter(out, res.values)
-        return out
-
-    def close(self) -> None:
-        for s in self.servers:
-            s.close()
+Shards = LocalShards
 
 
 def reference_sync(exp: Experiment, global_batch: int) -> torch.Tensor:

@@ -10,7 +10,13 @@ import zmq
 
 from gossamer.compression import ChunkCompressor
 from gossamer.examples.digits import mlp
-from gossamer.paramserver import OptimizerConfig, ShardConfig, ShardPlan, ShardServer, flatten_params
+from gossamer.paramserver import (
+    OptimizerConfig,
+    ShardConfig,
+    ShardPlan,
+    ShardServer,
+    flatten_params,
+)
 from gossamer.transport.frames import Message, decode, encode
 
 pytestmark = pytest.mark.timeout(60)

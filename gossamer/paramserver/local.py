@@ -1,0 +1,66 @@
+"""Parameter-server shards in this process (threads, real ZMQ on loopback): for tests, benchmarks, notebooks."""
+
+from __future__ import annotations
+
+import torch
+
+from gossamer.experiment import Experiment
+from gossamer.paramserver.client import ShardClient
+from gossamer.paramserver.optimizer import OptimizerConfig
+from gossamer.paramserver.shard import ShardConfig, ShardServer
+from gossamer.paramserver.shard_plan import ShardPlan, flatten_params
+
+
+class LocalShards:
+    """`exp.num_ps_shards` ShardServers in background threads, initialised like the PS role does."""
+
+    def __init__(self, exp: Experiment, experiment_id: str = "e") -> None:
+        from gossamer.worker.trainer import build  # the worker package imports this one
+
+        model, _, _ = build(exp, torch.device("cpu"))
+        self.plan = ShardPlan.for_module(model, exp.num_ps_shards, exp.chunk_numel)
+        flat = flatten_params(model)
+        self.servers: list[ShardServer] = []
+        self.endpoints: dict[int, str] = {}
+        for s in range(exp.num_ps_shards):
+            init = {
+                c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone()
+                for c in self.plan.chunks_of_shard(s)
+            }
+            cfg = ShardConfig(
+                experiment=experiment_id,
+                shard=s,
+                mode=exp.mode,
+                staleness=exp.staleness,
+                optimizer=OptimizerConfig(
+                    name=exp.optimizer,
+                    lr=exp.lr,
+                    momentum=exp.momentum,
+                    nesterov=exp.nesterov,
+                    weight_decay=exp.weight_decay,
+                ),
+                total_steps=exp.total_steps,
+                lr_staleness_scaling=exp.lr_staleness_scaling,
+            )
+            shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+            srv = ShardServer(cfg, self.plan, init, shapes=shapes)
+            self.endpoints[s] = srv.bind()
+            srv.start()
+            self.servers.append(srv)
+        self.experiment_id = experiment_id
+
+    def flat(self) -> torch.Tensor:
+        client = ShardClient(
+            experiment=self.experiment_id, sender="reader", plan=self.plan, endpoints=self.endpoints
+        )
+        try:
+            res = client.pull()
+        finally:
+            client.close()
+        out = torch.zeros(self.plan.total_numel)
+        self.plan.scatter(out, res.values)
+        return out
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.close()

@@ -31,6 +31,7 @@ proto: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/ps_throughput.py
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/compression.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

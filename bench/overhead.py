@@ -26,9 +26,10 @@ from gossamer.worker.trainer import RankContext, Trainer, build  # noqa: E402
 
 
 def _exp(steps: int, batch: int, mode: str) -> Experiment:
+    overlap = mode == "async+overlap"
     return Experiment(name="overhead", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
-                      mode=mode, lr=0.05, momentum=0.9, batch_size=batch, num_ps_shards=1, total_steps=steps,
-                      eval_every=0)
+                      mode="async" if overlap else mode, overlap=overlap, lr=0.05, momentum=0.9,
+                      batch_size=batch, num_ps_shards=1, total_steps=steps, eval_every=0)
 
 
 def _serve(exp_json: str, q: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
@@ -103,7 +104,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
-    for mode in ("async", "sync"):
+    for mode in ("async", "async+overlap", "sync"):
         exp = _exp(args.steps, args.batch, mode)
         plain = [plain_loop(exp) for _ in range(args.repeats)]
         ours = [gossamer_loop(exp) for _ in range(args.repeats)]

@@ -61,6 +61,7 @@ class Experiment:
     global_batch_size: int | None = None
     staleness: int | None = None
     lr_staleness_scaling: bool = True
+    overlap: bool = False
     num_ps_shards: int = 1
     min_workers: int = 1
     max_workers: int = 16
@@ -134,6 +135,8 @@ class Experiment:
             not isinstance(self.staleness, int) or isinstance(self.staleness, bool) or self.staleness < 0
         ):
             raise bad("staleness", f"must be an integer >= 0 or None, got {self.staleness!r}")
+        if self.overlap and self.mode != "async":
+            raise bad("overlap", "only applies to mode='async' (sync waits for every worker each step)")
         if self.topology not in TOPOLOGIES:
             raise bad("topology", f"unknown topology {self.topology!r}; choose {', '.join(TOPOLOGIES)}")
         if self.parallelism not in PARALLELISMS:

@@ -23,8 +23,12 @@ __all__ = ["CHUNK_META_VERSION", "ChunkCompressor", "Segment"]
 
 
 def _elementwise(spec: str) -> bool:
-    """Codecs that treat entries independently of the tensor's shape (all but PowerSGD)."""
-    return not spec.startswith("powersgd")
+    """Codecs indifferent to where one parameter ends and the next begins.
+
+    Not PowerSGD (needs the matrix), nor sign and QSGD: one scale or norm for several
+    layers whose gradients differ by orders of magnitude would swamp the small ones.
+    """
+    return spec.split(":")[0] in ("none", "fp16", "bf16", "int8", "topk")
 
 
 CHUNK_META_VERSION = 1
@@ -69,8 +73,9 @@ class ChunkCompressor:
     encoder and decoder only share the constructor arguments; PowerSGD's warm-start state
     stays in the encoder, its payload being self-contained.
 
-    Adjacent segments with the same shape-agnostic codec (all but PowerSGD) are merged into
-    one 1-D segment, so a chunk of many small parameters costs one payload, not one each.
+    Adjacent segments with the same shape-agnostic codec (none, fp16, bf16, int8, topk) are
+    merged into one 1-D segment, so a chunk of many small parameters costs one payload, not
+    one each; sign, QSGD and PowerSGD keep one segment per parameter.
 
     Error feedback runs per chunk (key ``c{i}``) in the encoder, on the segments whose codec
     uses it: the residual is added before encoding and what decoding lost becomes the next

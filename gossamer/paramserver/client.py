@@ -99,6 +99,7 @@ class ShardClient:
                 error_feedback=False,
                 shapes=compressor.shapes if compressor is not None else None,
             )
+        self._in_flight: dict[zmq.Socket, tuple[int, Any]] | None = None
         self._held: dict[int, torch.Tensor] = {}  # chunk values we hold (pull compression)
         self.raw_bytes_up = 0
         self.raw_bytes_down = 0
@@ -127,7 +128,7 @@ class ShardClient:
         }
         return self._result(self._request(reqs))
 
-    def push_pull(
+    def _push_requests(
         self,
         grads: dict[int, torch.Tensor],
         *,
@@ -135,16 +136,7 @@ class ShardClient:
         basis: dict[int, int],
         step: int | None = None,
         num_workers: int | None = None,
-    ) -> PullResult:
-        """Push gradients (by chunk index) and return the new values of those chunks.
-
-        `basis` maps shard -> the version the gradients were computed on; in sync mode pass
-        `step` and `num_workers`.
-
-        Raises:
-            ShardError: a shard rejected the push (nothing of it was applied there).
-            UnavailableError: a shard did not answer within `timeout_s`.
-        """
+    ) -> dict[int, Message]:
         per_shard: dict[int, dict[str, torch.Tensor]] = {}
         for idx, g in grads.items():
             c = self.plan.chunks[idx]
@@ -179,7 +171,48 @@ class ShardClient:
                 if self.compressor.overrides:
                     meta["codec_overrides"] = [list(p) for p in self.compressor.overrides]
             reqs[s] = self._msg("PUSH", s, meta, tensors)
+        return reqs
+
+    def push_pull(
+        self,
+        grads: dict[int, torch.Tensor],
+        *,
+        clock: int,
+        basis: dict[int, int],
+        step: int | None = None,
+        num_workers: int | None = None,
+    ) -> PullResult:
+        """Push gradients (by chunk index) and return the new values of those chunks.
+
+        `basis` maps shard -> the version the gradients were computed on; in sync mode pass
+        `step` and `num_workers`.
+
+        Raises:
+            ShardError: a shard rejected the push (nothing of it was applied there).
+            UnavailableError: a shard did not answer within `timeout_s`.
+        """
+        reqs = self._push_requests(grads, clock=clock, basis=basis, step=step, num_workers=num_workers)
         return self._result(self._request(reqs))
+
+    def push_async(self, grads: dict[int, torch.Tensor], *, clock: int, basis: dict[int, int]) -> None:
+        """Send a push and return at once; `wait()` collects its reply (one in flight at most).
+
+        The gradients are snapshotted, so the caller may overwrite its buffers right away.
+        """
+        snap = {i: g.detach().clone() for i, g in grads.items()}
+        reqs = self._push_requests(snap, clock=clock, basis=basis)
+        self._in_flight = self._send(reqs)
+
+    def wait(self) -> PullResult:
+        """The reply to the push sent by `push_async`."""
+        if self._in_flight is None:
+            raise RuntimeError("no push in flight")
+        waiting, self._in_flight = self._in_flight, None
+        return self._result(self._collect(waiting))
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
 
     def stats(self, shard: int) -> dict[str, Any]:
         """The STATS reply of `shard` (histogram keys as ints)."""
@@ -255,6 +288,11 @@ class ShardClient:
         )
 
     def _request(self, reqs: dict[int, Message]) -> dict[int, Message]:
+        return self._collect(self._send(reqs))
+
+    def _send(self, reqs: dict[int, Message]) -> dict[zmq.Socket, tuple[int, Any]]:
+        if self._in_flight is not None:
+            raise RuntimeError("a push is still in flight: wait() for it first")
         waiting: dict[zmq.Socket, tuple[int, Any]] = {}
         for s, msg in reqs.items():
             frames = encode(msg)
@@ -265,6 +303,9 @@ class ShardClient:
             self.messages += 1
             self._socks[s].send_multipart(frames, copy=False)
             waiting[self._socks[s]] = (s, msg.meta["rid"])
+        return waiting
+
+    def _collect(self, waiting: dict[zmq.Socket, tuple[int, Any]]) -> dict[int, Message]:
         replies: dict[int, Message] = {}
         poller = zmq.Poller()
         for sock in waiting:

@@ -234,23 +234,46 @@ class Trainer:
             time.sleep(self.ctx.step_delay_s)
         compute_s = time.perf_counter() - t_compute
         grads = {c.index: grad[c.flat_offset : c.flat_offset + c.numel].cpu() for c in self.mine}
-        sync = self.exp.mode == "sync"
-        res = self.client.push_pull(
-            grads,
-            clock=self.clock,
-            basis=self.versions,
-            step=self.version if sync else None,
-            num_workers=self.ctx.num_workers if sync else None,
-        )
-        self.versions = res.versions
-        self._assemble(res.values)
-        if self.adaptive is not None:
-            self.adaptive.after_step(compute_s)
+        if self.exp.overlap:
+            done = self._exchange_overlapped(grads, compute_s)
+        else:
+            sync = self.exp.mode == "sync"
+            res = self.client.push_pull(
+                grads,
+                clock=self.clock,
+                basis=self.versions,
+                step=self.version if sync else None,
+                num_workers=self.ctx.num_workers if sync else None,
+            )
+            self.versions = res.versions
+            self._assemble(res.values)
+            done = res.done
+            if self.adaptive is not None:
+                self.adaptive.after_step(compute_s)
         self.clock += 1
         self.stats.steps += 1
         self.stats.samples += int(node_samples[0].item())
         self.stats.loss = node_samples[1].item() / max(1.0, node_samples[0].item())
-        return res.done
+        return done
+
+    def _exchange_overlapped(self, grads: dict[int, torch.Tensor], compute_s: float) -> bool:
+        """Async with `overlap`: this step's gradient leaves while the next one is computed.
+
+        The gradient just computed is pushed once the reply to the previous push is in, so
+        the round trip hides behind compute; every update is one step staler than without.
+        """
+        basis = dict(self.versions)  # what this gradient was computed on
+        done = False
+        if self.client.in_flight:
+            res = self.client.wait()
+            self.versions = res.versions
+            self._assemble(res.values)
+            done = res.done
+        if self.adaptive is not None:
+            self.adaptive.after_step(compute_s)
+        if not done:
+            self.client.push_async(grads, clock=self.clock, basis=basis)
+        return done
 
     # --- whole run ---------------------------------------------------------------------
     def run(self) -> None:
@@ -267,6 +290,8 @@ class Trainer:
                 t_report, samples0 = now, self.stats.samples
                 self._report(rate)
             self._maybe_eval_and_checkpoint()
+        if self.client.in_flight:
+            self.client.wait()  # stopped mid-overlap: collect the last reply
         if self._ckpt_thread is not None:
             self._ckpt_thread.join()
         if done:

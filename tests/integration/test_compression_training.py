@@ -1,4 +1,10 @@
-"""Compressed async training on digits: accuracy close to uncompressed at a fraction of the bytes."""
+"""Compressed async training on digits: accuracy close to uncompressed at a fraction of the bytes.
+
+The accuracy comparisons use one async worker: its run is deterministic, so the difference
+measures the codec alone. With several workers the interleaving of pushes changes from run
+to run and moves the final accuracy by up to a point on its own (360 eval samples: one
+sample is 0.28 points), which is the size of the bounds under test.
+"""
 
 from __future__ import annotations
 
@@ -22,12 +28,12 @@ def _exp(compression: str, **kw: object) -> Experiment:
 
 @pytest.fixture(scope="module")
 def small_baseline() -> dict[str, object]:
-    return run_async(_exp("none"))
+    return run_async(_exp("none"), workers=1)
 
 
 @pytest.mark.parametrize(("codec", "max_drop", "min_ratio"), [("topk:0.01", 0.010, 50.0), ("int8", 0.003, 3.9)])
 def test_codec_keeps_accuracy_while_pushing_far_fewer_bytes(small_baseline, codec, max_drop, min_ratio) -> None:  # type: ignore[no-untyped-def]
-    got = run_async(_exp(codec))
+    got = run_async(_exp(codec), workers=1)
     ratio = small_baseline["bytes_up"] / got["bytes_up"]
     assert ratio >= min_ratio, f"{codec}: only {ratio:.1f}x fewer bytes pushed"
     assert got["accuracy"] >= small_baseline["accuracy"] - max_drop, (got["accuracy"], small_baseline["accuracy"])
@@ -37,14 +43,19 @@ def test_powersgd_4_keeps_accuracy_at_50x_fewer_bytes() -> None:
     # PowerSGD compresses matrices; on the 26k-parameter default MLP its factors are as big
     # as the layers, so it is measured on a wider MLP (1.1M parameters).
     wide = {"model_args": {"hidden": 1024}}
-    base = run_async(_exp("none", **wide))
-    got = run_async(_exp("powersgd:4", **wide))
+    base = run_async(_exp("none", **wide), workers=1)
+    got = run_async(_exp("powersgd:4", **wide), workers=1)
     ratio = base["bytes_up"] / got["bytes_up"]
     assert ratio >= 50, f"only {ratio:.1f}x fewer bytes pushed"
     assert got["accuracy"] >= base["accuracy"] - 0.01, (got["accuracy"], base["accuracy"])
 
 
+def test_compressed_training_with_three_async_workers_still_converges() -> None:
+    got = run_async(_exp("topk:0.01", pull_compression="int8"), workers=3)
+    assert got["accuracy"] >= 0.95
+
+
 def test_pull_compression_sends_compressed_differences_and_still_trains(small_baseline) -> None:  # type: ignore[no-untyped-def]
-    got = run_async(_exp("none", pull_compression="int8"))
+    got = run_async(_exp("none", pull_compression="int8"), workers=1)
     assert small_baseline["bytes_down"] / got["bytes_down"] >= 3.5
     assert got["accuracy"] >= small_baseline["accuracy"] - 0.01

@@ -47,7 +47,7 @@ class Coordinator:
         self.exps: dict[str, ExpRec] = {e.id: e for e in exps}
         self._seq = max((e.seq for e in exps), default=0)
         self._changed = asyncio.Condition()
-        self._import_checks: dict[tuple[str, str], str] = {}
+        self._import_checks: set[tuple[str, str]] = set()
         if nodes or exps:
             log.info("resumed state: %d nodes, %d experiments", len(nodes), len(exps))
 
@@ -299,21 +299,22 @@ class Coordinator:
     async def _check_imports(self, exp: Experiment) -> None:
         """Import the model and dataset callables in a child interpreter (never torch in here)."""
         key = (exp.model, exp.dataset)
-        if key not in self._import_checks:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gossamer._import_check", exp.model, exp.dataset,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-            )
-            try:
-                out, _ = await asyncio.wait_for(proc.communicate(), timeout=120)
-            except asyncio.TimeoutError:
-                proc.kill()
-                raise ConfigError("model", "importing the model/dataset took over 120 s") from None
-            self._import_checks[key] = out.decode().strip()
-        verdict = self._import_checks[key]
-        if verdict != "ok":
+        if key in self._import_checks:
+            return
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gossamer._import_check", exp.model, exp.dataset,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), timeout=120)
+        except asyncio.TimeoutError:
+            proc.kill()
+            raise ConfigError("model", "importing the model/dataset took over 120 s") from None
+        verdict = out.decode().strip()
+        if verdict != "ok":  # only successes are cached: a fixed module is checked again
             field, _, msg = verdict.partition(": ")
             raise ConfigError(field if field in ("model", "dataset") else "model", msg or verdict)
+        self._import_checks.add(key)
 
     def get(self, exp_id: str) -> ExpRec:
         exp = self.exps.get(exp_id)

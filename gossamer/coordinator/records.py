@@ -20,7 +20,8 @@ FINISHED_STATES = (
     pb.EXPERIMENT_STATE_CANCELLED,
 )
 #: Cumulative per-source counters that are summed over sources for experiment totals.
-COUNTERS = ("samples", "bytes_up", "bytes_down", "raw_bytes_up", "raw_bytes_down", "updates", "encode_s")
+COUNTERS = ("samples", "bytes_up", "bytes_down", "raw_bytes_up", "raw_bytes_down", "updates", "encode_s",
+            "ps_decode_s")
 #: Rates summed over sources.
 RATES = ("samples_per_s",)
 
@@ -122,6 +123,9 @@ class ExpRec:
         out.update(self.final_metrics)
         if out.get("bytes_up") and "raw_bytes_up" in out:
             out["compression_ratio"] = out["raw_bytes_up"] / out["bytes_up"]
+        if out.get("updates"):
+            out["bytes_up_per_step"] = out.get("bytes_up", 0.0) / out["updates"]
+            out["bytes_down_per_step"] = out.get("bytes_down", 0.0) / out["updates"]
         if out.get("bytes_down") and "raw_bytes_down" in out:
             out["pull_compression_ratio"] = out["raw_bytes_down"] / out["bytes_down"]
         return out

@@ -252,7 +252,8 @@ class ShardServer:
     @property
     def decode_seconds(self) -> float:
         """Time spent decompressing pushes (all codecs)."""
-        return sum(d.decode_seconds for d in self._decoders.values())
+        with self._lock:
+            return sum(d.decode_seconds for d in self._decoders.values())
 
     @property
     def version(self) -> int:

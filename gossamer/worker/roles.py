@@ -99,6 +99,7 @@ def run_server(spec: dict[str, Any]) -> None:
                 "ps_bytes_in": float(st.get("bytes_in", 0)),
                 "ps_bytes_out": float(st.get("bytes_out", 0)),
                 "ps_errors": float(st.get("errors", 0)),
+                "ps_decode_s": server.decode_seconds,
             })
         thread.join(timeout=5)
         server.close()

@@ -107,3 +107,26 @@ def test_cancel_stops_roles_and_frees_nodes(cluster: LocalCluster) -> None:
     time.sleep(2)
     assert job.status()["steps"] == steps  # nothing trains any more
     client.close()
+
+
+def test_compressed_experiment_through_real_processes_reports_its_savings(cluster: LocalCluster) -> None:
+    address = cluster.start_coordinator(port=0)
+    cluster.add_node("ps")
+    time.sleep(0.3)
+    for i in range(2):
+        cluster.add_node(f"w{i}", spot=True)
+    client = Client(address)
+    _wait_ready(client, 3)
+    job = client.submit({
+        "name": "compressed", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
+        "mode": "async", "compression": "topk:0.01", "pull_compression": "int8", "num_ps_shards": 1,
+        "min_workers": 2, "max_workers": 2, "total_steps": 800, "eval_every": 200,
+    })
+    result = job.wait(timeout=240)
+    assert result.status == "completed", result.message
+    m = result.metrics
+    assert m["compression_ratio"] >= 50  # raw fp32 bytes / bytes on the wire, pushes
+    assert m["pull_compression_ratio"] >= 3.5
+    assert m["bytes_up_per_step"] * 50 <= m["raw_bytes_up"] / m["updates"]
+    assert m["eval_accuracy"] >= 0.9
+    client.close()

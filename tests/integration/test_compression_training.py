@@ -35,6 +35,7 @@ def small_baseline() -> dict[str, object]:
 def test_codec_keeps_accuracy_while_pushing_far_fewer_bytes(small_baseline, codec, max_drop, min_ratio) -> None:  # type: ignore[no-untyped-def]
     got = run_async(_exp(codec), workers=1)
     ratio = small_baseline["bytes_up"] / got["bytes_up"]
+    print(f"{codec}: accuracy {got['accuracy']:.4f} vs {small_baseline['accuracy']:.4f}, {ratio:.1f}x fewer bytes")
     assert ratio >= min_ratio, f"{codec}: only {ratio:.1f}x fewer bytes pushed"
     assert got["accuracy"] >= small_baseline["accuracy"] - max_drop, (got["accuracy"], small_baseline["accuracy"])
 
@@ -46,6 +47,7 @@ def test_powersgd_4_keeps_accuracy_at_50x_fewer_bytes() -> None:
     base = run_async(_exp("none", **wide), workers=1)
     got = run_async(_exp("powersgd:4", **wide), workers=1)
     ratio = base["bytes_up"] / got["bytes_up"]
+    print(f"powersgd:4: accuracy {got['accuracy']:.4f} vs {base['accuracy']:.4f}, {ratio:.1f}x fewer bytes")
     assert ratio >= 50, f"only {ratio:.1f}x fewer bytes pushed"
     assert got["accuracy"] >= base["accuracy"] - 0.01, (got["accuracy"], base["accuracy"])
 

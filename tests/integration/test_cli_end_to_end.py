@@ -130,3 +130,25 @@ def test_compressed_experiment_through_real_processes_reports_its_savings(cluste
     assert m["bytes_up_per_step"] * 50 <= m["raw_bytes_up"] / m["updates"]
     assert m["eval_accuracy"] >= 0.9
     client.close()
+
+
+def test_worker_node_with_two_local_ranks_trains_through_the_agent(cluster: LocalCluster) -> None:
+    """`worker join --nproc-per-node 2`: two spawned ranks in one gloo group, each with its own chunks."""
+    address = cluster.start_coordinator(port=0)
+    cluster.add_node("ps")
+    time.sleep(0.3)
+    cluster.add_node("w2", spot=True, nproc_per_node=2)
+    client = Client(address)
+    _wait_ready(client, 2)
+    job = client.submit({
+        "name": "two-ranks", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
+        "mode": "async", "num_ps_shards": 1, "chunk_numel": 4096, "min_workers": 1, "max_workers": 1,
+        "total_steps": 600, "eval_every": 200,
+    })
+    result = job.wait(timeout=240)
+    assert result.status == "completed", result.message
+    series = job.metrics()
+    sources = {p["source"] for p in series if "bytes_up" in p}
+    assert len(sources) == 2  # both local ranks exchanged their own chunks with the shard
+    assert result.metrics["eval_accuracy"] >= 0.9
+    client.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 from gossamer.errors import ConfigError
@@ -23,8 +24,10 @@ class AdaptiveConfig:
     target_share: float = 0.2
     ladder: tuple[str, ...] = LADDER
     decide_every: int = 5
-    smoothing: float = 0.5  # EWMA weight of the newest measurement
+    smoothing: float = 0.5  # EWMA weight of the newest compute-time measurement
     hysteresis: float = 0.7  # go less lossy only if the prediction is under this share of budget
+    bandwidth_window_s: float = 3.0  # bandwidth = the best sample of this window (see observe_transfer)
+    drop_factor: float = 0.1  # a sample this far under the estimate is a real drop, not noise
 
     def __post_init__(self) -> None:
         if not 0 < self.target_share <= 10:
@@ -60,6 +63,7 @@ class AdaptivePolicy:
         self.level = {name: 0 for name in self.tensors}
         self.compute_s: float | None = None
         self.bandwidth_bps: float | None = None
+        self._samples: list[tuple[float, float]] = []  # (time, bytes/s)
         self._steps = 0
         self.decisions = 0
 
@@ -72,9 +76,24 @@ class AdaptivePolicy:
             self.compute_s = self._ewma(self.compute_s, compute_s)
         self._steps += 1
 
-    def observe_transfer(self, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0 and math.isfinite(seconds):
-            self.bandwidth_bps = self._ewma(self.bandwidth_bps, nbytes / seconds)
+    def observe_transfer(self, nbytes: int, seconds: float, now: float | None = None) -> None:
+        """A transfer of `nbytes` took `seconds` beyond the round-trip latency.
+
+        Noise (scheduling, other traffic) only ever makes a transfer look slower, so the
+        estimate is the best rate seen in the last `bandwidth_window_s` (a max filter, as
+        BBR does). A sample under `drop_factor` of the estimate is a real drop (a throttled
+        or shared link), not noise: it restarts the window at once, so the policy reacts
+        within a step.
+        """
+        if nbytes <= 0 or seconds <= 0 or not math.isfinite(seconds):
+            return
+        now = time.monotonic() if now is None else now
+        rate = nbytes / seconds
+        if self.bandwidth_bps is not None and rate < self.config.drop_factor * self.bandwidth_bps:
+            self._samples = []
+        horizon = now - self.config.bandwidth_window_s
+        self._samples = [(t, r) for t, r in self._samples if t >= horizon] + [(now, rate)]
+        self.bandwidth_bps = max(r for _, r in self._samples)
 
     def codec(self, name: str) -> str:
         return self.config.ladder[self.level[name]]

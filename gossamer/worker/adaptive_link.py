@@ -57,8 +57,12 @@ class AdaptiveLink:
             new.encode_seconds, new.decode_seconds = old.encode_seconds, old.decode_seconds
         self.client.compressor = new
 
-    def after_step(self, compute_s: float) -> None:
+    def after_step(self, compute_s: float, sent_bytes: int = 0, exchange_s: float = 0.0) -> None:
+        """Account one step: its compute time and, when known, its push (bytes, round trip)."""
         self.policy.observe_step(compute_s)
+        if sent_bytes >= 32 * 1024 and exchange_s > self.latency_s:
+            # A big push is a bandwidth sample of its own: a throttled link shows at once.
+            self.policy.observe_transfer(sent_bytes, exchange_s - self.latency_s)
         if not self.policy.due():
             return
         now = time.monotonic()

@@ -238,6 +238,7 @@ class Trainer:
             done = self._exchange_overlapped(grads, compute_s)
         else:
             sync = self.exp.mode == "sync"
+            sent0, t_exchange = self.client.bytes_up, time.perf_counter()
             res = self.client.push_pull(
                 grads,
                 clock=self.clock,
@@ -249,7 +250,7 @@ class Trainer:
             self._assemble(res.values)
             done = res.done
             if self.adaptive is not None:
-                self.adaptive.after_step(compute_s)
+                self.adaptive.after_step(compute_s, self.client.bytes_up - sent0, time.perf_counter() - t_exchange)
         self.clock += 1
         self.stats.steps += 1
         self.stats.samples += int(node_samples[0].item())

@@ -33,9 +33,16 @@ def _setup_logging(level: str) -> None:
 
 
 # --- coordinator ------------------------------------------------------------------------------
+def _refuse_token_file(args: argparse.Namespace) -> None:
+    # Accepting the flag without enforcing it would look secure and not be.
+    if getattr(args, "token_file", None):
+        raise GossamerError("--token-file: token authentication is not available in this release yet")
+
+
 def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    _refuse_token_file(args)
     from gossamer.coordinator.config import CoordinatorConfig
     from gossamer.coordinator.server import serve
 
@@ -53,6 +60,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
 def cmd_worker_join(args: argparse.Namespace) -> int:
     import asyncio
 
+    _refuse_token_file(args)
     from gossamer.worker.agent import AgentConfig, NodeAgent, parse_labels
 
     _setup_logging(args.log_level)
@@ -238,7 +246,7 @@ def _coordinator_parser(sub: Any) -> None:
                    help="seconds without heartbeat before a node is declared lost")
     s.add_argument("--ready-file", default=None, help="write the bound port here once serving")
     s.add_argument("--no-import-check", action="store_true", help="skip importing model/dataset at submit")
-    s.add_argument("--token-file", default=None, help="(reserved) join token file")
+    s.add_argument("--token-file", default=None, help="join token file (not available yet: refused)")
     s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     s.set_defaults(fn=cmd_coordinator_serve)
 
@@ -255,7 +263,7 @@ def _worker_parser(sub: Any) -> None:
     j.add_argument("--labels", nargs="*", default=[], metavar="K=V")
     j.add_argument("--grace", type=float, default=_env("GRACE", 5.0), help="seconds roles get to stop on SIGTERM")
     j.add_argument("--threads", type=int, default=_env("THREADS", 1), help="torch threads per role process")
-    j.add_argument("--token-file", default=None, help="(reserved) join token file")
+    j.add_argument("--token-file", default=None, help="join token file (not available yet: refused)")
     j.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     j.set_defaults(fn=cmd_worker_join)
 

@@ -161,3 +161,12 @@ def test_unknown_experiment_is_not_found(coordinator) -> None:  # type: ignore[n
     with pytest.raises(grpc.RpcError) as err:
         exps.Get(pb.GetExperimentRequest(experiment_id="nope"), timeout=5)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_token_file_is_refused_rather_than_silently_ignored(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    for argv in (["coordinator", "serve", "--port", "0"], ["worker", "join", "127.0.0.1:1"]):
+        out = subprocess.run([sys.executable, "-m", "gossamer.cli", *argv, "--token-file", str(token)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "--token-file" in out.stderr

@@ -76,7 +76,6 @@ def _cuda_count() -> int:
 
 @dataclass
 class _Running:
-    key: tuple[str, int, int, int]
     procs: list[BaseProcess]
     pipes: list[Connection]
     assignment: pb.Assignment
@@ -228,7 +227,7 @@ class NodeAgent:
             p.start()
         log.info("started %s %d of %s (%d process%s)", "shard" if a.role == pb.ROLE_PARAMETER_SERVER else "worker",
                  a.index, a.experiment_id, len(procs), "es" if len(procs) > 1 else "")
-        self.running[self._key(a)] = _Running(self._key(a), procs, pipes, a)
+        self.running[self._key(a)] = _Running(procs, pipes, a)
 
     def _update(self, run: _Running, a: pb.Assignment) -> None:
         if a.SerializeToString(deterministic=True) == run.assignment.SerializeToString(deterministic=True):

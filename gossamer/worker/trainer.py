@@ -222,7 +222,9 @@ class Trainer:
         self.model.zero_grad(set_to_none=False)
         loss_sum = F.cross_entropy(self.model(x), y, reduction="sum")
         (loss_sum / denom).backward()
-        if self.flat_grad is not None and not self._grads_are_views():
+        if self.clock == 0 and self.flat_grad is not None and not self._grads_are_views():
+            # Checked once: autograd accumulates in place into an existing .grad, so if the
+            # first backward kept the views, later ones do too.
             self.flat_grad = None  # autograd replaced a .grad: fall back to copying
             unflatten_into(self.model, self.flat)
         grad = self.flat_grad if self.flat_grad is not None else flatten_grads(self.model)

@@ -221,6 +221,17 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_events(args: argparse.Namespace) -> int:
+    events = _client(args).job(args.id).events()
+    if args.json:
+        print(json.dumps(events, indent=1))
+        return 0
+    for e in events:
+        stamp = time.strftime("%H:%M:%S", time.localtime(e["time_unix"])) + f".{int(e['time_unix'] * 1000) % 1000:03d}"
+        print(f"{stamp}  {e['kind']:<10} {e['message']}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from gossamer.demo import run_demo
 
@@ -261,7 +272,8 @@ def _worker_parser(sub: Any) -> None:
     j.add_argument("--nproc-per-node", type=int, default=_env("NPROC_PER_NODE", 1), help="local ranks per worker")
     j.add_argument("--spot", action="store_true", default=_env("SPOT", False), help="preemptible machine")
     j.add_argument("--labels", nargs="*", default=[], metavar="K=V")
-    j.add_argument("--grace", type=float, default=_env("GRACE", 5.0), help="seconds roles get to stop on SIGTERM")
+    j.add_argument("--grace", type=float, default=_env("GRACE", 30.0),
+                   help="seconds to leave gracefully on SIGTERM (a spot notice): finish the step, hand shards over")
     j.add_argument("--threads", type=int, default=_env("THREADS", 1), help="torch threads per role process")
     j.add_argument("--token-file", default=None, help="join token file (not available yet: refused)")
     j.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
@@ -303,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("id")
     _add_client_flags(c)
     c.set_defaults(fn=cmd_cancel)
+
+    ev = sub.add_parser("events", help="the event log of an experiment (failures, recoveries, discards)")
+    ev.add_argument("id")
+    ev.add_argument("--json", action="store_true")
+    _add_client_flags(ev)
+    ev.set_defaults(fn=cmd_events)
 
     d = sub.add_parser("demo", help="a whole local cluster: coordinator, shards, workers, digits in async mode")
     d.add_argument("--workers", type=int, default=3)

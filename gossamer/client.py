@@ -94,6 +94,15 @@ class Job:
         )
         return [{"time_unix": p.time_unix, "step": p.step, "source": p.source, **dict(p.values)} for p in resp.points]
 
+    def events(self, since_unix: float = 0.0) -> list[dict[str, Any]]:
+        """The coordinator's event log for this experiment: failures, detections, promotions,
+        restores, discarded updates (dicts: time_unix, kind, message, node_id)."""
+        resp = self._client._call(
+            self._client._exp.ListEvents, pb.ListEventsRequest(experiment_id=self.id, since_unix=since_unix)
+        )
+        return [{"time_unix": e.time_unix, "kind": e.kind, "message": e.message, "node_id": e.node_id}
+                for e in resp.events]
+
     def cancel(self) -> dict[str, Any]:
         return status_dict(self._client._call(self._client._exp.Cancel, pb.CancelExperimentRequest(experiment_id=self.id)))
 

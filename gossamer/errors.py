@@ -31,7 +31,14 @@ class ProtocolError(GossamerError):
 
 
 class ShardError(GossamerError):
-    """A parameter-server shard answered a request with an error reply."""
+    """A parameter-server shard answered a request with an error reply.
+
+    `codes` holds the shards' error codes (e.g. ``{"REFORM"}``) so callers can react to them.
+    """
+
+    def __init__(self, message: str, codes: frozenset[str] | set[str] = frozenset()) -> None:
+        super().__init__(message)
+        self.codes = frozenset(codes)
 
 
 class CheckpointError(GossamerError):

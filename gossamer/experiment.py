@@ -63,6 +63,7 @@ class Experiment:
     lr_staleness_scaling: bool = True
     overlap: bool = False
     num_ps_shards: int = 1
+    ps_backup: bool = True
     min_workers: int = 1
     max_workers: int = 16
     total_steps: int = 1000
@@ -122,6 +123,8 @@ class Experiment:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise bad(f, f"must be an integer >= 0, got {v!r}")
+        if not isinstance(self.ps_backup, bool):
+            raise bad("ps_backup", f"must be true or false, got {self.ps_backup!r}")
         if self.max_workers < self.min_workers:
             raise bad("max_workers", f"must be >= min_workers ({self.min_workers})")
         if self.global_batch_size is not None:

@@ -93,14 +93,19 @@ def save_model_checkpoint(dest: str | os.PathLike[str], state_dict: dict[str, An
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Load a checkpoint directory as a plain state_dict for `nn.Module.load_state_dict`.
 
-    The manifest's checksums are verified first; tensors are read with
-    `weights_only=True`, so a checkpoint can never run code.
+    `path` is a `model.pt` checkpoint or a sharded step directory (`shard-*` subdirectories,
+    see `gossamer.checkpoint.sharded`). The manifests' checksums are verified first; tensors
+    are read with `weights_only=True`, so a checkpoint can never run code.
 
     Raises:
         CheckpointError: missing, partial or corrupt checkpoint.
     """
     import torch
 
+    if any(p.is_dir() for p in Path(path).glob("shard-[0-9]*")):
+        from gossamer.checkpoint.sharded import load_sharded_model  # it imports this module
+
+        return load_sharded_model(path)
     read_manifest(path)
     try:
         state = torch.load(Path(path) / "model.pt", map_location="cpu", weights_only=True)

@@ -22,6 +22,8 @@ FINISHED_STATES = (
 #: Cumulative per-source counters that are summed over sources for experiment totals.
 COUNTERS = ("samples", "bytes_up", "bytes_down", "raw_bytes_up", "raw_bytes_down", "updates", "encode_s",
             "ps_decode_s")
+#: Counter prefixes summed over sources: updates not applied, by cause (see ShardServer).
+COUNTER_PREFIXES = ("discarded_",)
 #: Rates summed over sources.
 RATES = ("samples_per_s",)
 
@@ -41,6 +43,7 @@ class NodeRec:
     joined_unix: float = 0.0
     last_seen: float = 0.0
     experiment_id: str = ""
+    stream_lost_at: float = 0.0  # when its assignment stream dropped (fast failure detection)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -62,6 +65,10 @@ class RoleRec:
     state: pb.RoleState.ValueType = pb.ROLE_STATE_UNSPECIFIED
     endpoint: str = ""
     message: str = ""
+    replica: int = 0  # parameter server: 0 = primary, 1 = backup
+    replicated: bool = False  # primary: its backup is attached and synced
+    restore_epoch: int = 0
+    version: int = 0
 
 
 @dataclass
@@ -81,6 +88,9 @@ class ExpRec:
     lead_node: str = ""
     next_worker_index: int = 0
     final_metrics: dict[str, float] = field(default_factory=dict)
+    shard_versions: dict[str, int] = field(default_factory=dict)  # highest version seen per shard
+    failures: int = 0  # role processes that crashed (a budget against crash loops)
+    restore_epoch: int = 0
     latest: dict[str, dict[str, float]] = field(default_factory=dict)
     roles: list[RoleRec] = field(default_factory=list)
 
@@ -112,6 +122,9 @@ class ExpRec:
             for k in COUNTERS + RATES:
                 if k in values:
                     out[k] = out.get(k, 0.0) + values[k]
+            for k, v in values.items():
+                if k.startswith(COUNTER_PREFIXES):
+                    out[k] = out.get(k, 0.0) + v
             t = values.get("time_unix", 0.0)
             if t > newest_t and "loss" in values:
                 newest_t = t
@@ -120,6 +133,9 @@ class ExpRec:
                 if k in values and values.get("eval_step", 0) >= out.get("eval_step", -1):
                     out[k] = values[k]
                     out["eval_step"] = values.get("eval_step", 0)
+        for k, v in self.latest.get("coordinator", {}).items():  # recovery figures, already totals
+            if k != "time_unix":
+                out[k] = v
         out.update(self.final_metrics)
         if out.get("bytes_up") and "raw_bytes_up" in out:
             out["compression_ratio"] = out["raw_bytes_up"] / out["bytes_up"]

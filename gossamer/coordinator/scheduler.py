@@ -38,3 +38,18 @@ def grow(free: list[NodeRec], *, current_workers: int, max_workers: int) -> list
     """Free nodes to add as workers to a running experiment (up to `max_workers`)."""
     room = max(0, max_workers - current_workers)
     return sorted(free, key=lambda n: (n.joined_unix, n.id))[:room]
+
+
+def replica_host(
+    *, avoid: set[str], servers: list[NodeRec], free: list[NodeRec], workers: list[NodeRec]
+) -> NodeRec | None:
+    """Where a shard replica goes: another server node, else a free node, else a worker node.
+
+    On-demand, long-lived nodes first within each group; never a node in `avoid` (the
+    nodes already holding a replica of that shard), so the two replicas never share a fate.
+    """
+    for group in (servers, free, workers):
+        candidates = [n for n in group if n.id not in avoid and n.alive]
+        if candidates:
+            return sorted(candidates, key=_server_preference)[0]
+    return None

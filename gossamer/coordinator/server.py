@@ -44,6 +44,7 @@ class Coordinator:
         for n in self.nodes.values():
             # A restarted coordinator gives every live node one full lease to re-attach.
             n.last_seen = now
+            n.stream_lost_at = 0.0
         self.exps: dict[str, ExpRec] = {e.id: e for e in exps}
         self._seq = max((e.seq for e in exps), default=0)
         self._changed = asyncio.Condition()
@@ -113,15 +114,41 @@ class Coordinator:
             return
         await self._remove_node(node, pb.NODE_STATE_LEFT, f"left: {reason or 'no reason given'}")
 
+    def stream_opened(self, node_id: str) -> None:
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.stream_lost_at = 0.0
+
+    def stream_closed(self, node_id: str) -> None:
+        node = self.nodes.get(node_id)
+        if node is not None and node.alive:
+            node.stream_lost_at = time.time()
+
     async def reap_leases(self) -> None:
+        """Declare nodes lost: lease expired, or stream dropped and no heartbeat since.
+
+        A process that dies (kill -9, OOM, crash) closes its TCP connections at once, so its
+        assignment stream ends here; a live node reconnects it or heartbeats within one
+        interval. Two quiet intervals after the drop are enough evidence; a machine that
+        vanishes without closing anything is caught by the lease.
+        """
         now = time.time()
+        fast = 2.0 * self.config.heartbeat_interval_s
         for node in list(self.nodes.values()):
-            if node.alive and now - node.last_seen > self.config.lease_timeout_s:
+            if not node.alive:
+                continue
+            silent = now - node.last_seen
+            if silent > self.config.lease_timeout_s:
+                await self._remove_node(node, pb.NODE_STATE_LOST,
+                                        f"lease expired ({silent:.1f}s without heartbeat)", silent)
+            elif node.stream_lost_at and now - node.stream_lost_at > fast and node.last_seen < node.stream_lost_at:
                 await self._remove_node(
-                    node, pb.NODE_STATE_LOST, f"lease expired ({now - node.last_seen:.1f}s without heartbeat)"
+                    node, pb.NODE_STATE_LOST,
+                    f"connection closed and no heartbeat for {silent:.1f}s", silent,
                 )
 
-    async def _remove_node(self, node: NodeRec, state: pb.NodeState.ValueType, why: str) -> None:
+    async def _remove_node(self, node: NodeRec, state: pb.NodeState.ValueType, why: str,
+                           detect_s: float | None = None) -> None:
         node.state = state
         exp_id, node.experiment_id = node.experiment_id, ""
         kind = "lost" if state == pb.NODE_STATE_LOST else "leave"
@@ -129,36 +156,130 @@ class Coordinator:
         await self.store.save_node(node)
         exp = self.exps.get(exp_id)
         if exp is not None and exp.active:
-            await self._role_lost(exp, node)
+            figures = {"nodes_lost" if kind == "lost" else "nodes_left": 1.0}
+            if detect_s is not None:
+                figures["detect_s"] = detect_s
+            await self._recovery_metric(exp, figures)
+            await self._node_gone(exp, node)
         await self.reconcile()
 
-    async def _role_lost(self, exp: ExpRec, node: NodeRec) -> None:
+    async def _recovery_metric(self, exp: ExpRec, add: dict[str, float]) -> None:
+        """Coordinator-side recovery figures: counts add up; detect_s keeps last and max."""
+        cur = exp.latest.setdefault("coordinator", {})
+        for k, v in add.items():
+            if k == "detect_s":
+                cur["detect_s_last"] = v
+                cur["detect_s_max"] = max(cur.get("detect_s_max", 0.0), v)
+            else:
+                cur[k] = cur.get(k, 0.0) + v
+        cur["time_unix"] = time.time()
+        values = {k: v for k, v in cur.items() if k != "time_unix"}
+        await self.store.add_metrics(exp.id, [(cur["time_unix"], exp.steps, "coordinator", values)])
+
+    async def _node_gone(self, exp: ExpRec, node: NodeRec) -> None:
+        """Every role `node` had in `exp` is gone: re-plan them."""
         mine = [r for r in exp.roles if r.node_id == node.id]
         exp.roles = [r for r in exp.roles if r.node_id != node.id]
         exp.generation += 1
-        for r in mine:
-            if r.role == pb.ROLE_PARAMETER_SERVER:
-                await self._finish(
-                    exp,
-                    pb.EXPERIMENT_STATE_FAILED,
-                    f"parameter-server shard {r.index} lost with node {node.name}; "
-                    "this release keeps no shard replica",
-                )
-                return
-            if exp.spec["mode"] == "sync" and exp.state == pb.EXPERIMENT_STATE_RUNNING:
-                await self._finish(
-                    exp,
-                    pb.EXPERIMENT_STATE_FAILED,
-                    f"worker {r.index} lost with node {node.name}; sync mode cannot re-form its "
-                    "barrier in this release",
-                )
-                return
-            await self.store.add_event(
-                "reassign", f"worker {r.index} removed (generation {exp.generation})", experiment_id=exp.id,
-                node_id=node.id,
-            )
+        # Primaries first: a lost primary may promote a backup that was on this node too.
+        for r in sorted(mine, key=lambda r: (r.role, r.replica)):
+            await self._replace_role(exp, r, node.name)
         self._choose_lead(exp)
         await self.store.save_experiment(exp)
+
+    async def _drop_role(self, exp: ExpRec, role: RoleRec, why: str) -> None:
+        """One role process failed on a node that lives on: re-plan just that role."""
+        exp.roles = [r for r in exp.roles if r is not role]
+        exp.generation += 1
+        node = self.nodes.get(role.node_id)
+        await self.store.add_event("lost", why, experiment_id=exp.id, node_id=role.node_id)
+        if node is not None and not any(r.node_id == node.id for r in exp.roles):
+            node.experiment_id = ""
+            node.state = pb.NODE_STATE_READY if node.alive else node.state
+            await self.store.save_node(node)
+        await self._replace_role(exp, role, node.name if node else role.node_id)
+        self._choose_lead(exp)
+        await self.store.save_experiment(exp)
+
+    async def _replace_role(self, exp: ExpRec, r: RoleRec, where: str) -> None:
+        if r.role == pb.ROLE_WORKER:
+            left = len(exp.roles_of(pb.ROLE_WORKER))
+            await self.store.add_event(
+                "reassign", f"worker {r.index} on {where} removed; {left} worker(s) remain "
+                f"(generation {exp.generation})", experiment_id=exp.id, node_id=r.node_id,
+            )
+            return
+        replicas = [x for x in exp.roles if x.role == pb.ROLE_PARAMETER_SERVER and x.index == r.index]
+        if r.replica == 1:
+            await self.store.add_event("reassign", f"backup of shard {r.index} on {where} lost",
+                                       experiment_id=exp.id, node_id=r.node_id)
+            for x in replicas:
+                x.replicated = False
+        else:
+            backup = next((x for x in replicas if x.replica == 1), None)
+            if backup is not None and r.replicated and backup.state == pb.ROLE_STATE_SERVING and backup.endpoint:
+                backup.replica = 0
+                backup.replicated = False
+                await self._recovery_metric(exp, {"promotions": 1.0})
+                await self.store.add_event(
+                    "promote", f"shard {r.index}: primary on {where} gone; backup on "
+                    f"{self._name(backup.node_id)} promoted ({backup.endpoint})",
+                    experiment_id=exp.id, node_id=backup.node_id,
+                )
+            else:
+                await self._restore_shard(exp, r.index, where, replicas)
+                return
+        await self._place_backup(exp, r.index)
+
+    async def _restore_shard(self, exp: ExpRec, index: int, where: str, replicas: list[RoleRec]) -> None:
+        """Every usable replica of shard `index` is gone: a new primary loads the checkpoint."""
+        exp.roles = [x for x in exp.roles if x not in replicas]  # an unsynced backup cannot serve
+        host = self._replica_host(exp, index)
+        if host is None:
+            await self._finish(exp, pb.EXPERIMENT_STATE_FAILED,
+                               f"shard {index} lost with {where} and no node can take it")
+            return
+        exp.restore_epoch += 1
+        targets = [index]
+        if exp.spec["mode"] == "sync":
+            # BSP needs every shard at the same step: all shards roll back together.
+            targets = [x.index for x in exp.roles_of(pb.ROLE_PARAMETER_SERVER) if x.replica == 0]
+            for x in exp.roles:
+                if x.role == pb.ROLE_PARAMETER_SERVER:
+                    x.restore_epoch = exp.restore_epoch
+        self._bind(exp, host, pb.ROLE_PARAMETER_SERVER, index)
+        exp.roles[-1].restore_epoch = exp.restore_epoch
+        await self._recovery_metric(exp, {"restores": 1.0})
+        await self.store.add_event(
+            "restore", f"shard {index}: every replica gone (last on {where}); restoring from the newest good "
+            f"checkpoint on {host.name}" + (f"; shards {sorted(targets)} roll back with it" if len(targets) > 1 else ""),
+            experiment_id=exp.id, node_id=host.id,
+        )
+        await self._place_backup(exp, index)
+
+    def _replica_host(self, exp: ExpRec, index: int) -> NodeRec | None:
+        avoid = {x.node_id for x in exp.roles if x.role == pb.ROLE_PARAMETER_SERVER and x.index == index}
+        servers = [self.nodes[x.node_id] for x in exp.roles
+                   if x.role == pb.ROLE_PARAMETER_SERVER and x.node_id in self.nodes]
+        workers = [self.nodes[x.node_id] for x in exp.roles if x.role == pb.ROLE_WORKER and x.node_id in self.nodes]
+        return scheduler.replica_host(avoid=avoid, servers=servers, free=self._free_nodes(), workers=workers)
+
+    async def _place_backup(self, exp: ExpRec, index: int) -> None:
+        if not exp.spec.get("ps_backup", True) or not exp.active:
+            return
+        host = self._replica_host(exp, index)
+        if host is None:
+            await self.store.add_event("degraded", f"shard {index} runs without a backup: no other node",
+                                       experiment_id=exp.id)
+            return
+        self._bind(exp, host, pb.ROLE_PARAMETER_SERVER, index)
+        exp.roles[-1].replica = 1
+        await self.store.add_event("reassign", f"backup of shard {index} placed on {host.name}",
+                                   experiment_id=exp.id, node_id=host.id)
+
+    def _name(self, node_id: str) -> str:
+        node = self.nodes.get(node_id)
+        return node.name if node else node_id
 
     def _choose_lead(self, exp: ExpRec) -> None:
         workers = exp.roles_of(pb.ROLE_WORKER)
@@ -191,6 +312,8 @@ class Coordinator:
                 for n in placement.workers:
                     self._bind(exp, n, pb.ROLE_WORKER, exp.next_worker_index)
                     exp.next_worker_index += 1
+                for i in range(len(placement.servers)):
+                    await self._place_backup(exp, i)
                 self._choose_lead(exp)
                 await self.store.add_event(
                     "schedule",
@@ -199,7 +322,7 @@ class Coordinator:
                     f"{', '.join(n.name for n in placement.workers)}",
                     experiment_id=exp.id,
                 )
-            elif exp.state == pb.EXPERIMENT_STATE_RUNNING and spec["mode"] != "sync" and free:
+            elif exp.state == pb.EXPERIMENT_STATE_RUNNING and free:
                 current = len(exp.roles_of(pb.ROLE_WORKER))
                 added = scheduler.grow(free, current_workers=current, max_workers=spec["max_workers"])
                 for n in added:
@@ -247,8 +370,12 @@ class Coordinator:
         exp = self.exps.get(node.experiment_id)
         if exp is None or not exp.active:
             return []
-        endpoints = {r.index: r.endpoint for r in exp.roles_of(pb.ROLE_PARAMETER_SERVER)}
+        servers = exp.roles_of(pb.ROLE_PARAMETER_SERVER)
+        primaries = {r.index: r for r in servers if r.replica == 0}
+        backups = {r.index: r for r in servers if r.replica == 1}
+        endpoints = {i: r.endpoint for i, r in primaries.items() if r.endpoint}
         workers = exp.roles_of(pb.ROLE_WORKER)
+        senders = [f"{w.node_id}:{w.index}" for w in workers]
         spec = exp.spec
         out = []
         for r in exp.roles:
@@ -256,19 +383,24 @@ class Coordinator:
                 continue
             if r.role == pb.ROLE_WORKER and exp.state != pb.EXPERIMENT_STATE_RUNNING:
                 continue  # workers start once every shard serves
+            ps = r.role == pb.ROLE_PARAMETER_SERVER
+            backup = backups.get(r.index) if ps and r.replica == 0 else None
             out.append(
                 pb.Assignment(
                     experiment_id=exp.id,
                     role=r.role,
                     index=r.index,
                     num_workers=len(workers),
-                    # The generation is left out of a worker's assignment in async mode so that a
-                    # membership change does not look like a new role to the agent.
-                    generation=exp.generation if spec["mode"] == "sync" else 0,
+                    generation=exp.generation,
                     experiment_json=exp.spec_json,
-                    shard_endpoints=endpoints if r.role == pb.ROLE_WORKER else {},
+                    shard_endpoints=endpoints if not ps else {},
                     checkpoint_dir=spec.get("checkpoint_dir") or self.checkpoint_root,
-                    lead=(r.role == pb.ROLE_WORKER and r.node_id == exp.lead_node),
+                    lead=(not ps and r.node_id == exp.lead_node),
+                    replica=r.replica,
+                    backup_endpoint=backup.endpoint if backup and backup.state == pb.ROLE_STATE_SERVING else "",
+                    workers=senders if ps else [],
+                    restore_epoch=r.restore_epoch,
+                    worker_rank=workers.index(r) if not ps else 0,
                 )
             )
         return out
@@ -345,6 +477,7 @@ class Coordinator:
                     index=r.index,
                     state=r.state,
                     endpoint=r.endpoint,
+                    replica=r.replica,
                 )
                 for r in exp.roles
             ],
@@ -369,18 +502,41 @@ class Coordinator:
         role.endpoint = req.endpoint or role.endpoint
         role.message = req.message
         node_name = self.nodes[req.node_id].name if req.node_id in self.nodes else req.node_id
+        what = f"{pb.Role.Name(req.role).removeprefix('ROLE_').lower()} {req.index} on {node_name}"
         if req.state == pb.ROLE_STATE_FAILED:
-            await self._finish(
-                exp, pb.EXPERIMENT_STATE_FAILED,
-                f"{pb.Role.Name(req.role).removeprefix('ROLE_').lower()} {req.index} on {node_name} "
-                f"failed: {req.message}",
-            )
+            exp.failures += 1
+            if exp.failures > max(10, 3 * exp.spec["max_workers"]):
+                await self._finish(exp, pb.EXPERIMENT_STATE_FAILED,
+                                   f"{what} failed: {req.message} ({exp.failures} role failures: giving up)")
+                return
+            await self._drop_role(exp, role, f"{what} failed: {req.message}")
+            await self.reconcile()
             return
+        if req.role == pb.ROLE_PARAMETER_SERVER:
+            if role.replica == 0 and req.replicated != role.replicated:
+                role.replicated = req.replicated
+                await self.store.add_event(
+                    "replicated" if req.replicated else "degraded",
+                    f"shard {req.index}: backup {'attached' if req.replicated else 'detached'} at version {req.version}",
+                    experiment_id=exp.id, node_id=req.node_id,
+                )
+            if req.restored_from or (role.restore_epoch and req.version == 0 and not role.version):
+                last = exp.shard_versions.get(str(req.index), 0)
+                lost = max(0, last - int(req.version))
+                await self._recovery_metric(exp, {"versions_lost": float(lost)})
+                await self.store.add_event(
+                    "restored", f"shard {req.index} restored from {req.restored_from or 'its initial values'} at "
+                    f"version {req.version}; {lost} version(s) lost (last reported {last})",
+                    experiment_id=exp.id, node_id=req.node_id,
+                )
+            role.version = int(req.version)
         servers = exp.roles_of(pb.ROLE_PARAMETER_SERVER)
+        primaries = [r for r in servers if r.replica == 0]
         if (
             exp.state == pb.EXPERIMENT_STATE_STARTING
-            and len(servers) == exp.spec["num_ps_shards"]
+            and len(primaries) == exp.spec["num_ps_shards"]
             and all(r.state == pb.ROLE_STATE_SERVING and r.endpoint for r in servers)
+            and all(r.replicated for r in primaries if any(b.replica == 1 and b.index == r.index for b in servers))
         ):
             exp.state = pb.EXPERIMENT_STATE_RUNNING
             exp.started_unix = exp.started_unix or time.time()
@@ -397,7 +553,12 @@ class Coordinator:
             values = dict(p.values)
             rows.append((p.time_unix, p.step, p.source, values))
             merged = exp.latest.setdefault(p.source, {})
+            await self._note_discards(exp, p.source, merged, values)
             merged.update(values)
+            shard = p.source.rpartition("/ps")[2]
+            if shard.isdigit():
+                key = shard
+                exp.shard_versions[key] = max(exp.shard_versions.get(key, 0), int(p.step))
             merged["time_unix"] = p.time_unix
             if exp.active:
                 exp.steps = max(exp.steps, p.step)
@@ -406,6 +567,16 @@ class Coordinator:
             await self.store.save_experiment(exp)
             await self._notify()
         return exp.active
+
+    async def _note_discards(self, exp: ExpRec, source: str, old: dict[str, float], new: dict[str, float]) -> None:
+        """Every discarded update shows in the event log, by cause (nothing degrades silently)."""
+        for k, v in new.items():
+            if k.startswith("discarded_") and v > old.get(k, 0.0):
+                n = int(v - old.get(k, 0.0))
+                await self.store.add_event(
+                    "discard", f"{source}: {n} update(s) not applied, cause {k.removeprefix('discarded_')} "
+                    f"(total {int(v)})", experiment_id=exp.id,
+                )
 
     async def complete(self, req: pb.CompleteExperimentRequest) -> None:
         exp = self.get(req.experiment_id)
@@ -483,13 +654,17 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         if request.node_id not in self.c.nodes:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"node {request.node_id} is not known; join first")
         last: bytes | None = None
-        while True:
-            assignments = self.c.assignments_for(request.node_id)
-            blob = b"".join(a.SerializeToString(deterministic=True) for a in assignments)
-            if blob != last:
-                last = blob
-                yield pb.AssignmentSet(serial=time.time_ns(), assignments=assignments)
-            await self.c.wait_change(timeout=5.0)
+        self.c.stream_opened(request.node_id)
+        try:
+            while True:
+                assignments = self.c.assignments_for(request.node_id)
+                blob = b"".join(a.SerializeToString(deterministic=True) for a in assignments)
+                if blob != last:
+                    last = blob
+                    yield pb.AssignmentSet(serial=time.time_ns(), assignments=assignments)
+                await self.c.wait_change(timeout=5.0)
+        finally:  # the node's connection is gone (or it reconnects): evidence for the reaper
+            self.c.stream_closed(request.node_id)
 
     async def ReportRole(self, request, context):  # type: ignore[no-untyped-def]
         try:
@@ -574,6 +749,14 @@ class ExperimentServicer(pb_grpc.ExperimentServiceServicer):
             return pb.CompleteExperimentResponse()
         except Exception as e:  # noqa: BLE001
             await _guard(context, e)
+
+    async def ListEvents(self, request, context):  # type: ignore[no-untyped-def]
+        rows = await self.c.store.events(request.experiment_id or None, request.since_unix)
+        return pb.ListEventsResponse(events=[
+            pb.Event(time_unix=e["time"], experiment_id=e["experiment_id"], node_id=e["node_id"], kind=e["kind"],
+                     message=e["message"])
+            for e in rows
+        ])
 
 
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):

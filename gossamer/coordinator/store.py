@@ -127,13 +127,13 @@ class Store:
             )
         )
 
-    async def events(self, experiment_id: str | None = None) -> list[dict[str, Any]]:
+    async def events(self, experiment_id: str | None = None, since: float = 0.0) -> list[dict[str, Any]]:
         def _q(db: sqlite3.Connection) -> list[dict[str, Any]]:
-            sql = "SELECT time, experiment_id, node_id, kind, message FROM events"
-            args: tuple[Any, ...] = ()
+            sql = "SELECT time, experiment_id, node_id, kind, message FROM events WHERE time >= ?"
+            args: tuple[Any, ...] = (since,)
             if experiment_id is not None:
-                sql += " WHERE experiment_id=?"
-                args = (experiment_id,)
+                sql += " AND experiment_id=?"
+                args = (since, experiment_id)
             cur = db.execute(sql + " ORDER BY id", args)
             keys = ("time", "experiment_id", "node_id", "kind", "message")
             return [dict(zip(keys, row, strict=True)) for row in cur]

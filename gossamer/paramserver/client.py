@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ import zmq
 
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.errors import ConfigError, ProtocolError, ShardError, UnavailableError
+from gossamer.faults import die_at
 from gossamer.paramserver.shard import chunk_key, parse_chunk_key
 from gossamer.paramserver.shard_plan import ShardPlan
 from gossamer.transport.frames import (
@@ -99,7 +101,13 @@ class ShardClient:
                 error_feedback=False,
                 shapes=compressor.shapes if compressor is not None else None,
             )
-        self._in_flight: dict[zmq.Socket, tuple[int, Any]] | None = None
+        self._in_flight: dict[int, Message] | None = None
+        # Called every poll slice while waiting for replies (e.g. to pick up new endpoints
+        # after a failover); may raise to abandon the wait.
+        self.on_wait: Callable[[], None] | None = None
+        self.fault_ctx: dict[str, int] = {}  # worker/rank, for GOSSAMER_FAULT=die:at=mid-pull
+        self.fault_step = 0
+        self.resent = 0
         self._held: dict[int, torch.Tensor] = {}  # chunk values we hold (pull compression)
         self.raw_bytes_up = 0
         self.raw_bytes_down = 0
@@ -116,9 +124,35 @@ class ShardClient:
         return list(self._by_shard.get(shard, []))
 
     # -- API --------------------------------------------------------------------------
-    def hello(self) -> None:
-        """Register this sender as an active worker on every involved shard."""
-        self._request({s: self._msg("HELLO", s) for s in self.shards})
+    def hello(self, fresh: bool = False) -> None:
+        """Register this sender as an active worker on every involved shard.
+
+        `fresh`: this is a new process under this sender id (its clocks start over).
+        """
+        self._request({s: self._msg("HELLO", s, {"fresh": fresh}) for s in self.shards})
+
+    @property
+    def endpoints(self) -> dict[int, str]:
+        return dict(self._endpoints)
+
+    def set_endpoints(self, endpoints: dict[int, str]) -> list[int]:
+        """Point shards at new endpoints (a promoted backup, a restored shard).
+
+        A request waiting on a moved shard is sent again to the new endpoint; shards
+        recognise a repeated push by its clock and do not apply it twice. Returns the
+        shards that moved.
+        """
+        moved = []
+        for s in self._by_shard:
+            new = endpoints.get(s)
+            if new and new != self._endpoints[s]:
+                log_ = f"shard {s} moved: {self._endpoints[s]} -> {new}"
+                logger.info(log_)
+                self._endpoints[s] = new
+                self._socks[s].close(linger=0)
+                self._socks[s] = self._connect(s)
+                moved.append(s)
+        return moved
 
     def pull(self) -> PullResult:
         """Current values of this client's chunks."""
@@ -136,6 +170,7 @@ class ShardClient:
         basis: dict[int, int],
         step: int | None = None,
         num_workers: int | None = None,
+        generation: int | None = None,
     ) -> dict[int, Message]:
         per_shard: dict[int, dict[str, torch.Tensor]] = {}
         for idx, g in grads.items():
@@ -157,6 +192,7 @@ class ShardClient:
             if step is not None:
                 meta["step"] = step
                 meta["num_workers"] = num_workers if num_workers is not None else 1
+                meta["generation"] = generation or 0
             self.raw_bytes_up += sum(4 * t.numel() for t in tensors.values())
             if self.compressor is not None:
                 wire: dict[str, torch.Tensor] = {}
@@ -181,6 +217,7 @@ class ShardClient:
         basis: dict[int, int],
         step: int | None = None,
         num_workers: int | None = None,
+        generation: int | None = None,
     ) -> PullResult:
         """Push gradients (by chunk index) and return the new values of those chunks.
 
@@ -191,8 +228,11 @@ class ShardClient:
             ShardError: a shard rejected the push (nothing of it was applied there).
             UnavailableError: a shard did not answer within `timeout_s`.
         """
-        reqs = self._push_requests(grads, clock=clock, basis=basis, step=step, num_workers=num_workers)
-        return self._result(self._request(reqs))
+        reqs = self._push_requests(grads, clock=clock, basis=basis, step=step, num_workers=num_workers,
+                                   generation=generation)
+        sent = self._send(reqs)
+        die_at("mid-pull", step=self.fault_step, **self.fault_ctx)  # pushed, reply not read yet
+        return self._result(self._collect(sent))
 
     def push_async(self, grads: dict[int, torch.Tensor], *, clock: int, basis: dict[int, int]) -> None:
         """Send a push and return at once; `wait()` collects its reply (one in flight at most).
@@ -290,58 +330,79 @@ class ShardClient:
     def _request(self, reqs: dict[int, Message]) -> dict[int, Message]:
         return self._collect(self._send(reqs))
 
-    def _send(self, reqs: dict[int, Message]) -> dict[zmq.Socket, tuple[int, Any]]:
+    def _send_one(self, s: int, msg: Message) -> None:
+        frames = encode(msg)
+        nbytes = frames_nbytes(frames)
+        if self.throttle is not None:
+            self.throttle.consume(nbytes)
+        self.bytes_up += nbytes
+        self.messages += 1
+        self._socks[s].send_multipart(frames, copy=False)
+
+    def _send(self, reqs: dict[int, Message]) -> dict[int, Message]:
         if self._in_flight is not None:
             raise RuntimeError("a push is still in flight: wait() for it first")
-        waiting: dict[zmq.Socket, tuple[int, Any]] = {}
         for s, msg in reqs.items():
-            frames = encode(msg)
-            nbytes = frames_nbytes(frames)
-            if self.throttle is not None:
-                self.throttle.consume(nbytes)
-            self.bytes_up += nbytes
-            self.messages += 1
-            self._socks[s].send_multipart(frames, copy=False)
-            waiting[self._socks[s]] = (s, msg.meta["rid"])
-        return waiting
+            self._send_one(s, msg)
+        return dict(reqs)
 
-    def _collect(self, waiting: dict[zmq.Socket, tuple[int, Any]]) -> dict[int, Message]:
+    def _collect(self, reqs: dict[int, Message]) -> dict[int, Message]:
+        """Wait for the reply to every request in `reqs` (shard -> request).
+
+        Polls in short slices: between them `on_wait` may move shards (failover), and a
+        request to a moved shard is sent again to its new endpoint.
+        """
+        waiting = dict(reqs)
+        sent_to = {s: self._socks[s] for s in waiting}
         replies: dict[int, Message] = {}
-        poller = zmq.Poller()
-        for sock in waiting:
-            poller.register(sock, zmq.POLLIN)
         deadline = time.monotonic() + self.timeout_s
         while waiting:
+            if self.on_wait is not None:
+                self.on_wait()
+            for s, msg in waiting.items():
+                if self._socks[s] is not sent_to[s]:  # moved: ask the new endpoint
+                    self._send_one(s, msg)
+                    sent_to[s] = self._socks[s]
+                    self.resent += 1
+                    deadline = time.monotonic() + self.timeout_s
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
-                lost = sorted(s for s, _ in waiting.values())
+                lost = sorted(waiting)
                 for s in lost:  # a late reply must not be read as the next request's
                     self._socks[s].close(linger=0)
                     self._socks[s] = self._connect(s)
                 raise UnavailableError(f"shards {lost} did not answer within {self.timeout_s:.1f}s")
-            for sock, _ in poller.poll(left_ms):
-                s, rid = waiting[sock]
-                frames = sock.recv_multipart(copy=False)
-                self.bytes_down += frames_nbytes(frames)
-                try:
-                    reply = decode(frames, self.limits)
-                except ProtocolError as e:
-                    raise ShardError(f"shard {s} sent an undecodable reply: {e}") from e
-                if reply.meta.get("rid") != rid:
-                    logger.warning(
-                        "dropped a stale reply from shard %d (rid %r)", s, reply.meta.get("rid")
-                    )
-                    continue
-                replies[s] = reply
-                poller.unregister(sock)
-                del waiting[sock]
+            poller = zmq.Poller()
+            by_sock = {sent_to[s]: s for s in waiting}
+            for sock in by_sock:
+                poller.register(sock, zmq.POLLIN)
+            for sock, _ in poller.poll(min(left_ms, 100)):
+                s = by_sock[sock]
+                while s in waiting:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.bytes_down += frames_nbytes(frames)
+                    try:
+                        reply = decode(frames, self.limits)
+                    except ProtocolError as e:
+                        raise ShardError(f"shard {s} sent an undecodable reply: {e}") from e
+                    if reply.meta.get("rid") != waiting[s].meta["rid"]:
+                        logger.warning(
+                            "dropped a stale reply from shard %d (rid %r)", s, reply.meta.get("rid")
+                        )
+                        continue
+                    replies[s] = reply
+                    del waiting[s]
         errors = [
             f"shard {s}: {r.meta.get('error', '?')} ({r.meta.get('code', '?')})"
             for s, r in sorted(replies.items())
             if r.op == "ERROR"
         ]
         if errors:
-            raise ShardError("; ".join(errors))
+            codes = {str(r.meta.get("code", "")) for r in replies.values() if r.op == "ERROR"}
+            raise ShardError("; ".join(errors), codes)
         return replies
 
     def _apply_deltas(self, shard: int, reply: Message, compressed: Any) -> dict[int, torch.Tensor]:

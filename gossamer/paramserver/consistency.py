@@ -48,6 +48,8 @@ class _Worker:
     clock: int
     last_seen: float
     held: list[tuple[Any, float]] = field(default_factory=list)
+    last_apply: float | None = None
+    interval: float = 0.0  # moving average of the time between this worker's updates
 
 
 class SSPGate(Generic[T]):
@@ -57,6 +59,11 @@ class SSPGate(Generic[T]):
     level with the slowest active worker, so it neither stalls the others nor runs ahead.
     Workers that sent nothing for `worker_timeout_s` (and are not waiting on a held reply)
     drop out of the active set, which releases whoever waited on them.
+
+    A worker silent for longer than ``max(suspect_floor_s, 3 x its usual update interval)``
+    is *suspect*: it no longer holds the others back (a killed worker stalls the survivors
+    for about one of its own steps, not until its lease expires). When it speaks again it
+    is re-floored to the slowest other worker's clock, like a late joiner.
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class SSPGate(Generic[T]):
         *,
         lr_staleness_scaling: bool = False,
         worker_timeout_s: float = 30.0,
+        suspect_floor_s: float = 0.1,
     ) -> None:
         if staleness is not None and (
             not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0
@@ -75,6 +83,7 @@ class SSPGate(Generic[T]):
         self.staleness = staleness
         self.lr_staleness_scaling = lr_staleness_scaling
         self.worker_timeout_s = worker_timeout_s
+        self.suspect_floor_s = suspect_floor_s
         self._workers: dict[str, _Worker] = {}
         self._departed: dict[str, int] = {}
         self.lead_histogram: Counter[int] = Counter()
@@ -87,8 +96,24 @@ class SSPGate(Generic[T]):
     def active(self) -> list[str]:
         return sorted(self._workers)
 
-    def min_clock(self) -> int | None:
-        return min((w.clock for w in self._workers.values()), default=None)
+    def min_clock(self, now: float | None = None, *, exclude: str = "") -> int | None:
+        """Slowest clock among active workers (without suspects when `now` is given)."""
+        return min(
+            (
+                w.clock
+                for name, w in self._workers.items()
+                if name != exclude and (now is None or not self._suspect(w, now))
+            ),
+            default=None,
+        )
+
+    def _suspect(self, w: _Worker, now: float) -> bool:
+        if w.held or w.last_apply is None:
+            return False
+        return now - w.last_seen > max(self.suspect_floor_s, 3.0 * w.interval)
+
+    def suspects(self, now: float) -> list[str]:
+        return sorted(n for n, w in self._workers.items() if self._suspect(w, now))
 
     def clock(self, worker: str) -> int | None:
         w = self._workers.get(worker)
@@ -109,8 +134,14 @@ class SSPGate(Generic[T]):
         w = self._workers.get(worker)
         if w is None:
             self.join(worker, now)
-        else:
-            w.last_seen = now
+            return
+        if self._suspect(w, now):
+            floor = self.min_clock(now, exclude=worker)
+            if floor is not None and floor > w.clock:
+                logger.debug("worker %s back after %.2fs; clock %d -> %d", worker, now - w.last_seen,
+                             w.clock, floor)
+                w.clock = floor
+        w.last_seen = now
 
     def leave(self, worker: str, now: float) -> list[tuple[str, T]]:
         """Remove `worker`; returns its own held replies and any replies this releases."""
@@ -145,8 +176,12 @@ class SSPGate(Generic[T]):
         """
         self.touch(worker, now)
         w = self._workers[worker]
-        slowest = self.min_clock()
-        lead = w.clock - (slowest if slowest is not None else w.clock)
+        if w.last_apply is not None:
+            gap = now - w.last_apply
+            w.interval = gap if w.interval == 0.0 else 0.8 * w.interval + 0.2 * gap
+        w.last_apply = now
+        slowest = self.min_clock(now)
+        lead = max(0, w.clock - (slowest if slowest is not None else w.clock))
         vs = max(0, version - basis)
         self.lead_histogram[lead] += 1
         self.version_staleness_histogram[vs] += 1
@@ -154,12 +189,12 @@ class SSPGate(Generic[T]):
         factor = lr_factor(vs) if self.lr_staleness_scaling else 1.0
         return ApplyRecord(lead=lead, version_staleness=vs, lr_factor=factor)
 
-    def must_wait(self, worker: str) -> bool:
-        """True while `worker` is more than `staleness` clocks ahead of the slowest."""
+    def must_wait(self, worker: str, now: float | None = None) -> bool:
+        """True while `worker` is more than `staleness` clocks ahead of the slowest (non-suspect)."""
         if self.staleness is None:
             return False
         w = self._workers.get(worker)
-        slowest = self.min_clock()
+        slowest = self.min_clock(now)
         if w is None or slowest is None:
             return False
         return w.clock - slowest > self.staleness
@@ -172,7 +207,7 @@ class SSPGate(Generic[T]):
         """Pop every held item whose worker may proceed now."""
         out: list[tuple[str, T]] = []
         for name, w in self._workers.items():
-            if w.held and not self.must_wait(name):
+            if w.held and not self.must_wait(name, now):
                 out.extend((name, item) for item, _ in w.held)
                 # The parts of one multi-part update are one wait.
                 self._count_wait(name, now - min(since for _, since in w.held))
@@ -199,3 +234,7 @@ class SSPGate(Generic[T]):
             "clocks": {k: w.clock for k, w in sorted(self._workers.items())},
             "active": self.active,
         }
+
+    def forget(self, worker: str) -> None:
+        """Drop what is remembered of a departed `worker` (a new process under the same id)."""
+        self._departed.pop(worker, None)

@@ -1,19 +1,32 @@
-"""One parameter-server shard: a ZMQ ROUTER loop that validates pushes, applies them, replies."""
+"""One parameter-server shard: a ZMQ ROUTER loop that validates pushes, applies them, replicates, replies.
+
+Replication (primary/backup): a primary forwards every applied update (the dense gradient
+it applied, the lr factor, and which worker clocks it covers) to its backup, which applies
+the same optimizer step and so holds bit-identical state. A worker's PUSH is acknowledged
+(its reply sent) only once the backup has acknowledged that version: an acknowledged update
+survives the loss of either replica. A backup that does not answer for `backup_timeout_s`
+is detached; the primary then acknowledges unreplicated (counted) until a new backup is
+attached with a full-state SYNC.
+"""
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import zmq
 
+from gossamer.checkpoint.sharded import ShardSnapshot, restore_range, verify_step
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.errors import ConfigError, ProtocolError
+from gossamer.faults import die_at
 from gossamer.paramserver.consistency import SSPGate
 from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer, set_lr_factor
 from gossamer.paramserver.shard_plan import ShardPlan
@@ -32,8 +45,10 @@ __all__ = ["ShardConfig", "ShardServer", "chunk_key", "parse_chunk_key"]
 logger = logging.getLogger(__name__)
 
 _MODES = ("sync", "async")
-_POLL_MS = 50
-_EXPIRE_EVERY_S = 0.5
+_POLL_MS = 20
+_EXPIRE_EVERY_S = 0.05
+#: Ops only the workers send; a backup that receives one has been promoted by the coordinator.
+_WORKER_OPS = ("HELLO", "PULL", "PUSH", "LEAVE")
 
 
 def chunk_key(index: int) -> str:
@@ -60,6 +75,8 @@ class ShardConfig:
     total_steps: int
     lr_staleness_scaling: bool = False
     worker_timeout_s: float = 30.0
+    backup_timeout_s: float = 3.0
+    checkpoint_every: int = 0
     limits: FrameLimits = field(default_factory=FrameLimits)
 
     def __post_init__(self) -> None:
@@ -88,9 +105,10 @@ class ShardConfig:
 class _Reject(Exception):
     """A request that gets an ERROR reply; nothing of it is applied."""
 
-    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT", cause: str = "rejected") -> None:
         super().__init__(message)
         self.code = code
+        self.cause = cause
 
 
 @dataclass
@@ -108,6 +126,7 @@ class _Update:
     """The parts received so far of one worker's update for one clock (or step)."""
 
     sender: str
+    key: int = 0  # the worker's clock (async) or step (sync)
     parts: list[_Part] = field(default_factory=list)
     covered: set[int] = field(default_factory=set)
 
@@ -126,8 +145,10 @@ class ShardServer:
         init: dict[int, torch.Tensor],
         *,
         shapes: dict[str, tuple[int, ...]] | None = None,
+        backup: bool = False,
     ) -> None:
-        """`shapes`: parameter shapes by name, so compressed segments decode as matrices."""
+        """`shapes`: parameter shapes by name, so compressed segments decode as matrices;
+        `backup`: start as the backup replica (promoted by `promote`)."""
         if config.shard >= plan.num_shards:
             raise ConfigError("shard", f"shard {config.shard} not in a plan of {plan.num_shards}")
         self.config = config
@@ -176,6 +197,23 @@ class ShardServer:
         self.bytes_out = 0
         self.errors = 0
         self.dropped = 0
+        # Every update not applied, by cause (rejected, nonfinite, aborted, duplicate,
+        # partial, reform, wrong_step); reported to the coordinator.
+        self.discarded: Counter[str] = Counter()
+        self._applied: dict[str, int] = {}  # sender -> last applied clock (async) / step (sync)
+        self._sync_generation = 0
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.is_primary = not backup
+        self.promotions = 0
+        self.backup_endpoint = ""
+        self._backup_sock: zmq.Socket | None = None
+        self._acked = 0
+        self._awaiting: deque[tuple[int, float, Callable[[], None]]] = deque()
+        self.unreplicated = 0  # updates acknowledged to workers without a backup copy
+        self.replicated_updates = 0
+        self.backup_detaches = 0
+        self._synced = False
+        self.on_snapshot: Callable[[int], None] | None = None  # called at checkpoint boundaries
 
     # -- lifecycle --------------------------------------------------------------------
     def bind(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -218,6 +256,7 @@ class ShardServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        self._close_backup()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -232,9 +271,20 @@ class ShardServer:
             raise RuntimeError("bind() before serve()")
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        polled_backup: zmq.Socket | None = None
         next_expire = time.monotonic() + _EXPIRE_EVERY_S
         while not stop.is_set():
-            if poller.poll(_POLL_MS):
+            self._run_commands()
+            if polled_backup is not self._backup_sock:
+                if polled_backup is not None and polled_backup in dict(poller.sockets):
+                    poller.unregister(polled_backup)
+                polled_backup = self._backup_sock
+                if polled_backup is not None:
+                    poller.register(polled_backup, zmq.POLLIN)
+            ready = dict(poller.poll(_POLL_MS))
+            if polled_backup is not None and polled_backup in ready:
+                self._on_backup_replies(polled_backup)
+            if sock in ready:
                 for _ in range(256):
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -245,8 +295,259 @@ class ShardServer:
             if now >= next_expire:
                 next_expire = now + _EXPIRE_EVERY_S
                 with self._lock:
-                    _, released = self._gate.expire(now)
+                    dead, released = self._gate.expire(now)
+                    for worker in dead:
+                        self._discard_pending_of(worker)
                     self._send_released(released)
+                    self._check_backup(now)
+
+    # -- commands from other threads (role process: assignment updates) ------------------
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the serve thread (under the lock) at the next loop iteration."""
+        self._commands.put(fn)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            with self._lock:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 — a bad command must not stop the shard
+                    logger.exception("shard %d: command failed", self.config.shard)
+
+    def set_members(self, senders: list[str], generation: int | None = None) -> None:
+        """The coordinator's current workers: anyone else is gone (kill -9, lost lease).
+
+        Their SSP waits are released at once and their half-received updates discarded. In
+        sync mode a newer `generation` re-forms the barrier: contributions to the current
+        step are refused with REFORM and redone by the survivors over the new membership.
+        """
+        if self.config.mode == "sync" and generation is not None and generation > self._sync_generation:
+            self._reform(generation)
+        members = set(senders)
+        now = time.monotonic()
+        for worker in self._gate.active:
+            if worker not in members:
+                logger.info("shard %d: worker %s is no longer a member", self.config.shard, worker)
+                self._discard_pending_of(worker)
+                self._send_released(self._gate.leave(worker, now))
+
+    def _discard_pending_of(self, worker: str) -> None:
+        for key in [k for k in self._pending if k[0] == worker]:
+            self.discarded["partial"] += 1
+            self._abort(key, f"worker {worker} left with its update incomplete")
+
+    def promote(self, reason: str = "promoted by the coordinator") -> None:
+        """Become the primary: serve workers, take checkpoints."""
+        if self.is_primary:
+            return
+        self.is_primary = True
+        self.promotions += 1
+        logger.warning("shard %d: backup promoted to primary at version %d (%s)", self.config.shard,
+                       self._version, reason)
+
+    # -- replication (primary side) --------------------------------------------------
+    @property
+    def replicated(self) -> bool:
+        """True once a backup is attached and synced (acknowledged updates are on two replicas)."""
+        return self._backup_sock is not None and self._synced
+
+    def set_backup(self, endpoint: str) -> None:
+        """Attach (or with "" detach) the backup at `endpoint`; it first gets a full SYNC."""
+        if endpoint == self.backup_endpoint and (self._backup_sock is not None or not endpoint):
+            return
+        self._close_backup()
+        self.backup_endpoint = endpoint
+        if not endpoint:
+            self._flush_awaiting(replicated=False)
+            return
+        assert self._ctx is not None
+        b = self._ctx.socket(zmq.DEALER)
+        b.copy_threshold = ZERO_COPY_THRESHOLD
+        b.setsockopt(zmq.LINGER, 0)
+        b.setsockopt(zmq.SNDHWM, 0)
+        b.setsockopt(zmq.RCVHWM, 0)
+        b.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes)
+        b.connect(endpoint)
+        self._backup_sock = b
+        self._synced = False
+        self._send_sync()
+        logger.info("shard %d: backup %s attached at version %d", self.config.shard, endpoint, self._version)
+
+    def _close_backup(self) -> None:
+        if self._backup_sock is not None:
+            self._backup_sock.close(linger=0)
+            self._backup_sock = None
+
+    def _send_sync(self) -> None:
+        meta, tensors = self._export_state()
+        self._send_backup("SYNC", meta, tensors)
+
+    def _send_backup(self, op: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        assert self._backup_sock is not None
+        msg = Message(op=op, experiment=self.config.experiment, shard=self.config.shard,
+                      version=self._version, sender=f"shard-{self.config.shard}", meta=meta, tensors=tensors)
+        frames = encode(msg)
+        self.bytes_out += frames_nbytes(frames)
+        self._backup_sock.send_multipart(frames, copy=False)
+
+    def _replicate(self, grads: dict[int, torch.Tensor], lr_factor: float, applied: list[tuple[str, int]]) -> None:
+        if self._backup_sock is None:
+            return
+        self._send_backup(
+            "REPLICATE",
+            {"lr_factor": lr_factor, "applied": [[s, k] for s, k in applied]},
+            {chunk_key(i): g for i, g in grads.items()},
+        )
+        self.replicated_updates += 1
+
+    def _on_backup_replies(self, b: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = b.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                reply = decode(frames, self.config.limits)
+            except ProtocolError as e:
+                logger.warning("shard %d: undecodable reply from the backup: %s", self.config.shard, e)
+                continue
+            with self._lock:
+                if reply.op == "ACK":
+                    self._synced = True
+                    self._acked = max(self._acked, reply.version)
+                    self._flush_awaiting(replicated=True)
+                elif reply.meta.get("code") == "OUT_OF_ORDER":
+                    logger.warning("shard %d: backup out of order (%s); re-syncing", self.config.shard,
+                                   reply.meta.get("error"))
+                    self._send_sync()
+                else:
+                    logger.error("shard %d: backup refused replication: %s; detaching it", self.config.shard,
+                                 reply.meta.get("error"))
+                    self._detach_backup()
+
+    def _check_backup(self, now: float) -> None:
+        if self._awaiting and now - self._awaiting[0][1] > self.config.backup_timeout_s:
+            logger.error("shard %d: backup %s silent for %.1fs; acknowledging unreplicated until a new "
+                         "backup is attached", self.config.shard, self.backup_endpoint, self.config.backup_timeout_s)
+            self._detach_backup()
+
+    def _detach_backup(self) -> None:
+        self._close_backup()
+        self.backup_detaches += 1
+        self._flush_awaiting(replicated=False)
+
+    def _after_backup(self, reply: Callable[[], None]) -> None:
+        """Send `reply` now, or once the backup holds the current version."""
+        if self._backup_sock is not None and self._version > self._acked:
+            self._awaiting.append((self._version, time.monotonic(), reply))
+        else:
+            if self.is_primary and self._backup_sock is None:
+                self.unreplicated += 1
+            reply()
+
+    def _flush_awaiting(self, *, replicated: bool) -> None:
+        while self._awaiting and (not replicated or self._awaiting[0][0] <= self._acked):
+            _, _, reply = self._awaiting.popleft()
+            if not replicated:
+                self.unreplicated += 1
+            reply()
+
+    # -- state transfer (SYNC, checkpoints) --------------------------------------------
+    def _export_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Chunk values and optimizer state as tensors ("c3", "c3/momentum_buffer") + meta."""
+        tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, float] = {}
+        opt = self._optimizer.state_dict()["state"]
+        for i, idx in enumerate(sorted(self._params)):
+            tensors[chunk_key(idx)] = self._params[idx].clone()
+            for name, val in opt.get(i, {}).items():
+                if isinstance(val, torch.Tensor) and val.dim() > 0:
+                    tensors[f"{chunk_key(idx)}/{name}"] = val.detach().clone()
+                elif isinstance(val, torch.Tensor):
+                    scalars[f"{idx}/{name}"] = float(val.item())
+                elif isinstance(val, int | float):
+                    scalars[f"{idx}/{name}"] = float(val)
+        return {"applied": dict(self._applied), "scalars": scalars, "state_version": self._version}, tensors
+
+    def snapshot(self, step: int) -> ShardSnapshot:
+        """This shard's state for a sharded checkpoint (copies; call on the serve thread)."""
+        meta, tensors = self._export_state()
+        pieces: dict[int, dict[str, torch.Tensor]] = {}
+        scalars: dict[int, dict[str, float]] = {}
+        for idx, c in self._chunks.items():
+            key = chunk_key(idx)
+            entry = {"param": tensors[key]}
+            entry.update({n.split("/", 1)[1]: t for n, t in tensors.items() if n.startswith(f"{key}/")})
+            pieces[c.flat_offset] = entry
+            sc = {k.split("/", 1)[1]: v for k, v in meta["scalars"].items() if k.split("/", 1)[0] == str(idx)}
+            if sc:
+                scalars[c.flat_offset] = sc
+        layout = [(name, list(self._shapes.get(name, (numel,)))) for name, numel in self.plan.params]
+        return ShardSnapshot(
+            experiment=self.config.experiment, step=step, shard=self.config.shard,
+            num_shards=self.plan.num_shards, total_numel=self.plan.total_numel, version=self._version,
+            pieces=pieces, scalars=scalars, layout=layout, extra={"applied": meta["applied"]},
+        )
+
+    def restore(self, step_dir: str) -> int:
+        """Load this shard's chunks from a sharded checkpoint (any number of shards saved it).
+
+        Returns the restored version. Raises CheckpointError if the checkpoint fails its checks.
+        """
+        manifests = verify_step(step_dir)
+        tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, float] = {}
+        versions = []
+        for idx, c in sorted(self._chunks.items()):
+            states, sc, version = restore_range(step_dir, c.flat_offset, c.numel, manifests)
+            key = chunk_key(idx)
+            tensors[key] = states.pop("param")
+            tensors.update({f"{key}/{name}": t for name, t in states.items()})
+            scalars.update({f"{idx}/{name}": v for name, v in sc.items()})
+            versions.append(version)
+        applied: dict[str, int] = {}
+        for m in manifests:
+            for sender, clock in (m.get("extra") or {}).get("applied", {}).items():
+                applied[sender] = max(applied.get(sender, -1), int(clock))
+        with self._lock:
+            self._import_state(min(versions), applied, tensors, scalars)
+            self._views.clear()
+        logger.warning("shard %d restored from %s at version %d", self.config.shard, step_dir, self._version)
+        return self._version
+
+    def _import_state(self, version: int, applied: Any, tensors: dict[str, torch.Tensor],
+                      scalars: dict[str, float]) -> None:
+        if not isinstance(applied, dict) or not isinstance(scalars, dict):
+            raise _Reject("state meta 'applied' and 'scalars' must be maps")
+        for idx, c in self._chunks.items():
+            t = tensors.get(chunk_key(idx))
+            if t is None or t.numel() != c.numel:
+                raise _Reject(f"state lacks chunk {idx} or has the wrong size")
+        state: dict[int, dict[str, Any]] = {}
+        for i, idx in enumerate(sorted(self._params)):
+            entry: dict[str, Any] = {}
+            prefix = f"{chunk_key(idx)}/"
+            for name, t in tensors.items():
+                if name.startswith(prefix):
+                    if t.numel() != self._chunks[idx].numel:
+                        raise _Reject(f"state tensor {name} has the wrong size")
+                    entry[name[len(prefix):]] = t.detach().reshape(-1).to(torch.float32).clone()
+            for key, val in scalars.items():
+                if key.startswith(f"{idx}/"):
+                    entry[key.split("/", 1)[1]] = torch.tensor(float(val))
+            if entry:
+                state[i] = entry
+        for idx, p in self._params.items():
+            p.copy_(tensors[chunk_key(idx)].reshape(-1))
+        groups = self._optimizer.state_dict()["param_groups"]
+        self._optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self._version = int(version)
+        self._acked = self._version
+        self._applied = {str(k): int(v) for k, v in applied.items()}
 
     # -- state ------------------------------------------------------------------------
     @property
@@ -316,6 +617,13 @@ class ShardServer:
             "raw_bytes_out": self.raw_bytes_out,
             "errors": self.errors,
             "dropped": self.dropped,
+            "discarded": dict(self.discarded),
+            "primary": self.is_primary,
+            "replicated": self.replicated,
+            "unreplicated": self.unreplicated,
+            "backup_detaches": self.backup_detaches,
+            "promotions": self.promotions,
+            "generation": self._sync_generation,
         }
 
     # -- request handling -------------------------------------------------------------
@@ -330,14 +638,19 @@ class ShardServer:
         payload = frames[1:]
         self.bytes_in += frames_nbytes(payload)
         rid: Any = None
+        op = ""
         try:
             msg = decode(payload, self.config.limits)
-            rid = msg.meta.get("rid")
+            rid, op = msg.meta.get("rid"), msg.op
             with self._lock:
                 self._dispatch(identity, msg)
         except ProtocolError as e:
+            if op == "PUSH" or not op:
+                self.discarded["nonfinite" if "finite" in str(e) else "rejected"] += 1
             self._reply_error(identity, rid, str(e), "INVALID_ARGUMENT")
         except _Reject as e:
+            if op == "PUSH":
+                self.discarded["nonfinite" if "not finite" in str(e) else e.cause] += 1
             self._reply_error(identity, rid, str(e), e.code)
         except Exception as e:  # keep serving whatever one request did
             logger.exception("shard %d: internal error handling a request", self.config.shard)
@@ -354,7 +667,23 @@ class ShardServer:
             raise _Reject(f"message for shard {msg.shard} reached shard {self.config.shard}")
         now = time.monotonic()
         rid = msg.meta.get("rid")
-        if msg.op == "HELLO":
+        if msg.op in _WORKER_OPS and not self.is_primary:
+            # Workers learn a backup's endpoint only from the coordinator's promotion.
+            self.promote("a worker was directed here")
+        if msg.op == "REPLICATE":
+            self._on_replicate(identity, msg)
+        elif msg.op == "SYNC":
+            if self.is_primary:
+                raise _Reject("SYNC sent to a primary", "NOT_BACKUP")
+            self._import_state(msg.meta.get("state_version", -1), msg.meta.get("applied"), msg.tensors,
+                               msg.meta.get("scalars", {}))
+            logger.info("shard %d: backup synced at version %d", self.config.shard, self._version)
+            self._reply(identity, "ACK", {"rid": rid})
+        elif msg.op == "HELLO":
+            if msg.meta.get("fresh") and msg.sender:
+                # A new process under this id: its clocks restart, so forget the old ones.
+                self._applied.pop(msg.sender, None)
+                self._gate.forget(msg.sender)
             self._gate.join(msg.sender or identity.hex(), now)
             self._reply(
                 identity,
@@ -376,11 +705,37 @@ class ShardServer:
         elif msg.op == "LEAVE":
             for key in [k for k in self._views if k[0] == msg.sender]:
                 del self._views[key]
+            self._discard_pending_of(msg.sender)
             released = self._gate.leave(msg.sender, now)
             self._send_released(released)
             self._reply(identity, "BYE", {"rid": rid})
         else:
             raise _Reject(f"unknown op {msg.op!r}", "UNIMPLEMENTED")
+
+    def _on_replicate(self, identity: bytes, msg: Message) -> None:
+        if self.is_primary:
+            raise _Reject("REPLICATE sent to a primary (this replica was promoted)", "NOT_BACKUP")
+        if msg.version != self._version + 1:
+            raise _Reject(f"REPLICATE of version {msg.version} but this backup is at {self._version}",
+                          "OUT_OF_ORDER")
+        grads: dict[int, torch.Tensor] = {}
+        for name, t in msg.tensors.items():
+            idx = parse_chunk_key(name)
+            c = self._chunks.get(idx)
+            if c is None or t.dtype != torch.float32 or tuple(t.shape) != (c.numel,):
+                raise _Reject(f"REPLICATE tensor {name!r} does not fit this shard")
+            grads[idx] = t
+        if set(grads) != set(self._chunks):
+            raise _Reject("REPLICATE must carry every chunk of the shard")
+        factor = msg.meta.get("lr_factor", 1.0)
+        applied = msg.meta.get("applied", [])
+        if not isinstance(factor, int | float) or not isinstance(applied, list):
+            raise _Reject("REPLICATE meta 'lr_factor' must be a number and 'applied' a list")
+        self._apply(grads, float(factor))
+        for item in applied:
+            if isinstance(item, list) and len(item) == 2 and isinstance(item[1], int):
+                self._applied[str(item[0])] = max(self._applied.get(str(item[0]), -1), item[1])
+        self._reply(identity, "ACK", {"rid": msg.meta.get("rid")})
 
     def _pull_chunks(self, msg: Message) -> list[int]:
         if msg.tensors:
@@ -506,17 +861,25 @@ class ShardServer:
             self._abort(key, f"another part was rejected: {e}")
             raise
         self._gate.touch(sender, now)
+        if key[1] <= self._applied.get(sender, -1):
+            # A retry (after a failover) of an update this shard already applied.
+            self.discarded["duplicate"] += 1
+            chunks = sorted(grads)
+            self._after_backup(lambda: self._reply_params(identity, rid, chunks, {"staleness": 0}))
+            return
         if self.done:
             self._reply_params(identity, rid, sorted(grads), {"staleness": 0})
             return
-        if sync and step != self._version:
-            raise _Reject(
-                f"sync push for step {step} but the shard is at step {self._version}",
-                "FAILED_PRECONDITION",
-            )
+        if sync:
+            self._check_generation(msg)
+            if step != self._version:
+                raise _Reject(
+                    f"sync push for step {step} but the shard is at step {self._version}",
+                    "FAILED_PRECONDITION", cause="wrong_step",
+                )
         update = self._pending.get(key)
         if update is None:
-            update = self._pending[key] = _Update(sender=sender)
+            update = self._pending[key] = _Update(sender=sender, key=key[1])
         overlap = update.covered.intersection(grads)
         if overlap:
             # A duplicated chunk means the update is inconsistent: drop all of it.
@@ -532,14 +895,45 @@ class ShardServer:
         else:
             self._apply_async(update, now)
 
-    def _abort(self, key: tuple[str, int], reason: str) -> None:
+    def _abort(self, key: tuple[str, int], reason: str, code: str = "ABORTED") -> None:
         update = self._pending.pop(key, None)
         if update is None:
             return
+        if code == "ABORTED":
+            self.discarded["aborted"] += 1
         for part in update.parts:
-            self._reply_error(part.identity, part.rid, f"update aborted: {reason}", "ABORTED")
+            self._reply_error(part.identity, part.rid, f"update aborted: {reason}", code)
 
-    def _apply(self, grads: dict[int, torch.Tensor], lr_factor: float) -> None:
+    def _check_generation(self, msg: Message) -> None:
+        """Sync barrier membership: a newer generation re-forms it, an older one must redo."""
+        gen = msg.meta.get("generation", 0)
+        if not isinstance(gen, int) or isinstance(gen, bool) or gen < 0:
+            raise _Reject(f"PUSH meta 'generation' must be an int >= 0, got {gen!r}")
+        if gen < self._sync_generation:
+            raise _Reject(f"the barrier re-formed at generation {self._sync_generation}; redo the step "
+                          "with the new membership", "REFORM", cause="reform")
+        if gen > self._sync_generation:
+            self._reform(gen)
+
+    def _reform(self, gen: int) -> None:
+        self._sync_generation = gen
+        waiting = len(self._sync_step) + len(self._pending)
+        if waiting:
+            logger.info("shard %d: barrier re-forms at generation %d; %d contribution(s) to step %d "
+                        "must be redone", self.config.shard, gen, waiting, self._version)
+        why = f"the barrier re-formed at generation {gen}; redo the step with the new membership"
+        for key in list(self._pending):
+            self.discarded["reform"] += 1
+            self._abort(key, why, "REFORM")
+        for contrib in self._sync_step.values():
+            self.discarded["reform"] += 1
+            for part in contrib.parts:
+                self._reply_error(part.identity, part.rid, why, "REFORM")
+        self._sync_step = {}
+        self._sync_num_workers = None
+
+    def _apply(self, grads: dict[int, torch.Tensor], lr_factor: float,
+               applied: list[tuple[str, int]] | None = None) -> None:
         for idx, p in self._params.items():
             p.grad = grads[idx]
         set_lr_factor(self._optimizer, self.config.optimizer.lr, lr_factor)
@@ -548,6 +942,14 @@ class ShardServer:
             p.grad = None
         self._version += 1
         self.updates += 1
+        if applied is not None:  # a primary: remember, and forward to the backup
+            for sender, key in applied:
+                self._applied[sender] = key
+            self._replicate(grads, lr_factor, applied)
+            die_at("after-apply", step=self._version, shard=self.config.shard)
+        every = self.config.checkpoint_every
+        if self.is_primary and every and self._version % every == 0 and self.on_snapshot is not None:
+            self.on_snapshot(self._version)
 
     def _apply_async(self, update: _Update, now: float) -> None:
         basis = min(p.basis for p in update.parts)
@@ -555,20 +957,23 @@ class ShardServer:
         grads: dict[int, torch.Tensor] = {}
         for part in update.parts:
             grads.update(part.grads)
-        self._apply(grads, record.lr_factor)
+        self._apply(grads, record.lr_factor, [(update.sender, update.key)])
         extra = {"staleness": record.version_staleness, "lead": record.lead}
-        if self._gate.must_wait(update.sender):
+        if self._gate.must_wait(update.sender, now):
             for part in update.parts:
                 self._gate.hold(update.sender, (part.identity, part.rid, sorted(part.grads)), now)
         else:
             for part in update.parts:
-                self._reply_params(part.identity, part.rid, sorted(part.grads), extra)
+                self._after_backup(
+                    lambda p=part: self._reply_params(p.identity, p.rid, sorted(p.grads), extra)  # type: ignore[misc]
+                )
         self._send_released(self._gate.release(now))
 
     def _on_sync_contribution(self, update: _Update, num_workers: int, now: float) -> None:
         if self._sync_num_workers is None:
             self._sync_num_workers = num_workers
         if num_workers != self._sync_num_workers or update.sender in self._sync_step:
+            self.discarded["rejected"] += 1
             reason = (
                 f"{update.sender!r} already contributed to step {self._version}"
                 if update.sender in self._sync_step
@@ -592,15 +997,19 @@ class ShardServer:
                     else:
                         summed[idx] = g.clone()
             self._gate.on_apply(contrib.sender, version=self._version, basis=self._version, now=now)
-        self._apply(summed, 1.0)
+        self._apply(summed, 1.0, [(c.sender, c.key) for c in contributions])
         for contrib in contributions:
             for part in contrib.parts:
-                self._reply_params(part.identity, part.rid, sorted(part.grads), {"staleness": 0})
+                self._after_backup(
+                    lambda p=part: self._reply_params(p.identity, p.rid, sorted(p.grads), {"staleness": 0})  # type: ignore[misc]
+                )
 
     # -- replies ----------------------------------------------------------------------
     def _send_released(self, released: list[tuple[str, tuple[bytes, Any, list[int]]]]) -> None:
         for _, (identity, rid, chunks) in released:
-            self._reply_params(identity, rid, chunks, {"staleness": 0})
+            self._after_backup(
+                lambda i=identity, r=rid, c=chunks: self._reply_params(i, r, c, {"staleness": 0})  # type: ignore[misc]
+            )
 
     def _reply_params(
         self, identity: bytes, rid: Any, chunks: list[int], extra: dict[str, Any]

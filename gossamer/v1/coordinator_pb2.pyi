@@ -499,6 +499,11 @@ class Assignment(_message.Message):
     SHARD_ENDPOINTS_FIELD_NUMBER: _builtins.int
     CHECKPOINT_DIR_FIELD_NUMBER: _builtins.int
     LEAD_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    BACKUP_ENDPOINT_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
+    RESTORE_EPOCH_FIELD_NUMBER: _builtins.int
+    WORKER_RANK_FIELD_NUMBER: _builtins.int
     experiment_id: _builtins.str
     """Experiment id."""
     role: Global___Role.ValueType
@@ -515,9 +520,23 @@ class Assignment(_message.Message):
     """Directory where checkpoints of this experiment are written."""
     lead: _builtins.bool
     """This worker does evaluation, the final checkpoint and reports completion."""
+    replica: _builtins.int
+    """Parameter server: 0 = primary (serves workers), 1 = backup (receives every update)."""
+    backup_endpoint: _builtins.str
+    """Parameter-server primary: ZMQ endpoint of its backup ("" = none attached)."""
+    restore_epoch: _builtins.int
+    """Parameter server: restore from the newest good checkpoint under checkpoint_dir whenever
+    this grows (every replica of the shard was lost; in sync mode every shard rolls back).
+    """
+    worker_rank: _builtins.int
+    """Worker: position among the current workers (0..num_workers-1), for sync batch splits."""
     @_builtins.property
     def shard_endpoints(self) -> _containers.ScalarMap[_builtins.int, _builtins.str]:
         """Shard index -> ZMQ endpoint ("tcp://host:port"); set for workers."""
+
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Parameter server: sender ids ("node_id:index") of the experiment's current workers."""
 
     def __init__(
         self,
@@ -531,10 +550,15 @@ class Assignment(_message.Message):
         shard_endpoints: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
         checkpoint_dir: _builtins.str = ...,
         lead: _builtins.bool = ...,
+        replica: _builtins.int = ...,
+        backup_endpoint: _builtins.str = ...,
+        workers: _abc.Iterable[_builtins.str] | None = ...,
+        restore_epoch: _builtins.int = ...,
+        worker_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_dir", b"checkpoint_dir", "experiment_id", b"experiment_id", "experiment_json", b"experiment_json", "generation", b"generation", "index", b"index", "lead", b"lead", "num_workers", b"num_workers", "role", b"role", "shard_endpoints", b"shard_endpoints"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_endpoint", b"backup_endpoint", "checkpoint_dir", b"checkpoint_dir", "experiment_id", b"experiment_id", "experiment_json", b"experiment_json", "generation", b"generation", "index", b"index", "lead", b"lead", "num_workers", b"num_workers", "replica", b"replica", "restore_epoch", b"restore_epoch", "role", b"role", "shard_endpoints", b"shard_endpoints", "worker_rank", b"worker_rank", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -581,6 +605,10 @@ class ReportRoleRequest(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     ENDPOINT_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    REPLICATED_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    RESTORED_FROM_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Node running the role."""
     experiment_id: _builtins.str
@@ -595,6 +623,14 @@ class ReportRoleRequest(_message.Message):
     """ZMQ endpoint, for a serving parameter server."""
     message: _builtins.str
     """Error text for ROLE_STATE_FAILED."""
+    replica: _builtins.int
+    """Parameter server: which replica reports (0 = primary, 1 = backup)."""
+    replicated: _builtins.bool
+    """Parameter server: a backup is attached and acknowledges every update."""
+    version: _builtins.int
+    """Parameter server: the shard's version (update count) when reporting."""
+    restored_from: _builtins.str
+    """Parameter server restored from a checkpoint: its path."""
     def __init__(
         self,
         *,
@@ -605,10 +641,14 @@ class ReportRoleRequest(_message.Message):
         state: Global___RoleState.ValueType = ...,
         endpoint: _builtins.str = ...,
         message: _builtins.str = ...,
+        replica: _builtins.int = ...,
+        replicated: _builtins.bool = ...,
+        version: _builtins.int = ...,
+        restored_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "experiment_id", b"experiment_id", "index", b"index", "message", b"message", "node_id", b"node_id", "role", b"role", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "experiment_id", b"experiment_id", "index", b"index", "message", b"message", "node_id", b"node_id", "replica", b"replica", "replicated", b"replicated", "restored_from", b"restored_from", "role", b"role", "state", b"state", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -684,6 +724,7 @@ class RoleBinding(_message.Message):
     INDEX_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     ENDPOINT_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Node id."""
     node_name: _builtins.str
@@ -696,6 +737,8 @@ class RoleBinding(_message.Message):
     """Last reported state."""
     endpoint: _builtins.str
     """Endpoint of a parameter server."""
+    replica: _builtins.int
+    """Parameter server: 0 = primary, 1 = backup."""
     def __init__(
         self,
         *,
@@ -705,10 +748,11 @@ class RoleBinding(_message.Message):
         index: _builtins.int = ...,
         state: Global___RoleState.ValueType = ...,
         endpoint: _builtins.str = ...,
+        replica: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "index", b"index", "node_id", b"node_id", "node_name", b"node_name", "role", b"role", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "index", b"index", "node_id", b"node_id", "node_name", b"node_name", "replica", b"replica", "role", b"role", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1171,6 +1215,94 @@ class CompleteExperimentResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CompleteExperimentResponse: _TypeAlias = CompleteExperimentResponse  # noqa: Y015
+
+@_typing.final
+class ListEventsRequest(_message.Message):
+    """Read the coordinator's event log."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPERIMENT_ID_FIELD_NUMBER: _builtins.int
+    SINCE_UNIX_FIELD_NUMBER: _builtins.int
+    experiment_id: _builtins.str
+    """Only events of this experiment ("" = all, node events included)."""
+    since_unix: _builtins.float
+    """Only events at or after this time (unix seconds)."""
+    def __init__(
+        self,
+        *,
+        experiment_id: _builtins.str = ...,
+        since_unix: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["experiment_id", b"experiment_id", "since_unix", b"since_unix"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListEventsRequest: _TypeAlias = ListEventsRequest  # noqa: Y015
+
+@_typing.final
+class Event(_message.Message):
+    """One entry of the event log: joins, losses, detections, promotions, restores, discards."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIME_UNIX_FIELD_NUMBER: _builtins.int
+    EXPERIMENT_ID_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    time_unix: _builtins.float
+    """When (unix seconds)."""
+    experiment_id: _builtins.str
+    """Experiment concerned ("" = none)."""
+    node_id: _builtins.str
+    """Node concerned ("" = none)."""
+    kind: _builtins.str
+    """Kind: join, lost, leave, reassign, promote, restore, discard, checkpoint, ..."""
+    message: _builtins.str
+    """Human-readable text."""
+    def __init__(
+        self,
+        *,
+        time_unix: _builtins.float = ...,
+        experiment_id: _builtins.str = ...,
+        node_id: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["experiment_id", b"experiment_id", "kind", b"kind", "message", b"message", "node_id", b"node_id", "time_unix", b"time_unix"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Event: _TypeAlias = Event  # noqa: Y015
+
+@_typing.final
+class ListEventsResponse(_message.Message):
+    """Events, oldest first."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___Event]:
+        """Events."""
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___Event] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListEventsResponse: _TypeAlias = ListEventsResponse  # noqa: Y015
 
 @_typing.final
 class CheckpointInfo(_message.Message):

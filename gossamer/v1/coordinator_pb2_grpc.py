@@ -371,6 +371,11 @@ class ExperimentServiceStub:
                 request_serializer=gossamer_dot_v1_dot_coordinator__pb2.CompleteExperimentRequest.SerializeToString,
                 response_deserializer=gossamer_dot_v1_dot_coordinator__pb2.CompleteExperimentResponse.FromString,
                 _registered_method=True)
+        self.ListEvents = channel.unary_unary(
+                '/gossamer.v1.ExperimentService/ListEvents',
+                request_serializer=gossamer_dot_v1_dot_coordinator__pb2.ListEventsRequest.SerializeToString,
+                response_deserializer=gossamer_dot_v1_dot_coordinator__pb2.ListEventsResponse.FromString,
+                _registered_method=True)
 
 
 class ExperimentServiceServicer:
@@ -433,6 +438,13 @@ class ExperimentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListEvents(self, request, context):
+        """The event log (failures, detections, reassignments, discarded updates).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExperimentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -475,6 +487,11 @@ def add_ExperimentServiceServicer_to_server(servicer, server):
                     servicer.Complete,
                     request_deserializer=gossamer_dot_v1_dot_coordinator__pb2.CompleteExperimentRequest.FromString,
                     response_serializer=gossamer_dot_v1_dot_coordinator__pb2.CompleteExperimentResponse.SerializeToString,
+            ),
+            'ListEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEvents,
+                    request_deserializer=gossamer_dot_v1_dot_coordinator__pb2.ListEventsRequest.FromString,
+                    response_serializer=gossamer_dot_v1_dot_coordinator__pb2.ListEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -694,6 +711,33 @@ class ExperimentService:
             '/gossamer.v1.ExperimentService/Complete',
             gossamer_dot_v1_dot_coordinator__pb2.CompleteExperimentRequest.SerializeToString,
             gossamer_dot_v1_dot_coordinator__pb2.CompleteExperimentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gossamer.v1.ExperimentService/ListEvents',
+            gossamer_dot_v1_dot_coordinator__pb2.ListEventsRequest.SerializeToString,
+            gossamer_dot_v1_dot_coordinator__pb2.ListEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -146,6 +146,8 @@ class ExperimentServiceStub:
     """Read the time series."""
     Complete: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CompleteExperimentRequest, _coordinator_pb2.CompleteExperimentResponse]
     """End of training (lead worker)."""
+    ListEvents: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListEventsRequest, _coordinator_pb2.ListEventsResponse]
+    """The event log (failures, detections, reassignments, discarded updates)."""
 
 @_typing.type_check_only
 class ExperimentServiceAsyncStub(ExperimentServiceStub):
@@ -168,6 +170,8 @@ class ExperimentServiceAsyncStub(ExperimentServiceStub):
     """Read the time series."""
     Complete: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CompleteExperimentRequest, _coordinator_pb2.CompleteExperimentResponse]  # type: ignore[assignment]
     """End of training (lead worker)."""
+    ListEvents: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListEventsRequest, _coordinator_pb2.ListEventsResponse]  # type: ignore[assignment]
+    """The event log (failures, detections, reassignments, discarded updates)."""
 
 class ExperimentServiceServicer(metaclass=_abc_1.ABCMeta):
     """Experiments: queue, status, metrics."""
@@ -235,6 +239,14 @@ class ExperimentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.CompleteExperimentResponse, _abc.Awaitable[_coordinator_pb2.CompleteExperimentResponse]]:
         """End of training (lead worker)."""
+
+    @_abc_1.abstractmethod
+    def ListEvents(
+        self,
+        request: _coordinator_pb2.ListEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ListEventsResponse, _abc.Awaitable[_coordinator_pb2.ListEventsResponse]]:
+        """The event log (failures, detections, reassignments, discarded updates)."""
 
 def add_ExperimentServiceServicer_to_server(servicer: ExperimentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -34,7 +34,7 @@ class AgentConfig:
     nproc_per_node: int = 1
     spot: bool = False
     labels: dict[str, str] = field(default_factory=dict)
-    grace_s: float = 5.0
+    grace_s: float = 30.0
     threads_per_role: int = 1
     log_level: str = "INFO"
 
@@ -81,6 +81,7 @@ class _Running:
     assignment: pb.Assignment
     stopping: bool = False
     reported: bool = False
+    failed_at: float = 0.0
 
 
 class NodeAgent:
@@ -91,8 +92,8 @@ class NodeAgent:
         self.address = config.address or route_address(config.coordinator)
         self.node_id = ""
         self.heartbeat_s = 1.0
-        self.running: dict[tuple[str, int, int, int], _Running] = {}
-        self.finished: set[tuple[str, int, int, int]] = set()
+        self.running: dict[tuple[str, int, int], _Running] = {}
+        self.finished: set[tuple[str, int, int]] = set()
         self._stop = asyncio.Event()
         self._last_serial = 0
         self._channel: grpc.aio.Channel | None = None
@@ -113,14 +114,27 @@ class NodeAgent:
         await self.shutdown("signal")
 
     async def shutdown(self, reason: str) -> None:
-        """Stop role processes (they finish their step and leave the shards), then Leave."""
+        """Leave gracefully within `grace_s` (a spot notice gives about 30 s).
+
+        1. Workers finish (or abandon) their step, LEAVE the shards and exit: an update is
+           applied whole or not at all.
+        2. Leave the coordinator: it promotes the backups of shards hosted here and points
+           the workers at them.
+        3. Shard processes stop. Their backups already hold every acknowledged update, and a
+           push caught in between is re-sent by its worker and applied once.
+        """
         t0 = time.monotonic()
-        await self._stop_all(self.config.grace_s)
+        deadline = t0 + self.config.grace_s
+        workers = {k: r for k, r in self.running.items() if k[1] != pb.ROLE_PARAMETER_SERVER}
+        await self._stop_runs(workers, max(0.0, (deadline - time.monotonic()) * 0.6))
         assert self._stub is not None
         try:
             await self._stub.Leave(pb.LeaveRequest(node_id=self.node_id, reason=reason), timeout=3.0)
+            if self.running:  # let workers pick up the promoted backups before the shards go
+                await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         except grpc.RpcError as e:
             log.warning("Leave not delivered (%s); the lease will expire instead", e.code())
+        await self._stop_runs(dict(self.running), max(0.0, deadline - time.monotonic()))
         if self._channel is not None:
             await self._channel.close()
         log.info("left the cluster in %.1f s", time.monotonic() - t0)
@@ -180,8 +194,10 @@ class NodeAgent:
 
     # --- roles -------------------------------------------------------------------------
     @staticmethod
-    def _key(a: pb.Assignment) -> tuple[str, int, int, int]:
-        return (a.experiment_id, a.role, a.index, a.generation)
+    def _key(a: pb.Assignment) -> tuple[str, int, int]:
+        # Not the generation or replica: membership changes and promotions reach the running
+        # process through its pipe, they never restart it.
+        return (a.experiment_id, a.role, a.index)
 
     def _apply(self, assignments: list[pb.Assignment]) -> None:
         wanted = {self._key(a): a for a in assignments}
@@ -201,7 +217,16 @@ class NodeAgent:
             "experiment_id": a.experiment_id, "index": a.index, "num_workers": a.num_workers,
             "experiment_json": a.experiment_json, "shard_endpoints": dict(a.shard_endpoints),
             "checkpoint_dir": a.checkpoint_dir, "lead": a.lead, "threads": self.config.threads_per_role,
-            "log_level": self.config.log_level,
+            "log_level": self.config.log_level, **self._update_of(a),
+        }
+
+    @staticmethod
+    def _update_of(a: pb.Assignment) -> dict[str, Any]:
+        """What a running role process learns of a changed assignment."""
+        return {
+            "lead": a.lead, "num_workers": a.num_workers, "endpoints": dict(a.shard_endpoints),
+            "generation": a.generation, "worker_rank": a.worker_rank, "replica": a.replica,
+            "backup_endpoint": a.backup_endpoint, "workers": list(a.workers), "restore_epoch": a.restore_epoch,
         }
 
     def _start(self, a: pb.Assignment) -> None:
@@ -211,8 +236,10 @@ class NodeAgent:
         procs: list[BaseProcess] = []
         pipes: list[Connection] = []
         if a.role == pb.ROLE_PARAMETER_SERVER:
-            spec["label"] = f"ps{a.index}"
-            procs.append(_SPAWN.Process(target=roles.run_server, args=(spec,), name=f"gossamer-ps{a.index}"))
+            spec["label"] = f"ps{a.index}" + ("b" if a.replica else "")
+            recv, send = _SPAWN.Pipe(duplex=False)
+            procs.append(_SPAWN.Process(target=roles.run_server, args=(spec, recv), name=f"gossamer-ps{a.index}"))
+            pipes.append(send)
         else:
             nproc = self.config.nproc_per_node
             port = _free_port()
@@ -235,7 +262,7 @@ class NodeAgent:
         run.assignment = a
         for pipe in run.pipes:
             try:
-                pipe.send({"lead": a.lead, "num_workers": a.num_workers, "endpoints": dict(a.shard_endpoints)})
+                pipe.send(self._update_of(a))
             except (BrokenPipeError, OSError):
                 pass
 
@@ -245,18 +272,18 @@ class NodeAgent:
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, signal.SIGTERM)
 
-    async def _stop_all(self, grace: float) -> None:
-        for run in self.running.values():
+    async def _stop_runs(self, runs: dict[tuple[str, int, int], _Running], grace: float) -> None:
+        for run in runs.values():
             self._terminate(run)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.is_alive() for r in self.running.values() for p in r.procs):
+        while time.monotonic() < deadline and any(p.is_alive() for r in runs.values() for p in r.procs):
             await asyncio.sleep(0.05)
-        for run in self.running.values():
+        for key, run in runs.items():
             for p in run.procs:
                 if p.is_alive():
                     p.kill()
                 p.join(timeout=1)
-        self.running.clear()
+            self.running.pop(key, None)
 
     async def _monitor(self) -> None:
         """Reap role processes; report a crash to the coordinator; stop a worker's other ranks."""
@@ -269,8 +296,14 @@ class NodeAgent:
                 failed = [c for c in codes if c not in (None, 0)]
                 if failed and not run.stopping and not run.reported:
                     run.reported = True
+                    run.failed_at = time.monotonic()
                     await self._report_failure(run, failed[0])
                     self._terminate(run)
+                elif run.failed_at and time.monotonic() - run.failed_at > 5.0:
+                    # A sibling rank stuck in a collective with the dead one ignores SIGTERM.
+                    for p in run.procs:
+                        if p.is_alive():
+                            p.kill()
                 if all(c is not None for c in codes):
                     for pipe in run.pipes:
                         pipe.close()

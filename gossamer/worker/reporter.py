@@ -83,11 +83,15 @@ class Reporter:
                 time.sleep(0.5)
 
     def role(self, node_id: str, role: pb.Role.ValueType, index: int, state: pb.RoleState.ValueType, endpoint: str = "", message: str = "",
-             retry_s: float = 60.0) -> None:
-        """Report the role's state, retrying while the coordinator is unreachable."""
+             retry_s: float = 60.0, **extra: object) -> None:
+        """Report the role's state, retrying while the coordinator is unreachable.
+
+        `extra`: ReportRoleRequest fields of parameter servers (replica, replicated, version,
+        restored_from).
+        """
         req = pb.ReportRoleRequest(
             node_id=node_id, experiment_id=self.experiment_id, role=role, index=index, state=state,
-            endpoint=endpoint, message=message[:2000],
+            endpoint=endpoint, message=message[:2000], **extra,  # type: ignore[arg-type]
         )
         self._retry(lambda: self._nodes.ReportRole(req, timeout=5.0), retry_s)
 

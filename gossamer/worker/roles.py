@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -49,9 +50,23 @@ def _fault_delay(worker_index: int) -> float:
     return 0.0
 
 
-def run_server(spec: dict[str, Any]) -> None:
-    """Host parameter-server shard `spec['index']` until SIGTERM or the experiment ends."""
+def _drain(conn: Connection | None) -> dict[str, Any] | None:
+    """The newest assignment update waiting on the agent's pipe (None if none)."""
+    latest = None
+    try:
+        while conn is not None and conn.poll():
+            latest = conn.recv()
+    except (EOFError, OSError):
+        pass
+    return latest
+
+
+def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
+    """Host parameter-server shard `spec['index']` (primary or backup) until SIGTERM or the end."""
     _setup(spec)
+    from pathlib import Path
+
+    from gossamer.checkpoint.sharded import AsyncCheckpointer, latest_good
     from gossamer.experiment import Experiment
     from gossamer.paramserver import (
         OptimizerConfig,
@@ -69,6 +84,8 @@ def run_server(spec: dict[str, Any]) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    root = Path(spec["checkpoint_dir"]) / spec["experiment_id"] / "shards"
+    checkpointer: AsyncCheckpointer | None = None
     try:
         import torch
 
@@ -83,24 +100,92 @@ def run_server(spec: dict[str, Any]) -> None:
                 weight_decay=exp.weight_decay,
             ),
             total_steps=exp.total_steps, lr_staleness_scaling=exp.lr_staleness_scaling,
+            checkpoint_every=exp.checkpoint_every,
         )
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        server = ShardServer(config, plan, init, shapes=shapes)
+        server = ShardServer(config, plan, init, shapes=shapes, backup=spec.get("replica", 0) == 1)
+        snapshot_s = [0.0]
+
+        def saved(path: Path, snap: Any, seconds: float) -> None:
+            reporter.checkpoint(snap.step, str(path), "shard")
+
+        if exp.checkpoint_every:
+            checkpointer = AsyncCheckpointer(root, on_saved=saved, keep=3)
+
+            def take_snapshot(version: int) -> None:
+                t0 = time.perf_counter()
+                snap = server.snapshot(version)
+                snapshot_s[0] += time.perf_counter() - t0
+                assert checkpointer is not None
+                checkpointer.submit(snap)
+
+            server.on_snapshot = take_snapshot
+        restored = {"epoch": 0, "path": ""}
+
+        def restore(epoch: int) -> None:
+            """Load the newest good checkpoint (a corrupt one is refused, the previous used)."""
+            restored["epoch"] = epoch
+            path, refused = latest_good(root)
+            for bad, why in refused:
+                log.error("checkpoint %s refused: %s", bad, why)
+            if path is None:
+                log.error("no good checkpoint under %s: shard %d starts over from its initial values", root, shard)
+                restored["path"] = "(none: initial values)"
+                return
+            server.restore(str(path))
+            restored["path"] = str(path)
+
+        if spec.get("restore_epoch", 0):
+            restore(spec["restore_epoch"])
         endpoint = server.bind(host=spec["address"], port=0)
-        log.info("shard %d of %s serving %d parameters on %s", shard, spec["experiment_id"],
-                 plan.shard_numel(shard), endpoint)
-        reporter.role(spec["node_id"], pb.ROLE_PARAMETER_SERVER, shard, pb.ROLE_STATE_SERVING, endpoint=endpoint)
+        log.info("shard %d (%s) of %s serving %d parameters on %s", shard,
+                 "primary" if server.is_primary else "backup", spec["experiment_id"], plan.shard_numel(shard), endpoint)
+
+        def report(state: pb.RoleState.ValueType = pb.ROLE_STATE_SERVING) -> None:
+            reporter.role(spec["node_id"], pb.ROLE_PARAMETER_SERVER, shard, state, endpoint=endpoint,
+                          replica=0 if server.is_primary else 1, replicated=server.replicated,
+                          version=server.version, restored_from=restored["path"])
+            restored["path"] = ""
+
+        def apply(update: dict[str, Any]) -> None:  # on the serve thread
+            server.set_members(list(update.get("workers", [])), update.get("generation"))
+            if update.get("restore_epoch", 0) > restored["epoch"]:
+                restore(update["restore_epoch"])
+            if update.get("replica", 0) == 0:
+                server.promote()
+            if server.is_primary:
+                server.set_backup(update.get("backup_endpoint", ""))
+
+        apply({k: spec.get(k) for k in ("workers", "replica", "backup_endpoint", "generation")} | {"restore_epoch": 0})
+        report()
         thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
         thread.start()
-        while not stop.wait(1.0):
-            st = server.stats()
-            reporter.metric(int(st.get("version", 0)), {
-                "ps_updates": float(st.get("updates", 0)),
-                "ps_bytes_in": float(st.get("bytes_in", 0)),
-                "ps_bytes_out": float(st.get("bytes_out", 0)),
-                "ps_errors": float(st.get("errors", 0)),
-                "ps_decode_s": server.decode_seconds,
-            })
+        last_replicated, last_primary = server.replicated, server.is_primary
+        next_metrics = time.monotonic()
+        while not stop.wait(0.1):
+            update = _drain(conn)
+            if update is not None:
+                server.post(lambda u=update: apply(u))  # type: ignore[misc]
+            if (server.replicated, server.is_primary) != (last_replicated, last_primary) or restored["path"]:
+                last_replicated, last_primary = server.replicated, server.is_primary
+                report()
+            if time.monotonic() >= next_metrics:
+                next_metrics += 1.0
+                st = server.stats()
+                values = {
+                    "ps_updates": float(st.get("updates", 0)),
+                    "ps_bytes_in": float(st.get("bytes_in", 0)),
+                    "ps_bytes_out": float(st.get("bytes_out", 0)),
+                    "ps_errors": float(st.get("errors", 0)),
+                    "ps_decode_s": server.decode_seconds,
+                    "ps_unreplicated": float(st.get("unreplicated", 0)),
+                    "ckpt_snapshot_s": snapshot_s[0],
+                }
+                values.update({f"discarded_{k}": float(v) for k, v in st.get("discarded", {}).items()})
+                if checkpointer is not None:
+                    values.update(ckpt_saved=float(checkpointer.saved), ckpt_skipped=float(checkpointer.skipped),
+                                  ckpt_failed=float(checkpointer.failed), ckpt_write_s=checkpointer.last_seconds)
+                reporter.metric(int(st.get("version", 0)), values)
         thread.join(timeout=5)
         server.close()
     except Exception as e:  # noqa: BLE001 — report any failure to the coordinator, then exit non-zero
@@ -109,6 +194,10 @@ def run_server(spec: dict[str, Any]) -> None:
                       message=f"{type(e).__name__}: {e}", retry_s=10)
         reporter.close()
         raise SystemExit(1) from None
+    finally:
+        if checkpointer is not None:
+            checkpointer.close()
+    reporter.flush()
     reporter.close()
 
 
@@ -147,6 +236,8 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
             experiment=Experiment.from_json(spec["experiment_json"]),
             node_id=spec["node_id"],
             worker_index=index,
+            worker_rank=spec.get("worker_rank", index),
+            generation=spec.get("generation", 0),
             num_workers=spec["num_workers"],
             endpoints={int(k): v for k, v in spec["shard_endpoints"].items()},
             checkpoint_dir=spec["checkpoint_dir"],

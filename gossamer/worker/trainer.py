@@ -18,7 +18,9 @@ from torch import nn
 from gossamer._import_check import resolve
 from gossamer.checkpoint.manifest import save_model_checkpoint
 from gossamer.compression.chunk_codec import ChunkCompressor
+from gossamer.errors import ShardError
 from gossamer.experiment import Experiment
+from gossamer.faults import die_at
 from gossamer.paramserver import (
     ShardClient,
     ShardPlan,
@@ -50,6 +52,12 @@ class RankContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     step_delay_s: float = 0.0  # injected slowness (GOSSAMER_FAULT=delay:...), for tests
     throttle: TokenBucket | None = None  # emulated slow link (GOSSAMER_FAULT=bandwidth:...)
+    worker_rank: int = -1  # position among the current workers (sync batch split); -1: worker_index
+    generation: int = 0  # the experiment's membership generation this rank last heard of
+
+    def __post_init__(self) -> None:
+        if self.worker_rank < 0:
+            self.worker_rank = self.worker_index
 
 
 @dataclass
@@ -137,6 +145,8 @@ class Trainer:
             self.adaptive = AdaptiveLink(self.client, self.plan, shapes,
                                          target_share=self.exp.adaptive_target_share,
                                          seed=self.exp.seed * 1000 + ctx.worker_index)
+        self.client.on_wait = self._apply_updates  # new endpoints reach a waiting request
+        self.client.fault_ctx = {"worker": ctx.worker_index, "rank": ctx.local_rank}
         self.on_metrics = on_metrics or (lambda step, values: None)
         self.updates = updates or (lambda: None)
         self.should_stop = should_stop or (lambda: False)
@@ -145,6 +155,8 @@ class Trainer:
         self._bind_flat()
         self.versions: dict[int, int] = {}
         self.clock = 0
+        self.redone = 0  # sync steps computed again after the barrier re-formed
+        self.versions_lost = 0
         self.stats = StepStats()
         self._last_eval = 0
         self._last_ckpt = 0
@@ -192,9 +204,18 @@ class Trainer:
 
     def pull(self) -> bool:
         res = self.client.pull()
-        self.versions = res.versions
+        self._note_versions(res.versions)
         self._assemble(res.values)
         return res.done
+
+    def _note_versions(self, versions: dict[int, int]) -> None:
+        """Keep shard versions; a shard that went backwards was restored from a checkpoint."""
+        for s, v in versions.items():
+            old = self.versions.get(s)
+            if old is not None and v < old:
+                log.warning("shard %d went back from version %d to %d (restored from a checkpoint)", s, old, v)
+                self.versions_lost += old - v
+        self.versions = dict(versions)
 
     @property
     def version(self) -> int:
@@ -206,7 +227,7 @@ class Trainer:
         if self.exp.mode == "sync":
             g = self.exp.effective_global_batch(self.ctx.num_workers)
             idx = sampler.sync_global_batch(n, g, self.version, self.exp.seed)
-            idx = sampler.even_split(idx, self.ctx.num_workers, self.ctx.worker_index)
+            idx = sampler.even_split(idx, self.ctx.num_workers, self.ctx.worker_rank)
             denom = g
         else:
             idx = sampler.async_batch(n, self.exp.batch_size, self.clock, self.exp.seed, self.ctx.worker_index)
@@ -214,7 +235,40 @@ class Trainer:
         return sampler.even_split(idx, self.ctx.local_world, self.ctx.local_rank), denom
 
     def step(self) -> bool:
-        """One training step; True when the experiment has reached total_steps."""
+        """One training step; True when the experiment has reached total_steps.
+
+        Sync mode: when the barrier re-forms (a worker lost or joined) the shards answer
+        REFORM and the step is computed again over the new membership. With
+        `global_batch_size` set the global batch of the step is the same samples whatever
+        the number of workers; otherwise each worker keeps `batch_size`.
+        """
+        for attempt in range(100):
+            generation = self.ctx.generation
+            try:
+                return self._step_once()
+            except ShardError as e:
+                if self.exp.mode != "sync":
+                    raise
+                if "REFORM" in e.codes:
+                    self._await_generation(generation)
+                elif "FAILED_PRECONDITION" in e.codes and attempt < 99:
+                    log.info("shards moved on or rolled back (%s); pulling and redoing the step", e)
+                    time.sleep(0.05 * min(attempt, 10))
+                    self.pull()
+                else:
+                    raise
+                self.redone += 1
+        raise RuntimeError("the sync step could not be completed after 100 attempts")
+
+    def _await_generation(self, old: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.ctx.generation <= old and time.monotonic() < deadline and not self.should_stop():
+            self._apply_updates()
+            time.sleep(0.02)
+        log.info("worker %d: barrier re-formed (generation %d -> %d, %d workers); redoing the step",
+                 self.ctx.worker_index, old, self.ctx.generation, self.ctx.num_workers)
+
+    def _step_once(self) -> bool:
         t_compute = time.perf_counter()
         idx, denom = self._batch()
         x, y = _stack(self.train_set, idx)
@@ -230,6 +284,7 @@ class Trainer:
         grad = self.flat_grad if self.flat_grad is not None else flatten_grads(self.model)
         node_samples = torch.tensor([float(idx.numel()), loss_sum.item()])
         if self.ctx.local_world > 1:
+            die_at("mid-allreduce", step=self.clock, **self.client.fault_ctx)
             dist.all_reduce(grad)
             dist.all_reduce(node_samples)
         if self.ctx.step_delay_s:
@@ -241,14 +296,17 @@ class Trainer:
         else:
             sync = self.exp.mode == "sync"
             sent0, t_exchange = self.client.bytes_up, time.perf_counter()
+            die_at("mid-push", step=self.clock, **self.client.fault_ctx)
+            self.client.fault_step = self.clock
             res = self.client.push_pull(
                 grads,
                 clock=self.clock,
                 basis=self.versions,
                 step=self.version if sync else None,
                 num_workers=self.ctx.num_workers if sync else None,
+                generation=self.ctx.generation if sync else None,
             )
-            self.versions = res.versions
+            self._note_versions(res.versions)
             self._assemble(res.values)
             done = res.done
             if self.adaptive is not None:
@@ -269,7 +327,7 @@ class Trainer:
         done = False
         if self.client.in_flight:
             res = self.client.wait()
-            self.versions = res.versions
+            self._note_versions(res.versions)
             self._assemble(res.values)
             done = res.done
         if self.adaptive is not None:
@@ -281,7 +339,7 @@ class Trainer:
     # --- whole run ---------------------------------------------------------------------
     def run(self) -> None:
         """Train until the shards report total_steps; the lead then evaluates and checkpoints."""
-        self.client.hello()
+        self.client.hello(fresh=True)
         done = self.pull()
         t_report, t0, samples0 = time.monotonic(), time.monotonic(), 0
         while not done and not self.should_stop():
@@ -311,7 +369,11 @@ class Trainer:
         upd = self.updates()
         if upd:
             self.ctx.lead = bool(upd.get("lead", self.ctx.lead))
-            self.ctx.num_workers = int(upd.get("num_workers", self.ctx.num_workers))
+            self.ctx.num_workers = max(1, int(upd.get("num_workers", self.ctx.num_workers)))
+            self.ctx.worker_rank = int(upd.get("worker_rank", self.ctx.worker_rank))
+            self.ctx.generation = max(self.ctx.generation, int(upd.get("generation", self.ctx.generation)))
+            if upd.get("endpoints"):
+                self.client.set_endpoints({int(k): v for k, v in upd["endpoints"].items()})
 
     def _report(self, rate: float) -> None:
         c = self.client
@@ -320,6 +382,8 @@ class Trainer:
             "bytes_down": float(c.bytes_down),
             "raw_bytes_up": float(c.raw_bytes_up),
             "raw_bytes_down": float(c.raw_bytes_down),
+            "resent": float(c.resent),
+            "redone_steps": float(self.redone),
         }
         if c.compressor is not None:
             values["encode_s"] = c.compressor.encode_seconds

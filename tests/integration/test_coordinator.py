@@ -110,7 +110,7 @@ def test_assignments_stream_servers_first_then_workers_with_endpoints(coordinato
     time.sleep(0.01)
     wk = nodes.Join(pb.JoinRequest(name="wk", address="127.0.0.1", spot=True), timeout=5).node_id
     stop = _keepalive(nodes, [ps, wk])
-    exp_json = json.dumps({**BASE, "num_ps_shards": 1, "min_workers": 1})
+    exp_json = json.dumps({**BASE, "num_ps_shards": 1, "min_workers": 1, "ps_backup": False})
     exp_id = exps.Submit(pb.SubmitRequest(experiment_json=exp_json), timeout=60).experiment_id
     ps_stream = nodes.WatchAssignments(pb.WatchAssignmentsRequest(node_id=ps), timeout=20)
     wk_stream = nodes.WatchAssignments(pb.WatchAssignmentsRequest(node_id=wk), timeout=20)

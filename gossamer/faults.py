@@ -1,0 +1,52 @@
+"""Fault injection for tests and benchmarks, driven by the GOSSAMER_FAULT environment variable.
+
+Syntax: comma-separated faults, each ``kind[:key=value...]``. Kinds:
+
+- ``delay:seconds=S[:worker=I]``: worker I (default: any worker of this node) sleeps S s per step.
+- ``bandwidth:rate=10mbit[:burst=B]``: cap this node's pushes with a token bucket.
+- ``die:at=POINT[:step=N][:worker=I][:rank=R][:shard=S]``: the process SIGKILLs itself at
+  POINT (``mid-push``, ``mid-pull``, ``mid-allreduce``, ``mid-checkpoint``,
+  ``after-apply``) once the matching step/version N is reached. Used to land a kill exactly
+  in the middle of an exchange.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+__all__ = ["die_at", "fault", "parse_faults"]
+
+log = logging.getLogger(__name__)
+
+
+def parse_faults(spec: str | None = None) -> list[tuple[str, dict[str, str]]]:
+    """[(kind, {key: value})] from `spec` (default: $GOSSAMER_FAULT)."""
+    spec = os.environ.get("GOSSAMER_FAULT", "") if spec is None else spec
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        kind, *kvs = item.split(":")
+        out.append((kind, dict(kv.split("=", 1) for kv in kvs if "=" in kv)))
+    return out
+
+
+def fault(kind: str, **match: int) -> dict[str, str] | None:
+    """The first fault of `kind` whose keys agree with `match` (a missing key matches anything)."""
+    for k, args in parse_faults():
+        if k == kind and all(key not in args or int(args[key]) == value for key, value in match.items()):
+            return args
+    return None
+
+
+def die_at(point: str, *, step: int, **match: int) -> None:
+    """SIGKILL this process if a ``die:at=point`` fault matches and `step` reached its ``step``."""
+    for kind, args in parse_faults():
+        if kind != "die" or args.get("at") != point:
+            continue
+        if any(key in args and int(args[key]) != value for key, value in match.items()):
+            continue
+        if step >= int(args.get("step", 0)):
+            log.warning("fault injection: dying at %s (step %d)", point, step)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -56,7 +56,7 @@ def status_dict(s: pb.ExperimentStatus) -> dict[str, Any]:
         "finished_unix": s.finished_unix,
         "metrics": json.loads(s.metrics_json or "{}"),
         "roles": [
-            {"node_id": r.node_id, "node": r.node_name, "role": _role_name(r.role), "index": r.index,
+            {"node_id": r.node_id, "node": r.node_name, "role": _role_name(r.role), "index": r.index, "replica": r.replica,
              "endpoint": r.endpoint}
             for r in s.roles
         ],

@@ -4,10 +4,11 @@ Syntax: comma-separated faults, each ``kind[:key=value...]``. Kinds:
 
 - ``delay:seconds=S[:worker=I]``: worker I (default: any worker of this node) sleeps S s per step.
 - ``bandwidth:rate=10mbit[:burst=B]``: cap this node's pushes with a token bucket.
-- ``die:at=POINT[:step=N][:worker=I][:rank=R][:shard=S]``: the process SIGKILLs itself at
-  POINT (``mid-push``, ``mid-pull``, ``mid-allreduce``, ``mid-checkpoint``,
+- ``die:at=POINT[:step=N][:worker=I][:rank=R][:shard=S][:once=PATH]``: the process SIGKILLs
+  itself at POINT (``mid-push``, ``mid-pull``, ``mid-allreduce``, ``mid-checkpoint``,
   ``after-apply``) once the matching step/version N is reached. Used to land a kill exactly
-  in the middle of an exchange.
+  in the middle of an exchange. With ``once=PATH`` it fires only if PATH does not exist yet
+  (and creates it), so a replacement process does not die the same way.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def die_at(point: str, *, step: int, **match: int) -> None:
         if any(key in args and int(args[key]) != value for key, value in match.items()):
             continue
         if step >= int(args.get("step", 0)):
+            if "once" in args:
+                try:
+                    os.close(os.open(args["once"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    continue
             log.warning("fault injection: dying at %s (step %d)", point, step)
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)

@@ -72,6 +72,15 @@ class LocalCluster:
         self.nodes[name] = proc
         return proc
 
+    def kill_node(self, name: str) -> None:
+        """SIGKILL a node's agent and every role process it started (a vanished spot machine)."""
+        proc = self.nodes.pop(name)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
     def kill_coordinator(self) -> None:
         """SIGKILL the coordinator (and nothing else)."""
         if self.coordinator is not None and self.coordinator.poll() is None:

@@ -30,7 +30,8 @@ def place(
     by_pref = sorted(free, key=_server_preference)
     servers = by_pref[:num_servers]
     chosen = {n.id for n in servers}
-    rest = sorted((n for n in free if n.id not in chosen), key=lambda n: (n.joined_unix, n.id))
+    # Spot nodes train first: an on-demand node left over can hold a shard's backup.
+    rest = sorted((n for n in free if n.id not in chosen), key=lambda n: (not n.spot, n.joined_unix, n.id))
     return Placement(servers=servers, workers=rest[:max_workers])
 
 

@@ -512,6 +512,9 @@ class Coordinator:
             await self._drop_role(exp, role, f"{what} failed: {req.message}")
             await self.reconcile()
             return
+        if req.role == pb.ROLE_WORKER and req.state == pb.ROLE_STATE_SERVING:
+            await self.store.add_event("ready", f"{what} ready (model built, parameters pulled next)",
+                                       experiment_id=exp.id, node_id=req.node_id)
         if req.role == pb.ROLE_PARAMETER_SERVER:
             if role.replica == 0 and req.replicated != role.replicated:
                 role.replicated = req.replicated
@@ -523,10 +526,11 @@ class Coordinator:
             if req.restored_from or (role.restore_epoch and req.version == 0 and not role.version):
                 last = exp.shard_versions.get(str(req.index), 0)
                 lost = max(0, last - int(req.version))
-                await self._recovery_metric(exp, {"versions_lost": float(lost)})
+                await self._recovery_metric(exp, {"versions_lost_min": float(lost)})
                 await self.store.add_event(
                     "restored", f"shard {req.index} restored from {req.restored_from or 'its initial values'} at "
-                    f"version {req.version}; {lost} version(s) lost (last reported {last})",
+                    f"version {req.version}; at least {lost} version(s) lost (last reported version {last}; the "
+                    "exact count follows as workers return)",
                     experiment_id=exp.id, node_id=req.node_id,
                 )
             role.version = int(req.version)
@@ -570,6 +574,12 @@ class Coordinator:
 
     async def _note_discards(self, exp: ExpRec, source: str, old: dict[str, float], new: dict[str, float]) -> None:
         """Every discarded update shows in the event log, by cause (nothing degrades silently)."""
+        lost = new.get("versions_lost", 0.0) - old.get("versions_lost", 0.0)
+        if lost > 0:
+            await self.store.add_event(
+                "lost-updates", f"{source}: {int(lost)} update(s) rolled back by a restore from checkpoint "
+                f"(total {int(new['versions_lost'])})", experiment_id=exp.id,
+            )
         for k, v in new.items():
             if k.startswith("discarded_") and v > old.get(k, 0.0):
                 n = int(v - old.get(k, 0.0))

@@ -137,6 +137,8 @@ class SSPGate(Generic[T]):
             return
         if self._suspect(w, now):
             floor = self.min_clock(now, exclude=worker)
+            if floor is None:  # everyone else is quiet too: level with the slowest of them
+                floor = self.min_clock(exclude=worker)
             if floor is not None and floor > w.clock:
                 logger.debug("worker %s back after %.2fs; clock %d -> %d", worker, now - w.last_seen,
                              w.clock, floor)

@@ -213,6 +213,11 @@ class ShardServer:
         self.replicated_updates = 0
         self.backup_detaches = 0
         self._synced = False
+        # After a restore from a checkpoint: what each worker had applied then. A worker's first
+        # push afterwards shows how many of its updates the restore rolled back.
+        self._restored_applied: dict[str, int] | None = None
+        self._seen_since_restore: set[str] = set()
+        self.versions_lost = 0
         self.on_snapshot: Callable[[int], None] | None = None  # called at checkpoint boundaries
 
     # -- lifecycle --------------------------------------------------------------------
@@ -516,6 +521,8 @@ class ShardServer:
         with self._lock:
             self._import_state(min(versions), applied, tensors, scalars)
             self._views.clear()
+            self._restored_applied = dict(applied)
+            self._seen_since_restore = set()
         logger.warning("shard %d restored from %s at version %d", self.config.shard, step_dir, self._version)
         return self._version
 
@@ -624,6 +631,8 @@ class ShardServer:
             "backup_detaches": self.backup_detaches,
             "promotions": self.promotions,
             "generation": self._sync_generation,
+            "applied": dict(self._applied),
+            "versions_lost": self.versions_lost,
         }
 
     # -- request handling -------------------------------------------------------------
@@ -861,6 +870,13 @@ class ShardServer:
             self._abort(key, f"another part was rejected: {e}")
             raise
         self._gate.touch(sender, now)
+        if self._restored_applied is not None and not sync and sender not in self._seen_since_restore:
+            self._seen_since_restore.add(sender)
+            lost = max(0, clock - 1 - self._restored_applied.get(sender, -1))
+            if lost:
+                logger.warning("shard %d: %d update(s) of %s were lost with the restore", self.config.shard, lost,
+                               sender)
+                self.versions_lost += lost
         if key[1] <= self._applied.get(sender, -1):
             # A retry (after a failover) of an update this shard already applied.
             self.discarded["duplicate"] += 1

@@ -179,6 +179,7 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
                     "ps_errors": float(st.get("errors", 0)),
                     "ps_decode_s": server.decode_seconds,
                     "ps_unreplicated": float(st.get("unreplicated", 0)),
+                    "versions_lost": float(st.get("versions_lost", 0)),
                     "ckpt_snapshot_s": snapshot_s[0],
                 }
                 values.update({f"discarded_{k}": float(v) for k, v in st.get("discarded", {}).items()})

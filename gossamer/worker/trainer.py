@@ -155,6 +155,7 @@ class Trainer:
         self._bind_flat()
         self.versions: dict[int, int] = {}
         self.clock = 0
+        self.periodic_model_checkpoints = False
         self.redone = 0  # sync steps computed again after the barrier re-formed
         self.versions_lost = 0
         self.stats = StepStats()
@@ -405,7 +406,8 @@ class Trainer:
             self._last_eval = v // every
             acc, loss = evaluate(self.model, self.eval_set, self.ctx.device)
             self.on_metrics(v, {"eval_accuracy": acc, "eval_loss": loss, "eval_step": float(v)})
-        ck = self.exp.checkpoint_every
+        # Periodic checkpoints are the shards' (sharded, DCP); the lead writes the final one.
+        ck = self.exp.checkpoint_every if self.periodic_model_checkpoints else 0
         if ck and v // ck > self._last_ckpt and v < self.exp.total_steps:
             self._last_ckpt = v // ck
             if self._ckpt_thread is None or not self._ckpt_thread.is_alive():

@@ -97,3 +97,20 @@ def test_version_staleness_and_lr_factor_are_recorded():
 def test_negative_staleness_is_a_config_error():
     with pytest.raises(ConfigError, match="staleness"):
         SSPGate(-1)
+
+
+def test_a_silent_worker_stops_holding_the_others_back_after_a_few_of_its_steps() -> None:
+    g: SSPGate[str] = SSPGate(1, suspect_floor_s=0.1)
+    g.join("a", 0.0)
+    g.join("b", 0.0)
+    for t in range(5):  # both step every 0.05 s
+        for w in ("a", "b"):
+            g.on_apply(w, version=0, basis=0, now=t * 0.05)
+    # b goes silent (killed); a runs ahead and would wait on b forever under plain SSP.
+    g.on_apply("a", version=0, basis=0, now=0.25)
+    g.on_apply("a", version=0, basis=0, now=0.30)
+    assert g.must_wait("a", now=0.30)
+    assert g.suspects(0.45) == ["b"] and not g.must_wait("a", now=0.45)
+    # b speaks again: it is re-floored to a's clock, not left far behind.
+    g.touch("b", now=1.0)
+    assert g.clock("b") == g.clock("a")

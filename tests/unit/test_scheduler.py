@@ -32,3 +32,17 @@ def test_max_workers_caps_placement_and_growth() -> None:
     assert p is not None and len(p.workers) == 2
     assert len(grow([_node(7, True), _node(8, True)], current_workers=2, max_workers=3)) == 1
     assert grow([_node(7, True)], current_workers=3, max_workers=3) == []
+
+
+def test_spot_nodes_train_first_and_replicas_never_share_a_node() -> None:
+    from gossamer.coordinator.records import NodeRec
+    from gossamer.coordinator.scheduler import place, replica_host
+
+    nodes = [NodeRec(id=f"n{i}", name=f"n{i}", address="x", spot=i >= 2, joined_unix=float(i)) for i in range(5)]
+    p = place(nodes, num_servers=1, min_workers=2, max_workers=3)
+    assert p is not None and [n.id for n in p.servers] == ["n0"]
+    assert [n.id for n in p.workers] == ["n2", "n3", "n4"]  # on-demand n1 stays free for a backup
+    free = [nodes[1]]
+    assert replica_host(avoid={"n0"}, servers=[nodes[0]], free=free, workers=p.workers).id == "n1"
+    assert replica_host(avoid={"n0"}, servers=[nodes[0]], free=[], workers=p.workers).id == "n2"
+    assert replica_host(avoid={"n0", "n2", "n3", "n4"}, servers=[nodes[0]], free=[], workers=p.workers) is None

@@ -1,0 +1,43 @@
+"""A shard server in its own process (spawned by chaos tests): writes its endpoint to a file, serves until killed."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+
+def shard_config(mode: str = "async", staleness: int | None = None, checkpoint_every: int = 0):  # type: ignore[no-untyped-def]
+    from gossamer.paramserver import OptimizerConfig, ShardConfig
+
+    return ShardConfig(experiment="chaos", shard=0, mode=mode, staleness=staleness,
+                       optimizer=OptimizerConfig(name="sgd", lr=0.1, momentum=0.9), total_steps=10**9,
+                       checkpoint_every=checkpoint_every, backup_timeout_s=5.0)
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def serve(endpoint_file: str, backup: bool, backup_endpoint: str, fault: str = "") -> None:
+    """Serve shard 0 of `model()`; as primary, replicate to `backup_endpoint`."""
+    if fault:
+        os.environ["GOSSAMER_FAULT"] = fault
+    torch.set_num_threads(1)
+    from gossamer.paramserver import ShardPlan, ShardServer, flatten_params
+
+    m = model()
+    plan = ShardPlan.for_module(m, 1, chunk_numel=200)
+    flat = flatten_params(m)
+    init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks}
+    server = ShardServer(shard_config(), plan, init, backup=backup)
+    endpoint = server.bind()
+    if backup_endpoint:
+        server.post(lambda: server.set_backup(backup_endpoint))
+    tmp = Path(endpoint_file + ".tmp")
+    tmp.write_text(endpoint)
+    tmp.rename(endpoint_file)
+    server.serve(threading.Event())

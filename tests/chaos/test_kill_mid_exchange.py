@@ -1,0 +1,68 @@
+"""Kills landing exactly inside an exchange: mid local all-reduce, mid-push, mid-pull, mid checkpoint write.
+
+Survivors never crash or hang, a partial update is discarded (and counted), never applied.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gossamer import Client
+from gossamer.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_kills_mid_exchange_never_crash_or_hang_a_survivor(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    once = tmp_path / "once"
+    once.mkdir()
+
+    def fault(spec: str, name: str) -> dict[str, str]:
+        return {"GOSSAMER_FAULT": f"{spec}:once={once / name}"}
+
+    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+        client = Client(cluster.start_coordinator(port=0))
+        # The primary dies while writing its second checkpoint (files written, not yet renamed).
+        cluster.add_node("ps-a", env=fault("die:at=mid-checkpoint:step=400", "ckpt"))
+        _wait(lambda: len(client.nodes()) == 1, 60, "ps-a")
+        cluster.add_node("ps-b")
+        # Two local ranks: rank 1 dies inside the gradient all-reduce; rank 0 is left in it.
+        cluster.add_node("allreduce", spot=True, nproc_per_node=2,
+                         env=fault("die:at=mid-allreduce:step=60:rank=1", "allreduce"))
+        # Two local ranks: rank 1 dies before sending its part, rank 0's part reached the shard.
+        cluster.add_node("push", spot=True, nproc_per_node=2, env=fault("die:at=mid-push:step=90:rank=1", "push"))
+        # The push is sent (and applied), the process dies before reading the reply.
+        cluster.add_node("pull", spot=True, env=fault("die:at=mid-pull:step=120", "pull"))
+        cluster.add_node("steady", spot=True)
+        _wait(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 6, 90, "six nodes")
+        job = client.submit({
+            "name": "mid-exchange", "model": "gossamer.examples.digits:mlp",
+            "dataset": "gossamer.examples.digits:data", "mode": "async", "lr": 0.05, "momentum": 0.5,
+            "num_ps_shards": 1, "min_workers": 4, "max_workers": 4, "total_steps": 3000,
+            "eval_every": 500, "checkpoint_every": 200,
+        })
+        result = job.wait(timeout=360)
+        events = job.events()
+        nodes = {n["name"]: n for n in client.nodes()}
+    text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
+    assert result.status == "completed", (result, text)
+    assert result.metrics["eval_accuracy"] >= 0.9, (result.metrics, text)
+    assert sorted(p.name for p in once.iterdir()) == ["allreduce", "ckpt", "pull", "push"], text  # all fired
+    for name in ("allreduce", "push", "pull"):  # a dead rank is a lost worker; the node lives on
+        assert any(e["kind"] == "lost" and f"on {name} failed" in e["message"] for e in events), (name, text)
+        assert nodes[name]["state"] != "lost"
+    assert any(e["kind"] == "promote" and "primary on ps-a gone" in e["message"] for e in events), text
+    # rank 0's half of the "push" node's update was held, then discarded when the worker was dropped
+    assert result.metrics.get("discarded_partial", 0) >= 1, (result.metrics, text)
+    assert any(e["kind"] == "discard" and "cause partial" in e["message"] for e in events), text
+    ckpts = sorted(p.name for p in (tmp_path / "state" / "checkpoints" / job.id / "shards").iterdir())
+    assert all(not n.startswith(".") or ".tmp-" in n for n in ckpts)

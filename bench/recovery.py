@@ -72,12 +72,12 @@ class Sampler(threading.Thread):
         self.exp_id, self.endpoint, self.period = exp_id, endpoint, period
         self.samples: list[tuple[float, int, dict[str, int], bool]] = []
         self.errors = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.start()
 
     def run(self) -> None:
         client: ShardClient | None = None
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             t0 = time.time()
             try:
                 if client is None:
@@ -92,12 +92,12 @@ class Sampler(threading.Thread):
                 if client is not None:
                     client.close()
                 client = None
-            self._stop.wait(max(0.0, self.period - (time.time() - t0)))
+            self._halt.wait(max(0.0, self.period - (time.time() - t0)))
         if client is not None:
             client.close()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=5)
 
     def latest(self) -> tuple[float, int, dict[str, int], bool] | None:
@@ -341,7 +341,8 @@ def kill_primary(cluster: LocalCluster, client: Client, job: Any, smp: Sampler, 
     # The backup must be attached and synced, or the coordinator restores instead of promoting.
     wait(lambda: backup_synced(job), 60, "a synced backup")
     bsmp = Sampler(job.id, back["endpoint"])
-    wait(lambda: len(bsmp.samples) > 10 and smp.samples[0][0] < time.time() - pre_s, 30, "pre-kill samples")
+    t_ready = time.time()
+    wait(lambda: len(bsmp.samples) > 10 and time.time() > t_ready + pre_s, 30, "pre-kill samples")
     n = len(workers_of(st))
     t_kill = time.time()
     cluster.kill_node(prim["node"])
@@ -432,6 +433,7 @@ def main() -> None:
     pairs = 2 if args.quick else 3
     window = 4.0 if args.quick else 7.0
     pre_s, post_s = 3.0, 4.0
+    settle = 3.0 if args.quick else 5.0
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="gossamer-recovery-"))
     say(f"node logs in {log_dir}")
     raw: dict[str, Any] = {"kills": [], "failovers": [], "restarts": [], "ckpt_runs": []}
@@ -451,6 +453,7 @@ def main() -> None:
         job, smp, first = start_job(client, SPEC, None)
         say(f"{job.id}: first step {first['submit_to_first_step_s']:.2f} s after submit")
         smp.wait_for(lambda s: len(s[2]) >= 3, 90, "3 workers applying")
+        time.sleep(settle)  # the last worker's start-up CPU burst, then steady state
         st = job.status()
         assert (primary_role(st)["node"], backup_role(st)["node"]) == ("ps-a", "ps-b"), st["roles"]  # type: ignore[index]
 
@@ -461,7 +464,7 @@ def main() -> None:
             say(f"worker kill {i + 1}/{kills}")
             raw["kills"].append(kill_worker_and_rejoin(cluster, client, job, smp, victim, f"w{nxt}", pre_s, post_s))
             nxt += 1
-            time.sleep(1.0)  # the newcomer's first steps: let its startup CPU burst pass
+            time.sleep(1.0 + pre_s)  # the newcomer's start-up burst passes; then a clean pre-kill window
 
         # ---- 4: primary failovers (a spare on-demand node takes each new backup)
         for i in range(failovers):

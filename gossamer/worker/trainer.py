@@ -191,23 +191,30 @@ class Trainer:
             p.grad is not None and p.grad.untyped_storage().data_ptr() == base for p in self.model.parameters()
         )
 
-    def _assemble(self, values: dict[int, torch.Tensor]) -> None:
-        """Make every local rank hold the full parameters, given this rank's fresh chunks."""
+    def _assemble(self, values: dict[int, torch.Tensor], done: bool) -> bool:
+        """Make every local rank hold the full parameters, given this rank's fresh chunks.
+
+        Returns `done` agreed by all local ranks: one rank's shards may report the end a
+        step before another's, and a rank that stopped alone would leave the others in
+        their next collective. The flag rides in the same all-reduce as the parameters.
+        """
         if self.ctx.local_world == 1:
             self.plan.scatter(self.flat, values)
         else:
-            buf = torch.zeros_like(self.flat)
-            self.plan.scatter(buf, {k: v.to(buf.device) for k, v in values.items()})
+            buf = torch.zeros(self.flat.numel() + 1, dtype=self.flat.dtype, device=self.flat.device)
+            self.plan.scatter(buf[:-1], {k: v.to(buf.device) for k, v in values.items()})
+            buf[-1] = float(done)
             dist.all_reduce(buf)  # chunks are disjoint across ranks: the sum is a gather
-            self.flat.copy_(buf)
+            self.flat.copy_(buf[:-1])
+            done = bool(buf[-1].item() > 0)
         if self.flat_grad is None:
             unflatten_into(self.model, self.flat)
+        return done
 
     def pull(self) -> bool:
         res = self.client.pull()
         self._note_versions(res.versions)
-        self._assemble(res.values)
-        return res.done
+        return self._assemble(res.values, res.done)
 
     def _note_versions(self, versions: dict[int, int]) -> None:
         """Keep shard versions; a shard that went backwards was restored from a checkpoint."""
@@ -308,8 +315,7 @@ class Trainer:
                 generation=self.ctx.generation if sync else None,
             )
             self._note_versions(res.versions)
-            self._assemble(res.values)
-            done = res.done
+            done = self._assemble(res.values, res.done)
             if self.adaptive is not None:
                 self.adaptive.after_step(compute_s, self.client.bytes_up - sent0, time.perf_counter() - t_exchange)
         self.clock += 1
@@ -329,8 +335,7 @@ class Trainer:
         if self.client.in_flight:
             res = self.client.wait()
             self._note_versions(res.versions)
-            self._assemble(res.values)
-            done = res.done
+            done = self._assemble(res.values, res.done)
         if self.adaptive is not None:
             self.adaptive.after_step(compute_s)
         if not done:

@@ -428,15 +428,18 @@ def main() -> None:
     ap.add_argument("--log-dir", default="", help="node logs (default: a new /tmp/gossamer-recovery-* dir, kept)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    kills = 2 if args.quick else 5
+    kills = 2 if args.quick else 4
     failovers = 1 if args.quick else 2
-    pairs = 2 if args.quick else 3
-    window = 4.0 if args.quick else 7.0
+    pairs = 1 if args.quick else 2
+    window = 4.0 if args.quick else 6.0
     pre_s, post_s = 3.0, 4.0
     settle = 3.0 if args.quick else 5.0
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="gossamer-recovery-"))
     say(f"node logs in {log_dir}")
-    raw: dict[str, Any] = {"kills": [], "failovers": [], "restarts": [], "ckpt_runs": []}
+    raw: dict[str, Any] = {"kills": [], "failovers": [], "restarts": [], "ckpt_runs": [], "loadavg": []}
+
+    def load(phase: str) -> None:  # other work on this machine shows here (rates are CPU-bound)
+        raw["loadavg"].append({"phase": phase, "t": round(time.monotonic() - T0, 1), "load1": os.getloadavg()[0]})
     coord_totals: dict[str, Any] = {}
 
     with LocalCluster(heartbeat_interval=0.5, lease_timeout=5.0, log_dir=log_dir) as cluster:
@@ -450,6 +453,7 @@ def main() -> None:
             cluster.add_node(name, spot=True)
         wait(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 5, 60, "five nodes")
         say("cluster up: ps-a, ps-b (on-demand), w0-w2 (spot)")
+        load("start")
         job, smp, first = start_job(client, SPEC, None)
         say(f"{job.id}: first step {first['submit_to_first_step_s']:.2f} s after submit")
         smp.wait_for(lambda s: len(s[2]) >= 3, 90, "3 workers applying")
@@ -462,6 +466,7 @@ def main() -> None:
         for i in range(kills):
             victim = workers_of(job.status())[0]["node"]
             say(f"worker kill {i + 1}/{kills}")
+            load(f"kill {i + 1}")
             raw["kills"].append(kill_worker_and_rejoin(cluster, client, job, smp, victim, f"w{nxt}", pre_s, post_s))
             nxt += 1
             time.sleep(1.0 + pre_s)  # the newcomer's start-up burst passes; then a clean pre-kill window
@@ -469,6 +474,7 @@ def main() -> None:
         # ---- 4: primary failovers (a spare on-demand node takes each new backup)
         for i in range(failovers):
             say(f"primary kill {i + 1}/{failovers}")
+            load(f"failover {i + 1}")
             out, smp = kill_primary(cluster, client, job, smp, f"ps-{chr(ord('c') + i)}", pre_s, post_s)
             raw["failovers"].append(out)
         coord_totals = {k: v for k, v in job.status()["metrics"].items()
@@ -481,6 +487,7 @@ def main() -> None:
         prev = job
         for k, every in enumerate(order):
             spec = {**SPEC, "checkpoint_every": every}
+            load(f"run {k + 1}")
             job, smp, rs = start_job(client, spec, prev)
             rs["checkpoint_every"] = every
             raw["restarts"].append(rs)
@@ -488,14 +495,18 @@ def main() -> None:
             m["checkpoint_every"] = every
             raw["ckpt_runs"].append(m)
             say(f"run {k + 1}/{len(order)} checkpoint_every={every}: restart (cancel -> first step) "
-                f"{rs['restart_s']:.2f} s; {m['rate']:.0f} versions/s; snapshot "
+                f"{rs['restart_s']:.2f} s (submit -> shards serving {_r(rs['submit_to_running_s'])} s, then "
+                f"workers -> first step {_r(rs['running_to_first_step_s'])} s); {m['rate']:.0f} versions/s; snapshot "
                 f"{(m['snapshot_frac'] or 0) * 100:.2f} % of wall")
             smp.stop()
             prev = job
         prev.cancel()
+        load("end")
         roles_final = job.status()["roles"]
         client.close()
-        say("closing the cluster")
+        say("closing the cluster (kill -9 of every node: a cancelled job's workers can linger up to 60 s)")
+        for name in list(cluster.nodes):
+            cluster.kill_node(name)
     raw["events_main"] = [{**e, "t_rel": e["time_unix"] - events_e1[0]["time_unix"]} for e in events_e1] \
         if events_e1 else []
     raw["coordinator_totals"] = coord_totals
@@ -513,6 +524,11 @@ def report(raw: dict[str, Any], quick: bool, log_dir: Path) -> None:
     j_assign = stats_of([k["join_from_assign_event_s"] for k in K])
     j_role = stats_of([k["join_from_role_start_s"] for k in K])
     j_ready = stats_of([k["join_from_ready_event_s"] for k in K])
+    j_boot = stats_of([k["join_from_role_start_s"] - k["join_from_ready_event_s"] for k in K
+                       if k["join_from_role_start_s"] is not None and k["join_from_ready_event_s"] is not None])
+    j_agent = stats_of([k["add_to_join_event_s"] for k in K])
+    run_first = stats_of([r["running_to_first_step_s"] for r in R])
+    loads = [x["load1"] for x in raw["loadavg"]]
     f_adv = stats_of([f["backup_advances_s"] for f in F])
     f_prom = stats_of([f["promote_event_s"] for f in F])
     f_rec = stats_of([f["recover_s"] for f in F])
@@ -578,7 +594,9 @@ def report(raw: dict[str, Any], quick: bool, log_dir: Path) -> None:
         {"metric": "join: role process start (/proc starttime) -> first applied update", "gossamer": fmt(j_role),
          "restart-from-checkpoint baseline": "", "baseline / gossamer": "",
          "note": "measured outside gossamer: the spawned worker process's start time from /proc (10 ms ticks); "
-                 "includes python + torch import, data + model build, HELLO/PULL, first step"},
+                 "includes python + torch import, data + model build, HELLO/PULL, first step. Of it, role start -> "
+                 f"'ready' (imports, data + model build) {fmt(j_boot)}; add_node -> coordinator 'join' event "
+                 f"(agent interpreter + gRPC Join) {fmt(j_agent)}"},
         {"metric": "join: worker 'ready' event -> first applied update", "gossamer": fmt(j_ready),
          "restart-from-checkpoint baseline": "", "baseline / gossamer": "",
          "note": "model built and role reported serving; left: HELLO + PULL + first step + push"},
@@ -596,15 +614,17 @@ def report(raw: dict[str, Any], quick: bool, log_dir: Path) -> None:
          "gossamer": "not needed", "restart-from-checkpoint baseline": fmt(restart),
          "baseline / gossamer": "",
          "note": f"MEASURED: cancel + resubmit on the same idle agents (all role processes respawn, model rebuilt, "
-                 f"backup synced); identical-spec runs only: {fmt(restart_same)}; submit -> 'running' "
-                 f"(shards serving) {fmt(to_running)}. gossamer cannot resume a cancelled job: the baseline "
-                 "rows are MODELLED from this and the measured step rate"},
+                 f"backup synced); identical-spec runs only: {fmt(restart_same)}; two start-ups in a row: submit -> "
+                 f"'running' (shard processes up, backup synced) {fmt(to_running)}, then workers start -> first "
+                 f"step {fmt(run_first)}. gossamer cannot resume a cancelled job: the baseline rows are MODELLED "
+                 "from this and the measured step rate"},
         {"metric": "step rate, 3 workers + 1 shard (+ backup)", "gossamer": fmt(rate_full, "versions/s", 0),
          "restart-from-checkpoint baseline": "", "baseline / gossamer": "",
          "note": "primary shard version rate in the 3 s before each kill"},
         {"metric": f"checkpoint overhead: step rate, checkpoint_every={CKPT_EVERY} vs 0",
          "gossamer": fmt(ovh, "%", 1), "restart-from-checkpoint baseline": "", "baseline / gossamer": "",
-         "note": f"target <= 3.5 % ({'met' if ovh and ovh['median'] <= 3.5 else 'NOT met'}); alternating runs "
+         "note": f"target <= 3.5 % ({'met' if ovh and ovh['median'] <= 3.5 else 'NOT met'} by the median; the "
+                 "pairwise spread is run-to-run noise); alternating runs "
                  f"(on {', '.join(f'{x:.0f}' for x in on)} / off {', '.join(f'{x:.0f}' for x in off)} versions/s), "
                  "pairwise 1 - on/off; includes the lead worker's model checkpoints and all disk writes competing "
                  "for 2 CPUs"},
@@ -621,7 +641,9 @@ def report(raw: dict[str, Any], quick: bool, log_dir: Path) -> None:
         "its restart cost is measured (cancel + resubmit of the same experiment until its first step), the "
         "steps redone are (version mod checkpoint_every) / measured rate; the two are summed, not observed "
         "together. " + ("--quick run (fewer repetitions). " if quick else "")
-        + f"All processes on {os.cpu_count()} CPUs: workers and shards compete for cores, so rates are CPU-bound."
+        + f"All processes on {os.cpu_count()} CPUs: workers and shards compete for cores, so rates are CPU-bound "
+        f"and start-ups slow; 1-min load average during the run {min(loads, default=0):.1f}–{max(loads, default=0):.1f} "
+        "(anything else running on the machine inflates start-up times and makes rates noisy)."
     )
     js, md = write_report("recovery", rows, notes)
     data = json.loads(js.read_text())

@@ -303,7 +303,8 @@ class ShardServer:
                     dead, released = self._gate.expire(now)
                     for worker in dead:
                         self._discard_pending_of(worker)
-                    self._send_released(released)
+                    # Also whoever waited on a worker that has just turned suspect.
+                    self._send_released(released + self._gate.release(now))
                     self._check_backup(now)
 
     # -- commands from other threads (role process: assignment updates) ------------------

@@ -41,3 +41,21 @@ def serve(endpoint_file: str, backup: bool, backup_endpoint: str, fault: str = "
     tmp.write_text(endpoint)
     tmp.rename(endpoint_file)
     server.serve(threading.Event())
+
+
+def push_forever(endpoint: str, sender: str, step_s: float) -> None:
+    """A worker process pushing random gradients every `step_s` until it is killed."""
+    import time
+
+    torch.set_num_threads(1)
+    from gossamer.paramserver import ShardClient, ShardPlan
+
+    plan = ShardPlan.for_module(model(), 1, chunk_numel=200)
+    client = ShardClient(experiment="chaos", sender=sender, plan=plan, endpoints={0: endpoint})
+    client.hello(fresh=True)
+    clock = 0
+    while True:
+        grads = {c.index: torch.randn(c.numel) * 0.01 for c in plan.chunks}
+        client.push_pull(grads, clock=clock, basis={0: 0})
+        clock += 1
+        time.sleep(step_s)

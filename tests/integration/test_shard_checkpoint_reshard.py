@@ -7,7 +7,13 @@ from pathlib import Path
 import torch
 
 from gossamer.checkpoint.sharded import latest_good, save_shard
-from gossamer.paramserver import OptimizerConfig, ShardConfig, ShardPlan, ShardServer, flatten_params
+from gossamer.paramserver import (
+    OptimizerConfig,
+    ShardConfig,
+    ShardPlan,
+    ShardServer,
+    flatten_params,
+)
 
 
 def _model() -> torch.nn.Module:

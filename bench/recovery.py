@@ -335,11 +335,11 @@ def kill_primary(cluster: LocalCluster, client: Client, job: Any, smp: Sampler, 
     t_spare = time.time()
     cluster.add_node(spare)
     wait(lambda: any(n["name"] == spare and n["state"] == "ready" for n in client.nodes()), 60, f"{spare} ready")
+    # The backup must be attached and synced, or the coordinator restores instead of promoting.
+    wait(lambda: backup_synced(job), 120, "a synced backup")
     st = job.status()
     prim, back = primary_role(st), backup_role(st)
     assert prim and back, st["roles"]
-    # The backup must be attached and synced, or the coordinator restores instead of promoting.
-    wait(lambda: backup_synced(job), 60, "a synced backup")
     bsmp = Sampler(job.id, back["endpoint"])
     t_ready = time.time()
     wait(lambda: len(bsmp.samples) > 10 and time.time() > t_ready + pre_s, 30, "pre-kill samples")
@@ -408,15 +408,30 @@ def measure_rate(job: Any, smp: Sampler, window: float, n_workers: int) -> dict[
     time.sleep(window)
     t1 = time.time()
     r = rate(smp.samples, t0, t1)
+    inside = [x for x in smp.samples if t0 <= x[0] <= t1]
+    per_worker = {}
+    if len(inside) >= 2:
+        a, b = inside[0], inside[-1]
+        per_worker = {k: (b[2][k] - a[2].get(k, b[2][k])) / (b[0] - a[0]) for k in b[2]}
     prim = primary_role(job.status())
     src = f"{prim['node_id']}/ps0" if prim else ""
-    rows = [m for m in job.metrics() if m["source"] == src and "ckpt_snapshot_s" in m]
+    time.sleep(1.0)  # the shard reports once a second: let the window's last point arrive
+    rows = [m for m in job.metrics(since_unix=t0 - 1.0) if m["source"] == src and "ckpt_snapshot_s" in m
+            and m["time_unix"] <= t1 + 0.5]
     snap_frac = None
     if len(rows) >= 2 and rows[-1]["time_unix"] > rows[0]["time_unix"]:
         snap_frac = (rows[-1]["ckpt_snapshot_s"] - rows[0]["ckpt_snapshot_s"]) / (
             rows[-1]["time_unix"] - rows[0]["time_unix"])
     last = rows[-1] if rows else {}
-    return {"rate": r, "window_s": t1 - t0, "snapshot_frac": snap_frac,
+    # The background save thread (DCP files + fsync) runs in the shard's process: its busy share.
+    save_busy = None
+    if len(rows) >= 2 and "ckpt_saved" in rows[-1] and rows[-1]["time_unix"] > rows[0]["time_unix"]:
+        per_save = statistics.median(m["ckpt_write_s"] for m in rows if m.get("ckpt_write_s"))  \
+            if any(m.get("ckpt_write_s") for m in rows) else 0.0
+        save_busy = (rows[-1]["ckpt_saved"] - rows[0]["ckpt_saved"]) / (
+            rows[-1]["time_unix"] - rows[0]["time_unix"]) * per_save
+    return {"rate": r, "window_s": t1 - t0, "snapshot_frac": snap_frac, "save_busy_frac": save_busy,
+            "per_worker_rate": per_worker,
             "ckpt_saved": last.get("ckpt_saved"), "ckpt_skipped": last.get("ckpt_skipped"),
             "ckpt_write_s": last.get("ckpt_write_s"), "ckpt_snapshot_s_total": last.get("ckpt_snapshot_s")}
 
@@ -430,7 +445,7 @@ def main() -> None:
     torch.set_num_threads(1)
     kills = 2 if args.quick else 4
     failovers = 1 if args.quick else 2
-    pairs = 1 if args.quick else 2
+    pairs = 1 if args.quick else 3
     window = 4.0 if args.quick else 6.0
     pre_s, post_s = 3.0, 4.0
     settle = 3.0 if args.quick else 5.0
@@ -497,7 +512,8 @@ def main() -> None:
             say(f"run {k + 1}/{len(order)} checkpoint_every={every}: restart (cancel -> first step) "
                 f"{rs['restart_s']:.2f} s (submit -> shards serving {_r(rs['submit_to_running_s'])} s, then "
                 f"workers -> first step {_r(rs['running_to_first_step_s'])} s); {m['rate']:.0f} versions/s; snapshot "
-                f"{(m['snapshot_frac'] or 0) * 100:.2f} % of wall")
+                f"{(m['snapshot_frac'] or 0) * 100:.2f} % of wall, save thread busy {(m['save_busy_frac'] or 0) * 100:.1f} %; "
+                f"per worker {', '.join(f'{v:.0f}' for v in sorted(m['per_worker_rate'].values()))} steps/s")
             smp.stop()
             prev = job
         prev.cancel()
@@ -545,6 +561,7 @@ def report(raw: dict[str, Any], quick: bool, log_dir: Path) -> None:
     det = detect["median"] if detect else float("nan")
     base_worker = det + rst + redo_s  # no progress at all during detection + restart + redo
     base_join = rst + redo_s  # elastic scale-up restarts everyone; the redo is 0 if it waits for a checkpoint
+    base_join_add = (j_agent["median"] if j_agent else 0.0) + base_join
     base_ps = (f_prom["median"] if f_prom else det) + rst + redo_s
 
     on = [c["rate"] for c in C if c["checkpoint_every"]]
@@ -552,6 +569,8 @@ def report(raw: dict[str, Any], quick: bool, log_dir: Path) -> None:
     pair_ovh = [100 * (1 - b / a) for b, a in zip(on, off, strict=False)]
     ovh = stats_of(pair_ovh)
     snap = stats_of([100 * c["snapshot_frac"] for c in C if c["checkpoint_every"] and c["snapshot_frac"] is not None])
+    busy = stats_of([100 * c["save_busy_frac"] for c in C if c["checkpoint_every"] and c.get("save_busy_frac") is not None])
+    per_save = stats_of([c["ckpt_write_s"] * 1e3 for c in C if c["checkpoint_every"] and c.get("ckpt_write_s")])
 
     def ratio(base: float, ours: dict[str, float] | None) -> str:
         if not ours or not ours["median"] or base != base:
@@ -577,8 +596,8 @@ def report(raw: dict[str, Any], quick: bool, log_dir: Path) -> None:
          "note": f"baseline: shard version at the kill mod checkpoint_every={CKPT_EVERY}, redone at the measured "
                  f"full rate ({fmt(stats_of([s / v_rate for s in lost_steps]), digits=3)} of redo)"},
         {"metric": "join: add_node -> first applied update", "gossamer": fmt(j_add),
-         "restart-from-checkpoint baseline": f"{base_join:.2f} s + the same node start",
-         "baseline / gossamer": "",
+         "restart-from-checkpoint baseline": f"{base_join_add:.2f} s (agent start + restart + redo)",
+         "baseline / gossamer": ratio(base_join_add, j_add),
          "note": "includes agent interpreter start + gRPC Join + assignment + role process spawn (python, torch "
                  "import, data + model build) + HELLO/PULL + first step + push; first time the new "
                  "'<node_id>:<index>' sender shows in the primary's STATS 'applied'"},
@@ -623,15 +642,23 @@ def report(raw: dict[str, Any], quick: bool, log_dir: Path) -> None:
          "note": "primary shard version rate in the 3 s before each kill"},
         {"metric": f"checkpoint overhead: step rate, checkpoint_every={CKPT_EVERY} vs 0",
          "gossamer": fmt(ovh, "%", 1), "restart-from-checkpoint baseline": "", "baseline / gossamer": "",
-         "note": f"target <= 3.5 % ({'met' if ovh and ovh['median'] <= 3.5 else 'NOT met'} by the median; the "
-                 "pairwise spread is run-to-run noise); alternating runs "
+         "note": f"target <= 3.5 %: {'met' if ovh and ovh['median'] <= 3.5 else 'NOT met'} by the median"
+                 + (", but the pairwise spread is wider than the target: run-to-run noise on this machine hides an "
+                    "effect of that size (see the two rows below for direct measures)"
+                    if ovh and ovh["max"] - ovh["min"] > 3.5 else "") + "; alternating runs "
                  f"(on {', '.join(f'{x:.0f}' for x in on)} / off {', '.join(f'{x:.0f}' for x in off)} versions/s), "
-                 "pairwise 1 - on/off; includes the lead worker's model checkpoints and all disk writes competing "
-                 "for 2 CPUs"},
+                 "pairwise 1 - on/off; covers all checkpoint work of the job (shard snapshots, background DCP "
+                 "saves, registration with the coordinator, disk writes) competing for 2 CPUs"},
         {"metric": "checkpoint: primary's ckpt_snapshot_s / wall time", "gossamer": fmt(snap, "%", 2),
          "restart-from-checkpoint baseline": "", "baseline / gossamer": "",
          "note": f"target <= 3.5 % ({'met' if snap and snap['median'] <= 3.5 else 'NOT met'}); the snapshot copy "
-                 "on the shard's serving thread, the only checkpoint work on its training path"},
+                 "on the shard's serving thread, the only checkpoint work ON its training path; it does not "
+                 "capture the next row"},
+        {"metric": "checkpoint: primary's background save thread busy share of wall time",
+         "gossamer": fmt(busy, "%", 1), "restart-from-checkpoint baseline": "", "baseline / gossamer": "",
+         "note": f"saves/s x ckpt_write_s ({fmt(per_save, 'ms', 0)} per save: DCP files, sha256, fsyncs). This "
+                 "thread shares the shard process's GIL (and here 2 CPUs) with the serving thread, so it slows "
+                 "the shard, the throughput bottleneck: an upper bound on what the save can take from serving"},
     ]
     notes = (
         "Local cluster on loopback (coordinator + node agents + role processes), heartbeat 0.5 s, lease 5 s. "

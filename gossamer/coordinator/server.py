@@ -234,6 +234,13 @@ class Coordinator:
     async def _restore_shard(self, exp: ExpRec, index: int, where: str, replicas: list[RoleRec]) -> None:
         """Every usable replica of shard `index` is gone: a new primary loads the checkpoint."""
         exp.roles = [x for x in exp.roles if x not in replicas]  # an unsynced backup cannot serve
+        for x in replicas:  # their nodes are free again unless they hold other roles
+            node = self.nodes.get(x.node_id)
+            if node is not None and node.experiment_id == exp.id and not any(r.node_id == node.id for r in exp.roles):
+                node.experiment_id = ""
+                if node.alive:
+                    node.state = pb.NODE_STATE_READY
+                await self.store.save_node(node)
         host = self._replica_host(exp, index)
         if host is None:
             await self._finish(exp, pb.EXPERIMENT_STATE_FAILED,
@@ -498,6 +505,9 @@ class Coordinator:
         )
         if role is None or not exp.active:
             return  # a stale report from a role the coordinator already moved on from
+        if (req.role == pb.ROLE_PARAMETER_SERVER and req.state != pb.ROLE_STATE_FAILED and req.replica != role.replica
+                and role.restore_epoch and not role.endpoint):
+            return  # a backup process not yet turned into the restored primary it now is
         role.state = req.state
         role.endpoint = req.endpoint or role.endpoint
         role.message = req.message

@@ -250,6 +250,10 @@ class ShardClient:
         waiting, self._in_flight = self._in_flight, None
         return self._result(self._collect(waiting))
 
+    def abandon(self) -> None:
+        """Forget the push in flight (its late reply is dropped by request id)."""
+        self._in_flight = None
+
     @property
     def in_flight(self) -> bool:
         return self._in_flight is not None
@@ -279,9 +283,16 @@ class ShardClient:
         self._request({shard: self._msg("STATS", shard, tensors={"probe": pad})})
         return latency, max(1e-9, time.perf_counter() - t0 - latency)
 
-    def leave(self) -> None:
-        """Leave the active set of every involved shard (releases SSP waits on us)."""
-        self._request({s: self._msg("LEAVE", s) for s in self.shards})
+    def leave(self, timeout_s: float = 3.0) -> None:
+        """Leave the active set of every involved shard (releases SSP waits on us).
+
+        Best effort: a shard already gone (the job ended, its node left) is not waited on
+        for longer than `timeout_s`.
+        """
+        try:
+            self._collect(self._send({s: self._msg("LEAVE", s) for s in self.shards}), timeout_s)
+        except UnavailableError as e:
+            logger.info("LEAVE not answered (%s); the shards will drop us by membership", e)
 
     def close(self) -> None:
         for sock in self._socks.values():
@@ -346,7 +357,7 @@ class ShardClient:
             self._send_one(s, msg)
         return dict(reqs)
 
-    def _collect(self, reqs: dict[int, Message]) -> dict[int, Message]:
+    def _collect(self, reqs: dict[int, Message], timeout_s: float | None = None) -> dict[int, Message]:
         """Wait for the reply to every request in `reqs` (shard -> request).
 
         Polls in short slices: between them `on_wait` may move shards (failover), and a
@@ -355,7 +366,8 @@ class ShardClient:
         waiting = dict(reqs)
         sent_to = {s: self._socks[s] for s in waiting}
         replies: dict[int, Message] = {}
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while waiting:
             if self.on_wait is not None:
                 self.on_wait()
@@ -364,14 +376,14 @@ class ShardClient:
                     self._send_one(s, msg)
                     sent_to[s] = self._socks[s]
                     self.resent += 1
-                    deadline = time.monotonic() + self.timeout_s
+                    deadline = time.monotonic() + timeout_s
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 lost = sorted(waiting)
                 for s in lost:  # a late reply must not be read as the next request's
                     self._socks[s].close(linger=0)
                     self._socks[s] = self._connect(s)
-                raise UnavailableError(f"shards {lost} did not answer within {self.timeout_s:.1f}s")
+                raise UnavailableError(f"shards {lost} did not answer within {timeout_s:.1f}s")
             poller = zmq.Poller()
             by_sock = {sent_to[s]: s for s in waiting}
             for sock in by_sock:

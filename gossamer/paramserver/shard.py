@@ -186,7 +186,7 @@ class ShardServer:
         self._pending: dict[tuple[str, int], _Update] = {}
         self._sync_step: dict[str, _Update] = {}
         self._sync_num_workers: int | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered: posted commands may call locking methods
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._thread: threading.Thread | None = None

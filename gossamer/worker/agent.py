@@ -107,11 +107,14 @@ class NodeAgent:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
         await self._join()
-        tasks = [asyncio.create_task(t) for t in (self._heartbeats(), self._watch(), self._monitor())]
+        beats = asyncio.create_task(self._heartbeats())
+        tasks = [asyncio.create_task(t) for t in (self._watch(), self._monitor())]
         await self._stop.wait()
         for t in tasks:
             t.cancel()
+        # Heartbeats go on while the roles stop, so a slow graceful exit never looks like a loss.
         await self.shutdown("signal")
+        beats.cancel()
 
     async def shutdown(self, reason: str) -> None:
         """Leave gracefully within `grace_s` (a spot notice gives about 30 s).

@@ -135,6 +135,11 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
             server.restore(str(path))
             restored["path"] = str(path)
 
+        early = _drain(conn)  # the assignment may have changed while this process started
+        if early is not None:
+            spec = {**spec, **early}
+            if spec.get("replica", 0) == 0:
+                server.promote("assigned as primary before it served")
         if spec.get("restore_epoch", 0):
             restore(spec["restore_epoch"])
         endpoint = server.bind(host=spec["address"], port=0)

@@ -104,6 +104,10 @@ def evaluate(model: nn.Module, ds: Any, device: torch.device, batch: int = 1024)
     return correct / max(1, n), loss / max(1, n)
 
 
+class _Abandoned(Exception):
+    """A stop was requested while waiting on the shards: the step is given up."""
+
+
 class Trainer:
     """One local rank of a worker node.
 
@@ -145,7 +149,7 @@ class Trainer:
             self.adaptive = AdaptiveLink(self.client, self.plan, shapes,
                                          target_share=self.exp.adaptive_target_share,
                                          seed=self.exp.seed * 1000 + ctx.worker_index)
-        self.client.on_wait = self._apply_updates  # new endpoints reach a waiting request
+        self.client.on_wait = self._on_wait  # new endpoints reach a waiting request
         self.client.fault_ctx = {"worker": ctx.worker_index, "rank": ctx.local_rank}
         self.on_metrics = on_metrics or (lambda step, values: None)
         self.updates = updates or (lambda: None)
@@ -156,6 +160,7 @@ class Trainer:
         self.versions: dict[int, int] = {}
         self.clock = 0
         self.periodic_model_checkpoints = False
+        self._exchanging = False
         self.redone = 0  # sync steps computed again after the barrier re-formed
         self.versions_lost = 0
         self.stats = StepStats()
@@ -348,17 +353,31 @@ class Trainer:
         self.client.hello(fresh=True)
         done = self.pull()
         t_report, t0, samples0 = time.monotonic(), time.monotonic(), 0
+        self._exchanging = True
         while not done and not self.should_stop():
             self._apply_updates()
-            done = self.step()
+            try:
+                done = self.step()
+            except _Abandoned:
+                # SIGTERM while waiting on the shards: give the step up. A push is one message
+                # per shard, applied whole or not at all; a part of a multi-rank update left
+                # alone is discarded by the shard when this worker LEAVEs.
+                log.info("worker %d rank %d: stop requested mid-exchange; step abandoned",
+                         self.ctx.worker_index, self.ctx.local_rank)
+                self.client.abandon()
+                break
             now = time.monotonic()
             if now - t_report >= 1.0 or done:
                 rate = (self.stats.samples - samples0) / max(1e-9, now - t_report)
                 t_report, samples0 = now, self.stats.samples
                 self._report(rate)
             self._maybe_eval_and_checkpoint()
+        self._exchanging = False
         if self.client.in_flight:
-            self.client.wait()  # stopped mid-overlap: collect the last reply
+            if self.should_stop():
+                self.client.abandon()
+            else:
+                self.client.wait()  # stopped mid-overlap: collect the last reply
         if self._ckpt_thread is not None:
             self._ckpt_thread.join()
         if done:
@@ -370,6 +389,11 @@ class Trainer:
         self.client.close()
         log.info("worker %d rank %d finished after %d steps (%.1f s)", self.ctx.worker_index,
                  self.ctx.local_rank, self.stats.steps, time.monotonic() - t0)
+
+    def _on_wait(self) -> None:
+        self._apply_updates()
+        if self._exchanging and self.should_stop():
+            raise _Abandoned
 
     def _apply_updates(self) -> None:
         upd = self.updates()

@@ -64,3 +64,23 @@ def test_checkpoint_of_two_shards_restores_onto_one_and_three(tmp_path: Path) ->
         assert torch.equal(_flat(restored, "param"), want_p)
         assert torch.equal(_flat(restored, "momentum_buffer"), want_m)
         assert all(s.stats()["applied"] == {"w": 2} for s in restored)
+
+
+def test_restore_posted_to_a_serving_shard_does_not_deadlock(tmp_path: Path) -> None:
+    from gossamer.paramserver import ShardClient
+
+    (saved,) = _servers(1)
+    with saved._lock:
+        saved._apply({c.index: torch.ones(c.numel) for c in saved.plan.chunks}, 1.0, [("w", 0)])
+    save_shard(tmp_path, saved.snapshot(1))
+    step, _ = latest_good(tmp_path)
+    (live,) = _servers(1)
+    live.start()
+    client = ShardClient(experiment="x", sender="obs", plan=live.plan, endpoints={0: live.endpoint}, timeout_s=5)
+    try:
+        live.post(lambda: live.restore(str(step)))  # as the role process does on an assignment update
+        assert client.stats(0)["version"] == 1  # the serve thread is alive and restored
+        assert torch.equal(torch.cat(list(live.values().values())), torch.cat(list(saved.values().values())))
+    finally:
+        client.close()
+        live.close()

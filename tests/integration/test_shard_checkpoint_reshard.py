@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -79,7 +80,10 @@ def test_restore_posted_to_a_serving_shard_does_not_deadlock(tmp_path: Path) -> 
     client = ShardClient(experiment="x", sender="obs", plan=live.plan, endpoints={0: live.endpoint}, timeout_s=5)
     try:
         live.post(lambda: live.restore(str(step)))  # as the role process does on an assignment update
-        assert client.stats(0)["version"] == 1  # the serve thread is alive and restored
+        deadline = time.monotonic() + 5
+        while client.stats(0)["version"] != 1:  # the serve thread stays alive and restores
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         assert torch.equal(torch.cat(list(live.values().values())), torch.cat(list(saved.values().values())))
     finally:
         client.close()

@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/ps_throughput.py
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/compression.py
+	$(BIN)/python bench/recovery.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

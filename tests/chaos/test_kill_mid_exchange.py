@@ -5,21 +5,14 @@ Survivors never crash or hang, a partial update is discarded (and counted), neve
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from gossamer import Client
 from gossamer.local_cluster import LocalCluster
+from tests.chaos._wait import wait_for
 
 pytestmark = pytest.mark.timeout(420)
 
-
-def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_kills_mid_exchange_never_crash_or_hang_a_survivor(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -33,7 +26,7 @@ def test_kills_mid_exchange_never_crash_or_hang_a_survivor(tmp_path) -> None:  #
         client = Client(cluster.start_coordinator(port=0))
         # The primary dies while writing its second checkpoint (files written, not yet renamed).
         cluster.add_node("ps-a", env=fault("die:at=mid-checkpoint:step=200", "ckpt"))
-        _wait(lambda: len(client.nodes()) == 1, 60, "ps-a")
+        wait_for(lambda: len(client.nodes()) == 1, 60, "ps-a")
         cluster.add_node("ps-b")
         # Two local ranks: rank 1 dies inside the gradient all-reduce; rank 0 is left in it.
         cluster.add_node("allreduce", spot=True, nproc_per_node=2,
@@ -43,7 +36,7 @@ def test_kills_mid_exchange_never_crash_or_hang_a_survivor(tmp_path) -> None:  #
         # The push is sent (and applied), the process dies before reading the reply. This node
         # is slowed down so that training lasts until the two-rank workers are up.
         cluster.add_node("pull", spot=True, env=fault("die:at=mid-pull:step=40", "pull", ",delay:seconds=0.02"))
-        _wait(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 5, 90, "five nodes")
+        wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 5, 90, "five nodes")
         job = client.submit({
             "name": "mid-exchange", "model": "gossamer.examples.digits:mlp",
             "dataset": "gossamer.examples.digits:data", "mode": "async", "lr": 0.05, "momentum": 0.5,

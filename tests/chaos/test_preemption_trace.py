@@ -12,15 +12,10 @@ import pytest
 
 from gossamer import Client
 from gossamer.local_cluster import LocalCluster
+from tests.chaos._wait import wait_for
 
 pytestmark = pytest.mark.timeout(420)
 
-
-def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_preemption_trace_digits_still_reaches_95_percent(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -28,17 +23,17 @@ def test_preemption_trace_digits_still_reaches_95_percent(tmp_path) -> None:  # 
         address = cluster.start_coordinator(port=0)
         client = Client(address)
         cluster.add_node("ps-a")  # on-demand, joined first: the primary
-        _wait(lambda: len(client.nodes()) == 1, 60, "ps-a")
+        wait_for(lambda: len(client.nodes()) == 1, 60, "ps-a")
         cluster.add_node("ps-b")  # on-demand: the backup (free once the workers are placed)
         for name in ("w0", "w1"):
             cluster.add_node(name, spot=True)
-        _wait(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 4, 60, "four nodes")
+        wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 4, 60, "four nodes")
         job = client.submit({
             "name": "trace", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
             "mode": "async", "lr": 0.05, "momentum": 0.5, "num_ps_shards": 1, "min_workers": 2,
             "max_workers": 2, "total_steps": 6000, "eval_every": 500, "checkpoint_every": 1000,
         })
-        _wait(lambda: job.status()["steps"] >= 300, 120, "training to start")
+        wait_for(lambda: job.status()["steps"] >= 300, 120, "training to start")
         roles = job.status()["roles"]
         primary = next(r["node"] for r in roles if r["role"] == "ps" and r["replica"] == 0)
         backup = next(r["node"] for r in roles if r["role"] == "ps" and r["replica"] == 1)

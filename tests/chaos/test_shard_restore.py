@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -10,15 +9,10 @@ import pytest
 from gossamer import Client
 from gossamer.checkpoint.sharded import complete_steps
 from gossamer.local_cluster import LocalCluster
+from tests.chaos._wait import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
-
-def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def _flip_a_bit(step: Path) -> Path:
@@ -33,17 +27,17 @@ def test_unreplicated_shard_lost_restores_from_previous_good_checkpoint(tmp_path
     with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
         client = Client(cluster.start_coordinator(port=0))
         cluster.add_node("ps")
-        _wait(lambda: len(client.nodes()) == 1, 60, "ps")
+        wait_for(lambda: len(client.nodes()) == 1, 60, "ps")
         cluster.add_node("w0", spot=True)
         cluster.add_node("w1", spot=True)
-        _wait(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 3, 60, "nodes")
+        wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 3, 60, "nodes")
         job = client.submit({
             "name": "restore", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
             "mode": "async", "lr": 0.05, "momentum": 0.5, "num_ps_shards": 1, "ps_backup": False,
             "min_workers": 2, "max_workers": 2, "total_steps": 4000, "eval_every": 500, "checkpoint_every": 250,
         })
         root = tmp_path / "state" / "checkpoints" / job.id / "shards"
-        _wait(lambda: root.exists() and len(complete_steps(root)) >= 2, 120, "two checkpoints")
+        wait_for(lambda: root.exists() and len(complete_steps(root)) >= 2, 120, "two checkpoints")
         cluster.kill_node("ps")
         newest, previous = complete_steps(root)[:2]
         _flip_a_bit(newest)  # on disk, after the fact: only the checksum can tell

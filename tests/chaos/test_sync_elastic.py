@@ -6,7 +6,6 @@ number of workers, so the run must end where plain single-process training ends.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -16,16 +15,11 @@ from gossamer import Client, Experiment, load_checkpoint
 from gossamer.local_cluster import LocalCluster
 from gossamer.paramserver import flatten_params
 from gossamer.worker.trainer import build
+from tests.chaos._wait import wait_for
 from tests.integration._ps_harness import reference_sync
 
 pytestmark = pytest.mark.timeout(420)
 
-
-def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_sync_barrier_reforms_grows_and_survives_a_primary_handover(tmp_path: Path) -> None:
@@ -37,19 +31,19 @@ def test_sync_barrier_reforms_grows_and_survives_a_primary_handover(tmp_path: Pa
     with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
         client = Client(cluster.start_coordinator(port=0))
         cluster.add_node("ps-a")
-        _wait(lambda: len(client.nodes()) == 1, 60, "ps-a")
+        wait_for(lambda: len(client.nodes()) == 1, 60, "ps-a")
         cluster.add_node("ps-b")
         slow = {"GOSSAMER_FAULT": "delay:seconds=0.03"}  # lets the churn land mid-run
         for name in ("w0", "w1", "w2"):
             cluster.add_node(name, spot=True, env=slow)
-        _wait(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 5, 60, "nodes")
+        wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 5, 60, "nodes")
         job = client.submit(spec)
-        _wait(lambda: job.status()["steps"] >= 100, 120, "100 steps")
+        wait_for(lambda: job.status()["steps"] >= 100, 120, "100 steps")
         cluster.kill_node("w1")  # mid-step, surely: the survivors wait on its contribution
-        _wait(lambda: job.status()["steps"] >= 250, 120, "steps after the kill")
+        wait_for(lambda: job.status()["steps"] >= 250, 120, "steps after the kill")
         cluster.add_node("w3", spot=True, env=slow)  # joins the barrier at the next step
-        _wait(lambda: any(e["kind"] == "ready" and "on w3" in e["message"] for e in job.events()), 120, "w3")
-        _wait(lambda: job.status()["steps"] >= 450, 120, "steps after the join")
+        wait_for(lambda: any(e["kind"] == "ready" and "on w3" in e["message"] for e in job.events()), 120, "w3")
+        wait_for(lambda: job.status()["steps"] >= 450, 120, "steps after the join")
         assert cluster.stop_node("ps-a", timeout=30) == 0  # spot notice on the primary's machine
         result = job.wait(timeout=240)
         events = job.events()

@@ -250,7 +250,7 @@ class Coordinator:
         targets = [index]
         if exp.spec["mode"] == "sync":
             # BSP needs every shard at the same step: all shards roll back together.
-            targets = [x.index for x in exp.roles_of(pb.ROLE_PARAMETER_SERVER) if x.replica == 0]
+            targets = sorted({index} | {x.index for x in exp.roles_of(pb.ROLE_PARAMETER_SERVER)})
             for x in exp.roles:
                 if x.role == pb.ROLE_PARAMETER_SERVER:
                     x.restore_epoch = exp.restore_epoch

@@ -520,6 +520,17 @@ class ShardServer:
             for sender, clock in (m.get("extra") or {}).get("applied", {}).items():
                 applied[sender] = max(applied.get(sender, -1), int(clock))
         with self._lock:
+            # Updates half-gathered for the old state are void: their workers pull and redo.
+            why = f"shard {self.config.shard} rolled back to a checkpoint; pull and redo the step"
+            for pending in list(self._pending):
+                self.discarded["rolled_back"] += 1
+                self._abort(pending, why, "FAILED_PRECONDITION")
+            for contrib in self._sync_step.values():
+                self.discarded["rolled_back"] += 1
+                for part in contrib.parts:
+                    self._reply_error(part.identity, part.rid, why, "FAILED_PRECONDITION")
+            self._sync_step = {}
+            self._sync_num_workers = None
             self._import_state(min(versions), applied, tensors, scalars)
             self._views.clear()
             self._restored_applied = dict(applied)

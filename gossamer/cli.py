@@ -130,7 +130,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             console.print(f"  checkpoint     {st['checkpoint']}")
         table = Table("node", "role", "index", "endpoint")
         for r in st["roles"]:
-            table.add_row(r["node"], r["role"], str(r["index"]), r["endpoint"])
+            role = f"{r['role']} (backup)" if r["role"] == "ps" and r.get("replica") else r["role"]
+            table.add_row(r["node"], role, str(r["index"]), r["endpoint"])
         console.print(table)
         return 0
     exps = client.experiments()

@@ -146,10 +146,14 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
         log.info("shard %d (%s) of %s serving %d parameters on %s", shard,
                  "primary" if server.is_primary else "backup", spec["experiment_id"], plan.shard_numel(shard), endpoint)
 
+        sent: dict[str, bool | None] = {"replicated": None, "primary": None}
+
         def report(state: pb.RoleState.ValueType = pb.ROLE_STATE_SERVING) -> None:
+            replicated, primary = server.replicated, server.is_primary
             reporter.role(spec["node_id"], pb.ROLE_PARAMETER_SERVER, shard, state, endpoint=endpoint,
-                          replica=0 if server.is_primary else 1, replicated=server.replicated,
+                          replica=0 if primary else 1, replicated=replicated,
                           version=server.version, restored_from=restored["path"])
+            sent.update(replicated=replicated, primary=primary)  # what the coordinator now knows
             restored["path"] = ""
 
         def apply(update: dict[str, Any]) -> None:  # on the serve thread
@@ -165,14 +169,12 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
         report()
         thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
         thread.start()
-        last_replicated, last_primary = server.replicated, server.is_primary
         next_metrics = time.monotonic()
         while not stop.wait(0.1):
             update = _drain(conn)
             if update is not None:
                 server.post(lambda u=update: apply(u))  # type: ignore[misc]
-            if (server.replicated, server.is_primary) != (last_replicated, last_primary) or restored["path"]:
-                last_replicated, last_primary = server.replicated, server.is_primary
+            if (server.replicated, server.is_primary) != (sent["replicated"], sent["primary"]) or restored["path"]:
                 report()
             if time.monotonic() >= next_metrics:
                 next_metrics += 1.0

@@ -193,10 +193,7 @@ class Coordinator:
         exp.generation += 1
         node = self.nodes.get(role.node_id)
         await self.store.add_event("lost", why, experiment_id=exp.id, node_id=role.node_id)
-        if node is not None and not any(r.node_id == node.id for r in exp.roles):
-            node.experiment_id = ""
-            node.state = pb.NODE_STATE_READY if node.alive else node.state
-            await self.store.save_node(node)
+        await self._release_if_idle(exp, role.node_id)
         await self._replace_role(exp, role, node.name if node else role.node_id)
         self._choose_lead(exp)
         await self.store.save_experiment(exp)
@@ -234,13 +231,8 @@ class Coordinator:
     async def _restore_shard(self, exp: ExpRec, index: int, where: str, replicas: list[RoleRec]) -> None:
         """Every usable replica of shard `index` is gone: a new primary loads the checkpoint."""
         exp.roles = [x for x in exp.roles if x not in replicas]  # an unsynced backup cannot serve
-        for x in replicas:  # their nodes are free again unless they hold other roles
-            node = self.nodes.get(x.node_id)
-            if node is not None and node.experiment_id == exp.id and not any(r.node_id == node.id for r in exp.roles):
-                node.experiment_id = ""
-                if node.alive:
-                    node.state = pb.NODE_STATE_READY
-                await self.store.save_node(node)
+        for x in replicas:
+            await self._release_if_idle(exp, x.node_id)
         host = self._replica_host(exp, index)
         if host is None:
             await self._finish(exp, pb.EXPERIMENT_STATE_FAILED,
@@ -259,10 +251,20 @@ class Coordinator:
         await self._recovery_metric(exp, {"restores": 1.0})
         await self.store.add_event(
             "restore", f"shard {index}: every replica gone (last on {where}); restoring from the newest good "
-            f"checkpoint on {host.name}" + (f"; shards {sorted(targets)} roll back with it" if len(targets) > 1 else ""),
+            f"checkpoint on {host.name}" + (f"; shards {targets} roll back with it" if len(targets) > 1 else ""),
             experiment_id=exp.id, node_id=host.id,
         )
         await self._place_backup(exp, index)
+
+    async def _release_if_idle(self, exp: ExpRec, node_id: str) -> None:
+        """A node left with no role in `exp` is free for other work again."""
+        node = self.nodes.get(node_id)
+        if node is None or node.experiment_id != exp.id or any(r.node_id == node_id for r in exp.roles):
+            return
+        node.experiment_id = ""
+        if node.alive:
+            node.state = pb.NODE_STATE_READY
+        await self.store.save_node(node)
 
     def _replica_host(self, exp: ExpRec, index: int) -> NodeRec | None:
         avoid = {x.node_id for x in exp.roles if x.role == pb.ROLE_PARAMETER_SERVER and x.index == index}

@@ -521,16 +521,8 @@ class ShardServer:
                 applied[sender] = max(applied.get(sender, -1), int(clock))
         with self._lock:
             # Updates half-gathered for the old state are void: their workers pull and redo.
-            why = f"shard {self.config.shard} rolled back to a checkpoint; pull and redo the step"
-            for pending in list(self._pending):
-                self.discarded["rolled_back"] += 1
-                self._abort(pending, why, "FAILED_PRECONDITION")
-            for contrib in self._sync_step.values():
-                self.discarded["rolled_back"] += 1
-                for part in contrib.parts:
-                    self._reply_error(part.identity, part.rid, why, "FAILED_PRECONDITION")
-            self._sync_step = {}
-            self._sync_num_workers = None
+            self._void_waiting(f"shard {self.config.shard} rolled back to a checkpoint; pull and redo the step",
+                               "FAILED_PRECONDITION", "rolled_back")
             self._import_state(min(versions), applied, tensors, scalars)
             self._views.clear()
             self._restored_applied = dict(applied)
@@ -949,14 +941,18 @@ class ShardServer:
         if waiting:
             logger.info("shard %d: barrier re-forms at generation %d; %d contribution(s) to step %d "
                         "must be redone", self.config.shard, gen, waiting, self._version)
-        why = f"the barrier re-formed at generation {gen}; redo the step with the new membership"
+        self._void_waiting(f"the barrier re-formed at generation {gen}; redo the step with the new membership",
+                           "REFORM", "reform")
+
+    def _void_waiting(self, why: str, code: str, cause: str) -> None:
+        """Refuse every update still being gathered (parts, sync contributions); count each."""
         for key in list(self._pending):
-            self.discarded["reform"] += 1
-            self._abort(key, why, "REFORM")
+            self.discarded[cause] += 1
+            self._abort(key, why, code)
         for contrib in self._sync_step.values():
-            self.discarded["reform"] += 1
+            self.discarded[cause] += 1
             for part in contrib.parts:
-                self._reply_error(part.identity, part.rid, why, "REFORM")
+                self._reply_error(part.identity, part.rid, why, code)
         self._sync_step = {}
         self._sync_num_workers = None
 

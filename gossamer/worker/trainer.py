@@ -87,21 +87,34 @@ def _stack(ds: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if tensors is not None:  # TensorDataset: index all at once
         return tensors[0][idx], tensors[1][idx]
     items = [ds[int(i)] for i in idx]
-    return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.as_tensor([int(y) for _, y in items])
+    return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.stack([torch.as_tensor(y) for _, y in items])
+
+
+def loss_sum(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy and the number of predictions it covers.
+
+    Classifiers give (B, C) logits for (B,) labels; sequence models (B, T, V) for (B, T)
+    targets, and every position counts as one prediction.
+    """
+    if out.dim() > 2:
+        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    return F.cross_entropy(out, y, reduction="sum"), y.numel()
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, ds: Any, device: torch.device, batch: int = 1024) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) over a whole dataset."""
+    """(accuracy, mean cross-entropy) over a whole dataset, per prediction (per token for sequences)."""
     model.eval()
-    correct, loss, n = 0, 0.0, len(ds)
+    correct, loss, count, n = 0, 0.0, 0, len(ds)
     for start in range(0, n, batch):
         x, y = _stack(ds, torch.arange(start, min(n, start + batch)))
         out = model(x.to(device))
-        loss += F.cross_entropy(out, y.to(device), reduction="sum").item()
+        total, k = loss_sum(out, y.to(device))
+        loss += total.item()
+        count += k
         correct += (out.argmax(-1).cpu() == y).sum().item()
     model.train()
-    return correct / max(1, n), loss / max(1, n)
+    return correct / max(1, count), loss / max(1, count)
 
 
 class _Abandoned(Exception):
@@ -287,15 +300,16 @@ class Trainer:
         x, y = _stack(self.train_set, idx)
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
         self.model.zero_grad(set_to_none=False)
-        loss_sum = F.cross_entropy(self.model(x), y, reduction="sum")
-        (loss_sum / denom).backward()
+        total, predictions = loss_sum(self.model(x), y)
+        per_sample = max(1, predictions // max(1, y.shape[0]))  # 1 for classifiers, T for sequences
+        (total / (denom * per_sample)).backward()
         if self.clock == 0 and self.flat_grad is not None and not self._grads_are_views():
             # Checked once: autograd accumulates in place into an existing .grad, so if the
             # first backward kept the views, later ones do too.
             self.flat_grad = None  # autograd replaced a .grad: fall back to copying
             unflatten_into(self.model, self.flat)
         grad = self.flat_grad if self.flat_grad is not None else flatten_grads(self.model)
-        node_samples = torch.tensor([float(idx.numel()), loss_sum.item()])
+        node_samples = torch.tensor([float(idx.numel()), total.item() / per_sample])
         if self.ctx.local_world > 1:
             die_at("mid-allreduce", step=self.clock, **self.client.fault_ctx)
             dist.all_reduce(grad)

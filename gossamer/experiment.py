@@ -21,8 +21,12 @@ else:  # pragma: no cover
 
 MODES = ("sync", "async", "gossip", "diloco")
 #: Modes this release runs end to end; the others are accepted by the parser but refused at submit.
-IMPLEMENTED_MODES = ("sync", "async")
+IMPLEMENTED_MODES = ("sync", "async", "gossip", "diloco")
 OPTIMIZERS = ("sgd", "adamw")
+OUTER_STEPS = ("sync", "async", "gossip")
+#: Gossip exchanges parameter values: only codecs whose decode approximates the value itself.
+#: Sparse and sign codecs would need a reference both ends share (CHOCO-SGD), not built here.
+GOSSIP_CODECS = re.compile(r"^(none|fp16|bf16|int8|qsgd:\d+)$")
 TOPOLOGIES = ("exponential", "ring", "random")
 PARALLELISMS = ("ddp", "fsdp", "pipeline")
 _COMPRESSION = re.compile(
@@ -48,11 +52,11 @@ class Experiment:
     model_args: dict[str, Any] = field(default_factory=dict)
     dataset_args: dict[str, Any] = field(default_factory=dict)
     mode: str = "async"
-    compression: str = "none"
+    compression: str = "auto"  # "auto": int8 for diloco's pseudo-gradients, none otherwise
     compression_overrides: dict[str, str] = field(default_factory=dict)
     pull_compression: str = "none"
     adaptive_target_share: float = 0.2
-    optimizer: str = "sgd"
+    optimizer: str = "auto"  # "auto": adamw for diloco's inner steps, sgd otherwise
     lr: float = 0.05
     momentum: float = 0.0
     nesterov: bool = False
@@ -74,6 +78,7 @@ class Experiment:
     inner_steps: int = 20
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    outer_step: str = "sync"
     topology: str = "exponential"
     parallelism: str = "ddp"
     chunk_numel: int = 1 << 20
@@ -93,6 +98,11 @@ class Experiment:
                 raise bad(f, "must be a table/dict")
         if self.mode not in MODES:
             raise bad("mode", f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        # Mode-dependent defaults are resolved here, so every copy (TOML, JSON, RPC) agrees.
+        if self.compression == "auto":
+            object.__setattr__(self, "compression", "int8" if self.mode == "diloco" else "none")
+        if self.optimizer == "auto":
+            object.__setattr__(self, "optimizer", "adamw" if self.mode == "diloco" else "sgd")
         _check_codec("compression", self.compression, allow_adaptive=True)
         _check_codec("pull_compression", self.pull_compression, allow_adaptive=False)
         if not isinstance(self.compression_overrides, dict):
@@ -138,8 +148,16 @@ class Experiment:
             not isinstance(self.staleness, int) or isinstance(self.staleness, bool) or self.staleness < 0
         ):
             raise bad("staleness", f"must be an integer >= 0 or None, got {self.staleness!r}")
-        if self.overlap and self.mode != "async":
-            raise bad("overlap", "only applies to mode='async' (sync waits for every worker each step)")
+        if self.overlap and self.mode not in ("async", "gossip"):
+            raise bad("overlap", "only applies to mode='async' or 'gossip' (sync waits for every worker each step)")
+        if self.outer_step not in OUTER_STEPS:
+            raise bad("outer_step", f"unknown outer step {self.outer_step!r}; choose {', '.join(OUTER_STEPS)}")
+        if self.mode == "gossip" or (self.mode == "diloco" and self.outer_step == "gossip"):
+            for f, spec in [("compression", self.compression), ("pull_compression", self.pull_compression),
+                            *(("compression_overrides", v) for v in self.compression_overrides.values())]:
+                if not GOSSIP_CODECS.match(spec):
+                    raise bad(f, f"gossip exchanges parameter values, so {spec!r} does not apply; use "
+                                 "none|fp16|bf16|int8|qsgd:L (sparse/sign codecs need a shared reference)")
         if self.topology not in TOPOLOGIES:
             raise bad("topology", f"unknown topology {self.topology!r}; choose {', '.join(TOPOLOGIES)}")
         if self.parallelism not in PARALLELISMS:

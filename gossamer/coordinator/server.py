@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -306,9 +307,10 @@ class Coordinator:
             spec = exp.spec
             free = self._free_nodes()
             if exp.state == pb.EXPERIMENT_STATE_QUEUED:
+                serverless = _serverless(spec)
                 placement = scheduler.place(
                     free,
-                    num_servers=spec["num_ps_shards"],
+                    num_servers=0 if serverless else spec["num_ps_shards"],
                     min_workers=spec["min_workers"],
                     max_workers=spec["max_workers"],
                 )
@@ -326,11 +328,15 @@ class Coordinator:
                 self._choose_lead(exp)
                 await self.store.add_event(
                     "schedule",
-                    f"{len(placement.servers)} shard(s) on "
-                    f"{', '.join(n.name for n in placement.servers)}; workers on "
-                    f"{', '.join(n.name for n in placement.workers)}",
+                    (f"{len(placement.servers)} shard(s) on {', '.join(n.name for n in placement.servers)}; "
+                     if not serverless else "no parameter servers (gossip); ")
+                    + f"workers on {', '.join(n.name for n in placement.workers)}",
                     experiment_id=exp.id,
                 )
+                if serverless:  # nothing to wait for: the workers find each other
+                    exp.state = pb.EXPERIMENT_STATE_RUNNING
+                    exp.started_unix = exp.started_unix or time.time()
+                    await self.store.add_event("running", "gossip workers starting", experiment_id=exp.id)
             elif exp.state == pb.EXPERIMENT_STATE_RUNNING and free:
                 current = len(exp.roles_of(pb.ROLE_WORKER))
                 added = scheduler.grow(free, current_workers=current, max_workers=spec["max_workers"])
@@ -385,6 +391,7 @@ class Coordinator:
         endpoints = {i: r.endpoint for i, r in primaries.items() if r.endpoint}
         workers = exp.roles_of(pb.ROLE_WORKER)
         senders = [f"{w.node_id}:{w.index}" for w in workers]
+        peers = {w.index: w.endpoint for w in workers if w.endpoint} if _serverless(exp.spec) else {}
         spec = exp.spec
         out = []
         for r in exp.roles:
@@ -410,6 +417,7 @@ class Coordinator:
                     workers=senders if ps else [],
                     restore_epoch=r.restore_epoch,
                     worker_rank=workers.index(r) if not ps else 0,
+                    peer_endpoints={i: e for i, e in peers.items() if i != r.index} if not ps else {},
                 )
             )
         return out
@@ -418,7 +426,7 @@ class Coordinator:
     async def submit(self, experiment_json: str) -> str:
         exp = Experiment.from_json(experiment_json)
         if exp.mode not in IMPLEMENTED_MODES:
-            raise ConfigError("mode", f"mode {exp.mode!r} is not available in this release; use sync or async")
+            raise ConfigError("mode", f"mode {exp.mode!r} is not available in this release")
         if exp.parallelism != "ddp":
             raise ConfigError("parallelism", f"{exp.parallelism!r} is not available in this release; use 'ddp'")
         if self.config.check_imports:
@@ -635,6 +643,11 @@ class Coordinator:
             cpus=n.cpus, gpus=n.gpus, nproc_per_node=n.nproc_per_node, state=n.state, role=role,
             experiment_id=n.experiment_id, lease_age_s=max(0.0, time.time() - n.last_seen), role_index=index,
         )
+
+
+def _serverless(spec: dict[str, Any]) -> bool:
+    """Gossip (and decentralized DiLoCo) run without parameter servers."""
+    return spec["mode"] == "gossip" or (spec["mode"] == "diloco" and spec.get("outer_step") == "gossip")
 
 
 def _slug(name: str) -> str:

@@ -29,9 +29,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def lr_factor(version_staleness: int) -> float:
+def lr_factor(version_staleness: float) -> float:
     """The staleness-aware lr multiplier 1/max(1, tau) of arXiv:1511.05950."""
-    return 1.0 / max(1, version_staleness)
+    return 1.0 / max(1.0, version_staleness)
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class SSPGate(Generic[T]):
         staleness: int | None,
         *,
         lr_staleness_scaling: bool = False,
+        staleness_in_rounds: bool = False,
         worker_timeout_s: float = 30.0,
         suspect_floor_s: float = 0.1,
     ) -> None:
@@ -82,6 +83,9 @@ class SSPGate(Generic[T]):
             raise ConfigError("worker_timeout_s", f"must be > 0, got {worker_timeout_s!r}")
         self.staleness = staleness
         self.lr_staleness_scaling = lr_staleness_scaling
+        # Each worker updates once per round (DiLoCo's outer step), so an update that saw
+        # every other worker's last one is fresh: staleness counts rounds, versions / workers.
+        self.staleness_in_rounds = staleness_in_rounds
         self.worker_timeout_s = worker_timeout_s
         self.suspect_floor_s = suspect_floor_s
         self._workers: dict[str, _Worker] = {}
@@ -188,7 +192,8 @@ class SSPGate(Generic[T]):
         self.lead_histogram[lead] += 1
         self.version_staleness_histogram[vs] += 1
         w.clock += 1
-        factor = lr_factor(vs) if self.lr_staleness_scaling else 1.0
+        tau = vs / max(1, len(self._workers)) if self.staleness_in_rounds else vs
+        factor = lr_factor(tau) if self.lr_staleness_scaling else 1.0
         return ApplyRecord(lead=lead, version_staleness=vs, lr_factor=factor)
 
     def must_wait(self, worker: str, now: float | None = None) -> bool:

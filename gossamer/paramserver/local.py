@@ -6,7 +6,6 @@ import torch
 
 from gossamer.experiment import Experiment
 from gossamer.paramserver.client import ShardClient
-from gossamer.paramserver.optimizer import OptimizerConfig
 from gossamer.paramserver.shard import ShardConfig, ShardServer
 from gossamer.paramserver.shard_plan import ShardPlan, flatten_params
 
@@ -27,21 +26,7 @@ class LocalShards:
                 c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone()
                 for c in self.plan.chunks_of_shard(s)
             }
-            cfg = ShardConfig(
-                experiment=experiment_id,
-                shard=s,
-                mode=exp.mode,
-                staleness=exp.staleness,
-                optimizer=OptimizerConfig(
-                    name=exp.optimizer,
-                    lr=exp.lr,
-                    momentum=exp.momentum,
-                    nesterov=exp.nesterov,
-                    weight_decay=exp.weight_decay,
-                ),
-                total_steps=exp.total_steps,
-                lr_staleness_scaling=exp.lr_staleness_scaling,
-            )
+            cfg = ShardConfig.for_experiment(exp, experiment_id, s)
             shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
             srv = ShardServer(cfg, self.plan, init, shapes=shapes)
             self.endpoints[s] = srv.bind()

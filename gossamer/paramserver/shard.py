@@ -18,7 +18,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
@@ -39,6 +39,9 @@ from gossamer.transport.frames import (
     encode,
     frames_nbytes,
 )
+
+if TYPE_CHECKING:
+    from gossamer.experiment import Experiment
 
 __all__ = ["ShardConfig", "ShardServer", "chunk_key", "parse_chunk_key"]
 
@@ -74,6 +77,7 @@ class ShardConfig:
     optimizer: OptimizerConfig
     total_steps: int
     lr_staleness_scaling: bool = False
+    staleness_in_rounds: bool = False  # diloco async: tau = versions since the basis / workers
     worker_timeout_s: float = 30.0
     backup_timeout_s: float = 3.0
     checkpoint_every: int = 0
@@ -100,6 +104,35 @@ class ShardConfig:
             raise ConfigError("worker_timeout_s", f"must be > 0, got {self.worker_timeout_s!r}")
         if not isinstance(self.limits, FrameLimits):
             raise ConfigError("limits", "must be a FrameLimits")
+
+    @classmethod
+    def for_experiment(cls, exp: Experiment, experiment_id: str, shard: int) -> ShardConfig:
+        """The settings a shard of `exp` runs with.
+
+        diloco: the shard is the outer loop. It receives pseudo-gradients (theta_0 - theta_H)
+        once per round and applies the outer optimizer, Nesterov SGD with `outer_lr` and
+        `outer_momentum`; a version is one outer round, so `total_steps` inner steps are
+        ceil(total_steps / inner_steps) versions. The outer step is synchronous (a barrier
+        over the current workers, like sync mode) or asynchronous (applied on arrival,
+        the lr divided by the staleness in rounds: versions since the basis / workers).
+        """
+        if exp.mode == "diloco":
+            return cls(
+                experiment=experiment_id, shard=shard,
+                mode="sync" if exp.outer_step == "sync" else "async", staleness=None,
+                optimizer=OptimizerConfig(name="sgd", lr=exp.outer_lr, momentum=exp.outer_momentum,
+                                          nesterov=exp.outer_momentum > 0),
+                total_steps=-(-exp.total_steps // exp.inner_steps), lr_staleness_scaling=True,
+                staleness_in_rounds=True,
+                checkpoint_every=-(-exp.checkpoint_every // exp.inner_steps),
+            )
+        return cls(
+            experiment=experiment_id, shard=shard, mode=exp.mode, staleness=exp.staleness,
+            optimizer=OptimizerConfig(name=exp.optimizer, lr=exp.lr, momentum=exp.momentum,
+                                      nesterov=exp.nesterov, weight_decay=exp.weight_decay),
+            total_steps=exp.total_steps, lr_staleness_scaling=exp.lr_staleness_scaling,
+            checkpoint_every=exp.checkpoint_every,
+        )
 
 
 class _Reject(Exception):
@@ -172,6 +205,7 @@ class ShardServer:
         self._gate: SSPGate[tuple[bytes, Any, list[int]]] = SSPGate(
             config.staleness if config.mode == "async" else None,
             lr_staleness_scaling=config.lr_staleness_scaling,
+            staleness_in_rounds=config.staleness_in_rounds,
             worker_timeout_s=config.worker_timeout_s,
         )
         self._shapes = dict(shapes or {})

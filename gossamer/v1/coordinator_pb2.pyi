@@ -490,6 +490,26 @@ class Assignment(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class PeerEndpointsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     EXPERIMENT_ID_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
@@ -504,6 +524,7 @@ class Assignment(_message.Message):
     WORKERS_FIELD_NUMBER: _builtins.int
     RESTORE_EPOCH_FIELD_NUMBER: _builtins.int
     WORKER_RANK_FIELD_NUMBER: _builtins.int
+    PEER_ENDPOINTS_FIELD_NUMBER: _builtins.int
     experiment_id: _builtins.str
     """Experiment id."""
     role: Global___Role.ValueType
@@ -538,6 +559,12 @@ class Assignment(_message.Message):
     def workers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Parameter server: sender ids ("node_id:index") of the experiment's current workers."""
 
+    @_builtins.property
+    def peer_endpoints(self) -> _containers.ScalarMap[_builtins.int, _builtins.str]:
+        """Gossip worker: worker index -> ZMQ endpoint of every other current worker's gossip peer
+        (reported by each worker's lead rank in ReportRoleRequest.endpoint).
+        """
+
     def __init__(
         self,
         *,
@@ -555,10 +582,11 @@ class Assignment(_message.Message):
         workers: _abc.Iterable[_builtins.str] | None = ...,
         restore_epoch: _builtins.int = ...,
         worker_rank: _builtins.int = ...,
+        peer_endpoints: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_endpoint", b"backup_endpoint", "checkpoint_dir", b"checkpoint_dir", "experiment_id", b"experiment_id", "experiment_json", b"experiment_json", "generation", b"generation", "index", b"index", "lead", b"lead", "num_workers", b"num_workers", "replica", b"replica", "restore_epoch", b"restore_epoch", "role", b"role", "shard_endpoints", b"shard_endpoints", "worker_rank", b"worker_rank", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_endpoint", b"backup_endpoint", "checkpoint_dir", b"checkpoint_dir", "experiment_id", b"experiment_id", "experiment_json", b"experiment_json", "generation", b"generation", "index", b"index", "lead", b"lead", "num_workers", b"num_workers", "peer_endpoints", b"peer_endpoints", "replica", b"replica", "restore_epoch", b"restore_epoch", "role", b"role", "shard_endpoints", b"shard_endpoints", "worker_rank", b"worker_rank", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

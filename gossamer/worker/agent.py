@@ -230,6 +230,7 @@ class NodeAgent:
             "lead": a.lead, "num_workers": a.num_workers, "endpoints": dict(a.shard_endpoints),
             "generation": a.generation, "worker_rank": a.worker_rank, "replica": a.replica,
             "backup_endpoint": a.backup_endpoint, "workers": list(a.workers), "restore_epoch": a.restore_epoch,
+            "peers": {int(k): v for k, v in a.peer_endpoints.items()},
         }
 
     def _start(self, a: pb.Assignment) -> None:

@@ -69,7 +69,6 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
     from gossamer.checkpoint.sharded import AsyncCheckpointer, latest_good
     from gossamer.experiment import Experiment
     from gossamer.paramserver import (
-        OptimizerConfig,
         ShardConfig,
         ShardPlan,
         ShardServer,
@@ -93,15 +92,7 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
         plan = ShardPlan.for_module(model, exp.num_ps_shards, exp.chunk_numel)
         flat = flatten_params(model)
         init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks_of_shard(shard)}
-        config = ShardConfig(
-            experiment=spec["experiment_id"], shard=shard, mode=exp.mode, staleness=exp.staleness,
-            optimizer=OptimizerConfig(
-                name=exp.optimizer, lr=exp.lr, momentum=exp.momentum, nesterov=exp.nesterov,
-                weight_decay=exp.weight_decay,
-            ),
-            total_steps=exp.total_steps, lr_staleness_scaling=exp.lr_staleness_scaling,
-            checkpoint_every=exp.checkpoint_every,
-        )
+        config = ShardConfig.for_experiment(exp, spec["experiment_id"], shard)
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         server = ShardServer(config, plan, init, shapes=shapes, backup=spec.get("replica", 0) == 1)
         snapshot_s = [0.0]

@@ -90,6 +90,15 @@ def _stack(ds: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.stack([torch.as_tensor(y) for _, y in items])
 
 
+def _unflatten_grads(model: nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        if p.grad is not None:
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n
+
+
 def loss_sum(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy and the number of predictions it covers.
 
@@ -121,8 +130,159 @@ class _Abandoned(Exception):
     """A stop was requested while waiting on the shards: the step is given up."""
 
 
-class Trainer:
-    """One local rank of a worker node.
+class RankTrainer:
+    """What every mode's local rank does: build the model and data, compute a gradient over
+    this rank's samples and all-reduce it inside the node, evaluate, save checkpoints.
+
+    Parameters and gradients are views of two flat fp32 buffers (`flat`, `flat_grad`), so
+    exchanging the whole model, or a slice of it, with other nodes needs no copies.
+    """
+
+    def __init__(self, ctx: RankContext, *, on_metrics: Hook | None = None,
+                 updates: Callable[[], dict[str, Any] | None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> None:
+        self.ctx = ctx
+        self.exp = ctx.experiment
+        self.model, self.train_set, self.eval_set = build(self.exp, ctx.device)
+        self.on_metrics = on_metrics or (lambda step, values: None)
+        self.updates = updates or (lambda: None)
+        self.should_stop = should_stop or (lambda: False)
+        self.flat = flatten_params(self.model).to(ctx.device)
+        self.flat_grad: torch.Tensor | None = None
+        self._bind_flat()
+        self.clock = 0
+        self.stats = StepStats()
+        self._last_eval = 0
+        self.final_path = ""
+        self.final_metrics: dict[str, float] = {}
+
+    def _bind_flat(self) -> None:
+        """Make parameters and gradients views of two flat fp32 buffers (as DDP buckets do).
+
+        Fresh values are then written straight into the parameters and the gradient is
+        already flat after backward: no per-step flatten/unflatten copies.
+        """
+        params = [p for _, p in self.model.named_parameters()]
+        if not params or any(p.dtype != torch.float32 for p in params):
+            return  # mixed dtypes: keep the copying path
+        self.flat_grad = torch.zeros_like(self.flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.data = self.flat[offset : offset + n].view_as(p)
+            p.grad = self.flat_grad[offset : offset + n].view_as(p)
+            offset += n
+
+    def _grads_are_views(self) -> bool:
+        if self.flat_grad is None:
+            return False
+        base = self.flat_grad.untyped_storage().data_ptr()
+        return all(
+            p.grad is not None and p.grad.untyped_storage().data_ptr() == base for p in self.model.parameters()
+        )
+
+    def _params_changed(self) -> None:
+        """`flat` was written: copy it into the parameters unless they are views of it."""
+        if self.flat_grad is None:
+            unflatten_into(self.model, self.flat)
+
+    def _batch(self) -> tuple[torch.Tensor, int]:
+        """This rank's sample indices for the step and the denominator of the mean loss."""
+        n = len(self.train_set)
+        idx = sampler.async_batch(n, self.exp.batch_size, self.clock, self.exp.seed, self.ctx.worker_index)
+        return sampler.even_split(idx, self.ctx.local_world, self.ctx.local_rank), idx.numel()
+
+    def _local_grad(self, fault_ctx: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Backprop this rank's samples and all-reduce inside the node.
+
+        Returns the node's flat gradient (the mean over the node's samples; `p.grad` holds
+        it too), [samples, summed loss per sample] of the node, and the compute seconds.
+        """
+        t_compute = time.perf_counter()
+        idx, denom = self._batch()
+        x, y = _stack(self.train_set, idx)
+        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+        self.model.zero_grad(set_to_none=False)
+        total, predictions = loss_sum(self.model(x), y)
+        per_sample = max(1, predictions // max(1, y.shape[0]))  # 1 for classifiers, T for sequences
+        (total / (denom * per_sample)).backward()
+        if self.clock == 0 and self.flat_grad is not None and not self._grads_are_views():
+            # Checked once: autograd accumulates in place into an existing .grad, so if the
+            # first backward kept the views, later ones do too.
+            self.flat_grad = None  # autograd replaced a .grad: fall back to copying
+            unflatten_into(self.model, self.flat)
+        grad = self.flat_grad if self.flat_grad is not None else flatten_grads(self.model)
+        node_samples = torch.tensor([float(idx.numel()), total.item() / per_sample])
+        if self.ctx.local_world > 1:
+            die_at("mid-allreduce", step=self.clock, **(fault_ctx or {}))
+            dist.all_reduce(grad)
+            dist.all_reduce(node_samples)
+            if self.flat_grad is None:
+                _unflatten_grads(self.model, grad)
+        if self.ctx.step_delay_s:
+            time.sleep(self.ctx.step_delay_s)
+        return grad, node_samples, time.perf_counter() - t_compute
+
+    def _apply_updates(self) -> dict[str, Any] | None:
+        """Take in the newest assignment change the node agent passed on (lead, membership)."""
+        upd = self.updates()
+        if upd:
+            self.ctx.lead = bool(upd.get("lead", self.ctx.lead))
+            self.ctx.num_workers = max(1, int(upd.get("num_workers", self.ctx.num_workers)))
+            self.ctx.worker_rank = int(upd.get("worker_rank", self.ctx.worker_rank))
+            self.ctx.generation = max(self.ctx.generation, int(upd.get("generation", self.ctx.generation)))
+        return upd
+
+    def _count(self, node_samples: torch.Tensor) -> None:
+        self.clock += 1
+        self.stats.steps += 1
+        self.stats.samples += int(node_samples[0].item())
+        self.stats.loss = node_samples[1].item() / max(1.0, node_samples[0].item())
+
+    def _evaluate(self, step: int) -> tuple[float, float]:
+        acc, loss = evaluate(self.model, self.eval_set, self.ctx.device)
+        self.on_metrics(step, {"eval_accuracy": acc, "eval_loss": loss, "eval_step": float(step)})
+        return acc, loss
+
+    def _maybe_eval(self, step: int) -> None:
+        """Lead, local rank 0: evaluate every `eval_every` steps of progress."""
+        every = self.exp.eval_every
+        if self.ctx.lead and self.ctx.local_rank == 0 and every and step // every > self._last_eval \
+                and step < self.exp.total_steps:
+            self._last_eval = step // every
+            self._evaluate(step)
+
+    def checkpoint_path(self, label: str) -> Path:
+        return Path(self.ctx.checkpoint_dir) / self.ctx.experiment_id / label
+
+    def _save(self, state: dict[str, torch.Tensor], step: int, kind: str) -> str:
+        label = "final" if kind == "final" else f"step-{step:08d}"
+        path = save_model_checkpoint(
+            self.checkpoint_path(label), state,
+            {"experiment_id": self.ctx.experiment_id, "step": step, "kind": kind,
+             "experiment": self.exp.to_dict(), "torch": torch.__version__},
+        )
+        self.on_metrics(step, {"checkpoint_step": float(step)})
+        self.saved(step, str(path), kind)
+        return str(path)
+
+    def saved(self, step: int, path: str, kind: str) -> None:
+        """Hook: a checkpoint was written (the role process registers it with the coordinator)."""
+
+    def _finish_at(self, step: int, extra: dict[str, float] | None = None) -> None:
+        """Final eval and final checkpoint of the parameters this rank holds (local rank 0)."""
+        if self.ctx.local_rank != 0:
+            return
+        acc, loss = self._evaluate(step)
+        self.final_path = self._save(
+            {k: t.detach().cpu().clone() for k, t in self.model.state_dict().items()}, step, "final"
+        )
+        self.final_metrics = {"eval_accuracy": acc, "eval_loss": loss, "steps": float(step), **(extra or {})}
+        log.info("final: step %d eval accuracy %.4f loss %.4f -> %s", step, acc, loss, self.final_path)
+
+
+class Trainer(RankTrainer):
+    """One local rank of a worker node, exchanging with parameter-server shards.
 
     Every step: pick this rank's samples, backprop sum(loss)/denominator, all-reduce the
     gradient inside the node (gloo/NCCL), push this rank's chunks to their shards and get
@@ -132,9 +292,7 @@ class Trainer:
     def __init__(self, ctx: RankContext, *, on_metrics: Hook | None = None,
                  updates: Callable[[], dict[str, Any] | None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> None:
-        self.ctx = ctx
-        self.exp = ctx.experiment
-        self.model, self.train_set, self.eval_set = build(self.exp, ctx.device)
+        super().__init__(ctx, on_metrics=on_metrics, updates=updates, should_stop=should_stop)
         self.plan = ShardPlan.for_module(self.model, self.exp.num_ps_shards, self.exp.chunk_numel)
         self.mine = self.plan.chunks_of_rank(ctx.local_rank, ctx.local_world)
         shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
@@ -164,51 +322,15 @@ class Trainer:
                                          seed=self.exp.seed * 1000 + ctx.worker_index)
         self.client.on_wait = self._on_wait  # new endpoints reach a waiting request
         self.client.fault_ctx = {"worker": ctx.worker_index, "rank": ctx.local_rank}
-        self.on_metrics = on_metrics or (lambda step, values: None)
-        self.updates = updates or (lambda: None)
-        self.should_stop = should_stop or (lambda: False)
-        self.flat = torch.zeros(self.plan.total_numel, dtype=torch.float32, device=ctx.device)
-        self.flat_grad: torch.Tensor | None = None
-        self._bind_flat()
         self.versions: dict[int, int] = {}
-        self.clock = 0
         self.periodic_model_checkpoints = False
         self._exchanging = False
         self.redone = 0  # sync steps computed again after the barrier re-formed
         self.versions_lost = 0
-        self.stats = StepStats()
-        self._last_eval = 0
         self._last_ckpt = 0
         self._ckpt_thread: threading.Thread | None = None
-        self.final_path = ""
 
     # --- parameter exchange ------------------------------------------------------------
-    def _bind_flat(self) -> None:
-        """Make parameters and gradients views of two flat fp32 buffers (as DDP buckets do).
-
-        Fresh chunk values are then written straight into the parameters and the gradient
-        is already flat after backward: no per-step flatten/unflatten copies.
-        """
-        params = [p for _, p in self.model.named_parameters()]
-        if not params or any(p.dtype != torch.float32 for p in params):
-            return  # mixed dtypes: keep the copying path
-        self.flat = flatten_params(self.model).to(self.ctx.device)
-        self.flat_grad = torch.zeros_like(self.flat)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.data = self.flat[offset : offset + n].view_as(p)
-            p.grad = self.flat_grad[offset : offset + n].view_as(p)
-            offset += n
-
-    def _grads_are_views(self) -> bool:
-        if self.flat_grad is None:
-            return False
-        base = self.flat_grad.untyped_storage().data_ptr()
-        return all(
-            p.grad is not None and p.grad.untyped_storage().data_ptr() == base for p in self.model.parameters()
-        )
-
     def _assemble(self, values: dict[int, torch.Tensor], done: bool) -> bool:
         """Make every local rank hold the full parameters, given this rank's fresh chunks.
 
@@ -225,8 +347,7 @@ class Trainer:
             dist.all_reduce(buf)  # chunks are disjoint across ranks: the sum is a gather
             self.flat.copy_(buf[:-1])
             done = bool(buf[-1].item() > 0)
-        if self.flat_grad is None:
-            unflatten_into(self.model, self.flat)
+        self._params_changed()
         return done
 
     def pull(self) -> bool:
@@ -247,18 +368,19 @@ class Trainer:
     def version(self) -> int:
         return min(self.versions.values()) if self.versions else 0
 
+    @property
+    def progress(self) -> int:
+        """Steps done by the experiment, as compared with `total_steps` and `eval_every`."""
+        return self.version
+
     # --- one step ----------------------------------------------------------------------
     def _batch(self) -> tuple[torch.Tensor, int]:
-        n = len(self.train_set)
-        if self.exp.mode == "sync":
-            g = self.exp.effective_global_batch(self.ctx.num_workers)
-            idx = sampler.sync_global_batch(n, g, self.version, self.exp.seed)
-            idx = sampler.even_split(idx, self.ctx.num_workers, self.ctx.worker_rank)
-            denom = g
-        else:
-            idx = sampler.async_batch(n, self.exp.batch_size, self.clock, self.exp.seed, self.ctx.worker_index)
-            denom = idx.numel()
-        return sampler.even_split(idx, self.ctx.local_world, self.ctx.local_rank), denom
+        if self.exp.mode != "sync":
+            return super()._batch()
+        g = self.exp.effective_global_batch(self.ctx.num_workers)
+        idx = sampler.sync_global_batch(len(self.train_set), g, self.version, self.exp.seed)
+        idx = sampler.even_split(idx, self.ctx.num_workers, self.ctx.worker_rank)
+        return sampler.even_split(idx, self.ctx.local_world, self.ctx.local_rank), g
 
     def step(self) -> bool:
         """One training step; True when the experiment has reached total_steps.
@@ -295,28 +417,7 @@ class Trainer:
                  self.ctx.worker_index, old, self.ctx.generation, self.ctx.num_workers)
 
     def _step_once(self) -> bool:
-        t_compute = time.perf_counter()
-        idx, denom = self._batch()
-        x, y = _stack(self.train_set, idx)
-        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-        self.model.zero_grad(set_to_none=False)
-        total, predictions = loss_sum(self.model(x), y)
-        per_sample = max(1, predictions // max(1, y.shape[0]))  # 1 for classifiers, T for sequences
-        (total / (denom * per_sample)).backward()
-        if self.clock == 0 and self.flat_grad is not None and not self._grads_are_views():
-            # Checked once: autograd accumulates in place into an existing .grad, so if the
-            # first backward kept the views, later ones do too.
-            self.flat_grad = None  # autograd replaced a .grad: fall back to copying
-            unflatten_into(self.model, self.flat)
-        grad = self.flat_grad if self.flat_grad is not None else flatten_grads(self.model)
-        node_samples = torch.tensor([float(idx.numel()), total.item() / per_sample])
-        if self.ctx.local_world > 1:
-            die_at("mid-allreduce", step=self.clock, **self.client.fault_ctx)
-            dist.all_reduce(grad)
-            dist.all_reduce(node_samples)
-        if self.ctx.step_delay_s:
-            time.sleep(self.ctx.step_delay_s)
-        compute_s = time.perf_counter() - t_compute
+        grad, node_samples, compute_s = self._local_grad(self.client.fault_ctx)
         grads = {c.index: grad[c.flat_offset : c.flat_offset + c.numel].cpu() for c in self.mine}
         if self.exp.overlap:
             done = self._exchange_overlapped(grads, compute_s)
@@ -337,10 +438,7 @@ class Trainer:
             done = self._assemble(res.values, res.done)
             if self.adaptive is not None:
                 self.adaptive.after_step(compute_s, self.client.bytes_up - sent0, time.perf_counter() - t_exchange)
-        self.clock += 1
-        self.stats.steps += 1
-        self.stats.samples += int(node_samples[0].item())
-        self.stats.loss = node_samples[1].item() / max(1.0, node_samples[0].item())
+        self._count(node_samples)
         return done
 
     def _exchange_overlapped(self, grads: dict[int, torch.Tensor], compute_s: float) -> bool:
@@ -409,15 +507,11 @@ class Trainer:
         if self._exchanging and self.should_stop():
             raise _Abandoned
 
-    def _apply_updates(self) -> None:
-        upd = self.updates()
-        if upd:
-            self.ctx.lead = bool(upd.get("lead", self.ctx.lead))
-            self.ctx.num_workers = max(1, int(upd.get("num_workers", self.ctx.num_workers)))
-            self.ctx.worker_rank = int(upd.get("worker_rank", self.ctx.worker_rank))
-            self.ctx.generation = max(self.ctx.generation, int(upd.get("generation", self.ctx.generation)))
-            if upd.get("endpoints"):
-                self.client.set_endpoints({int(k): v for k, v in upd["endpoints"].items()})
+    def _apply_updates(self) -> dict[str, Any] | None:
+        upd = super()._apply_updates()
+        if upd and upd.get("endpoints"):
+            self.client.set_endpoints({int(k): v for k, v in upd["endpoints"].items()})
+        return upd
 
     def _report(self, rate: float) -> None:
         c = self.client
@@ -438,18 +532,14 @@ class Trainer:
                 loss=self.stats.loss, samples=float(self.stats.samples), samples_per_s=rate,
                 updates=float(self.stats.steps), version=float(self.version),
             )
-        self.on_metrics(self.version, values)
+        self.on_metrics(self.progress, values)
 
     def _maybe_eval_and_checkpoint(self) -> None:
+        self._maybe_eval(self.progress)
         if not self.ctx.lead or self.ctx.local_rank != 0:
             return
-        v = self.version
-        every = self.exp.eval_every
-        if every and v // every > self._last_eval and v < self.exp.total_steps:
-            self._last_eval = v // every
-            acc, loss = evaluate(self.model, self.eval_set, self.ctx.device)
-            self.on_metrics(v, {"eval_accuracy": acc, "eval_loss": loss, "eval_step": float(v)})
         # Periodic checkpoints are the shards' (sharded, DCP); the lead writes the final one.
+        v = self.progress
         ck = self.exp.checkpoint_every if self.periodic_model_checkpoints else 0
         if ck and v // ck > self._last_ckpt and v < self.exp.total_steps:
             self._last_ckpt = v // ck
@@ -461,32 +551,6 @@ class Trainer:
                 )
                 self._ckpt_thread.start()
 
-    def checkpoint_path(self, label: str) -> Path:
-        return Path(self.ctx.checkpoint_dir) / self.ctx.experiment_id / label
-
-    def _save(self, state: dict[str, torch.Tensor], step: int, kind: str) -> str:
-        label = "final" if kind == "final" else f"step-{step:08d}"
-        path = save_model_checkpoint(
-            self.checkpoint_path(label), state,
-            {"experiment_id": self.ctx.experiment_id, "step": step, "kind": kind,
-             "experiment": self.exp.to_dict(), "torch": torch.__version__},
-        )
-        self.on_metrics(step, {"checkpoint_step": float(step)})
-        self.saved(step, str(path), kind)
-        return str(path)
-
-    def saved(self, step: int, path: str, kind: str) -> None:
-        """Hook: a checkpoint was written (the role process registers it with the coordinator)."""
-
     def finish(self) -> None:
         """Final eval and final checkpoint (lead, all local ranks hold the final parameters)."""
-        if self.ctx.local_rank != 0:
-            return
-        acc, loss = evaluate(self.model, self.eval_set, self.ctx.device)
-        v = self.version
-        self.on_metrics(v, {"eval_accuracy": acc, "eval_loss": loss, "eval_step": float(v)})
-        self.final_path = self._save(
-            {k: t.detach().cpu().clone() for k, t in self.model.state_dict().items()}, v, "final"
-        )
-        self.final_metrics = {"eval_accuracy": acc, "eval_loss": loss, "steps": float(v)}
-        log.info("final: step %d eval accuracy %.4f loss %.4f -> %s", v, acc, loss, self.final_path)
+        self._finish_at(self.progress)

@@ -254,7 +254,13 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
                 latest = conn.recv()
             return latest
 
-        class _Trainer(Trainer):
+        base: type[Trainer] = Trainer
+        if ctx.experiment.mode == "diloco":
+            from gossamer.worker.diloco import DilocoTrainer
+
+            base = DilocoTrainer
+
+        class _Trainer(base):  # type: ignore[valid-type,misc]
             def saved(self, step: int, path: str, kind: str) -> None:
                 reporter.checkpoint(step, path, kind)
 

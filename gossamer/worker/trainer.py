@@ -373,6 +373,11 @@ class Trainer(RankTrainer):
         """Steps done by the experiment, as compared with `total_steps` and `eval_every`."""
         return self.version
 
+    @property
+    def barrier(self) -> bool:
+        """The shards wait for every current worker's update (the step is redone on REFORM)."""
+        return self.exp.mode == "sync"
+
     # --- one step ----------------------------------------------------------------------
     def _batch(self) -> tuple[torch.Tensor, int]:
         if self.exp.mode != "sync":
@@ -395,7 +400,7 @@ class Trainer(RankTrainer):
             try:
                 return self._step_once()
             except ShardError as e:
-                if self.exp.mode != "sync":
+                if not self.barrier:
                     raise
                 if "REFORM" in e.codes:
                     self._await_generation(generation)

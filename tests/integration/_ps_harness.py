@@ -37,12 +37,14 @@ def run_async(exp: Experiment, workers: int = 3, throttle_at: dict[int, object] 
     import threading
 
     from gossamer.paramserver import unflatten_into
+    from gossamer.worker.diloco import DilocoTrainer
     from gossamer.worker.trainer import RankContext, Trainer, evaluate
 
     torch.set_num_threads(1)
     shards = Shards(exp)
+    cls = DilocoTrainer if exp.mode == "diloco" else Trainer
     trainers = [
-        Trainer(RankContext(experiment_id="e", experiment=exp, node_id=f"node{w}", worker_index=w,
+        cls(RankContext(experiment_id="e", experiment=exp, node_id=f"node{w}", worker_index=w,
                             num_workers=workers, endpoints=shards.endpoints, checkpoint_dir="/tmp"))
         for w in range(workers)
     ]

@@ -1,0 +1,100 @@
+"""DiLoCo on parameter servers: H local steps with the inner optimizer, then the pseudo-gradient to the shards' outer step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gossamer.faults import die_at
+from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer
+from gossamer.worker.trainer import Hook, RankContext, Trainer, _Abandoned
+
+log = logging.getLogger(__name__)
+
+
+def inner_optimizer(exp: Any, params: Any) -> torch.optim.Optimizer:
+    """The worker's own optimizer for the inner steps (`optimizer`, `lr`, ... of the experiment)."""
+    return build_optimizer(
+        OptimizerConfig(name=exp.optimizer, lr=exp.lr, momentum=exp.momentum, nesterov=exp.nesterov,
+                        weight_decay=exp.weight_decay),
+        list(params),
+    )
+
+
+class DilocoTrainer(Trainer):
+    """One local rank of a DiLoCo worker (arXiv:2311.08105).
+
+    A round: from the global parameters theta_0, take `inner_steps` H steps with the inner
+    optimizer (AdamW by default; its state persists across rounds), then push the
+    pseudo-gradient theta_0 - theta_H, compressed with the experiment's codec (int8 by
+    default), divided by the number of workers so the shards' sum is the mean. The shards
+    apply the outer optimizer (Nesterov SGD, `outer_lr`, `outer_momentum`) and reply with
+    the new global parameters. A shard version is one round: progress is version x H.
+
+    `outer_step="sync"`: a barrier over the current workers. When it re-forms (a worker lost
+    or joined) the same pseudo-gradient is pushed again, scaled by the new worker count;
+    the H steps are not recomputed. `outer_step="async"`: applied on arrival, the outer lr
+    divided by the staleness in rounds.
+    """
+
+    def __init__(self, ctx: RankContext, *, on_metrics: Hook | None = None,
+                 updates: Callable[[], dict[str, Any] | None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> None:
+        super().__init__(ctx, on_metrics=on_metrics, updates=updates, should_stop=should_stop)
+        self.inner = inner_optimizer(self.exp, self.model.parameters())
+        self.rounds = 0
+        self._pseudo: tuple[int, torch.Tensor] | None = None  # (version it started from, theta_0 - theta_H)
+
+    @property
+    def barrier(self) -> bool:
+        return self.exp.outer_step == "sync"
+
+    @property
+    def progress(self) -> int:
+        return self.version * self.exp.inner_steps
+
+    def _step_once(self) -> bool:
+        start = self.version
+        if self._pseudo is None or self._pseudo[0] != start:
+            self._pseudo = (start, self._inner_round())
+        delta = self._pseudo[1]
+        scale = 1.0 / self.ctx.num_workers
+        grads = {c.index: (delta[c.flat_offset : c.flat_offset + c.numel] * scale).cpu() for c in self.mine}
+        die_at("mid-push", step=self.clock, **self.client.fault_ctx)
+        self.client.fault_step = self.clock
+        res = self.client.push_pull(
+            grads,
+            clock=self.clock,
+            basis=self.versions,
+            step=start if self.barrier else None,
+            num_workers=self.ctx.num_workers if self.barrier else None,
+            generation=self.ctx.generation if self.barrier else None,
+        )
+        self._pseudo = None
+        self.rounds += 1
+        self._note_versions(res.versions)
+        return self._assemble(res.values, res.done)
+
+    def _inner_round(self) -> torch.Tensor:
+        """H inner steps from the current (global) parameters; returns theta_0 - theta_H."""
+        theta0 = self.flat.clone()
+        for _ in range(self.exp.inner_steps):
+            if self.should_stop():
+                self.flat.copy_(theta0)  # nothing of the round leaves this worker
+                self._params_changed()
+                raise _Abandoned
+            _, node_samples, _ = self._local_grad(self.client.fault_ctx)
+            self.inner.step()
+            if self.flat_grad is None:  # parameters are not views of `flat`: gather them
+                from gossamer.paramserver import flatten_params
+
+                self.flat.copy_(flatten_params(self.model))
+            self._count(node_samples)
+        return theta0.sub_(self.flat)
+
+    def _report(self, rate: float) -> None:
+        self.on_metrics(self.progress, {"outer_rounds": float(self.rounds)})
+        super()._report(rate)

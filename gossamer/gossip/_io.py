@@ -1,0 +1,605 @@
+"""The push-sum peer's I/O thread: it alone touches the ZMQ sockets and moves messages to queues.
+
+Sockets: one ROUTER (bound) receives ``MASS``, ``CANCEL`` and ``SNAP`` from neighbours; one
+DEALER per current neighbour sends ``MASS``/``CANCEL`` and receives the replies (``ACK``,
+``NACK``, ``CANCELLED``); a short-lived DEALER per snapshot request. The thread validates
+and decodes incoming mass (so it can ACK or NACK at once) but never reads or writes the
+trainer's parameters: accepted mass goes to `PeerIO.inbox`, settled holds to
+`PeerIO.settled`, snapshot requests to `PeerIO.snap_requests`, all consumed by the trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import math
+import os
+import queue
+import secrets
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from gossamer.compression import Codec, Payload
+from gossamer.errors import ProtocolError
+from gossamer.transport.frames import (
+    ZERO_COPY_THRESHOLD,
+    FrameLimits,
+    Message,
+    decode,
+    encode,
+    frames_nbytes,
+)
+
+__all__ = [
+    "ACK",
+    "CANCEL",
+    "CANCELLED",
+    "ERROR",
+    "MASS",
+    "NACK",
+    "SNAP",
+    "SNAPSHOT",
+    "Fault",
+    "Incoming",
+    "PeerIO",
+]
+
+logger = logging.getLogger(__name__)
+
+MASS, ACK, NACK, CANCEL, CANCELLED = "MASS", "ACK", "NACK", "CANCEL", "CANCELLED"
+SNAP, SNAPSHOT, ERROR = "SNAP", "SNAPSHOT", "ERROR"
+
+#: A test hook called before each outgoing message with (op, info): None, "drop" or "delay:S".
+Fault = Callable[[str, dict[str, Any]], str | None]
+
+_MAX_POLL_S = 0.1
+_RECV_BATCH = 256
+# Outcomes remembered per sender incarnation: a CANCELLED id must outlive any late copy of
+# its MASS, or the late copy would be applied after the sender took the mass back.
+_SEEN_PER_SENDER = 1 << 16
+_SEEN_SENDERS = 1024
+
+
+@dataclass
+class Incoming:
+    """Mass accepted (and ACKed) by the I/O thread, waiting for the trainer's next mix."""
+
+    sender: str
+    generation: int
+    step: int
+    weight: float
+    d: torch.Tensor
+
+
+@dataclass
+class _Outstanding:
+    peer: str
+    deadline: float  # when the next CANCEL goes out
+
+
+def _int(meta: dict[str, Any], key: str) -> int | None:
+    v = meta.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _number(meta: dict[str, Any], key: str) -> float | None:
+    v = meta.get(key)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v)
+
+
+class PeerIO:
+    """The socket side of a `PushSumPeer`; methods without a leading underscore are for the
+    trainer thread (they only enqueue), everything else runs on the I/O thread."""
+
+    def __init__(
+        self,
+        *,
+        experiment: str,
+        peer_id: str,
+        host: str,
+        codec: Codec,
+        ack_timeout_s: float,
+        limits: FrameLimits,
+        fault: Fault | None,
+        numel: int | None,
+    ) -> None:
+        self.experiment = experiment
+        self.peer_id = peer_id
+        self.limits = limits
+        self.incarnation = secrets.randbits(62)  # a restarted peer's ids must not look seen
+        self._codec = codec
+        self._ack_timeout = ack_timeout_s
+        self._fault = fault
+        self._numel = numel
+
+        self.inbox: queue.SimpleQueue[Incoming] = queue.SimpleQueue()
+        self.settled: queue.Queue[tuple[int, bool]] = queue.Queue()  # (hold id, restore?)
+        self.snap_requests: queue.SimpleQueue[tuple[bytes, int, str]] = queue.SimpleQueue()
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.raw_bytes_up = 0
+        self.rejected: Counter[str] = Counter()
+        self.duplicates = 0
+        self.fault_dropped = 0
+        self.send_failures = 0
+
+        self._ctx = zmq.Context()
+        self._router = self._socket(zmq.ROUTER)
+        try:
+            port = self._router.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            self._router.close(linger=0)
+            self._ctx.term()
+            raise
+        self.endpoint = f"tcp://{host}:{port}"
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        self._wake_pending = False  # a byte is in the pipe: the loop will run commands
+        self._wake_lock = threading.Lock()
+        self._closed = False
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._waiters: dict[int, Future[Message | None]] = {}
+        self._waiters_lock = threading.Lock()
+
+        # I/O-thread state.
+        self._generation = 0
+        self._dealers: dict[str, tuple[str, zmq.Socket]] = {}
+        self._sock_peer: dict[zmq.Socket, str | None] = {}  # DEALER -> neighbour (None: snapshot)
+        self._snap_socks: dict[int, zmq.Socket] = {}
+        self._outstanding: dict[int, _Outstanding] = {}
+        self._delayed: list[tuple[float, int, zmq.Socket, bytes | None, list[Any], int]] = []
+        self._seq = itertools.count()
+        self._seen: OrderedDict[tuple[str, int], OrderedDict[int, bool]] = OrderedDict()
+        self._poller = zmq.Poller()
+        self._thread = threading.Thread(target=self._run, name=f"gossip-io-{peer_id}", daemon=True)
+        self._thread.start()
+
+    # -- trainer side ------------------------------------------------------------------
+    def post(self, *command: Any) -> None:
+        """Hand a command to the I/O thread and wake it."""
+        self._commands.put(command)
+        if self._wake_pending:
+            return  # os.write releases the GIL: skip it when the loop is already woken
+        self._wake_pending = True
+        with self._wake_lock:  # close() may be closing the pipe (and its fd be reused)
+            if not self._closed:
+                with contextlib.suppress(BlockingIOError):  # a full pipe wakes the loop too
+                    os.write(self._wake_w, b"\0")
+
+    def request(self, rid: int, endpoint: str, frames: list[Any]) -> Future[Message | None]:
+        """Send a SNAP on a fresh DEALER; the future gets the reply (None: an error reply)."""
+        fut: Future[Message | None] = Future()
+        with self._waiters_lock:
+            self._waiters[rid] = fut
+        self.post("snap", rid, endpoint, frames)
+        return fut
+
+    def forget(self, rid: int) -> None:
+        with self._waiters_lock:
+            self._waiters.pop(rid, None)
+        self.post("snap_done", rid)
+
+    def close(self) -> None:
+        self.post("stop")
+        self._thread.join(timeout=10)
+        if self._thread.is_alive():  # never seen; destroying closes the sockets under it
+            logger.error("gossip peer %s: I/O thread did not stop", self.peer_id)
+            self._ctx.destroy(linger=0)
+        else:
+            self._ctx.term()
+        with self._wake_lock:
+            self._closed = True
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        with self._waiters_lock:
+            waiters, self._waiters = self._waiters, {}
+        for fut in waiters.values():
+            if not fut.done():
+                fut.set_result(None)
+
+    # -- the loop ----------------------------------------------------------------------
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.copy_threshold = ZERO_COPY_THRESHOLD  # pyzmq copies below this; see frames.py
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        return sock
+
+    def _run(self) -> None:
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while True:
+                try:
+                    ready = dict(self._poller.poll(self._poll_ms()))
+                    if self._wake_r in ready:
+                        with contextlib.suppress(BlockingIOError):
+                            while os.read(self._wake_r, 4096):
+                                pass
+                        # After draining, before running the commands: a post() that saw
+                        # the flag still set has queued its command already.
+                        self._wake_pending = False
+                    if not self._run_commands():
+                        return
+                    for sock in ready:
+                        if sock is self._router:
+                            self._receive(sock, self._on_request)
+                        elif isinstance(sock, zmq.Socket) and not sock.closed:
+                            self._receive(sock, self._on_reply)
+                    self._on_timers(time.monotonic())
+                except Exception:  # keep the peer alive whatever one message did
+                    logger.exception("gossip peer %s: error in the I/O loop", self.peer_id)
+                    time.sleep(0.01)
+        finally:
+            for sock in [self._router, *self._sock_peer]:
+                sock.close(linger=0)
+
+    def _poll_ms(self) -> int:
+        now = time.monotonic()
+        due = now + _MAX_POLL_S
+        if self._delayed:
+            due = min(due, self._delayed[0][0])
+        for out in self._outstanding.values():
+            due = min(due, out.deadline)
+        return max(0, math.ceil((due - now) * 1000))
+
+    def _run_commands(self) -> bool:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            kind = cmd[0]
+            if kind == "stop":
+                return False
+            try:
+                if kind == "mass":
+                    self._send_mass(*cmd[1:])
+                elif kind == "reply":
+                    _, identity, frames, info = cmd
+                    self._send(self._router, identity, frames, SNAPSHOT, info)
+                elif kind == "members":
+                    self._set_members(cmd[1], cmd[2])
+                elif kind == "numel":
+                    self._numel = cmd[1]
+                elif kind == "snap":
+                    self._start_snapshot(cmd[1], cmd[2], cmd[3])
+                elif kind == "snap_done":
+                    sock = self._snap_socks.pop(cmd[1], None)
+                    if sock is not None:
+                        self._close(sock)
+            except Exception:
+                logger.exception("gossip peer %s: command %r failed", self.peer_id, kind)
+
+    def _receive(self, sock: zmq.Socket, handler: Callable[[zmq.Socket, list[Any]], None]) -> None:
+        for _ in range(_RECV_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.bytes_down += frames_nbytes(frames)
+            try:
+                handler(sock, frames)
+            except Exception:
+                self.rejected["internal"] += 1
+                logger.exception("gossip peer %s: error handling a message", self.peer_id)
+            if sock.closed:  # a handler may close a snapshot socket
+                return
+
+    # -- sending -----------------------------------------------------------------------
+    def _send(
+        self,
+        sock: zmq.Socket,
+        identity: bytes | None,
+        frames: list[Any],
+        op: str,
+        info: dict[str, Any],
+        raw_extra: int = 0,
+    ) -> None:
+        decision = None
+        if self._fault is not None:
+            try:
+                decision = self._fault(op, dict(info))
+            except Exception:
+                logger.exception("gossip peer %s: fault hook failed", self.peer_id)
+        if decision == "drop":
+            self.fault_dropped += 1
+            return
+        if decision and decision.startswith("delay:"):
+            due = time.monotonic() + float(decision.split(":", 1)[1])
+            heapq.heappush(self._delayed, (due, next(self._seq), sock, identity, frames, raw_extra))
+            return
+        self._send_now(sock, identity, frames, raw_extra)
+
+    def _send_now(
+        self, sock: zmq.Socket, identity: bytes | None, frames: list[Any], raw_extra: int
+    ) -> None:
+        if sock.closed:
+            return
+        try:
+            sock.send_multipart(
+                [identity, *frames] if identity else frames, zmq.NOBLOCK, copy=False
+            )
+        except zmq.ZMQError as e:
+            self.send_failures += 1
+            logger.warning("gossip peer %s: send failed: %s", self.peer_id, e)
+            return
+        n = frames_nbytes(frames)
+        self.bytes_up += n
+        self.raw_bytes_up += n + raw_extra
+
+    def _message(self, op: str, meta: dict[str, Any]) -> list[Any]:
+        return encode(Message(op=op, experiment=self.experiment, sender=self.peer_id, meta=meta))
+
+    def _send_mass(
+        self, peer: str, hid: int, frames: list[Any], raw_extra: int, info: dict[str, Any]
+    ) -> None:
+        entry = self._dealers.get(peer)
+        if entry is None:  # left the membership between send() and here: take the mass back
+            self.settled.put((hid, True))
+            return
+        self._outstanding[hid] = _Outstanding(peer, time.monotonic() + self._ack_timeout)
+        self._send(entry[1], None, frames, MASS, info, raw_extra)
+
+    def _on_timers(self, now: float) -> None:
+        while self._delayed and self._delayed[0][0] <= now:
+            _, _, sock, identity, frames, raw_extra = heapq.heappop(self._delayed)
+            self._send_now(sock, identity, frames, raw_extra)
+        for hid, out in self._outstanding.items():
+            if out.deadline > now:
+                continue
+            out.deadline = now + self._ack_timeout
+            entry = self._dealers.get(out.peer)
+            if entry is not None:
+                frames = self._message(CANCEL, {"id": hid, "inc": self.incarnation})
+                self._send(entry[1], None, frames, CANCEL, {"peer": out.peer, "id": hid})
+
+    # -- membership and snapshots --------------------------------------------------------
+    def _close(self, sock: zmq.Socket) -> None:
+        with contextlib.suppress(KeyError, zmq.ZMQError):
+            self._poller.unregister(sock)
+        self._sock_peer.pop(sock, None)
+        sock.close(linger=0)
+
+    def _connect(self, endpoint: str, peer: str | None) -> zmq.Socket:
+        sock = self._socket(zmq.DEALER)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        self._poller.register(sock, zmq.POLLIN)
+        self._sock_peer[sock] = peer
+        return sock
+
+    def _set_members(self, peers: dict[str, str], generation: int) -> None:
+        for pid, (endpoint, sock) in list(self._dealers.items()):
+            if peers.get(pid) != endpoint:
+                del self._dealers[pid]
+                self._close(sock)
+                # The trainer folds these holds back itself; replies to them are now stale.
+                for hid in [h for h, o in self._outstanding.items() if o.peer == pid]:
+                    del self._outstanding[hid]
+        for pid, endpoint in peers.items():
+            if pid not in self._dealers:
+                try:
+                    self._dealers[pid] = (endpoint, self._connect(endpoint, pid))
+                except zmq.ZMQError as e:
+                    logger.error(
+                        "gossip peer %s: cannot connect to %s at %r: %s",
+                        self.peer_id,
+                        pid,
+                        endpoint,
+                        e,
+                    )
+        self._generation = generation
+
+    def _start_snapshot(self, rid: int, endpoint: str, frames: list[Any]) -> None:
+        with self._waiters_lock:
+            if rid not in self._waiters:  # the requester gave up already
+                return
+        try:
+            sock = self._connect(endpoint, None)
+        except zmq.ZMQError as e:
+            logger.warning(
+                "gossip peer %s: bad snapshot endpoint %r: %s", self.peer_id, endpoint, e
+            )
+            self._resolve(rid, None)
+            return
+        self._snap_socks[rid] = sock
+        self._send(sock, None, frames, SNAP, {"endpoint": endpoint, "rid": rid})
+
+    def _resolve(self, rid: int, msg: Message | None) -> None:
+        with self._waiters_lock:
+            fut = self._waiters.get(rid)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+        sock = self._snap_socks.pop(rid, None)
+        if sock is not None:
+            self._close(sock)
+
+    # -- receiving: requests on the ROUTER -----------------------------------------------
+    def _reply(self, identity: bytes, op: str, meta: dict[str, Any], to: str) -> None:
+        self._send(self._router, identity, self._message(op, meta), op, {"peer": to, **meta})
+
+    def _refuse(self, identity: bytes, msg: Message | None, reason: str, text: str) -> None:
+        """Count and log a refused request; NACK a MASS with an id, else an ERROR reply."""
+        self.rejected[reason] += 1
+        sender = msg.sender if msg is not None else "?"
+        logger.warning(
+            "gossip peer %s: refused %s from %r: %s",
+            self.peer_id,
+            msg.op if msg is not None else "a message",
+            sender,
+            text,
+        )
+        meta = msg.meta if msg is not None else {}
+        hid = _int(meta, "id")
+        if msg is not None and msg.op == MASS and hid is not None:
+            self._reply(identity, NACK, {"id": hid, "error": text}, sender)
+            return
+        err: dict[str, Any] = {"error": text, "code": reason}
+        rid = _int(meta, "rid")
+        if rid is not None:
+            err["rid"] = rid
+        self._reply(identity, ERROR, err, sender)
+
+    def _on_request(self, _sock: zmq.Socket, frames: Sequence[Any]) -> None:
+        if len(frames) < 2 or len(frames[0].buffer) == 0:
+            self.rejected["unroutable"] += 1
+            return
+        identity = frames[0].bytes
+        try:
+            msg = decode(frames[1:], self.limits)
+        except ProtocolError as e:
+            self._refuse(identity, None, "malformed", str(e))
+            return
+        if msg.experiment != self.experiment:
+            self._refuse(
+                identity,
+                msg,
+                "experiment",
+                f"experiment {msg.experiment!r} is not {self.experiment!r}",
+            )
+        elif msg.op == MASS:
+            self._on_mass(identity, msg)
+        elif msg.op == CANCEL:
+            self._on_cancel(identity, msg)
+        elif msg.op == SNAP:
+            rid = _int(msg.meta, "rid")
+            if rid is None:
+                self._refuse(identity, msg, "malformed", "SNAP without an int 'rid'")
+            else:
+                self.snap_requests.put((identity, rid, msg.sender))
+        else:
+            self._refuse(identity, msg, "unknown_op", f"unknown op {msg.op!r}")
+
+    def _outcomes(self, sender: str, inc: int) -> OrderedDict[int, bool]:
+        key = (sender, inc)
+        seen = self._seen.get(key)
+        if seen is None:
+            seen = self._seen[key] = OrderedDict()
+            while len(self._seen) > _SEEN_SENDERS:
+                self._seen.popitem(last=False)
+        else:
+            self._seen.move_to_end(key)
+        return seen
+
+    def _remember(self, seen: OrderedDict[int, bool], hid: int, applied: bool) -> None:
+        seen[hid] = applied
+        while len(seen) > _SEEN_PER_SENDER:
+            seen.popitem(last=False)
+
+    def _on_mass(self, identity: bytes, msg: Message) -> None:
+        m = msg.meta
+        hid, inc, gen, step = _int(m, "id"), _int(m, "inc"), _int(m, "gen"), _int(m, "step")
+        weight, spec, pmeta = _number(m, "weight"), m.get("codec"), m.get("payload")
+        if hid is None or inc is None or gen is None or step is None or weight is None:
+            self._refuse(identity, msg, "malformed", "MASS needs int id/inc/gen/step, weight")
+            return
+        seen = self._outcomes(msg.sender, inc)
+        if hid in seen:  # a duplicate: answer as the first time
+            self.duplicates += 1
+            self._reply(identity, ACK if seen[hid] else NACK, {"id": hid}, msg.sender)
+            return
+        reason, text = "", ""
+        if gen != self._generation:
+            reason, text = "generation", f"generation {gen}, this peer is at {self._generation}"
+        elif self._numel is None:
+            reason, text = "not_ready", "this peer does not know its parameter size yet"
+        elif spec != self._codec.spec:
+            reason, text = "codec", f"codec {spec!r}, this peer uses {self._codec.spec!r}"
+        elif not (math.isfinite(weight) and weight > 0):
+            reason, text = "weight", f"weight {weight!r} is not finite and positive"
+        elif not isinstance(pmeta, dict):
+            reason, text = "malformed", "MASS payload meta must be a map"
+        if reason:
+            self._remember(seen, hid, False)
+            self._refuse(identity, msg, reason, text)
+            return
+        assert self._numel is not None and isinstance(pmeta, dict)
+        try:
+            d = self._codec.decode(Payload(msg.tensors, pmeta), (self._numel,), torch.float32)
+        except ProtocolError as e:
+            bad = "NaN" in str(e) or "beyond the fp32 range" in str(e)
+            self._remember(seen, hid, False)
+            self._refuse(identity, msg, "nonfinite" if bad else "payload", str(e))
+            return
+        self._remember(seen, hid, True)
+        assert weight is not None
+        self.inbox.put(Incoming(msg.sender, gen, step, weight, d))
+        self._reply(identity, ACK, {"id": hid}, msg.sender)
+
+    def _on_cancel(self, identity: bytes, msg: Message) -> None:
+        hid, inc = _int(msg.meta, "id"), _int(msg.meta, "inc")
+        if hid is None or inc is None:
+            self._refuse(identity, msg, "malformed", "CANCEL needs int id and inc")
+            return
+        seen = self._outcomes(msg.sender, inc)
+        if hid in seen:
+            self._reply(identity, ACK if seen[hid] else NACK, {"id": hid}, msg.sender)
+        else:  # never arrived: a late copy will be NACKed
+            self._remember(seen, hid, False)
+            self._reply(identity, CANCELLED, {"id": hid}, msg.sender)
+
+    # -- receiving: replies on the DEALERs -------------------------------------------------
+    def _on_reply(self, sock: zmq.Socket, frames: Sequence[Any]) -> None:
+        peer = self._sock_peer.get(sock)
+        try:
+            msg = decode(frames, self.limits)
+        except ProtocolError as e:
+            self.rejected["bad_reply"] += 1
+            logger.warning("gossip peer %s: malformed reply from %r: %s", self.peer_id, peer, e)
+            return
+        if msg.experiment != self.experiment:
+            self.rejected["bad_reply"] += 1
+            return
+        if msg.op in (ACK, NACK, CANCELLED):
+            hid = _int(msg.meta, "id")
+            out = self._outstanding.get(hid) if hid is not None else None
+            if out is None or out.peer != peer:
+                return  # a duplicate reply, or about a hold already folded back
+            assert hid is not None
+            del self._outstanding[hid]
+            if msg.op == NACK:
+                logger.info(
+                    "gossip peer %s: %s NACKed mass %d: %s",
+                    self.peer_id,
+                    peer,
+                    hid,
+                    msg.meta.get("error", ""),
+                )
+            self.settled.put((hid, msg.op != ACK))
+        elif msg.op in (SNAPSHOT, ERROR) and _int(msg.meta, "rid") is not None:
+            if msg.op == ERROR:
+                logger.warning(
+                    "gossip peer %s: %r answered an error: %s",
+                    self.peer_id,
+                    peer,
+                    msg.meta.get("error"),
+                )
+            self._resolve(msg.meta["rid"], msg if msg.op == SNAPSHOT else None)
+        else:
+            if msg.op == ERROR:
+                logger.warning(
+                    "gossip peer %s: %r answered an error: %s",
+                    self.peer_id,
+                    peer,
+                    msg.meta.get("error"),
+                )
+            self.rejected["bad_reply"] += 1

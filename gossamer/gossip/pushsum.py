@@ -1,0 +1,436 @@
+"""The push-sum peer of gossip mode (Stochastic Gradient Push): exact mass accounting over ZMQ.
+
+SGP (Assran et al. 2019, https://arxiv.org/abs/1811.10792) runs push-sum averaging next to
+local SGD. Each peer keeps the de-biased parameters ``z`` and a weight ``w``; its mass is the
+numerator ``x = w*z`` and ``w``. Sending hands a share of both to one neighbour; mixing adds
+what arrived. Because every transfer either lands at the receiver or comes back to the
+sender, ``sum(w_i z_i)`` and ``sum(w_i)`` are conserved exactly, whatever the network drops,
+delays or duplicates:
+
+* the sender keeps a *hold* (the message's numerator ``d`` and weight) until the receiver
+  answers ``ACK`` (applied) or ``NACK``/``CANCELLED`` (not applied: the hold is restored);
+  an unanswered hold sends ``CANCEL`` every `ack_timeout_s` until one of those comes back;
+* the receiver remembers each (sender, id) outcome, so a duplicate or a MASS arriving after
+  its CANCEL is answered as the first time and never applied twice;
+* a lossy codec loses nothing either: the sender sends ``d = decode(encode(share*w*z))`` and
+  keeps ``w*z - d``, so the compression error stays with it (error feedback for free).
+
+Membership generations keep the weights exact across joins and leaves: on a new generation
+a peer resets ``w`` to 1 (``z`` unchanged), refuses mass from other generations (NACK), and
+folds mass of an older generation that still reaches it (a late ACKed message, a restored
+hold, a hold to a removed peer) into ``z`` without adding its weight. Once every member is
+in generation g and the holds have settled, ``sum(w_i)`` equals the number of members.
+
+Threads: every method runs on the trainer's thread except `request_snapshot`, which may be
+called from any thread. A background I/O thread (`gossamer.gossip._io`) owns the sockets
+and never touches ``z``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import queue
+import time
+import zlib
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import torch
+
+from gossamer.errors import ConfigError
+from gossamer.gossip._io import MASS, SNAP, SNAPSHOT, Fault, PeerIO
+from gossamer.gossip.value_codec import parse_value_codec
+from gossamer.transport.frames import FrameLimits, Message, encode
+
+__all__ = ["MixStats", "PushSumPeer", "Snapshot"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MixStats:
+    """What one `PushSumPeer.mix` folded in, and running totals."""
+
+    received: int  # incoming messages folded by this call
+    restored: int  # holds folded back by this call (NACKed, cancelled, peer removed)
+    bytes_in: int  # totals so far, on the wire
+    bytes_out: int
+    pending: int  # holds still unsettled
+    rejected: int  # incoming messages refused so far (all reasons)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A neighbour's de-biased parameters, push-sum weight and progress."""
+
+    z: torch.Tensor
+    weight: float
+    step: int
+    done: bool
+
+
+@dataclass
+class _Hold:
+    peer: str
+    generation: int  # -1: folded back without weight whatever the current generation
+    d: torch.Tensor
+    weight: float
+
+
+def _limits_for(numel: int | None) -> FrameLimits:
+    default = FrameLimits()
+    if numel is None or 4 * numel + (1 << 20) <= default.max_message_bytes:
+        return default
+    return FrameLimits(max_message_bytes=4 * numel + (1 << 20))
+
+
+class PushSumPeer:
+    """One gossip participant: sends and receives push-sum mass, serves snapshots.
+
+    Args:
+        experiment: messages of other experiments are refused.
+        peer_id: this peer's name in the membership (the ``sender`` of its messages).
+        host: interface the ROUTER binds (on a random port; see `endpoint`).
+        codec: none | fp16 | bf16 | int8 | qsgd:L (`parse_value_codec`).
+        share: the fraction of its mass a peer sends per `send` (1/2 in SGP).
+        ack_timeout_s: how long a hold waits for an answer before each CANCEL.
+        limits: frame limits for everything received (default: `FrameLimits()`, its
+            message size raised to fit a fp32 `numel` when that is given).
+        fault: test hook, see `gossamer.gossip._io.Fault`.
+        numel: the size of z, if known before the first `send`/`mix`/`serve` (until then
+            incoming mass is NACKed and comes back to its sender).
+
+    Raises:
+        ConfigError: bad `codec`, `share` or `ack_timeout_s`.
+    """
+
+    def __init__(
+        self,
+        *,
+        experiment: str,
+        peer_id: str,
+        host: str = "127.0.0.1",
+        codec: str = "none",
+        share: float = 0.5,
+        ack_timeout_s: float = 2.0,
+        limits: FrameLimits | None = None,
+        fault: Fault | None = None,
+        numel: int | None = None,
+    ) -> None:
+        if not 0.0 < share < 1.0:
+            raise ConfigError("share", f"must be in (0, 1), got {share!r}")
+        if not (math.isfinite(ack_timeout_s) and ack_timeout_s > 0):
+            raise ConfigError("ack_timeout_s", f"must be positive, got {ack_timeout_s!r}")
+        self.experiment = experiment
+        self.peer_id = peer_id
+        self.share = share
+        # Seeded per peer so QSGD's draws neither touch nor follow torch's global generator.
+        self._codec = parse_value_codec(codec, seed=zlib.crc32(peer_id.encode()))
+        self._numel = numel
+        self._io = PeerIO(
+            experiment=experiment,
+            peer_id=peer_id,
+            host=host,
+            codec=parse_value_codec(codec),  # its own instance: codecs are not thread-safe
+            ack_timeout_s=ack_timeout_s,
+            limits=limits or _limits_for(numel),
+            fault=fault,
+            numel=numel,
+        )
+        self.endpoint = self._io.endpoint
+        self.weight = 1.0
+        self.generation = 0
+        self._peers: dict[str, str] = {}
+        self._holds: dict[int, _Hold] = {}
+        self._returned: list[_Hold] = []
+        self._ids = itertools.count()
+        self._rids = itertools.count()
+        self._closed = False
+
+    # -- counters ----------------------------------------------------------------------
+    @property
+    def bytes_up(self) -> int:
+        return self._io.bytes_up
+
+    @property
+    def bytes_down(self) -> int:
+        return self._io.bytes_down
+
+    @property
+    def raw_bytes_up(self) -> int:
+        """What `bytes_up` would be with every MASS numerator sent as fp32."""
+        return self._io.raw_bytes_up
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Incoming messages refused so far, by reason ("generation", "nonfinite", ...)."""
+        return dict(self._io.rejected)
+
+    @property
+    def duplicates(self) -> int:
+        """MASS copies answered from an earlier decision (retransmits, or late after CANCEL)."""
+        return self._io.duplicates
+
+    @property
+    def peers(self) -> dict[str, str]:
+        return dict(self._peers)
+
+    # -- membership --------------------------------------------------------------------
+    def set_membership(self, peers: dict[str, str], generation: int) -> None:
+        """Adopt the current members other than this peer (peer_id -> endpoint).
+
+        A higher `generation` resets the weight to 1. Holds to a peer that is gone (or
+        whose endpoint changed: a new process) are folded back at the next `mix`, without
+        their weight.
+
+        Raises:
+            ValueError: `generation` is lower than the current one.
+        """
+        if generation < self.generation:
+            raise ValueError(f"generation {generation} is older than {self.generation}")
+        peers = {pid: ep for pid, ep in peers.items() if pid != self.peer_id}
+        removed = {pid for pid, ep in self._peers.items() if peers.get(pid) != ep}
+        self._settle()
+        for hid, hold in list(self._holds.items()):
+            if hold.peer in removed:
+                del self._holds[hid]
+                hold.generation = -1
+                self._returned.append(hold)
+        self._peers = peers
+        if generation > self.generation:
+            self.generation = generation
+            self.weight = 1.0
+        self._io.post("members", dict(peers), generation)
+
+    # -- the push-sum step -------------------------------------------------------------
+    def send(self, z: torch.Tensor, to: str, step: int) -> None:
+        """Send `share` of this peer's mass to neighbour `to`, keeping the rest in (z, w).
+
+        Updates `z` in place and `weight`; the message goes out on the I/O thread.
+
+        Raises:
+            ValueError: `to` is not a current member, or `z` is not a flat float32 tensor
+                of the known size, or holds NaN/Inf.
+        """
+        self._check_open()
+        self._check_z(z)
+        if to not in self._peers:
+            raise ValueError(f"{to!r} is not a current member")
+        w = self.weight
+        w_s = self.share * w
+        with torch.no_grad():
+            payload = self._codec.encode(z.detach() * w_s)
+            d = self._codec.decode(payload, (z.numel(),), torch.float32)
+            hid = next(self._ids)
+            meta = {
+                "id": hid,
+                "inc": self._io.incarnation,
+                "gen": self.generation,
+                "step": step,
+                "weight": w_s,
+                "codec": self._codec.spec,
+                "payload": payload.meta,
+            }
+            frames = encode(
+                Message(
+                    op=MASS,
+                    experiment=self.experiment,
+                    sender=self.peer_id,
+                    version=step,
+                    meta=meta,
+                    tensors=payload.tensors,
+                )
+            )
+            self._holds[hid] = _Hold(to, self.generation, d, w_s)
+            self.weight = w - w_s
+            z.mul_(w).sub_(d.to(z.device)).div_(self.weight)
+        raw_extra = 4 * z.numel() - payload.nbytes
+        info = {"peer": to, "id": hid, "step": step, "gen": self.generation}
+        self._io.post("mass", to, hid, frames, raw_extra, info)
+
+    def mix(self, z: torch.Tensor) -> MixStats:
+        """Fold every accepted incoming message and every returned hold into (z, weight).
+
+        Current-generation mass adds its weight: ``z <- (w*z + sum d)/(w + sum w_d)``,
+        ``w <- w + sum w_d``; older-generation mass is folded into z the same way but
+        leaves w unchanged.
+        """
+        self._check_open()
+        self._check_z(z)
+        self._settle()
+        total: torch.Tensor | None = None
+        w_all = w_current = 0.0
+        received = restored = 0
+        items: list[tuple[torch.Tensor, float, int]] = []
+        while True:
+            try:
+                inc = self._io.inbox.get_nowait()
+            except queue.Empty:
+                break
+            items.append((inc.d, inc.weight, inc.generation))
+            received += 1
+        for hold in self._returned:
+            items.append((hold.d, hold.weight, hold.generation))
+            restored += 1
+        self._returned = []
+        for d, weight, generation in items:
+            total = d.clone() if total is None else total.add_(d)
+            w_all += weight
+            if generation == self.generation:
+                w_current += weight
+        if total is not None:
+            with torch.no_grad():
+                z.mul_(self.weight).add_(total.to(z.device)).div_(self.weight + w_all)
+            self.weight += w_current
+        return MixStats(
+            received=received,
+            restored=restored,
+            bytes_in=self._io.bytes_down,
+            bytes_out=self._io.bytes_up,
+            pending=len(self._holds),
+            rejected=sum(dict(self._io.rejected).values()),  # a copy: the I/O thread adds
+        )
+
+    def pending(self, peer: str | None = None) -> int:
+        """Holds still waiting for their answer (ACK, NACK or CANCELLED), to `peer` or all.
+
+        Each hold keeps a model-sized tensor, so a trainer should pick another neighbour
+        than one with several pending (a dead peer answers nothing until it is removed).
+        """
+        self._settle()
+        if peer is None:
+            return len(self._holds)
+        return sum(1 for h in self._holds.values() if h.peer == peer)
+
+    def wait_settled(self, timeout: float) -> bool:
+        """Block until every hold is settled (the mass itself returns at the next `mix`)."""
+        deadline = time.monotonic() + timeout
+        self._settle()
+        while self._holds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                hid, restore = self._io.settled.get(timeout=left)
+            except queue.Empty:
+                return False
+            self._settle_one(hid, restore)
+            self._settle()
+        return True
+
+    def _settle(self) -> None:
+        while True:
+            try:
+                hid, restore = self._io.settled.get_nowait()
+            except queue.Empty:
+                return
+            self._settle_one(hid, restore)
+
+    def _settle_one(self, hid: int, restore: bool) -> None:
+        hold = self._holds.pop(hid, None)
+        if hold is not None and restore:
+            self._returned.append(hold)
+
+    # -- snapshots ---------------------------------------------------------------------
+    def serve(self, z: torch.Tensor, step: int, done: bool = False) -> None:
+        """Answer the snapshot requests received since the last call with (z, weight, step)."""
+        if self._closed or self._io.snap_requests.empty():
+            return
+        snap = z.detach().to("cpu", torch.float32).reshape(-1).clone()
+        while True:
+            try:
+                identity, rid, requester = self._io.snap_requests.get_nowait()
+            except queue.Empty:
+                return
+            meta = {
+                "rid": rid,
+                "weight": self.weight,
+                "step": step,
+                "done": done,
+                "gen": self.generation,
+            }
+            frames = encode(
+                Message(
+                    op=SNAPSHOT,
+                    experiment=self.experiment,
+                    sender=self.peer_id,
+                    version=step,
+                    meta=meta,
+                    tensors={"z": snap},
+                )
+            )
+            self._io.post("reply", identity, frames, {"peer": requester, "rid": rid})
+
+    def request_snapshot(self, peer: str, timeout: float) -> Snapshot | None:
+        """Ask `peer` (a member's id, or a ``tcp://`` endpoint) for its current state.
+
+        Returns:
+            The snapshot, or None on timeout, an error reply, an invalid reply, or a peer
+            that is not a member.
+        """
+        endpoint = self._peers.get(peer) or (peer if "://" in peer else None)
+        if endpoint is None or self._closed:
+            return None
+        rid = next(self._rids)
+        frames = encode(
+            Message(op=SNAP, experiment=self.experiment, sender=self.peer_id, meta={"rid": rid})
+        )
+        fut = self._io.request(rid, endpoint, frames)
+        try:
+            msg = fut.result(timeout=timeout)
+        except FutureTimeout:
+            msg = None
+        finally:
+            self._io.forget(rid)
+        return None if msg is None else self._snapshot(peer, msg)
+
+    def _snapshot(self, peer: str, msg: Message) -> Snapshot | None:
+        z = msg.tensors.get("z")
+        weight, step, done = msg.meta.get("weight"), msg.meta.get("step"), msg.meta.get("done")
+        if z is None or z.dtype != torch.float32 or z.dim() != 1:
+            problem = "no flat float32 tensor 'z'"
+        elif self._numel is not None and z.numel() != self._numel:
+            problem = f"{z.numel()} values, expected {self._numel}"
+        elif not bool(torch.isfinite(z).all()):
+            problem = "non-finite values"
+        elif (
+            isinstance(weight, bool)
+            or not isinstance(weight, int | float)
+            or not (math.isfinite(weight) and weight > 0)
+        ):
+            problem = f"bad weight {weight!r}"
+        elif isinstance(step, bool) or not isinstance(step, int) or not isinstance(done, bool):
+            problem = "bad step or done"
+        else:
+            return Snapshot(z=z, weight=float(weight), step=step, done=done)
+        logger.warning("gossip peer %s: invalid snapshot from %r: %s", self.peer_id, peer, problem)
+        return None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the I/O thread and close the sockets; unsettled holds are abandoned."""
+        if self._closed:
+            return
+        self._closed = True
+        self._io.close()
+
+    def __enter__(self) -> PushSumPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"gossip peer {self.peer_id} is closed")
+
+    def _check_z(self, z: torch.Tensor) -> None:
+        if not isinstance(z, torch.Tensor) or z.dtype != torch.float32 or z.dim() != 1:
+            raise ValueError("z must be a flat float32 tensor")
+        if self._numel is None:
+            self._numel = z.numel()
+            self._io.post("numel", self._numel)
+        elif z.numel() != self._numel:
+            raise ValueError(f"z has {z.numel()} values, this peer gossips {self._numel}")

@@ -1,0 +1,31 @@
+"""Which compression codecs gossip can use: those that send parameter values, not differences."""
+
+from __future__ import annotations
+
+from gossamer.compression import Codec, parse_codec
+from gossamer.errors import ConfigError
+
+__all__ = ["GOSSIP_CODECS", "parse_value_codec"]
+
+#: Codec families push-sum accepts (qsgd takes its level count, "qsgd:L").
+GOSSIP_CODECS = ("none", "fp16", "bf16", "int8", "qsgd")
+_NEED_REFERENCE = ("topk", "sign", "powersgd", "adaptive")
+
+
+def parse_value_codec(spec: str, *, seed: int | None = None, field: str = "compression") -> Codec:
+    """The codec for push-sum messages, refusing codecs that only make sense on gradients.
+
+    Raises:
+        ConfigError: `spec` is not a value codec (or not a codec at all).
+    """
+    name = spec.strip().partition(":")[0] if isinstance(spec, str) else ""
+    if name in _NEED_REFERENCE:
+        raise ConfigError(
+            field,
+            f"{spec!r} cannot be used in gossip mode: gossip exchanges parameters, not "
+            "gradients, and sparse/sign/low-rank codecs would drop most of each value; they "
+            "need a shared reference copy of the neighbour's parameters to send differences "
+            "against (CHOCO-SGD), which push-sum does not keep. Use none, fp16, bf16, int8 "
+            "or qsgd:L",
+        )
+    return parse_codec(spec, seed=seed, field=field)

@@ -577,13 +577,19 @@ class Coordinator:
             values = dict(p.values)
             rows.append((p.time_unix, p.step, p.source, values))
             merged = exp.latest.setdefault(p.source, {})
-            await self._note_discards(exp, p.source, merged, values)
-            merged.update(values)
+            if p.time_unix < merged.get("time_unix", 0.0):
+                # A point that arrives late (a role's flush overtook its reporter thread) never
+                # replaces a newer value of the same source.
+                for k, v in values.items():
+                    merged.setdefault(k, v)
+            else:
+                await self._note_discards(exp, p.source, merged, values)
+                merged.update(values)
+                merged["time_unix"] = p.time_unix
             shard = p.source.rpartition("/ps")[2]
             if shard.isdigit():
                 key = shard
                 exp.shard_versions[key] = max(exp.shard_versions.get(key, 0), int(p.step))
-            merged["time_unix"] = p.time_unix
             if exp.active:
                 exp.steps = max(exp.steps, p.step)
         if rows:

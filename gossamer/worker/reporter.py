@@ -29,6 +29,8 @@ class Reporter:
         self._exps = pb_grpc.ExperimentServiceStub(self._channel)
         self._ckpt = pb_grpc.CheckpointServiceStub(self._channel)
         self._points: queue.Queue[pb.MetricPoint] = queue.Queue()
+        self._pending: list[pb.MetricPoint] = []
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self.running = True  # False once the coordinator says the experiment is over
         self._thread = threading.Thread(target=self._loop, name="gossamer-reporter", daemon=True)
@@ -39,27 +41,32 @@ class Reporter:
             self._points.put(pb.MetricPoint(time_unix=time.time(), step=step, values=values, source=self.source))
 
     def _loop(self) -> None:
-        pending: list[pb.MetricPoint] = []
         warned = False
         while not self._stop.is_set():
             self._stop.wait(self.interval_s)
-            pending.extend(self._drain())
-            if not pending:
-                continue
             try:
-                resp = self._exps.ReportMetrics(
-                    pb.ReportMetricsRequest(experiment_id=self.experiment_id, points=pending[-_MAX_BUFFERED:]),
-                    timeout=5.0,
-                )
-                pending = []
-                self.running = resp.running
+                self._send_pending()
                 warned = False
             except grpc.RpcError as e:
                 if not warned:
                     log.warning("metrics not delivered (%s); buffering and retrying", e.code())
                     warned = True
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    pending = []  # refused for good (e.g. unknown experiment): drop
+                    with self._lock:
+                        self._pending = []  # refused for good (e.g. unknown experiment): drop
+
+    def _send_pending(self) -> None:
+        """Send every queued point, oldest first; one sender at a time, so points never overtake."""
+        with self._lock:
+            self._pending.extend(self._drain())
+            if not self._pending:
+                return
+            resp = self._exps.ReportMetrics(
+                pb.ReportMetricsRequest(experiment_id=self.experiment_id, points=self._pending[-_MAX_BUFFERED:]),
+                timeout=5.0,
+            )
+            self._pending = []
+            self.running = resp.running
 
     def _drain(self) -> list[pb.MetricPoint]:
         out = []
@@ -70,14 +77,11 @@ class Reporter:
                 return out
 
     def flush(self, timeout: float = 10.0) -> None:
-        """Send everything queued now (best effort, bounded by `timeout`)."""
-        points = self._drain()
+        """Send everything queued now, the reporter thread's batch in flight included (bounded by `timeout`)."""
         deadline = time.monotonic() + timeout
-        while points and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             try:
-                self._exps.ReportMetrics(
-                    pb.ReportMetricsRequest(experiment_id=self.experiment_id, points=points), timeout=5.0
-                )
+                self._send_pending()
                 return
             except grpc.RpcError:
                 time.sleep(0.5)

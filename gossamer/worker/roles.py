@@ -208,7 +208,7 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
 
     from gossamer.experiment import Experiment
     from gossamer.worker.reporter import Reporter
-    from gossamer.worker.trainer import RankContext, Trainer
+    from gossamer.worker.trainer import RankContext, RankTrainer, Trainer
 
     rank, world = spec["local_rank"], spec["nproc"]
     cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
@@ -254,19 +254,26 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
                 latest = conn.recv()
             return latest
 
-        base: type[Trainer] = Trainer
+        base: type[RankTrainer] = Trainer
+        kwargs: dict[str, Any] = {}
         if ctx.experiment.mode == "diloco":
             from gossamer.worker.diloco import DilocoTrainer
 
             base = DilocoTrainer
+        elif ctx.experiment.mode == "gossip":
+            from gossamer.worker.gossip import GossipTrainer
+
+            base, kwargs = GossipTrainer, {"host": spec.get("address") or "127.0.0.1"}
 
         class _Trainer(base):  # type: ignore[valid-type,misc]
             def saved(self, step: int, path: str, kind: str) -> None:
                 reporter.checkpoint(step, path, kind)
 
-        trainer = _Trainer(ctx, on_metrics=reporter.metric, updates=updates, should_stop=stop.is_set)
-        if rank == 0:
-            reporter.role(spec["node_id"], pb.ROLE_WORKER, index, pb.ROLE_STATE_SERVING)
+        trainer = _Trainer(ctx, on_metrics=reporter.metric, updates=updates, should_stop=stop.is_set, **kwargs)
+        trainer.flush_metrics = reporter.flush
+        if rank == 0:  # a gossip worker's endpoint reaches its peers through the coordinator
+            reporter.role(spec["node_id"], pb.ROLE_WORKER, index, pb.ROLE_STATE_SERVING,
+                          endpoint=getattr(trainer, "endpoint", ""))
         trainer.run()
         reporter.flush()
         if rank == 0 and trainer.final_path:

@@ -145,6 +145,7 @@ class RankTrainer:
         self.exp = ctx.experiment
         self.model, self.train_set, self.eval_set = build(self.exp, ctx.device)
         self.on_metrics = on_metrics or (lambda step, values: None)
+        self.flush_metrics: Callable[[], None] = lambda: None  # the role process sets the reporter's flush
         self.updates = updates or (lambda: None)
         self.should_stop = should_stop or (lambda: False)
         self.flat = flatten_params(self.model).to(ctx.device)

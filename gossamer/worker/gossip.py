@@ -1,0 +1,207 @@
+"""Gossip mode's local rank: local steps, push-sum mixing with one peer per step, no servers; the lead averages at the end."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gossamer.gossip import PushSumPeer, Snapshot, out_peer
+from gossamer.worker.diloco import inner_optimizer
+from gossamer.worker.trainer import Hook, RankContext, RankTrainer
+
+log = logging.getLogger(__name__)
+
+
+def consensus_distance(zs: list[torch.Tensor], weights: list[float]) -> tuple[torch.Tensor, float]:
+    """(push-sum average sum(w_i z_i) / sum(w_i), mean squared distance of the z_i to it)."""
+    total = sum(weights)
+    avg = sum((w * z for w, z in zip(weights, zs, strict=True)), torch.zeros_like(zs[0])) / total
+    return avg, float(sum(float((z - avg).pow(2).sum()) for z in zs) / len(zs))
+
+
+class GossipTrainer(RankTrainer):
+    """One local rank of a gossip worker (Stochastic Gradient Push, arXiv:1811.10792).
+
+    Every step: fold in the mass received since the last step (push-sum numerator and
+    weight; the model holds the de-biased parameters), take a local optimizer step on this
+    node's gradient (all-reduced inside the node), then send a share of the parameters to
+    one peer of the time-varying graph (`topology`). The send leaves in the background
+    while the next step computes; with `overlap` off the step waits until the peer has
+    acknowledged it. Local rank 0 talks to the other nodes and broadcasts inside the node.
+
+    `total_steps` counts each worker's steps (as in sync mode). A late joiner starts from
+    the parameters and step of the most advanced peer. At every `eval_every` steps and at
+    the end the lead gathers every peer's parameters, reports the consensus distance, and
+    evaluates (and finally saves) their push-sum average.
+    """
+
+    def __init__(self, ctx: RankContext, *, on_metrics: Hook | None = None,
+                 updates: Callable[[], dict[str, Any] | None] | None = None,
+                 should_stop: Callable[[], bool] | None = None, host: str = "127.0.0.1") -> None:
+        super().__init__(ctx, on_metrics=on_metrics, updates=updates, should_stop=should_stop)
+        self.opt = inner_optimizer(self.exp, self.model.parameters())
+        self.me = str(ctx.worker_index)
+        self.peer: PushSumPeer | None = None
+        if ctx.local_rank == 0:
+            self.peer = PushSumPeer(experiment=ctx.experiment_id, peer_id=self.me, host=host,
+                                    codec=self.exp.compression, numel=self.flat.numel())
+        self.endpoint = self.peer.endpoint if self.peer is not None else ""
+        self.members: dict[str, str] = {}
+        self.consensus = float("nan")
+        self.copied_from = ""
+
+    # --- membership ----------------------------------------------------------------------
+    def _apply_updates(self) -> dict[str, Any] | None:
+        upd = super()._apply_updates()
+        if upd is not None and self.peer is not None and "peers" in upd:
+            self.members = {str(k): v for k, v in upd["peers"].items() if str(k) != self.me}
+            self.peer.set_membership(dict(self.members), self.ctx.generation)
+        return upd
+
+    def _target(self) -> str | None:
+        ranks = sorted([self.me, *self.members], key=int)
+        if len(ranks) < 2:
+            return None
+        j = out_peer(self.exp.topology, ranks.index(self.me), len(ranks), self.clock, self.exp.seed)
+        return None if j is None else ranks[j]
+
+    def _node_sync(self) -> None:
+        """Local rank 0 mixed: every local rank takes its parameters (and step)."""
+        if self.ctx.local_world > 1:
+            dist.broadcast(self.flat, src=0)
+            clock = torch.tensor([float(self.clock)])
+            dist.broadcast(clock, src=0)
+            self.clock = int(clock.item())
+        self._params_changed()
+
+    def _join(self) -> None:
+        """Start from the most advanced peer's parameters (a late joiner copies a neighbour)."""
+        if self.peer is not None and self.members:
+            best: tuple[str, Snapshot] | None = None
+            for pid in sorted(self.members, key=int):
+                snap = self.peer.request_snapshot(pid, timeout=5.0)
+                if snap is not None and (best is None or snap.step > best[1].step):
+                    best = (pid, snap)
+            if best is not None and best[1].step > 0:
+                self.flat.copy_(best[1].z)
+                self.clock = best[1].step
+                self.copied_from = best[0]
+                self.on_metrics(self.clock, {"joined_at_step": float(self.clock)})
+                log.info("worker %s joins at step %d with the parameters of worker %s", self.me, self.clock, best[0])
+        self._node_sync()
+
+    # --- run -----------------------------------------------------------------------------
+    def run(self) -> None:
+        t0 = t_report = time.monotonic()
+        samples0 = 0
+        self._apply_updates()
+        self._join()
+        self._last_eval = self.clock // self.exp.eval_every if self.exp.eval_every else 0
+        while self.clock < self.exp.total_steps and not self.should_stop():
+            self._apply_updates()
+            if self.peer is not None:
+                self.peer.mix(self.flat)
+                self.peer.serve(self.flat, self.clock)
+            self._node_sync()
+            _, node_samples, _ = self._local_grad({"worker": self.ctx.worker_index, "rank": self.ctx.local_rank})
+            self.opt.step()
+            self._count(node_samples)
+            to = self._target()
+            if self.peer is not None and to is not None:
+                self.peer.send(self.flat, to, self.clock)
+                if not self.exp.overlap:
+                    self._wait_settled()
+            now = time.monotonic()
+            if now - t_report >= 1.0 or self.clock >= self.exp.total_steps:
+                self._report((self.stats.samples - samples0) / max(1e-9, now - t_report))
+                t_report, samples0 = now, self.stats.samples
+            every = self.exp.eval_every
+            if every and self.clock // every > self._last_eval and self.clock < self.exp.total_steps:
+                self._last_eval = self.clock // every
+                if self.ctx.lead and self.peer is not None:
+                    self._eval_average(self.clock)
+        self._finish_or_serve()
+        log.info("worker %s rank %d finished after %d steps (%.1f s)", self.me, self.ctx.local_rank,
+                 self.stats.steps, time.monotonic() - t0)
+
+    def _wait_settled(self) -> None:
+        assert self.peer is not None
+        while not self.peer.wait_settled(0.1):
+            self.peer.serve(self.flat, self.clock)
+            self._apply_updates()  # a peer that left: its hold is folded back
+            if self.should_stop():
+                return
+
+    def _gather(self, *, wait_done: bool, timeout: float = 600.0) -> tuple[list[torch.Tensor], list[float]]:
+        """Every current member's (z, weight), this node's included; with `wait_done`, once each has finished."""
+        assert self.peer is not None
+        got: dict[str, Snapshot] = {}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.should_stop():
+            self._apply_updates()
+            self.peer.mix(self.flat)
+            self.peer.serve(self.flat, self.clock, done=wait_done)
+            for pid in list(self.members):
+                if pid in got and (got[pid].done or not wait_done):
+                    continue
+                snap = self.peer.request_snapshot(pid, timeout=2.0)
+                if snap is not None:
+                    got[pid] = snap
+            got = {p: s for p, s in got.items() if p in self.members}  # left meanwhile: not counted
+            if all(p in got and (got[p].done or not wait_done) for p in self.members):
+                break
+            time.sleep(0.2)
+        zs = [self.flat.clone(), *(s.z for s in got.values())]
+        return zs, [self.peer.weight, *(s.weight for s in got.values())]
+
+    def _eval_average(self, step: int) -> None:
+        zs, ws = self._gather(wait_done=False, timeout=30.0)
+        avg, self.consensus = consensus_distance(zs, ws)
+        mine = self.flat.clone()
+        self.flat.copy_(avg)
+        self._params_changed()
+        self.on_metrics(step, {"consensus_distance": self.consensus, "gossip_peers": float(len(zs))})
+        self._evaluate(step)
+        self.flat.copy_(mine)
+        self._params_changed()
+
+    def _finish_or_serve(self) -> None:
+        """Lead: wait for every peer to finish, average, evaluate and save. Others: keep serving."""
+        if self.peer is None:
+            return  # local ranks > 0: rank 0 answers for the node
+        if not self.ctx.lead:
+            self.flush_metrics()  # this node's totals are in before the lead can complete
+        while not self.should_stop():
+            self._apply_updates()
+            if self.ctx.lead:
+                zs, ws = self._gather(wait_done=True)
+                avg, self.consensus = consensus_distance(zs, ws)
+                self.on_metrics(self.clock, {"consensus_distance": self.consensus, "gossip_peers": float(len(zs))})
+                self.flat.copy_(avg)
+                self._params_changed()
+                self._report(0.0)
+                self._finish_at(self.clock, {"consensus_distance": self.consensus})
+                break
+            self.peer.mix(self.flat)  # mass still arriving is kept: it is part of the average
+            self.peer.serve(self.flat, self.clock, done=True)
+            time.sleep(0.05)
+        self.peer.close()
+
+    def _report(self, rate: float) -> None:
+        assert self.peer is not None or self.ctx.local_rank != 0
+        values: dict[str, float] = {}
+        if self.peer is not None:
+            values = {
+                "bytes_up": float(self.peer.bytes_up), "bytes_down": float(self.peer.bytes_down),
+                "raw_bytes_up": float(self.peer.raw_bytes_up), "gossip_weight": self.peer.weight,
+                "gossip_pending": float(self.peer.pending()),
+            }
+            values.update({f"discarded_{k}": float(v) for k, v in self.peer.rejected.items()})
+            values.update(loss=self.stats.loss, samples=float(self.stats.samples), samples_per_s=rate,
+                          updates=float(self.stats.steps))
+        self.on_metrics(self.clock, values)

@@ -1,0 +1,71 @@
+"""Gossip mode through real processes: four workers, no parameter servers, push-sum on the exponential graph."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gossamer import Client, Experiment, load_checkpoint
+from gossamer.local_cluster import LocalCluster
+from gossamer.worker.gossip import consensus_distance
+from gossamer.worker.trainer import build, evaluate
+from tests.chaos._wait import wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_consensus_distance_of_identical_models_is_zero_and_average_is_weighted() -> None:
+    z = torch.arange(4.0)
+    avg, d = consensus_distance([z, z.clone()], [0.5, 1.5])
+    assert torch.equal(avg, z) and d == 0.0
+    avg, d = consensus_distance([torch.zeros(2), torch.ones(2)], [1.0, 3.0])
+    assert torch.allclose(avg, torch.full((2,), 0.75))
+    assert d == pytest.approx((2 * 0.75**2 + 2 * 0.25**2) / 2)
+
+
+def test_gossip_four_workers_reach_95_percent_on_digits(tmp_path: Path) -> None:
+    spec = {
+        "name": "gossip", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
+        "mode": "gossip", "lr": 0.05, "momentum": 0.9, "min_workers": 4, "max_workers": 4,
+        "total_steps": 500, "eval_every": 250,
+    }
+    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+        client = Client(cluster.start_coordinator(port=0))
+        for i in range(4):
+            cluster.add_node(f"w{i}")
+        wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 4, 90, "nodes")
+        job = client.submit(spec)
+        result = job.wait(timeout=240)
+        history = job.metrics()
+        roles = job.status()["roles"]
+    assert result.status == "completed", result
+    assert not any(r["role"] == "parameter_server" for r in roles), roles
+    print({k: result.metrics.get(k) for k in ("eval_accuracy", "consensus_distance", "bytes_up", "samples")})
+    assert result.metrics["eval_accuracy"] >= 0.95, result.metrics
+    # Every worker's totals are in before completion. A worker that starts late (process
+    # start-up differs by seconds) begins at the step and parameters of the most advanced peer.
+    last_step: dict[str, int] = {}
+    for p in history:
+        if "updates" in p:
+            last_step[p["source"]] = max(last_step.get(p["source"], 0), p["step"])
+    assert sorted(last_step.values()) == [500] * 4, last_step
+    assert result.metrics["samples"] == 32 * result.metrics["updates"]
+    # About one full model per worker step (a half share, compressed "none" = fp32), plus the
+    # snapshots the lead gathers.
+    model_bytes = 4 * sum(p.numel() for p in build(Experiment.from_dict(spec), torch.device("cpu"))[0].parameters())
+    steps = result.metrics["updates"]
+    # (a worker alone, before it hears of its peers, sends nothing)
+    assert 0.9 * steps * model_bytes <= result.metrics["bytes_up"] <= (steps + 20) * model_bytes * 1.1, result.metrics
+    # The lead reported the consensus distance at the mid-run evaluation and at the end.
+    distances = [p for p in history if "consensus_distance" in p]
+    assert [p["step"] for p in distances] == [250, 500], distances
+    assert all(0 <= p["consensus_distance"] < 1 for p in distances), distances
+    assert all(p["gossip_peers"] == 4 for p in distances), distances
+    # The checkpoint is the push-sum average the lead evaluated.
+    exp = Experiment.from_dict(spec)
+    model, _, evalset = build(exp, torch.device("cpu"))
+    model.load_state_dict(load_checkpoint(result.checkpoint))
+    acc, _ = evaluate(model, evalset, torch.device("cpu"))
+    assert acc == pytest.approx(result.metrics["eval_accuracy"])

@@ -42,9 +42,18 @@ class GossipTrainer(RankTrainer):
 
     def __init__(self, ctx: RankContext, *, on_metrics: Hook | None = None,
                  updates: Callable[[], dict[str, Any] | None] | None = None,
-                 should_stop: Callable[[], bool] | None = None, host: str = "127.0.0.1") -> None:
+                 should_stop: Callable[[], bool] | None = None, host: str = "127.0.0.1",
+                 peers: dict[int, str] | None = None) -> None:
         super().__init__(ctx, on_metrics=on_metrics, updates=updates, should_stop=should_stop)
         self.opt = inner_optimizer(self.exp, self.model.parameters())
+        self.outer: torch.optim.Optimizer | None = None
+        self.theta0: torch.Tensor | None = None
+        self.rounds = 0
+        self.skipped_sends = 0
+        if self.exp.mode == "diloco":  # decentralized: outer_step == "gossip"
+            self.theta0 = self.flat.detach().clone().requires_grad_(True)
+            self.outer = torch.optim.SGD([self.theta0], lr=self.exp.outer_lr, momentum=self.exp.outer_momentum,
+                                         nesterov=self.exp.outer_momentum > 0)
         self.me = str(ctx.worker_index)
         self.peer: PushSumPeer | None = None
         if ctx.local_rank == 0:
@@ -52,6 +61,9 @@ class GossipTrainer(RankTrainer):
                                     codec=self.exp.compression, numel=self.flat.numel())
         self.endpoint = self.peer.endpoint if self.peer is not None else ""
         self.members: dict[str, str] = {}
+        if self.peer is not None and peers:  # the members the assignment named at start
+            self.members = {str(k): v for k, v in peers.items() if str(k) != self.me}
+            self.peer.set_membership(dict(self.members), ctx.generation)
         self.consensus = float("nan")
         self.copied_from = ""
 
@@ -94,6 +106,9 @@ class GossipTrainer(RankTrainer):
                 self.on_metrics(self.clock, {"joined_at_step": float(self.clock)})
                 log.info("worker %s joins at step %d with the parameters of worker %s", self.me, self.clock, best[0])
         self._node_sync()
+        if self.theta0 is not None:
+            with torch.no_grad():
+                self.theta0.copy_(self.flat)
 
     # --- run -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -105,17 +120,16 @@ class GossipTrainer(RankTrainer):
         while self.clock < self.exp.total_steps and not self.should_stop():
             self._apply_updates()
             if self.peer is not None:
-                self.peer.mix(self.flat)
+                if self.outer is None:  # decentralized DiLoCo mixes once per round, in _outer_step
+                    self.peer.mix(self.flat)
                 self.peer.serve(self.flat, self.clock)
-            self._node_sync()
+            if self.outer is None:
+                self._node_sync()
             _, node_samples, _ = self._local_grad({"worker": self.ctx.worker_index, "rank": self.ctx.local_rank})
             self.opt.step()
             self._count(node_samples)
-            to = self._target()
-            if self.peer is not None and to is not None:
-                self.peer.send(self.flat, to, self.clock)
-                if not self.exp.overlap:
-                    self._wait_settled()
+            if self.outer is None or self.clock % self.exp.inner_steps == 0 or self.clock >= self.exp.total_steps:
+                self._exchange()
             now = time.monotonic()
             if now - t_report >= 1.0 or self.clock >= self.exp.total_steps:
                 self._report((self.stats.samples - samples0) / max(1e-9, now - t_report))
@@ -129,9 +143,41 @@ class GossipTrainer(RankTrainer):
         log.info("worker %s rank %d finished after %d steps (%.1f s)", self.me, self.ctx.local_rank,
                  self.stats.steps, time.monotonic() - t0)
 
-    def _wait_settled(self) -> None:
+    def _exchange(self) -> None:
+        """Send a share of the parameters to this round's peer (decentralized DiLoCo: after
+        the outer step, once per round of `inner_steps`)."""
+        if self.outer is not None:
+            self._outer_step()
+        to = self._target()
+        if self.peer is None or to is None:
+            return
+        if self.peer.pending(to) >= 2:
+            # That neighbour answers nothing (dead, not yet removed): every hold keeps a
+            # model-sized copy, so the mass stays here this round.
+            self.skipped_sends += 1
+            return
+        self.peer.send(self.flat, to, self.clock)
+        if not self.exp.overlap:
+            self._wait_settled(limit_s=1.0)
+
+    def _outer_step(self) -> None:
+        """Decentralized DiLoCo: mix in the neighbours' parameters, then the outer Nesterov
+        step on the pseudo-gradient theta_0 - mixed(theta_H), from this node's theta_0."""
+        assert self.outer is not None and self.theta0 is not None
+        if self.peer is not None:
+            self.peer.mix(self.flat)
+        self._node_sync()
+        self.theta0.grad = self.theta0.detach() - self.flat
+        self.outer.step()
+        self.flat.copy_(self.theta0.detach())
+        self._params_changed()
+        self.rounds += 1
+
+    def _wait_settled(self, limit_s: float) -> None:
+        """Wait for the peer's answer, at most `limit_s`: a silent peer delays one step, not the run."""
         assert self.peer is not None
-        while not self.peer.wait_settled(0.1):
+        deadline = time.monotonic() + limit_s
+        while not self.peer.wait_settled(0.05) and time.monotonic() < deadline:
             self.peer.serve(self.flat, self.clock)
             self._apply_updates()  # a peer that left: its hold is folded back
             if self.should_stop():
@@ -199,8 +245,10 @@ class GossipTrainer(RankTrainer):
             values = {
                 "bytes_up": float(self.peer.bytes_up), "bytes_down": float(self.peer.bytes_down),
                 "raw_bytes_up": float(self.peer.raw_bytes_up), "gossip_weight": self.peer.weight,
-                "gossip_pending": float(self.peer.pending()),
+                "gossip_pending": float(self.peer.pending()), "gossip_skipped_sends": float(self.skipped_sends),
             }
+            if self.outer is not None:
+                values["outer_rounds"] = float(self.rounds)
             values.update({f"discarded_{k}": float(v) for k, v in self.peer.rejected.items()})
             values.update(loss=self.stats.loss, samples=float(self.stats.samples), samples_per_s=rate,
                           updates=float(self.stats.steps))

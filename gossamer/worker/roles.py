@@ -256,14 +256,15 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
 
         base: type[RankTrainer] = Trainer
         kwargs: dict[str, Any] = {}
-        if ctx.experiment.mode == "diloco":
+        exp = ctx.experiment
+        if exp.mode == "diloco" and exp.outer_step != "gossip":
             from gossamer.worker.diloco import DilocoTrainer
 
             base = DilocoTrainer
-        elif ctx.experiment.mode == "gossip":
+        elif exp.mode in ("gossip", "diloco"):  # gossip, and DiLoCo averaged by gossip
             from gossamer.worker.gossip import GossipTrainer
 
-            base, kwargs = GossipTrainer, {"host": spec.get("address") or "127.0.0.1"}
+            base, kwargs = GossipTrainer, {"host": spec.get("address") or "127.0.0.1", "peers": spec.get("peers", {})}
 
         class _Trainer(base):  # type: ignore[valid-type,misc]
             def saved(self, step: int, path: str, kind: str) -> None:

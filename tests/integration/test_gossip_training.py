@@ -69,3 +69,25 @@ def test_gossip_four_workers_reach_95_percent_on_digits(tmp_path: Path) -> None:
     model.load_state_dict(load_checkpoint(result.checkpoint))
     acc, _ = evaluate(model, evalset, torch.device("cpu"))
     assert acc == pytest.approx(result.metrics["eval_accuracy"])
+
+
+def test_decentralized_diloco_averages_by_gossip_once_per_round(tmp_path: Path) -> None:
+    spec = {
+        "name": "diloco-gossip", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
+        "mode": "diloco", "outer_step": "gossip", "lr": 0.003, "outer_momentum": 0.6, "inner_steps": 20,
+        "min_workers": 4, "max_workers": 4, "total_steps": 400, "eval_every": 0,
+    }
+    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+        client = Client(cluster.start_coordinator(port=0))
+        for i in range(4):
+            cluster.add_node(f"w{i}")
+        wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 4, 90, "nodes")
+        result = client.submit(spec).wait(timeout=240)
+    assert result.status == "completed", result
+    print({k: result.metrics.get(k) for k in ("eval_accuracy", "consensus_distance", "bytes_up", "updates")})
+    assert result.metrics["eval_accuracy"] >= 0.95, result.metrics
+    # One int8 share (a quarter of fp32) per round of 20 steps, plus the final snapshots
+    # (fp32, one per peer): far below gossip's one fp32 model per step.
+    model_bytes = 4 * sum(p.numel() for p in build(Experiment.from_dict(spec), torch.device("cpu"))[0].parameters())
+    rounds = result.metrics["updates"] / 20
+    assert result.metrics["bytes_up"] <= (rounds / 4 * 1.3 + 4) * model_bytes, result.metrics

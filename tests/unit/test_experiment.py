@@ -104,3 +104,37 @@ def test_validator_accepts_or_names_a_field(fields: dict[str, object]) -> None:
         pytest.fail("a bad value escaped validation as TypeError")
     else:
         assert Experiment.from_json(exp.to_json()) == exp
+
+
+def test_mode_dependent_defaults_are_resolved_at_construction() -> None:
+    dl = Experiment(**BASE, mode="diloco")
+    assert (dl.optimizer, dl.compression) == ("adamw", "int8")
+    plain = Experiment(**BASE, mode="gossip")
+    assert (plain.optimizer, plain.compression) == ("sgd", "none")
+    assert Experiment.from_json(dl.to_json()) == dl  # resolved values travel, not "auto"
+
+
+@pytest.mark.parametrize("codec", ["topk:0.01", "sign", "powersgd:4", "adaptive"])
+def test_gossip_refuses_codecs_that_do_not_carry_values(codec: str) -> None:
+    with pytest.raises(ConfigError, match="gossip exchanges parameter values") as e:
+        Experiment(**BASE, mode="gossip", compression=codec)
+    assert e.value.field == "compression"
+    with pytest.raises(ConfigError, match="gossip exchanges"):
+        Experiment(**BASE, mode="diloco", outer_step="gossip", compression=codec)
+    Experiment(**BASE, mode="diloco", outer_step="sync", compression="topk:0.01")  # servers: any codec
+
+
+def test_outer_step_and_overlap_are_checked() -> None:
+    with pytest.raises(ConfigError, match="outer step"):
+        Experiment(**BASE, mode="diloco", outer_step="sometimes")
+    Experiment(**BASE, mode="gossip", overlap=True)
+    with pytest.raises(ConfigError) as e:
+        Experiment(**BASE, mode="sync", overlap=True)
+    assert e.value.field == "overlap"
+
+
+def test_every_example_file_is_a_valid_experiment() -> None:
+    files = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+    assert len(files) >= 4
+    for f in files:
+        Experiment.from_toml(f)

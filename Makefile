@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint proto bench clean
+.PHONY: demo test lint proto bench bench-wan clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/recovery.py
+
+# Needs root (network namespaces, tc): four emulated hosts on 100 Mbit/s and 1 Gbit/s links.
+bench-wan: $(STAMP)
+	$(BIN)/python bench/wan.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -126,7 +126,8 @@ class PeerIO:
 
         self.inbox: queue.SimpleQueue[Incoming] = queue.SimpleQueue()
         self.settled: queue.Queue[tuple[int, bool]] = queue.Queue()  # (hold id, restore?)
-        self.snap_requests: queue.SimpleQueue[tuple[bytes, int, str]] = queue.SimpleQueue()
+        # (identity, rid, requester, light: step and done only, no parameters)
+        self.snap_requests: queue.SimpleQueue[tuple[bytes, int, str, bool]] = queue.SimpleQueue()
         self.bytes_up = 0
         self.bytes_down = 0
         self.raw_bytes_up = 0
@@ -156,6 +157,7 @@ class PeerIO:
 
         # I/O-thread state.
         self._generation = 0
+        self._refusing = False  # finished: incoming mass goes back to its sender
         self._dealers: dict[str, tuple[str, zmq.Socket]] = {}
         self._sock_peer: dict[zmq.Socket, str | None] = {}  # DEALER -> neighbour (None: snapshot)
         self._snap_socks: dict[int, zmq.Socket] = {}
@@ -277,6 +279,8 @@ class PeerIO:
                     self._set_members(cmd[1], cmd[2])
                 elif kind == "numel":
                     self._numel = cmd[1]
+                elif kind == "refuse_mass":
+                    self._refusing = True
                 elif kind == "snap":
                     self._start_snapshot(cmd[1], cmd[2], cmd[3])
                 elif kind == "snap_done":
@@ -485,7 +489,7 @@ class PeerIO:
             if rid is None:
                 self._refuse(identity, msg, "malformed", "SNAP without an int 'rid'")
             else:
-                self.snap_requests.put((identity, rid, msg.sender))
+                self.snap_requests.put((identity, rid, msg.sender, msg.meta.get("light") is True))
         else:
             self._refuse(identity, msg, "unknown_op", f"unknown op {msg.op!r}")
 
@@ -518,7 +522,9 @@ class PeerIO:
             self._reply(identity, ACK if seen[hid] else NACK, {"id": hid}, msg.sender)
             return
         reason, text = "", ""
-        if gen != self._generation:
+        if self._refusing:
+            reason, text = "finished", "this peer has finished training and takes no more mass"
+        elif gen != self._generation:
             reason, text = "generation", f"generation {gen}, this peer is at {self._generation}"
         elif self._numel is None:
             reason, text = "not_ready", "this peer does not know its parameter size yet"

@@ -177,6 +177,16 @@ class PushSumPeer:
     def peers(self) -> dict[str, str]:
         return dict(self._peers)
 
+    def refuse_mass(self) -> None:
+        """From now on NACK every incoming MASS: the mass stays with its sender.
+
+        A peer that has finished training no longer sends; if it kept accepting, a peer still
+        training would hand it half its weight every step and get nothing back, its weight
+        shrinking geometrically until z = x / w underflows.
+        """
+        self._check_open()
+        self._io.post("refuse_mass")
+
     # -- membership --------------------------------------------------------------------
     def set_membership(self, peers: dict[str, str], generation: int) -> None:
         """Adopt the current members other than this peer (peer_id -> endpoint).
@@ -341,7 +351,7 @@ class PushSumPeer:
         snap = z.detach().to("cpu", torch.float32).reshape(-1).clone()
         while True:
             try:
-                identity, rid, requester = self._io.snap_requests.get_nowait()
+                identity, rid, requester, light = self._io.snap_requests.get_nowait()
             except queue.Empty:
                 return
             meta = {
@@ -358,13 +368,16 @@ class PushSumPeer:
                     sender=self.peer_id,
                     version=step,
                     meta=meta,
-                    tensors={"z": snap},
+                    tensors={} if light else {"z": snap},
                 )
             )
             self._io.post("reply", identity, frames, {"peer": requester, "rid": rid})
 
-    def request_snapshot(self, peer: str, timeout: float) -> Snapshot | None:
+    def request_snapshot(self, peer: str, timeout: float, *, light: bool = False) -> Snapshot | None:
         """Ask `peer` (a member's id, or a ``tcp://`` endpoint) for its current state.
+
+        `light`: only its weight, step and done flag (the snapshot's `z` is empty), for
+        polling whether a peer has finished without moving a model each time.
 
         Returns:
             The snapshot, or None on timeout, an error reply, an invalid reply, or a peer
@@ -375,7 +388,7 @@ class PushSumPeer:
             return None
         rid = next(self._rids)
         frames = encode(
-            Message(op=SNAP, experiment=self.experiment, sender=self.peer_id, meta={"rid": rid})
+            Message(op=SNAP, experiment=self.experiment, sender=self.peer_id, meta={"rid": rid, "light": light})
         )
         fut = self._io.request(rid, endpoint, frames)
         try:
@@ -384,14 +397,14 @@ class PushSumPeer:
             msg = None
         finally:
             self._io.forget(rid)
-        return None if msg is None else self._snapshot(peer, msg)
+        return None if msg is None else self._snapshot(peer, msg, light)
 
-    def _snapshot(self, peer: str, msg: Message) -> Snapshot | None:
-        z = msg.tensors.get("z")
+    def _snapshot(self, peer: str, msg: Message, light: bool = False) -> Snapshot | None:
+        z = torch.empty(0) if light and not msg.tensors else msg.tensors.get("z")
         weight, step, done = msg.meta.get("weight"), msg.meta.get("step"), msg.meta.get("done")
         if z is None or z.dtype != torch.float32 or z.dim() != 1:
             problem = "no flat float32 tensor 'z'"
-        elif self._numel is not None and z.numel() != self._numel:
+        elif self._numel is not None and z.numel() != self._numel and not light:
             problem = f"{z.numel()} values, expected {self._numel}"
         elif not bool(torch.isfinite(z).all()):
             problem = "non-finite values"

@@ -16,6 +16,8 @@ from gossamer.worker.trainer import Hook, RankContext, RankTrainer
 
 log = logging.getLogger(__name__)
 
+_MIN_WEIGHT = 2.0**-10
+
 
 def consensus_distance(zs: list[torch.Tensor], weights: list[float]) -> tuple[torch.Tensor, float]:
     """(push-sum average sum(w_i z_i) / sum(w_i), mean squared distance of the z_i to it)."""
@@ -151,9 +153,11 @@ class GossipTrainer(RankTrainer):
         to = self._target()
         if self.peer is None or to is None:
             return
-        if self.peer.pending(to) >= 2:
+        if self.peer.pending(to) >= 2 or self.peer.weight < _MIN_WEIGHT:
             # That neighbour answers nothing (dead, not yet removed): every hold keeps a
-            # model-sized copy, so the mass stays here this round.
+            # model-sized copy, so the mass stays here this round. A weight this small means
+            # nothing has come in for many steps (the others finished or cannot reach this
+            # peer): halving it again would drive z = x / w towards 0 / 0.
             self.skipped_sends += 1
             return
         self.peer.send(self.flat, to, self.clock)
@@ -195,6 +199,10 @@ class GossipTrainer(RankTrainer):
             for pid in list(self.members):
                 if pid in got and (got[pid].done or not wait_done):
                     continue
+                if wait_done:  # poll cheaply; the parameters move once, when the peer is done
+                    status = self.peer.request_snapshot(pid, timeout=2.0, light=True)
+                    if status is None or not status.done:
+                        continue
                 snap = self.peer.request_snapshot(pid, timeout=2.0)
                 if snap is not None:
                     got[pid] = snap
@@ -220,6 +228,7 @@ class GossipTrainer(RankTrainer):
         """Lead: wait for every peer to finish, average, evaluate and save. Others: keep serving."""
         if self.peer is None:
             return  # local ranks > 0: rank 0 answers for the node
+        self.peer.refuse_mass()  # peers still training keep their mass (and their weight)
         if not self.ctx.lead:
             self.flush_metrics()  # this node's totals are in before the lead can complete
         while not self.should_stop():
@@ -249,7 +258,8 @@ class GossipTrainer(RankTrainer):
             }
             if self.outer is not None:
                 values["outer_rounds"] = float(self.rounds)
-            values.update({f"discarded_{k}": float(v) for k, v in self.peer.rejected.items()})
+            # Refused mass goes back to its sender (NACK): nothing is lost, so not "discarded_".
+            values.update({f"gossip_refused_{k}": float(v) for k, v in self.peer.rejected.items()})
             values.update(loss=self.stats.loss, samples=float(self.stats.samples), samples_per_s=rate,
                           updates=float(self.stats.steps))
         self.on_metrics(self.clock, values)

@@ -180,9 +180,9 @@ def test_a_leaving_peer_leaves_the_others_with_exact_weights(closing: list[PushS
     join(stay, 2)  # the coordinator's new generation, announced to each in turn
     leaver.close()
     zs = zs[:3]
-    for r in range(10, 30):
+    for r in range(10, 30):  # synchronous rounds: how fast messages land must not matter
         gossip_round(stay, zs, r)
-    settle(stay, zs)
+        settle(stay, zs)
     assert sum(p.weight for p in stay) == pytest.approx(3.0, abs=1e-9)
     assert all(p.generation == 2 and p.pending() == 0 for p in stay)
     assert consensus_distance(stay, zs) < 1e-6 * float(zs[0].double().pow(2).mean())
@@ -210,9 +210,9 @@ def test_holds_to_a_vanished_peer_come_back_when_it_is_removed(
     restored = sum(p.mix(z).restored for p, z in zip(stay, zs[:3], strict=True))
     assert restored > 0
     zs = zs[:3]
-    for r in range(10, 30):
+    for r in range(10, 30):  # synchronous rounds: how fast messages land must not matter
         gossip_round(stay, zs, r)
-    settle(stay, zs)
+        settle(stay, zs)
     assert sum(p.weight for p in stay) == pytest.approx(3.0, abs=1e-9)
     assert consensus_distance(stay, zs) < 1e-6 * float(zs[0].double().pow(2).mean())
 
@@ -335,3 +335,39 @@ def test_snapshot_round_trip_and_dead_endpoint_times_out(closing: list[PushSumPe
     assert b.request_snapshot(f"tcp://127.0.0.1:{port}", 0.5) is None
     assert time.monotonic() - t0 < 1.5
     assert b.request_snapshot("nobody", 0.5) is None
+
+
+def test_a_finished_peer_refuses_mass_so_a_peer_still_training_keeps_its_weight(
+    closing: list[PushSumPeer],
+) -> None:
+    peers = make_peers(2, numel=DIM)
+    closing.extend(peers)
+    join(peers, 1)
+    zs = initial_z(2, seed=7)
+    done, training = peers
+    done.refuse_mass()
+    before = zs[1].clone()
+    for r in range(40):  # without the refusal the weight would be 2**-40 by now
+        training.mix(zs[1])
+        training.send(zs[1], done.peer_id, step=r)
+        assert training.wait_settled(10.0)
+    training.mix(zs[1])
+    assert training.weight == pytest.approx(1.0, abs=1e-12)
+    assert_close(zs[1], before, atol=1e-6)
+    assert done.rejected.get("finished") == 40
+
+
+def test_a_light_snapshot_request_carries_no_parameters(closing: list[PushSumPeer]) -> None:
+    peers = make_peers(2, numel=DIM)
+    closing.extend(peers)
+    join(peers, 1)
+    asker, owner = peers
+    z = initial_z(1)[0]
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(asker.request_snapshot(owner.peer_id, 10.0, light=True)))
+    t.start()
+    while t.is_alive():
+        owner.serve(z, step=7, done=True)
+        time.sleep(0.01)
+    snap = got[0]
+    assert snap is not None and snap.z.numel() == 0 and (snap.step, snap.done) == (7, True)

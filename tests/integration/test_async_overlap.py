@@ -28,7 +28,10 @@ def test_single_worker_overlap_makes_every_update_exactly_one_step_stale() -> No
 
 
 def test_overlapped_async_digits_reaches_95_percent() -> None:
-    got = run_async(_exp(), workers=3)
+    # Three threads interleave their pushes differently on every run, which moves the result:
+    # at 1500 steps it measured 0.944-0.978 (one CI-blocking 0.944); at 2500, five runs gave
+    # 0.967-0.981. The bound stays 0.95; the run is long enough to clear it every time.
+    got = run_async(_exp(total_steps=2500), workers=3)
     assert got["accuracy"] >= 0.95
 
 

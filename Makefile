@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/gossamer demo
 
 test: $(STAMP) lint
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check gossamer tests bench

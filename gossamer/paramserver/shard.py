@@ -78,6 +78,7 @@ class ShardConfig:
     total_steps: int
     lr_staleness_scaling: bool = False
     staleness_in_rounds: bool = False  # diloco async: tau = versions since the basis / workers
+    expect_backup: bool = True  # False (ps_backup off): acks without a backup are not "unreplicated"
     worker_timeout_s: float = 30.0
     backup_timeout_s: float = 3.0
     checkpoint_every: int = 0
@@ -128,7 +129,7 @@ class ShardConfig:
                 mode="sync" if exp.outer_step == "sync" else "async", staleness=None,
                 optimizer=OptimizerConfig(name="sgd", lr=exp.outer_lr, momentum=momentum, nesterov=momentum > 0),
                 total_steps=-(-exp.total_steps // exp.inner_steps), lr_staleness_scaling=True,
-                staleness_in_rounds=True,
+                staleness_in_rounds=True, expect_backup=exp.ps_backup,
                 checkpoint_every=-(-exp.checkpoint_every // exp.inner_steps),
             )
         return cls(
@@ -136,7 +137,7 @@ class ShardConfig:
             optimizer=OptimizerConfig(name=exp.optimizer, lr=exp.lr, momentum=exp.momentum,
                                       nesterov=exp.nesterov, weight_decay=exp.weight_decay),
             total_steps=exp.total_steps, lr_staleness_scaling=exp.lr_staleness_scaling,
-            checkpoint_every=exp.checkpoint_every,
+            checkpoint_every=exp.checkpoint_every, expect_backup=exp.ps_backup,
         )
 
 
@@ -490,7 +491,7 @@ class ShardServer:
         if self._backup_sock is not None and self._version > self._acked:
             self._awaiting.append((self._version, time.monotonic(), reply))
         else:
-            if self.is_primary and self._backup_sock is None:
+            if self.is_primary and self._backup_sock is None and self.config.expect_backup:
                 self.unreplicated += 1
             reply()
 

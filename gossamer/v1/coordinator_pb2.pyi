@@ -753,6 +753,8 @@ class RoleBinding(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     ENDPOINT_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
+    STEP_RATE_FIELD_NUMBER: _builtins.int
+    STRAGGLER_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Node id."""
     node_name: _builtins.str
@@ -767,6 +769,12 @@ class RoleBinding(_message.Message):
     """Endpoint of a parameter server."""
     replica: _builtins.int
     """Parameter server: 0 = primary, 1 = backup."""
+    step_rate: _builtins.float
+    """Worker: steps per second over the last few seconds, measured by the coordinator
+    from the worker's reports (0 until two reports are in).
+    """
+    straggler: _builtins.bool
+    """Worker: slower than half the median step rate of the experiment's workers."""
     def __init__(
         self,
         *,
@@ -777,10 +785,12 @@ class RoleBinding(_message.Message):
         state: Global___RoleState.ValueType = ...,
         endpoint: _builtins.str = ...,
         replica: _builtins.int = ...,
+        step_rate: _builtins.float = ...,
+        straggler: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "index", b"index", "node_id", b"node_id", "node_name", b"node_name", "replica", b"replica", "role", b"role", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "index", b"index", "node_id", b"node_id", "node_name", b"node_name", "replica", b"replica", "role", b"role", "state", b"state", "step_rate", b"step_rate", "straggler", b"straggler"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

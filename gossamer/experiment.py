@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gossamer.errors import ConfigError
+from gossamer.lr_schedule import LR_SCHEDULES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -58,6 +59,8 @@ class Experiment:
     adaptive_target_share: float = 0.2
     optimizer: str = "auto"  # "auto": adamw for diloco's inner steps, sgd otherwise
     lr: float = 0.05
+    lr_schedule: str = "constant"  # constant | linear | cosine (decay to 0 at total_steps)
+    warmup_steps: int = 0
     momentum: float = 0.0
     nesterov: bool = False
     weight_decay: float = 0.0
@@ -129,12 +132,16 @@ class Experiment:
                   "inner_steps", "chunk_numel"):
             if not _positive_int(getattr(self, f)):
                 raise bad(f, f"must be an integer >= 1, got {getattr(self, f)!r}")
-        for f in ("eval_every", "checkpoint_every", "seed"):
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise bad("lr_schedule", f"unknown lr schedule {self.lr_schedule!r}; choose {', '.join(LR_SCHEDULES)}")
+        for f in ("eval_every", "checkpoint_every", "seed", "warmup_steps"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise bad(f, f"must be an integer >= 0, got {v!r}")
         if not isinstance(self.ps_backup, bool):
             raise bad("ps_backup", f"must be true or false, got {self.ps_backup!r}")
+        if self.warmup_steps >= self.total_steps:
+            raise bad("warmup_steps", f"must be < total_steps ({self.total_steps}), got {self.warmup_steps}")
         if self.max_workers < self.min_workers:
             raise bad("max_workers", f"must be >= min_workers ({self.min_workers})")
         if self.global_batch_size is not None:

@@ -27,6 +27,7 @@ from gossamer.checkpoint.sharded import ShardSnapshot, restore_range, verify_ste
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.errors import ConfigError, ProtocolError
 from gossamer.faults import die_at
+from gossamer.lr_schedule import LR_SCHEDULES, lr_multiplier
 from gossamer.paramserver.consistency import SSPGate
 from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer, set_lr_factor
 from gossamer.paramserver.shard_plan import ShardPlan
@@ -77,6 +78,8 @@ class ShardConfig:
     optimizer: OptimizerConfig
     total_steps: int
     lr_staleness_scaling: bool = False
+    lr_schedule: str = "constant"  # applied by the primary on top of the staleness factor
+    warmup_steps: int = 0
     staleness_in_rounds: bool = False  # diloco async: tau = versions since the basis / workers
     expect_backup: bool = True  # False (ps_backup off): acks without a backup are not "unreplicated"
     worker_timeout_s: float = 30.0
@@ -101,6 +104,8 @@ class ShardConfig:
             raise ConfigError("optimizer", "must be an OptimizerConfig")
         if not isinstance(self.total_steps, int) or self.total_steps < 0:
             raise ConfigError("total_steps", f"must be an int >= 0, got {self.total_steps!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError("lr_schedule", f"must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not self.worker_timeout_s > 0:
             raise ConfigError("worker_timeout_s", f"must be > 0, got {self.worker_timeout_s!r}")
         if not isinstance(self.limits, FrameLimits):
@@ -137,6 +142,7 @@ class ShardConfig:
             optimizer=OptimizerConfig(name=exp.optimizer, lr=exp.lr, momentum=exp.momentum,
                                       nesterov=exp.nesterov, weight_decay=exp.weight_decay),
             total_steps=exp.total_steps, lr_staleness_scaling=exp.lr_staleness_scaling,
+            lr_schedule=exp.lr_schedule, warmup_steps=exp.warmup_steps,
             checkpoint_every=exp.checkpoint_every, expect_backup=exp.ps_backup,
         )
 
@@ -1000,6 +1006,9 @@ class ShardServer:
                applied: list[tuple[str, int]] | None = None) -> None:
         for idx, p in self._params.items():
             p.grad = grads[idx]
+        if applied is not None:  # a primary schedules; its backup replays the factor it is sent
+            lr_factor *= lr_multiplier(self._version, self.config.total_steps, self.config.lr_schedule,
+                                       self.config.warmup_steps)
         set_lr_factor(self._optimizer, self.config.optimizer.lr, lr_factor)
         self._optimizer.step()
         for p in self._params.values():

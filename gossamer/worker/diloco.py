@@ -9,10 +9,16 @@ from typing import Any
 import torch
 
 from gossamer.faults import die_at
-from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer
+from gossamer.lr_schedule import lr_multiplier
+from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer, set_lr_factor
 from gossamer.worker.trainer import Hook, RankContext, Trainer, _Abandoned
 
 log = logging.getLogger(__name__)
+
+
+def schedule_lr(opt: torch.optim.Optimizer, exp: Any, step: int) -> None:
+    """The experiment's lr schedule on a worker's own optimizer, for its 0-based `step`."""
+    set_lr_factor(opt, exp.lr, lr_multiplier(step, exp.total_steps, exp.lr_schedule, exp.warmup_steps))
 
 
 def inner_optimizer(exp: Any, params: Any) -> torch.optim.Optimizer:
@@ -81,12 +87,13 @@ class DilocoTrainer(Trainer):
     def _inner_round(self) -> torch.Tensor:
         """H inner steps from the current (global) parameters; returns theta_0 - theta_H."""
         theta0 = self.flat.clone()
-        for _ in range(self.exp.inner_steps):
+        for i in range(self.exp.inner_steps):
             if self.should_stop():
                 self.flat.copy_(theta0)  # nothing of the round leaves this worker
                 self._params_changed()
                 raise _Abandoned
             _, node_samples, _ = self._local_grad(self.client.fault_ctx)
+            schedule_lr(self.inner, self.exp, self.progress + i)
             self.inner.step()
             if self.flat_grad is None:  # parameters are not views of `flat`: gather them
                 from gossamer.paramserver import flatten_params

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from gossamer.gossip import PushSumPeer, Snapshot, out_peer
-from gossamer.worker.diloco import inner_optimizer
+from gossamer.worker.diloco import inner_optimizer, schedule_lr
 from gossamer.worker.trainer import Hook, RankContext, RankTrainer
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,7 @@ class GossipTrainer(RankTrainer):
             if self.outer is None:
                 self._node_sync()
             _, node_samples, _ = self._local_grad({"worker": self.ctx.worker_index, "rank": self.ctx.local_rank})
+            schedule_lr(self.opt, self.exp, self.clock)
             self.opt.step()
             self._count(node_samples)
             if self.outer is None or self.clock % self.exp.inner_steps == 0 or self.clock >= self.exp.total_steps:

@@ -10,9 +10,10 @@ from typing import Any
 
 import grpc
 
-from gossamer.coordinator._status import from_rpc_error
-from gossamer.errors import GossamerError, UnavailableError
+from gossamer.errors import AuthError, GossamerError, UnavailableError
 from gossamer.experiment import Experiment
+from gossamer.security.channel import ChannelSecurity, explain_rpc_error, open_channel
+from gossamer.security.tls import TLSConfig
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -123,8 +124,9 @@ class Job:
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise TimeoutError(f"experiment {self.id} not finished within {timeout} s") from None
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise from_rpc_error(e, self._client.address) from None
+                err = self._client._error(e)
+                if not isinstance(err, UnavailableError):
+                    raise err from None
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"experiment {self.id} not finished within {timeout} s")
             time.sleep(1.0)  # coordinator restarting: keep following
@@ -144,21 +146,23 @@ class Client:
 
     Args:
         address: coordinator address.
-        token: join/API token sent as `authorization: Bearer` metadata.
-        tls: path to a CA bundle (PEM) to verify the coordinator, or True for system roots.
+        token: join/API token, sent as `authorization: Bearer` metadata on every call.
+        tls: how to verify the coordinator: a CA bundle path (PEM), True for the system's roots,
+            or a `TLSConfig` (CA, and a client certificate and key for mutual TLS).
         timeout: seconds per RPC.
+
+    Raises:
+        ConfigError: a certificate path does not exist or the token is malformed.
     """
 
-    def __init__(self, address: str, *, token: str | None = None, tls: str | bool | None = None,
+    def __init__(self, address: str, *, token: str | None = None, tls: str | bool | TLSConfig | None = None,
                  timeout: float = 30.0) -> None:
         self.address = address
         self.timeout = timeout
-        if tls:
-            root = open(tls, "rb").read() if isinstance(tls, str) else None
-            self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=root))
-        else:
-            self._channel = grpc.insecure_channel(address)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        tls_config = tls if isinstance(tls, TLSConfig) else TLSConfig(ca=tls) if isinstance(tls, str) \
+            else TLSConfig() if tls else None
+        self.security = ChannelSecurity(tls=tls_config, token=token) if tls_config or token else None
+        self._channel = open_channel(address, self.security)
         self._exp = pb_grpc.ExperimentServiceStub(self._channel)
         self._nodes = pb_grpc.NodeServiceStub(self._channel)
         self._ckpt = pb_grpc.CheckpointServiceStub(self._channel)
@@ -172,18 +176,44 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @classmethod
+    def secured(cls, address: str, security: ChannelSecurity | None, timeout: float = 30.0) -> Client:
+        """A client with the TLS settings and token of `security` (as the CLI flags build it)."""
+        if security is None:
+            return cls(address, timeout=timeout)
+        return cls(address, token=security.token, tls=security.tls, timeout=timeout)
+
+    def _error(self, err: grpc.RpcError) -> GossamerError:
+        return explain_rpc_error(err, self.address, self.security)
+
     def _call(self, method: Any, request: Any) -> Any:
         try:
-            return method(request, timeout=self.timeout, metadata=self._metadata)
+            return method(request, timeout=self.timeout)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.address) from None
+            raise self._error(e) from None
 
     def ping(self, timeout: float = 5.0) -> None:
-        """Raise UnavailableError unless the coordinator answers within `timeout`."""
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            raise UnavailableError(f"coordinator at {self.address} is unreachable") from None
+        """Wait up to `timeout` s for the coordinator to answer.
+
+        Raises:
+            AuthError: TLS settings do not match the coordinator's (retrying will not help).
+            UnavailableError: no answer in time.
+        """
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+                return
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return  # it answered (refusing is an answer too)
+                err = self._error(e)
+                if isinstance(err, AuthError) or time.monotonic() >= deadline:
+                    raise err from None
+            time.sleep(0.2)
 
     def submit(self, experiment: Experiment | dict[str, Any]) -> Job:
         """Queue an experiment. ConfigError (naming the field) when the coordinator refuses it."""

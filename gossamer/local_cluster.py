@@ -9,16 +9,29 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gossamer.errors import UnavailableError
 
+if TYPE_CHECKING:
+    from gossamer.client import Client
+    from gossamer.security.channel import ChannelSecurity
+
 
 class LocalCluster:
-    """Starts real processes; `close()` (or the context manager) stops every one it started, by PID."""
+    """Starts real processes; `close()` (or the context manager) stops every one it started, by PID.
+
+    Security (docs/security.md): `secure=DIR` runs the coordinator with `--secure DIR` (mutual
+    TLS and a token, created in DIR if missing) and every node with `--secure DIR/client`.
+    `coordinator_args` and `node_args` add any other flags (e.g. `--tls-cert ... --token-file ...`);
+    `client_args` are the flags a CLI client then needs, and `client()` a matching `Client`.
+    """
 
     def __init__(self, state_dir: str | os.PathLike[str] | None = None, *, heartbeat_interval: float = 0.5,
                  lease_timeout: float = 5.0, log_dir: str | os.PathLike[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, secure: str | os.PathLike[str] | None = None,
+                 coordinator_args: list[str] | None = None, node_args: list[str] | None = None,
+                 client_args: list[str] | None = None) -> None:
         self._tmp = None if state_dir else tempfile.TemporaryDirectory(prefix="gossamer-")
         self.state_dir = Path(state_dir or self._tmp.name)  # type: ignore[union-attr]
         self.log_dir = Path(log_dir or self.state_dir / "logs")
@@ -29,10 +42,34 @@ class LocalCluster:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
+        self.secure = None if secure is None else Path(secure).resolve()
+        self.coordinator_args = [*(["--secure", str(self.secure)] if self.secure else []), *(coordinator_args or [])]
+        self.node_args = [*(["--secure", str(self.secure / "client")] if self.secure else []), *(node_args or [])]
+        self.client_args = [*(["--secure", str(self.secure / "client")] if self.secure else []),
+                            *(client_args if client_args is not None else node_args or [])]
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def security(self) -> ChannelSecurity | None:
+        """What a client needs to reach this cluster's coordinator (None: plaintext, no token)."""
+        import argparse
+
+        from gossamer.security.channel import ChannelSecurity
+
+        p = argparse.ArgumentParser(add_help=False)
+        for flag in ("--secure", "--tls-ca", "--tls-cert", "--tls-key", "--tls-server-name", "--token-file"):
+            p.add_argument(flag)
+        args, _ = p.parse_known_args(self.client_args)
+        return ChannelSecurity.from_flags(**vars(args))
+
+    def client(self, timeout: float = 30.0) -> Client:
+        """A `Client` of this cluster's coordinator, with its security settings."""
+        from gossamer.client import Client
+
+        return Client.secured(self.address, self.security, timeout=timeout)
 
     def _spawn(self, args: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / log_name, "ab")
@@ -52,7 +89,7 @@ class LocalCluster:
         self.coordinator = self._spawn(
             ["coordinator", "serve", "--port", str(port), "--state-dir", str(self.state_dir),
              "--heartbeat-interval", str(self.heartbeat_interval), "--lease-timeout", str(self.lease_timeout),
-             "--ready-file", str(ready)],
+             "--ready-file", str(ready), *self.coordinator_args],
             "coordinator.log",
         )
         deadline = time.monotonic() + timeout
@@ -65,7 +102,8 @@ class LocalCluster:
 
     def add_node(self, name: str, *, spot: bool = False, nproc_per_node: int = 1,
                  env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        args = ["worker", "join", self.address, "--name", name, "--nproc-per-node", str(nproc_per_node)]
+        args = ["worker", "join", self.address, "--name", name, "--nproc-per-node", str(nproc_per_node),
+                *self.node_args]
         if spot:
             args.append("--spot")
         proc = self._spawn(args, f"{name}.log", env)

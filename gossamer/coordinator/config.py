@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gossamer.errors import ConfigError
+from gossamer.security.tls import TLSConfig
+from gossamer.security.token import load_token
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,6 +21,18 @@ class CoordinatorConfig:
     #: Verify at submit, in a subprocess, that the model and dataset paths import.
     check_imports: bool = True
     grace_s: float = 3.0
+    #: TLS: the coordinator's certificate and key (PEM). Without them it serves plaintext.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: Mutual TLS: every client must present a certificate signed by this CA.
+    tls_ca: str | None = None
+    #: Every call (but the health service) must carry `authorization: Bearer <the token in this file>`.
+    token_file: str | None = None
+    #: Largest request the server accepts; a bigger one gets RESOURCE_EXHAUSTED.
+    max_message_bytes: int = 16 << 20
+    #: Requests per second per client host (a token bucket); 0 turns the limit off.
+    rate_limit: float = 200.0
+    rate_burst: int = 400
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -29,3 +43,21 @@ class CoordinatorConfig:
             raise ConfigError("lease_timeout_s", "must be greater than heartbeat_interval_s")
         if not self.state_dir:
             raise ConfigError("state_dir", "must be a directory path")
+        if self.tls_ca and not self.tls_cert:
+            raise ConfigError("tls_ca", "mutual TLS (--tls-ca) needs the server's --tls-cert and --tls-key too")
+        self.tls  # noqa: B018 — validates the certificate paths now, not at the first connection
+        if self.token_file:
+            load_token(self.token_file)
+        if self.max_message_bytes < 1024:
+            raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
+        if self.rate_limit < 0:
+            raise ConfigError("rate_limit", "must be >= 0 (0: no limit)")
+        if self.rate_limit and self.rate_burst < 1:
+            raise ConfigError("rate_burst", "must be >= 1")
+
+    @property
+    def tls(self) -> TLSConfig | None:
+        """The server's TLS settings (None: plaintext)."""
+        if not (self.tls_cert or self.tls_key):
+            return None
+        return TLSConfig(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca)

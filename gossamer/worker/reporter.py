@@ -6,9 +6,11 @@ import logging
 import queue
 import threading
 import time
+from typing import Any
 
 import grpc
 
+from gossamer.security.channel import ChannelSecurity, open_channel
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -17,14 +19,21 @@ _MAX_BUFFERED = 10_000
 
 
 class Reporter:
-    """One gRPC channel per role process (opened here, after spawn)."""
+    """One gRPC channel per role process (opened here, after spawn).
 
-    def __init__(self, coordinator: str, experiment_id: str, source: str, interval_s: float = 1.0) -> None:
+    `security`: the node's TLS settings and token, as a `ChannelSecurity` or the spec the
+    node agent hands its role processes (paths only; the files are read here).
+    """
+
+    def __init__(self, coordinator: str, experiment_id: str, source: str, interval_s: float = 1.0,
+                 security: ChannelSecurity | dict[str, Any] | None = None) -> None:
         self.coordinator = coordinator
         self.experiment_id = experiment_id
         self.source = source
         self.interval_s = interval_s
-        self._channel = grpc.insecure_channel(coordinator)
+        if isinstance(security, dict):
+            security = ChannelSecurity.from_spec(security)
+        self._channel = open_channel(coordinator, security)
         self._nodes = pb_grpc.NodeServiceStub(self._channel)
         self._exps = pb_grpc.ExperimentServiceStub(self._channel)
         self._ckpt = pb_grpc.CheckpointServiceStub(self._channel)

@@ -1,0 +1,72 @@
+"""The coordinator's side of security: its interceptors (rate limit, token) from its config."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+
+from gossamer.security.limits import RateLimitInterceptor
+from gossamer.security.token import TokenAuthInterceptor, load_token
+
+if TYPE_CHECKING:
+    from gossamer.coordinator.config import CoordinatorConfig
+
+log = logging.getLogger(__name__)
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def server_interceptors(config: CoordinatorConfig) -> list[grpc.aio.ServerInterceptor]:
+    """Rate limit first, so guessed tokens are held to the same rate; then the token check."""
+    out: list[grpc.aio.ServerInterceptor] = []
+    if config.rate_limit:
+        out.append(RateLimitInterceptor(config.rate_limit, config.rate_burst))
+    if config.token_file:
+        out.append(TokenAuthInterceptor(load_token(config.token_file)))
+    return out
+
+
+def describe_security(config: CoordinatorConfig) -> str:
+    """One line for the start-up log; warns when an open port is neither encrypted nor authenticated."""
+    tls = config.tls
+    if tls is None and config.host not in _LOOPBACK:
+        log.warning("serving plaintext on %s: anyone who can reach the port can read and send control-plane "
+                    "traffic%s (see docs/security.md: --secure DIR)", config.host,
+                    "" if config.token_file else " and join without a token")
+    return ", ".join(["mutual TLS" if tls and tls.mutual else "TLS" if tls else "plaintext",
+                      "token required" if config.token_file else "no token"])
+
+
+def secure_setup(directory: str, sans: list[str], host: str) -> tuple[dict[str, str], bool]:
+    """`coordinator serve --secure DIR`: create DIR's CA, certificates and token unless present.
+
+    Returns the server's paths (tls_cert, tls_key, tls_ca, token_file) and whether DIR was
+    created just now.
+    """
+    from gossamer.security import certs
+
+    names = [*sans, *([] if host in ("0.0.0.0", "::", "") else [host])]
+    made = certs.init_secure_dir(directory, names)
+    root = made.root
+    paths = {"tls_cert": str(root / certs.SERVER_CERT), "tls_key": str(root / certs.SERVER_KEY),
+             "tls_ca": str(root / certs.CA_CERT), "token_file": str(root / certs.TOKEN)}
+    return paths, made.created
+
+
+def client_instructions(directory: str, address: str) -> list[str]:
+    """What to tell the operator after a secure set-up: what to copy, and the flags to use."""
+    from gossamer.security import certs
+
+    client = Path(directory).expanduser().resolve() / certs.CLIENT_DIR
+    return [
+        f"secure set-up in {client.parent}: mutual TLS and a join token.",
+        f"Copy {client} to each worker machine and user (it holds a client certificate, the CA and the token;",
+        "never copy ca.key or server.key), then:",
+        f"  gossamer worker join {address} --secure {client}",
+        f"  gossamer submit FILE --coordinator {address} --secure {client}",
+        f"or, flag by flag: --tls-ca {client / certs.CA_CERT} --tls-cert {client / certs.CLIENT_CERT} "
+        f"--tls-key {client / certs.CLIENT_KEY} --token-file {client / certs.TOKEN}",
+        f"Python: Client.secured('{address}', ChannelSecurity.from_flags(secure='{client}'))",
+    ]

@@ -284,6 +284,7 @@ class JoinRequest(_message.Message):
     GPUS_FIELD_NUMBER: _builtins.int
     NPROC_PER_NODE_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
+    CURVE_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Human name; empty means hostname-pid."""
     address: _builtins.str
@@ -300,6 +301,10 @@ class JoinRequest(_message.Message):
     """Local ranks per worker role."""
     node_id: _builtins.str
     """Previous id when re-joining; empty for a new node."""
+    curve_public_key: _builtins.str
+    """Public CURVE key (z85, 40 characters) of the key pair this node generated for the data
+    plane; its secret never leaves the node. Required by a coordinator running with CURVE.
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Free-form labels."""
@@ -316,10 +321,11 @@ class JoinRequest(_message.Message):
         gpus: _builtins.int = ...,
         nproc_per_node: _builtins.int = ...,
         node_id: _builtins.str = ...,
+        curve_public_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cpus", b"cpus", "gpus", b"gpus", "hostname", b"hostname", "labels", b"labels", "name", b"name", "node_id", b"node_id", "nproc_per_node", b"nproc_per_node", "spot", b"spot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cpus", b"cpus", "curve_public_key", b"curve_public_key", "gpus", b"gpus", "hostname", b"hostname", "labels", b"labels", "name", b"name", "node_id", b"node_id", "nproc_per_node", b"nproc_per_node", "spot", b"spot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -334,22 +340,28 @@ class JoinResponse(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     LEASE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    CURVE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Id to use in every later call."""
     heartbeat_interval_s: _builtins.float
     """How often to heartbeat."""
     lease_timeout_s: _builtins.float
     """A node silent for longer than this is declared lost."""
+    curve: _builtins.bool
+    """The data plane runs CurveZMQ: every role secures its ZMQ sockets with this node's key
+    pair and the keys its assignments name.
+    """
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
         heartbeat_interval_s: _builtins.float = ...,
         lease_timeout_s: _builtins.float = ...,
+        curve: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s", "lease_timeout_s", b"lease_timeout_s", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["curve", b"curve", "heartbeat_interval_s", b"heartbeat_interval_s", "lease_timeout_s", b"lease_timeout_s", "node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -510,6 +522,26 @@ class Assignment(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class CurveServerKeysEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     EXPERIMENT_ID_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
@@ -525,6 +557,8 @@ class Assignment(_message.Message):
     RESTORE_EPOCH_FIELD_NUMBER: _builtins.int
     WORKER_RANK_FIELD_NUMBER: _builtins.int
     PEER_ENDPOINTS_FIELD_NUMBER: _builtins.int
+    CURVE_SERVER_KEYS_FIELD_NUMBER: _builtins.int
+    CURVE_MEMBERS_FIELD_NUMBER: _builtins.int
     experiment_id: _builtins.str
     """Experiment id."""
     role: Global___Role.ValueType
@@ -565,6 +599,18 @@ class Assignment(_message.Message):
         (reported by each worker's lead rank in ReportRoleRequest.endpoint).
         """
 
+    @_builtins.property
+    def curve_server_keys(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """CurveZMQ (empty without): ZMQ endpoint -> public key (z85) of the node serving it, for
+        every shard replica and gossip peer of the experiment this role may connect to.
+        """
+
+    @_builtins.property
+    def curve_members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """CurveZMQ (empty without): public keys (z85) of the experiment's current members, the
+        only clients this role's ZMQ servers accept; a removed node's key disappears from it.
+        """
+
     def __init__(
         self,
         *,
@@ -583,10 +629,12 @@ class Assignment(_message.Message):
         restore_epoch: _builtins.int = ...,
         worker_rank: _builtins.int = ...,
         peer_endpoints: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
+        curve_server_keys: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        curve_members: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_endpoint", b"backup_endpoint", "checkpoint_dir", b"checkpoint_dir", "experiment_id", b"experiment_id", "experiment_json", b"experiment_json", "generation", b"generation", "index", b"index", "lead", b"lead", "num_workers", b"num_workers", "peer_endpoints", b"peer_endpoints", "replica", b"replica", "restore_epoch", b"restore_epoch", "role", b"role", "shard_endpoints", b"shard_endpoints", "worker_rank", b"worker_rank", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_endpoint", b"backup_endpoint", "checkpoint_dir", b"checkpoint_dir", "curve_members", b"curve_members", "curve_server_keys", b"curve_server_keys", "experiment_id", b"experiment_id", "experiment_json", b"experiment_json", "generation", b"generation", "index", b"index", "lead", b"lead", "num_workers", b"num_workers", "peer_endpoints", b"peer_endpoints", "replica", b"replica", "restore_epoch", b"restore_epoch", "role", b"role", "shard_endpoints", b"shard_endpoints", "worker_rank", b"worker_rank", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -302,6 +302,13 @@ def decode(
         spec = _parse_spec(i, raw)
         if spec.name in tensors:
             raise ProtocolError(f"duplicate tensor name {spec.name!r}")
+        # An empty tensor's other dims are never checked against frame bytes, and torch
+        # overflows (TypeError, RuntimeError) on shapes past int64: bound the declared extent.
+        if math.prod(max(d, 1) for d in spec.shape) > limits.max_message_bytes:
+            raise ProtocolError(
+                f"tensor {spec.name!r}: shape {list(spec.shape)} declares more elements than "
+                f"max_message_bytes={limits.max_message_bytes} can hold"
+            )
         frame = frames[i + 1]
         got = _frame_len(frame)
         if got != spec.nbytes:
@@ -309,7 +316,10 @@ def decode(
                 f"tensor {spec.name!r}: frame has {got} bytes, "
                 f"{spec.dtype}{list(spec.shape)} needs {spec.nbytes}"
             )
-        tensors[spec.name] = _tensor_from_frame(frame, spec)
+        tensor = _tensor_from_frame(frame, spec)
+        if tensor.dtype is torch.bool and bool((tensor.view(torch.uint8) > 1).any()):
+            raise ProtocolError(f"tensor {spec.name!r}: bool bytes must be 0 or 1")
+        tensors[spec.name] = tensor
     return Message(
         op=op,
         experiment=experiment,

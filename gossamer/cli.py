@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -28,8 +27,11 @@ def _env(name: str, default: Any) -> Any:
     return raw
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _setup_logging(level: str, fmt: str = "text", **context: str) -> None:
+    from gossamer.logs import configure, set_context
+
+    set_context(**context)
+    configure(level, fmt)
 
 
 # --- coordinator ------------------------------------------------------------------------------
@@ -46,7 +48,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     from gossamer.coordinator.config import CoordinatorConfig
     from gossamer.coordinator.server import serve
 
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level, args.log_format, role="coordinator")
     config = CoordinatorConfig(
         host=args.host, port=args.port, state_dir=args.state_dir,
         heartbeat_interval_s=args.heartbeat_interval, lease_timeout_s=args.lease_timeout,
@@ -63,11 +65,11 @@ def cmd_worker_join(args: argparse.Namespace) -> int:
     _refuse_token_file(args)
     from gossamer.worker.agent import AgentConfig, NodeAgent, parse_labels
 
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level, args.log_format, role="agent", node=args.name)
     config = AgentConfig(
         coordinator=args.coordinator, name=args.name, address=args.address,
         nproc_per_node=args.nproc_per_node, spot=args.spot, labels=parse_labels(args.labels),
-        grace_s=args.grace, threads_per_role=args.threads, log_level=args.log_level.upper(),
+        grace_s=args.grace, threads_per_role=args.threads, log_level=args.log_level.upper(), log_format=args.log_format,
     )
     asyncio.run(NodeAgent(config).run())
     return 0
@@ -128,6 +130,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 console.print(f"  {k:14s} {m[k]:.6g}")
         if st["checkpoint"]:
             console.print(f"  checkpoint     {st['checkpoint']}")
+        _print_profiles(console, m)
         table = Table("node", "role", "index", "endpoint")
         for r in st["roles"]:
             role = f"{r['role']} (backup)" if r["role"] == "ps" and r.get("replica") else r["role"]
@@ -147,6 +150,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     console.print(t)
     _print_nodes(console, nodes)
     return 0
+
+
+def _print_profiles(console: Any, metrics: dict[str, float]) -> None:
+    """The step-time split of profiled ranks (`profile_steps`), from `profile_<what>.<node>` totals."""
+    from rich.table import Table
+
+    rows: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        what, dot, node = key.removeprefix("profile_").partition(".")
+        if key.startswith("profile_") and dot:
+            rows.setdefault(node, {})[what] = value
+    if not rows:
+        return
+    t = Table("node", "steps", "step", "compute", "compression", "communication", "other", title="profile")
+    for node, r in sorted(rows.items()):
+        t.add_row(node, f"{r.get('steps', 0):.0f}", f"{1000 * r.get('step_s', 0):.1f} ms",
+                  *(f"{100 * r.get(f'{k}_frac', 0):.1f}%" for k in ("compute", "compression", "communication", "other")))
+    console.print(t)
 
 
 def _print_nodes(console: Any, nodes: list[dict[str, Any]]) -> None:
@@ -213,7 +234,20 @@ def _watch(job: Any, quiet: bool = False) -> int:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    return _watch(_client(args).job(args.id), quiet=args.quiet)
+    client = _client(args)
+    if args.quiet:
+        return _watch(client.job(args.id), quiet=True)
+    from gossamer.watch import watch
+
+    return watch(client, args.id, refresh_s=args.interval)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from gossamer.plot import plot_experiment
+
+    path = plot_experiment(_client(args).job(args.id), args.out or f"{args.id}.png")
+    print(f"wrote {path}")
+    return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -260,6 +294,9 @@ def _coordinator_parser(sub: Any) -> None:
     s.add_argument("--no-import-check", action="store_true", help="skip importing model/dataset at submit")
     s.add_argument("--token-file", default=None, help="join token file (not available yet: refused)")
     s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    s.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT", "text"),
+                   help="text, or json: one object per line with ts, level, logger, msg, node, experiment, role"
+                        " (env GOSSAMER_LOG_FORMAT)")
     s.set_defaults(fn=cmd_coordinator_serve)
 
 
@@ -278,6 +315,9 @@ def _worker_parser(sub: Any) -> None:
     j.add_argument("--threads", type=int, default=_env("THREADS", 1), help="torch threads per role process")
     j.add_argument("--token-file", default=None, help="join token file (not available yet: refused)")
     j.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    j.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT", "text"),
+                   help="text, or json: one object per line with ts, level, logger, msg, node, experiment, role"
+                        " (env GOSSAMER_LOG_FORMAT)")
     j.set_defaults(fn=cmd_worker_join)
 
 
@@ -306,9 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_flags(n)
     n.set_defaults(fn=cmd_nodes)
 
-    w = sub.add_parser("watch", help="live progress of an experiment")
+    w = sub.add_parser("watch", help="a live table of an experiment until it finishes (Ctrl-C detaches)")
     w.add_argument("id")
-    w.add_argument("--quiet", "-q", action="store_true")
+    w.add_argument("--quiet", "-q", action="store_true", help="no live table: wait, then print the outcome")
+    w.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     _add_client_flags(w)
     w.set_defaults(fn=cmd_watch)
 
@@ -322,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true")
     _add_client_flags(ev)
     ev.set_defaults(fn=cmd_events)
+
+    pl = sub.add_parser("plot", help="loss, accuracy, throughput and bytes against time, as a PNG")
+    pl.add_argument("id")
+    pl.add_argument("--out", "-o", default=None, help="output file (default ID.png; .svg/.pdf by suffix)")
+    _add_client_flags(pl)
+    pl.set_defaults(fn=cmd_plot)
 
     d = sub.add_parser("demo", help="a whole local cluster: coordinator, shards, workers, digits in async mode")
     d.add_argument("--workers", type=int, default=3)

@@ -85,6 +85,9 @@ class Experiment:
     topology: str = "exponential"
     parallelism: str = "ddp"
     chunk_numel: int = 1 << 20
+    profile_steps: int = 0  # > 0: a torch.profiler trace of this many steps (gossamer/worker/profiling.py)
+    profile_start: int = 5  # each profiled rank's own step at which the trace starts
+    profile_nodes: list[str] = field(default_factory=list)  # node names or ids; empty: every worker
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> ConfigError:
@@ -171,6 +174,16 @@ class Experiment:
             raise bad("parallelism", f"unknown parallelism {self.parallelism!r}; choose {', '.join(PARALLELISMS)}")
         if not isinstance(self.checkpoint_dir, str):
             raise bad("checkpoint_dir", "must be a path string")
+        for f in ("profile_steps", "profile_start"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise bad(f, f"must be an integer >= 0, got {v!r}")
+        if not isinstance(self.profile_nodes, list) or not all(isinstance(n, str) and n for n in self.profile_nodes):
+            raise bad("profile_nodes", "must be a list of node names or ids (empty: every worker)")
+        if self.profile_nodes and not self.profile_steps:
+            raise bad("profile_nodes", "needs profile_steps > 0")
+        if self.profile_steps and self.profile_start + self.profile_steps > self.total_steps:
+            raise bad("profile_steps", f"profile_start + profile_steps must be <= total_steps ({self.total_steps})")
 
     # --- conversions -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -125,6 +125,8 @@ class ExpRec:
             for k, v in values.items():
                 if k.startswith(COUNTER_PREFIXES):
                     out[k] = out.get(k, 0.0) + v
+                elif k.startswith("profile_"):  # a profiled rank's step-time split, keyed by node
+                    out[k] = v
             t = values.get("time_unix", 0.0)
             if t > newest_t and "loss" in values:
                 newest_t = t

@@ -37,6 +37,7 @@ class AgentConfig:
     grace_s: float = 30.0
     threads_per_role: int = 1
     log_level: str = "INFO"
+    log_format: str = "text"  # text | json, for the agent and its role processes
 
     def __post_init__(self) -> None:
         if ":" not in self.coordinator:
@@ -91,6 +92,7 @@ class NodeAgent:
         self.config = config
         self.address = config.address or route_address(config.coordinator)
         self.node_id = ""
+        self.name = config.name
         self.heartbeat_s = 1.0
         self.running: dict[tuple[str, int, int], _Running] = {}
         self.finished: set[tuple[str, int, int]] = set()
@@ -154,6 +156,11 @@ class NodeAgent:
             try:
                 resp = await self._stub.Join(req, timeout=5.0)
                 self.node_id = resp.node_id
+                # The name the coordinator gives a node that named none (its join()).
+                self.name = self.config.name or f"{socket.gethostname() or 'node'}-{self.node_id[:6]}"
+                from gossamer.logs import set_context
+
+                set_context(node=self.name)
                 self.heartbeat_s = resp.heartbeat_interval_s
                 log.info("joined %s as node %s (address %s)", self.config.coordinator, self.node_id, self.address)
                 return
@@ -220,7 +227,8 @@ class NodeAgent:
             "experiment_id": a.experiment_id, "index": a.index, "num_workers": a.num_workers,
             "experiment_json": a.experiment_json, "shard_endpoints": dict(a.shard_endpoints),
             "checkpoint_dir": a.checkpoint_dir, "lead": a.lead, "threads": self.config.threads_per_role,
-            "log_level": self.config.log_level, **self._update_of(a),
+            "log_level": self.config.log_level, "log_format": self.config.log_format, "node_name": self.name,
+            **self._update_of(a),
         }
 
     @staticmethod
@@ -338,4 +346,3 @@ def parse_labels(items: list[str]) -> dict[str, str]:
             raise ConfigError("labels", f"expected key=value, got {item!r}")
         out[k] = v
     return out
-

@@ -71,14 +71,15 @@ class DilocoTrainer(Trainer):
         grads = {c.index: (delta[c.flat_offset : c.flat_offset + c.numel] * scale).cpu() for c in self.mine}
         die_at("mid-push", step=self.clock, **self.client.fault_ctx)
         self.client.fault_step = self.clock
-        res = self.client.push_pull(
-            grads,
-            clock=self.clock,
-            basis=self.versions,
-            step=start if self.barrier else None,
-            num_workers=self.ctx.num_workers if self.barrier else None,
-            generation=self.ctx.generation if self.barrier else None,
-        )
+        with self.profiler.region("communication"):
+            res = self.client.push_pull(
+                grads,
+                clock=self.clock,
+                basis=self.versions,
+                step=start if self.barrier else None,
+                num_workers=self.ctx.num_workers if self.barrier else None,
+                generation=self.ctx.generation if self.barrier else None,
+            )
         self._pseudo = None
         self.rounds += 1
         self._note_versions(res.versions)
@@ -92,7 +93,8 @@ class DilocoTrainer(Trainer):
                 self.flat.copy_(theta0)  # nothing of the round leaves this worker
                 self._params_changed()
                 raise _Abandoned
-            _, node_samples, _ = self._local_grad(self.client.fault_ctx)
+            with self.profiler.region("compute"):
+                _, node_samples, _ = self._local_grad(self.client.fault_ctx)
             schedule_lr(self.inner, self.exp, self.progress + i)
             self.inner.step()
             if self.flat_grad is None:  # parameters are not views of `flat`: gather them

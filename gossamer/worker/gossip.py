@@ -62,6 +62,7 @@ class GossipTrainer(RankTrainer):
             self.peer = PushSumPeer(experiment=ctx.experiment_id, peer_id=self.me, host=host,
                                     codec=self.exp.compression, numel=self.flat.numel())
         self.endpoint = self.peer.endpoint if self.peer is not None else ""
+        self.profiler.watch(getattr(self.peer, "_codec", None), "encode", "decode")  # the sender's codec
         self.members: dict[str, str] = {}
         if self.peer is not None and peers:  # the members the assignment named at start
             self.members = {str(k): v for k, v in peers.items() if str(k) != self.me}
@@ -121,13 +122,16 @@ class GossipTrainer(RankTrainer):
         self._last_eval = self.clock // self.exp.eval_every if self.exp.eval_every else 0
         while self.clock < self.exp.total_steps and not self.should_stop():
             self._apply_updates()
-            if self.peer is not None:
-                if self.outer is None:  # decentralized DiLoCo mixes once per round, in _outer_step
-                    self.peer.mix(self.flat)
-                self.peer.serve(self.flat, self.clock)
-            if self.outer is None:
-                self._node_sync()
-            _, node_samples, _ = self._local_grad({"worker": self.ctx.worker_index, "rank": self.ctx.local_rank})
+            self.profiler.step(self.clock)
+            with self.profiler.region("communication"):
+                if self.peer is not None:
+                    if self.outer is None:  # decentralized DiLoCo mixes once per round, in _outer_step
+                        self.peer.mix(self.flat)
+                    self.peer.serve(self.flat, self.clock)
+                if self.outer is None:
+                    self._node_sync()
+            with self.profiler.region("compute"):
+                _, node_samples, _ = self._local_grad({"worker": self.ctx.worker_index, "rank": self.ctx.local_rank})
             schedule_lr(self.opt, self.exp, self.clock)
             self.opt.step()
             self._count(node_samples)
@@ -142,6 +146,7 @@ class GossipTrainer(RankTrainer):
                 self._last_eval = self.clock // every
                 if self.ctx.lead and self.peer is not None:
                     self._eval_average(self.clock)
+        self.profiler.close(self.clock)
         self._finish_or_serve()
         log.info("worker %s rank %d finished after %d steps (%.1f s)", self.me, self.ctx.local_rank,
                  self.stats.steps, time.monotonic() - t0)
@@ -161,9 +166,10 @@ class GossipTrainer(RankTrainer):
             # peer): halving it again would drive z = x / w towards 0 / 0.
             self.skipped_sends += 1
             return
-        self.peer.send(self.flat, to, self.clock)
-        if not self.exp.overlap:
-            self._wait_settled(limit_s=1.0)
+        with self.profiler.region("communication"):
+            self.peer.send(self.flat, to, self.clock)
+            if not self.exp.overlap:
+                self._wait_settled(limit_s=1.0)
 
     def _outer_step(self) -> None:
         """Decentralized DiLoCo: mix in the neighbours' parameters, then the outer Nesterov

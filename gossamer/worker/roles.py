@@ -17,10 +17,10 @@ log = logging.getLogger(__name__)
 
 
 def _setup(spec: dict[str, Any]) -> None:
-    logging.basicConfig(
-        level=spec.get("log_level", "INFO"),
-        format=f"%(asctime)s %(levelname)s [{spec.get('label', 'role')}] %(name)s: %(message)s",
-    )
+    from gossamer.logs import configure
+
+    configure(spec.get("log_level", "INFO"), spec.get("log_format", "text"), role=spec.get("label", "role"),
+              node=spec.get("node_name", ""), experiment=spec.get("experiment_id", ""))
     import torch
 
     # Role processes share the machine with each other: one intra-op thread each unless told.
@@ -48,6 +48,15 @@ def _fault_delay(worker_index: int) -> float:
         if kind == "delay" and int(args.get("worker", worker_index)) == worker_index:
             return float(args.get("seconds", 0.0))
     return 0.0
+
+
+def _staleness(histogram: dict[str, int]) -> dict[str, float]:
+    """Mean and max versions behind of the updates a shard applied (its histogram, over the run)."""
+    n = sum(histogram.values())
+    if not n:
+        return {}
+    return {"staleness_mean": sum(int(k) * v for k, v in histogram.items()) / n,
+            "staleness_max": float(max(int(k) for k in histogram))}
 
 
 def _drain(conn: Connection | None) -> dict[str, Any] | None:
@@ -181,6 +190,7 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
                     "ckpt_snapshot_s": snapshot_s[0],
                 }
                 values.update({f"discarded_{k}": float(v) for k, v in st.get("discarded", {}).items()})
+                values.update(_staleness(st.get("version_staleness", {})))
                 if checkpointer is not None:
                     values.update(ckpt_saved=float(checkpointer.saved), ckpt_skipped=float(checkpointer.skipped),
                                   ckpt_failed=float(checkpointer.failed), ckpt_write_s=checkpointer.last_seconds)
@@ -245,6 +255,7 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
             local_world=world,
             device=device,
             step_delay_s=_fault_delay(index),
+            node_name=spec.get("node_name", ""),
             throttle=_fault_bandwidth(),
         )
 

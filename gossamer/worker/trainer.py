@@ -31,6 +31,7 @@ from gossamer.paramserver import (
 from gossamer.transport.throttle import TokenBucket
 from gossamer.worker import sampler
 from gossamer.worker.adaptive_link import AdaptiveLink
+from gossamer.worker.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class RankContext:
     throttle: TokenBucket | None = None  # emulated slow link (GOSSAMER_FAULT=bandwidth:...)
     worker_rank: int = -1  # position among the current workers (sync batch split); -1: worker_index
     generation: int = 0  # the experiment's membership generation this rank last heard of
+    node_name: str = ""  # the node's name (profile directories, `profile_nodes`); "" = node_id
 
     def __post_init__(self) -> None:
         if self.worker_rank < 0:
@@ -156,6 +158,9 @@ class RankTrainer:
         self._last_eval = 0
         self.final_path = ""
         self.final_metrics: dict[str, float] = {}
+        self.profiler = StepProfiler(self.exp, experiment_id=ctx.experiment_id, node_id=ctx.node_id,
+                                     node_name=ctx.node_name, local_rank=ctx.local_rank, device=ctx.device,
+                                     checkpoint_dir=ctx.checkpoint_dir, on_metrics=lambda s, v: self.on_metrics(s, v))
 
     def _bind_flat(self) -> None:
         """Make parameters and gradients views of two flat fp32 buffers (as DDP buckets do).
@@ -322,6 +327,8 @@ class Trainer(RankTrainer):
                                          target_share=self.exp.adaptive_target_share,
                                          seed=self.exp.seed * 1000 + ctx.worker_index)
         self.client.on_wait = self._on_wait  # new endpoints reach a waiting request
+        self.profiler.watch(self.client.compressor, "encode", "decode")
+        self.profiler.watch(getattr(self.client, "_pull_decoder", None), "decode")
         self.client.fault_ctx = {"worker": ctx.worker_index, "rank": ctx.local_rank}
         self.versions: dict[int, int] = {}
         self.periodic_model_checkpoints = False
@@ -423,7 +430,8 @@ class Trainer(RankTrainer):
                  self.ctx.worker_index, old, self.ctx.generation, self.ctx.num_workers)
 
     def _step_once(self) -> bool:
-        grad, node_samples, compute_s = self._local_grad(self.client.fault_ctx)
+        with self.profiler.region("compute"):
+            grad, node_samples, compute_s = self._local_grad(self.client.fault_ctx)
         grads = {c.index: grad[c.flat_offset : c.flat_offset + c.numel].cpu() for c in self.mine}
         if self.exp.overlap:
             done = self._exchange_overlapped(grads, compute_s)
@@ -432,14 +440,15 @@ class Trainer(RankTrainer):
             sent0, t_exchange = self.client.bytes_up, time.perf_counter()
             die_at("mid-push", step=self.clock, **self.client.fault_ctx)
             self.client.fault_step = self.clock
-            res = self.client.push_pull(
-                grads,
-                clock=self.clock,
-                basis=self.versions,
-                step=self.version if sync else None,
-                num_workers=self.ctx.num_workers if sync else None,
-                generation=self.ctx.generation if sync else None,
-            )
+            with self.profiler.region("communication"):
+                res = self.client.push_pull(
+                    grads,
+                    clock=self.clock,
+                    basis=self.versions,
+                    step=self.version if sync else None,
+                    num_workers=self.ctx.num_workers if sync else None,
+                    generation=self.ctx.generation if sync else None,
+                )
             self._note_versions(res.versions)
             done = self._assemble(res.values, res.done)
             if self.adaptive is not None:
@@ -456,13 +465,15 @@ class Trainer(RankTrainer):
         basis = dict(self.versions)  # what this gradient was computed on
         done = False
         if self.client.in_flight:
-            res = self.client.wait()
+            with self.profiler.region("communication"):
+                res = self.client.wait()
             self._note_versions(res.versions)
             done = self._assemble(res.values, res.done)
         if self.adaptive is not None:
             self.adaptive.after_step(compute_s)
         if not done:
-            self.client.push_async(grads, clock=self.clock, basis=basis)
+            with self.profiler.region("communication"):
+                self.client.push_async(grads, clock=self.clock, basis=basis)
         return done
 
     # --- whole run ---------------------------------------------------------------------
@@ -474,6 +485,7 @@ class Trainer(RankTrainer):
         self._exchanging = True
         while not done and not self.should_stop():
             self._apply_updates()
+            self.profiler.step(self.clock)
             try:
                 done = self.step()
             except _Abandoned:
@@ -490,6 +502,7 @@ class Trainer(RankTrainer):
                 t_report, samples0 = now, self.stats.samples
                 self._report(rate)
             self._maybe_eval_and_checkpoint()
+        self.profiler.close(self.clock)
         self._exchanging = False
         if self.client.in_flight:
             if self.should_stop():

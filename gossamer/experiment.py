@@ -30,10 +30,16 @@ OUTER_STEPS = ("sync", "async", "gossip")
 GOSSIP_CODECS = re.compile(r"^(none|fp16|bf16|int8|qsgd:\d+)$")
 TOPOLOGIES = ("exponential", "ring", "random")
 PARALLELISMS = ("ddp", "fsdp", "pipeline")
+# Used with fullmatch: `$` alone also matches before a trailing newline. ASCII digits, at most
+# nine, exactly what gossamer.compression.parse_codec accepts.
 _COMPRESSION = re.compile(
-    r"^(none|fp16|bf16|int8|sign|adaptive|qsgd:\d+|topk:(0?\.\d+|1(\.0*)?|\d+e-\d+)|powersgd:\d+)$"
+    r"none|fp16|bf16|int8|sign|adaptive|qsgd:[0-9]{1,9}|topk:(0?\.[0-9]+|1(\.0*)?|[0-9]+e-[0-9]+)"
+    r"|powersgd:[0-9]{1,9}"
 )
-_CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_CALLABLE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+#: Integers travel through TOML, SQLite and msgpack: all three stop at 64 bits.
+_INT64 = 1 << 63
+_MAX_DEPTH = 32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,11 +99,16 @@ class Experiment:
         def bad(name: str, msg: str) -> ConfigError:
             return ConfigError(name, msg)
 
+        # First, so no check below meets a value it cannot compare or convert.
+        for fld in dataclasses.fields(self):
+            problem = _wire_problem(getattr(self, fld.name), want_bool=fld.type == "bool")
+            if problem:
+                raise bad(fld.name, problem)
         if not isinstance(self.name, str) or not self.name.strip():
             raise bad("name", "must be a non-empty string")
         for f in ("model", "dataset"):
             v = getattr(self, f)
-            if not isinstance(v, str) or not _CALLABLE.match(v):
+            if not isinstance(v, str) or not _CALLABLE.fullmatch(v):
                 raise bad(f, f"must look like 'package.module:callable', got {v!r}")
         for f in ("model_args", "dataset_args"):
             if not isinstance(getattr(self, f), dict):
@@ -198,9 +209,9 @@ class Experiment:
         if not isinstance(data, dict):
             raise ConfigError("experiment", "must be an object/table")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known, key=str)
         if unknown:
-            raise ConfigError(unknown[0], "unknown field")
+            raise ConfigError(str(unknown[0]), "unknown field")
         for required in ("name", "model", "dataset"):
             if required not in data:
                 raise ConfigError(required, "is required")
@@ -210,8 +221,8 @@ class Experiment:
     def from_json(cls, text: str) -> Experiment:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError("experiment", f"not valid JSON: {e}") from e
+        except (ValueError, RecursionError) as e:  # ValueError: also too many digits
+            raise ConfigError("experiment", f"not valid JSON: {e}") from None
         return cls.from_dict(data)
 
     @classmethod
@@ -224,9 +235,14 @@ class Experiment:
             data = tomllib.loads(p.read_text())
         except FileNotFoundError as e:
             raise ConfigError("file", f"{p} does not exist") from e
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError("file", f"{p} is not valid TOML: {e}") from e
-        data = dict(data.get("experiment", data))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ConfigError("file", f"{p} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError("file", f"{p} cannot be read: {e.strerror or e}") from None
+        table = data.get("experiment", data)
+        if not isinstance(table, dict):
+            raise ConfigError("experiment", "must be a table")
+        data = dict(table)
         data.update(_env_overrides())
         data.update(overrides or {})
         return cls.from_dict(data)
@@ -238,7 +254,7 @@ class Experiment:
 
 
 def _check_codec(field_name: str, spec: object, *, allow_adaptive: bool) -> None:
-    if not isinstance(spec, str) or not _COMPRESSION.match(spec):
+    if not isinstance(spec, str) or not _COMPRESSION.fullmatch(spec):
         raise ConfigError(
             field_name,
             f"unknown codec {spec!r}; none|fp16|bf16|int8|qsgd:L|topk:R|powersgd:K|sign"
@@ -274,7 +290,7 @@ def _env_overrides() -> dict[str, Any]:
 def _parse_scalar(raw: str) -> Any:
     try:
         return json.loads(raw)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return raw
 
 
@@ -284,3 +300,40 @@ def _not_number(v: object) -> bool:
 
 def _positive_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _wire_problem(v: object, *, want_bool: bool = False, depth: int = 0) -> str | None:
+    """Why `v` would not come back unchanged from JSON, TOML, SQLite or msgpack (None: it would).
+
+    Top-level floats are left to their own range checks; inside tables and arrays
+    (model_args, ...) a value must be plain JSON with finite numbers.
+    """
+    if want_bool:
+        return None if isinstance(v, bool) else f"must be true or false, got a {type(v).__name__}"
+    if v is None or isinstance(v, bool) or (isinstance(v, float) and depth == 0):
+        return None
+    if isinstance(v, int):
+        return None if -_INT64 <= v < _INT64 else "must fit in 64 bits"
+    if isinstance(v, float):
+        return None if math.isfinite(v) else f"must hold finite numbers, got {v!r}"
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return "must be valid Unicode text (no lone surrogates)"
+        return None
+    if depth >= _MAX_DEPTH and isinstance(v, list | dict):
+        return f"nests tables/arrays deeper than {_MAX_DEPTH} levels"
+    if isinstance(v, list):
+        return next((p for x in v if (p := _wire_problem(x, depth=depth + 1))), None)
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if not isinstance(k, str):
+                return f"keys must be strings, got {k!r}"
+            problem = _wire_problem(k, depth=depth + 1) or _wire_problem(x, depth=depth + 1)
+            if problem:
+                return problem
+        return None
+    if depth == 0:
+        return None  # a wrong top-level type is named by the field's own check
+    return f"must hold only JSON values (tables, arrays, strings, numbers, booleans), got {type(v).__name__}"

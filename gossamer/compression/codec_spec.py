@@ -27,7 +27,7 @@ _PLAIN: dict[str, Callable[[], Codec]] = {
 
 
 def _int_arg(spec: str, arg: str, field: str) -> int:
-    if not arg.isdigit() or len(arg) > 9:
+    if not (arg.isascii() and arg.isdigit()) or len(arg) > 9:  # "²".isdigit(), but int("²") fails
         raise ConfigError(field, f"{spec!r}: expected a positive integer after ':'")
     return int(arg)
 

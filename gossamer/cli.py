@@ -54,7 +54,12 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval, lease_timeout_s=args.lease_timeout,
         check_imports=not args.no_import_check,
     )
-    asyncio.run(serve(config, ready_file=args.ready_file))
+    http = None
+    if args.http_port is not None:
+        from gossamer.coordinator.http import HttpConfig
+
+        http = HttpConfig(host=args.http_host or args.host, port=args.http_port)
+    asyncio.run(serve(config, ready_file=args.ready_file, http=http))
     return 0
 
 
@@ -71,6 +76,10 @@ def cmd_worker_join(args: argparse.Namespace) -> int:
         nproc_per_node=args.nproc_per_node, spot=args.spot, labels=parse_labels(args.labels),
         grace_s=args.grace, threads_per_role=args.threads, log_level=args.log_level.upper(), log_format=args.log_format,
     )
+    if args.metrics_port is not None:
+        import dataclasses
+
+        config = dataclasses.replace(config, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     asyncio.run(NodeAgent(config).run())
     return 0
 
@@ -131,10 +140,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         if st["checkpoint"]:
             console.print(f"  checkpoint     {st['checkpoint']}")
         _print_profiles(console, m)
-        table = Table("node", "role", "index", "endpoint")
+        slow = [r for r in st["roles"] if r.get("straggler")]
+        if slow:
+            console.print("  [bold red]stragglers[/]     " + ", ".join(f"{r['node']} ({r['step_rate']:.2f} steps/s)" for r in slow)
+                          + ": slower than half the median step rate of the workers")
+        table = Table("node", "role", "index", "steps/s", "endpoint")
         for r in st["roles"]:
             role = f"{r['role']} (backup)" if r["role"] == "ps" and r.get("replica") else r["role"]
-            table.add_row(r["node"], role, str(r["index"]), r["endpoint"])
+            rate = f"{r['step_rate']:.2f}" if r["role"] == "worker" and r.get("step_rate") else ""
+            node = f"[red]{r['node']} (straggler)[/]" if r.get("straggler") else r["node"]
+            table.add_row(node, role, str(r["index"]), rate, r["endpoint"])
         console.print(table)
         return 0
     exps = client.experiments()
@@ -292,6 +307,10 @@ def _coordinator_parser(sub: Any) -> None:
                    help="seconds without heartbeat before a node is declared lost")
     s.add_argument("--ready-file", default=None, help="write the bound port here once serving")
     s.add_argument("--no-import-check", action="store_true", help="skip importing model/dataset at submit")
+    s.add_argument("--http-port", type=int, default=_env("HTTP_PORT", None),
+                   help="serve the status page and Prometheus /metrics on this port (0 picks a free one, written to "
+                        "STATE_DIR/http.port); off unless given (env GOSSAMER_HTTP_PORT)")
+    s.add_argument("--http-host", default=_env("HTTP_HOST", ""), help="address the HTTP side binds (default: --host)")
     s.add_argument("--token-file", default=None, help="join token file (not available yet: refused)")
     s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     s.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT", "text"),
@@ -313,6 +332,11 @@ def _worker_parser(sub: Any) -> None:
     j.add_argument("--grace", type=float, default=_env("GRACE", 30.0),
                    help="seconds to leave gracefully on SIGTERM (a spot notice): finish the step, hand shards over")
     j.add_argument("--threads", type=int, default=_env("THREADS", 1), help="torch threads per role process")
+    j.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", None),
+                   help="serve this node's Prometheus /metrics on this port (0 picks a free one, logged); off unless "
+                        "given (env GOSSAMER_METRICS_PORT)")
+    j.add_argument("--metrics-host", default=_env("METRICS_HOST", ""),
+                   help="address /metrics binds (default: --address, the one other nodes reach this node at)")
     j.add_argument("--token-file", default=None, help="join token file (not available yet: refused)")
     j.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     j.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT", "text"),

@@ -20,8 +20,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gossamer.coordinator import scheduler
 from gossamer.coordinator._status import code_for
 from gossamer.coordinator.config import CoordinatorConfig
+from gossamer.coordinator.http import HttpConfig, StatusHttp
 from gossamer.coordinator.records import ExpRec, NodeRec, RoleRec
 from gossamer.coordinator.store import Store
+from gossamer.coordinator.stragglers import StepRates, worker_speeds
 from gossamer.errors import ConfigError, GossamerError, NotFoundError
 from gossamer.experiment import IMPLEMENTED_MODES, Experiment
 from gossamer.v1 import coordinator_pb2 as pb
@@ -50,6 +52,7 @@ class Coordinator:
         self._seq = max((e.seq for e in exps), default=0)
         self._changed = asyncio.Condition()
         self._import_checks: set[tuple[str, str]] = set()
+        self.step_rates = StepRates()  # per-node step rates from workers' reports (stragglers)
         if nodes or exps:
             log.info("resumed state: %d nodes, %d experiments", len(nodes), len(exps))
 
@@ -366,6 +369,7 @@ class Coordinator:
         exp.state = state
         exp.message = message
         exp.finished_unix = time.time()
+        self.step_rates.forget(exp.id)
         for r in exp.roles:
             node = self.nodes.get(r.node_id)
             if node is not None and node.experiment_id == exp.id:
@@ -473,6 +477,7 @@ class Coordinator:
 
     def status(self, exp: ExpRec) -> pb.ExperimentStatus:
         spec = exp.spec
+        rates, slow = worker_speeds(self.step_rates, exp)
         return pb.ExperimentStatus(
             id=exp.id,
             name=exp.name,
@@ -495,6 +500,8 @@ class Coordinator:
                     state=r.state,
                     endpoint=r.endpoint,
                     replica=r.replica,
+                    step_rate=rates.get(r.node_id, 0.0) if r.role == pb.ROLE_WORKER else 0.0,
+                    straggler=r.role == pb.ROLE_WORKER and r.node_id in slow,
                 )
                 for r in exp.roles
             ],
@@ -592,6 +599,7 @@ class Coordinator:
                 exp.shard_versions[key] = max(exp.shard_versions.get(key, 0), int(p.step))
             if exp.active:
                 exp.steps = max(exp.steps, p.step)
+        self.step_rates.observe_points(exp.id, req.points)
         if rows:
             await self.store.add_metrics(exp.id, rows)
             await self.store.save_experiment(exp)
@@ -826,8 +834,11 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 class CoordinatorServer:
     """A running coordinator: grpc.aio server, health service, lease reaper."""
 
-    def __init__(self, config: CoordinatorConfig) -> None:
+    def __init__(self, config: CoordinatorConfig, http: HttpConfig | None = None) -> None:
         self.config = config
+        self.http_config = http  # the status page and /metrics; None: not served
+        self.http: StatusHttp | None = None
+        self.http_port = 0
         self.coord: Coordinator | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -851,6 +862,10 @@ class CoordinatorServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap())
         await self.coord.reconcile()
+        if self.http_config is not None:
+            self.http = StatusHttp(self.coord, self.http_config)
+            self.http_port = await self.http.start()
+            log.info("status page and /metrics on http://%s:%d/", self.http_config.host, self.http_port)
         log.info("coordinator serving on %s:%d (state in %s)", self.config.host, self.port, self.config.state_dir)
         return self.port
 
@@ -865,6 +880,8 @@ class CoordinatorServer:
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop()
         if self._reaper is not None:
             self._reaper.cancel()
         if self.server is not None:
@@ -877,10 +894,18 @@ class CoordinatorServer:
         await self.server.wait_for_termination()
 
 
-async def serve(config: CoordinatorConfig, ready_file: str | None = None) -> None:
-    """Serve until SIGINT/SIGTERM, then shut down gracefully."""
-    srv = CoordinatorServer(config)
+async def serve(config: CoordinatorConfig, ready_file: str | None = None, http: HttpConfig | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then shut down gracefully.
+
+    With `http`, the status page and /metrics are served too, and the bound HTTP port is
+    written to `<state_dir>/http.port` (before `ready_file`, so it is there once that is).
+    """
+    srv = CoordinatorServer(config, http)
     port = await srv.start()
+    if srv.http is not None:
+        http_file = Path(config.state_dir) / "http.port"
+        Path(f"{http_file}.tmp").write_text(str(srv.http_port))
+        os.replace(f"{http_file}.tmp", http_file)
     if ready_file:
         tmp = f"{ready_file}.tmp"
         Path(tmp).write_text(str(port))

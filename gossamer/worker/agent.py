@@ -19,6 +19,7 @@ import grpc
 from gossamer.errors import ConfigError
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+from gossamer.worker.node_metrics import NodeMetrics
 
 log = logging.getLogger(__name__)
 _SPAWN = mp.get_context("spawn")  # never fork: gRPC state does not survive it
@@ -36,6 +37,9 @@ class AgentConfig:
     labels: dict[str, str] = field(default_factory=dict)
     grace_s: float = 30.0
     threads_per_role: int = 1
+    #: Serve this node's Prometheus /metrics on this port (0: a free one, logged); None: not served.
+    metrics_port: int | None = None
+    metrics_host: str = ""  # address /metrics binds; default: `address`
     log_level: str = "INFO"
     log_format: str = "text"  # text | json, for the agent and its role processes
 
@@ -46,6 +50,8 @@ class AgentConfig:
             raise ConfigError("nproc_per_node", "must be >= 1")
         if self.grace_s < 0:
             raise ConfigError("grace_s", "must be >= 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError("metrics_port", f"must be in 0..65535, got {self.metrics_port}")
 
 
 def route_address(coordinator: str) -> str:
@@ -99,6 +105,7 @@ class NodeAgent:
         self._stop = asyncio.Event()
         self._last_serial = 0
         self._channel: grpc.aio.Channel | None = None
+        self.metrics: NodeMetrics | None = None
         self._stub: pb_grpc.NodeServiceStub | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -109,6 +116,8 @@ class NodeAgent:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
         await self._join()
+        if self.config.metrics_port is not None:
+            await self._serve_metrics()
         beats = asyncio.create_task(self._heartbeats())
         tasks = [asyncio.create_task(t) for t in (self._watch(), self._monitor())]
         await self._stop.wait()
@@ -117,6 +126,22 @@ class NodeAgent:
         # Heartbeats go on while the roles stop, so a slow graceful exit never looks like a loss.
         await self.shutdown("signal")
         beats.cancel()
+
+    async def _serve_metrics(self) -> None:
+        """This node's Prometheus /metrics (`--metrics-port`), fed by its role processes."""
+        name = self.config.name or f"{socket.gethostname() or 'node'}-{self.node_id[:6]}"
+        self.metrics = NodeMetrics(name, roles=self._role_processes)
+        self.metrics.node_id = self.node_id
+        host = self.config.metrics_host or self.address
+        try:
+            port = await self.metrics.start(host, self.config.metrics_port or 0)
+        except OSError as e:
+            raise ConfigError("metrics_port", f"cannot serve /metrics on {host}:{self.config.metrics_port}: {e}") from None
+        log.info("node metrics on http://%s:%d/metrics", host, port)
+
+    def _role_processes(self) -> dict[tuple[str, str, int], int]:
+        return {(exp, "ps" if role == pb.ROLE_PARAMETER_SERVER else "worker", index): sum(p.is_alive() for p in run.procs)
+                for (exp, role, index), run in self.running.items()}
 
     async def shutdown(self, reason: str) -> None:
         """Leave gracefully within `grace_s` (a spot notice gives about 30 s).
@@ -142,6 +167,8 @@ class NodeAgent:
         await self._stop_runs(dict(self.running), max(0.0, deadline - time.monotonic()))
         if self._channel is not None:
             await self._channel.close()
+        if self.metrics is not None:
+            await self.metrics.stop()
         log.info("left the cluster in %.1f s", time.monotonic() - t0)
 
     async def _join(self) -> None:
@@ -227,6 +254,7 @@ class NodeAgent:
             "experiment_id": a.experiment_id, "index": a.index, "num_workers": a.num_workers,
             "experiment_json": a.experiment_json, "shard_endpoints": dict(a.shard_endpoints),
             "checkpoint_dir": a.checkpoint_dir, "lead": a.lead, "threads": self.config.threads_per_role,
+            "metrics_socket": self.metrics.socket_path if self.metrics else "",
             "log_level": self.config.log_level, "log_format": self.config.log_format, "node_name": self.name,
             **self._update_of(a),
         }
@@ -327,6 +355,8 @@ class NodeAgent:
         a = run.assignment
         assert self._stub is not None
         msg = f"role process exited with code {code}"
+        if self.metrics is not None:
+            self.metrics.role_failed()
         log.error("%s %d of %s: %s", pb.Role.Name(a.role), a.index, a.experiment_id, msg)
         try:
             await self._stub.ReportRole(

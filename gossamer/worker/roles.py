@@ -77,17 +77,20 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
 
     from gossamer.checkpoint.sharded import AsyncCheckpointer, latest_good
     from gossamer.experiment import Experiment
+    from gossamer.metric_families import staleness_buckets
     from gossamer.paramserver import (
         ShardConfig,
         ShardPlan,
         ShardServer,
         flatten_params,
     )
+    from gossamer.worker.node_metrics import MetricsFeed
     from gossamer.worker.reporter import Reporter
     from gossamer.worker.trainer import build
 
     exp = Experiment.from_json(spec["experiment_json"])
     shard = spec["index"]
+    feed = MetricsFeed.for_spec(spec, "ps", shard=shard)  # this node's /metrics
     reporter = Reporter(spec["coordinator"], spec["experiment_id"], f"{spec['node_id']}/ps{shard}")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -190,11 +193,13 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
                     "ckpt_snapshot_s": snapshot_s[0],
                 }
                 values.update({f"discarded_{k}": float(v) for k, v in st.get("discarded", {}).items()})
+                values.update(staleness_buckets(st.get("version_staleness", {})))
                 values.update(_staleness(st.get("version_staleness", {})))
                 if checkpointer is not None:
                     values.update(ckpt_saved=float(checkpointer.saved), ckpt_skipped=float(checkpointer.skipped),
                                   ckpt_failed=float(checkpointer.failed), ckpt_write_s=checkpointer.last_seconds)
                 reporter.metric(int(st.get("version", 0)), values)
+                feed.send(int(st.get("version", 0)), {**values, "primary": float(server.is_primary)})
         thread.join(timeout=5)
         server.close()
     except Exception as e:  # noqa: BLE001 — report any failure to the coordinator, then exit non-zero
@@ -217,6 +222,7 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
     import torch.distributed as dist
 
     from gossamer.experiment import Experiment
+    from gossamer.worker.node_metrics import MetricsFeed
     from gossamer.worker.reporter import Reporter
     from gossamer.worker.trainer import RankContext, RankTrainer, Trainer
 
@@ -232,6 +238,7 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
     source = f"{spec['node_id']}/{rank}"
     reporter = Reporter(spec["coordinator"], spec["experiment_id"], source)
     index = spec["index"]
+    feed = MetricsFeed.for_spec(spec, "worker", worker=index, rank=rank)  # this node's /metrics
     try:
         if world > 1 and not dist.is_initialized():
             dist.init_process_group(
@@ -281,7 +288,8 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
             def saved(self, step: int, path: str, kind: str) -> None:
                 reporter.checkpoint(step, path, kind)
 
-        trainer = _Trainer(ctx, on_metrics=reporter.metric, updates=updates, should_stop=stop.is_set, **kwargs)
+        trainer = _Trainer(ctx, on_metrics=feed.tee(reporter.metric), updates=updates, should_stop=stop.is_set,
+                           **kwargs)
         trainer.flush_metrics = reporter.flush
         if rank == 0:  # a gossip worker's endpoint reaches its peers through the coordinator
             reporter.role(spec["node_id"], pb.ROLE_WORKER, index, pb.ROLE_STATE_SERVING,

@@ -33,6 +33,9 @@ class CoordinatorConfig:
     #: Requests per second per client host (a token bucket); 0 turns the limit off.
     rate_limit: float = 200.0
     rate_burst: int = 400
+    #: CurveZMQ on the data plane (shards, gossip): None means on exactly when serving TLS
+    #: (docs/security.md, "Data plane").
+    curve: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -54,6 +57,11 @@ class CoordinatorConfig:
             raise ConfigError("rate_limit", "must be >= 0 (0: no limit)")
         if self.rate_limit and self.rate_burst < 1:
             raise ConfigError("rate_burst", "must be >= 1")
+
+    @property
+    def data_plane_curve(self) -> bool:
+        """Whether the data plane runs CurveZMQ (`curve`, defaulting to TLS on or off)."""
+        return self.curve if self.curve is not None else self.tls is not None
 
     @property
     def tls(self) -> TLSConfig | None:

@@ -44,6 +44,7 @@ class NodeRec:
     last_seen: float = 0.0
     experiment_id: str = ""
     stream_lost_at: float = 0.0  # when its assignment stream dropped (fast failure detection)
+    curve_key: str = ""  # public CURVE key (z85) the node joined with; "" without CURVE
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

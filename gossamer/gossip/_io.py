@@ -30,7 +30,13 @@ import torch
 import zmq
 
 from gossamer.compression import Codec, Payload
-from gossamer.errors import ProtocolError
+from gossamer.errors import AuthError, ProtocolError
+from gossamer.security.curve import (
+    CurveKeyring,
+    HandshakeMonitor,
+    MembershipAuthenticator,
+    peer_key,
+)
 from gossamer.transport.frames import (
     ZERO_COPY_THRESHOLD,
     FrameLimits,
@@ -38,7 +44,9 @@ from gossamer.transport.frames import (
     decode,
     encode,
     frames_nbytes,
+    peek_header,
 )
+from gossamer.transport.ratelimit import PeerRateLimiter, RateLimit
 
 __all__ = [
     "ACK",
@@ -68,6 +76,7 @@ _RECV_BATCH = 256
 # its MASS, or the late copy would be applied after the sender took the mass back.
 _SEEN_PER_SENDER = 1 << 16
 _SEEN_SENDERS = 1024
+_REDIAL_S = 1.0  # after a refused handshake, a neighbour's socket is opened again this often
 
 
 @dataclass
@@ -114,6 +123,8 @@ class PeerIO:
         limits: FrameLimits,
         fault: Fault | None,
         numel: int | None,
+        curve: CurveKeyring | None = None,
+        rate_limit: RateLimit | None = None,
     ) -> None:
         self.experiment = experiment
         self.peer_id = peer_id
@@ -135,13 +146,23 @@ class PeerIO:
         self.duplicates = 0
         self.fault_dropped = 0
         self.send_failures = 0
+        self.handshake_failures = 0  # our connections a neighbour refused (CURVE key, mechanism)
+        self._curve = curve
+        self._rate = PeerRateLimiter(rate_limit) if rate_limit is not None else None
+        self._refuse_logged = 0.0
 
         self._ctx = zmq.Context()
         self._router = self._socket(zmq.ROUTER)
+        self._auth: MembershipAuthenticator | None = None
         try:
+            if curve is not None:
+                self._auth = curve.authenticator(self._ctx)
+                curve.secure_server(self._router)
             port = self._router.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError:
             self._router.close(linger=0)
+            if self._auth is not None:
+                self._auth.stop()
             self._ctx.term()
             raise
         self.endpoint = f"tcp://{host}:{port}"
@@ -161,6 +182,9 @@ class PeerIO:
         self._dealers: dict[str, tuple[str, zmq.Socket]] = {}
         self._sock_peer: dict[zmq.Socket, str | None] = {}  # DEALER -> neighbour (None: snapshot)
         self._snap_socks: dict[int, zmq.Socket] = {}
+        self._watch: dict[zmq.Socket, HandshakeMonitor] = {}  # DEALER -> its handshake monitor
+        self._watched: dict[zmq.Socket, zmq.Socket] = {}  # monitor socket -> DEALER
+        self._redial: dict[str, float] = {}  # neighbour -> when to open a new socket to it
         self._outstanding: dict[int, _Outstanding] = {}
         self._delayed: list[tuple[float, int, zmq.Socket, bytes | None, list[Any], int]] = []
         self._seq = itertools.count()
@@ -168,6 +192,11 @@ class PeerIO:
         self._poller = zmq.Poller()
         self._thread = threading.Thread(target=self._run, name=f"gossip-io-{peer_id}", daemon=True)
         self._thread.start()
+
+    @property
+    def refused_handshakes(self) -> int:
+        """CURVE handshakes the ZAP handler refused (keys of non-members)."""
+        return self._auth.refused if self._auth is not None else 0
 
     # -- trainer side ------------------------------------------------------------------
     def post(self, *command: Any) -> None:
@@ -197,6 +226,8 @@ class PeerIO:
     def close(self) -> None:
         self.post("stop")
         self._thread.join(timeout=10)
+        if self._auth is not None:
+            self._auth.stop()
         if self._thread.is_alive():  # never seen; destroying closes the sockets under it
             logger.error("gossip peer %s: I/O thread did not stop", self.peer_id)
             self._ctx.destroy(linger=0)
@@ -241,6 +272,8 @@ class PeerIO:
                     for sock in ready:
                         if sock is self._router:
                             self._receive(sock, self._on_request)
+                        elif sock in self._watched:
+                            self._on_handshake_event(sock)
                         elif isinstance(sock, zmq.Socket) and not sock.closed:
                             self._receive(sock, self._on_reply)
                     self._on_timers(time.monotonic())
@@ -248,6 +281,8 @@ class PeerIO:
                     logger.exception("gossip peer %s: error in the I/O loop", self.peer_id)
                     time.sleep(0.01)
         finally:
+            for watch in self._watch.values():
+                watch.close()
             for sock in [self._router, *self._sock_peer]:
                 sock.close(linger=0)
 
@@ -258,6 +293,8 @@ class PeerIO:
             due = min(due, self._delayed[0][0])
         for out in self._outstanding.values():
             due = min(due, out.deadline)
+        for at in self._redial.values():
+            due = min(due, at)
         return max(0, math.ceil((due - now) * 1000))
 
     def _run_commands(self) -> bool:
@@ -361,6 +398,15 @@ class PeerIO:
         self._send(entry[1], None, frames, MASS, info, raw_extra)
 
     def _on_timers(self, now: float) -> None:
+        for pid, at in list(self._redial.items()):
+            if at > now:
+                continue
+            del self._redial[pid]
+            entry = self._dealers.get(pid)
+            if entry is not None:
+                self._close(entry[1])
+                del self._dealers[pid]
+                self._dial(pid, entry[0])
         while self._delayed and self._delayed[0][0] <= now:
             _, _, sock, identity, frames, raw_extra = heapq.heappop(self._delayed)
             self._send_now(sock, identity, frames, raw_extra)
@@ -375,21 +421,67 @@ class PeerIO:
 
     # -- membership and snapshots --------------------------------------------------------
     def _close(self, sock: zmq.Socket) -> None:
+        watch = self._watch.pop(sock, None)
+        if watch is not None:
+            self._watched.pop(watch.socket, None)
+            with contextlib.suppress(KeyError, zmq.ZMQError):
+                self._poller.unregister(watch.socket)
+            watch.close()
         with contextlib.suppress(KeyError, zmq.ZMQError):
             self._poller.unregister(sock)
         self._sock_peer.pop(sock, None)
         sock.close(linger=0)
 
     def _connect(self, endpoint: str, peer: str | None) -> zmq.Socket:
+        """A DEALER to `endpoint` (raises zmq.ZMQError, or AuthError without a CURVE key for it)."""
         sock = self._socket(zmq.DEALER)
         try:
-            sock.connect(endpoint)
-        except zmq.ZMQError:
+            if self._curve is not None:
+                self._curve.secure_client(sock, endpoint)
+            # Watched: a refused handshake is otherwise silence (no cost per message).
+            watch = HandshakeMonitor(sock)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError:
+                watch.close()
+                raise
+        except (zmq.ZMQError, AuthError):
             sock.close(linger=0)
             raise
+        self._watch[sock] = watch
+        self._watched[watch.socket] = sock
+        self._poller.register(watch.socket, zmq.POLLIN)
         self._poller.register(sock, zmq.POLLIN)
         self._sock_peer[sock] = peer
         return sock
+
+    def _dial(self, pid: str, endpoint: str) -> None:
+        try:
+            self._dealers[pid] = (endpoint, self._connect(endpoint, pid))
+        except (zmq.ZMQError, AuthError) as e:
+            logger.error("gossip peer %s: cannot connect to %s at %r: %s", self.peer_id, pid, endpoint, e)
+
+    def _on_handshake_event(self, monitor: zmq.Socket) -> None:
+        sock = self._watched.get(monitor)
+        watch = self._watch.get(sock) if sock is not None else None
+        if sock is None or watch is None:
+            return
+        was = watch.failure
+        failure = watch.check()
+        if failure is None or failure == was:
+            return
+        self.handshake_failures += 1
+        peer = self._sock_peer.get(sock)
+        logger.error("gossip peer %s: %s did not complete the ZMQ handshake: %s", self.peer_id,
+                     f"neighbour {peer}" if peer is not None else "a snapshot request", failure)
+        if peer is None:  # a snapshot request: fail it now rather than at its timeout
+            rid = next((r for r, s in self._snap_socks.items() if s is sock), None)
+            if rid is not None:
+                self._resolve(rid, None)
+        elif watch.fatal and peer not in self._redial:
+            # libzmq gave up on this connection; the neighbour may not have heard of our
+            # key yet. Mass sent meanwhile is lost on the wire and comes back by CANCEL.
+            self._redial[peer] = time.monotonic() + _REDIAL_S
 
     def _set_members(self, peers: dict[str, str], generation: int) -> None:
         for pid, (endpoint, sock) in list(self._dealers.items()):
@@ -401,16 +493,9 @@ class PeerIO:
                     del self._outstanding[hid]
         for pid, endpoint in peers.items():
             if pid not in self._dealers:
-                try:
-                    self._dealers[pid] = (endpoint, self._connect(endpoint, pid))
-                except zmq.ZMQError as e:
-                    logger.error(
-                        "gossip peer %s: cannot connect to %s at %r: %s",
-                        self.peer_id,
-                        pid,
-                        endpoint,
-                        e,
-                    )
+                self._dial(pid, endpoint)
+        for pid in [p for p in self._redial if p not in self._dealers]:
+            del self._redial[pid]
         self._generation = generation
 
     def _start_snapshot(self, rid: int, endpoint: str, frames: list[Any]) -> None:
@@ -419,7 +504,7 @@ class PeerIO:
                 return
         try:
             sock = self._connect(endpoint, None)
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, AuthError) as e:
             logger.warning(
                 "gossip peer %s: bad snapshot endpoint %r: %s", self.peer_id, endpoint, e
             )
@@ -463,11 +548,38 @@ class PeerIO:
             err["rid"] = rid
         self._reply(identity, ERROR, err, sender)
 
+    def _refuse_early(self, identity: bytes, head: Any, reason: str, text: str) -> None:
+        """Count a request refused before decoding; answer ERROR (no ACK/NACK: nothing is
+        decided about its mass, so a CANCEL later settles it exactly)."""
+        self.rejected[reason] += 1
+        now = time.monotonic()
+        if now - self._refuse_logged > 5.0:  # a flood must not flood the log too
+            self._refuse_logged = now
+            logger.warning("gossip peer %s: refused a request: %s", self.peer_id, text)
+        header = peek_header(head, self.limits)
+        meta = header.get("meta") if header is not None else None
+        err: dict[str, Any] = {"error": text, "code": reason}
+        rid = _int(meta, "rid") if isinstance(meta, dict) else None
+        if rid is not None:
+            err["rid"] = rid
+        self._reply(identity, ERROR, err, "?")
+
     def _on_request(self, _sock: zmq.Socket, frames: Sequence[Any]) -> None:
         if len(frames) < 2 or len(frames[0].buffer) == 0:
             self.rejected["unroutable"] += 1
             return
         identity = frames[0].bytes
+        if self._curve is not None and not self._curve.is_member(peer_key(frames[1])):
+            self._refuse_early(identity, frames[1], "not_member",
+                               "this node's CURVE key is not a member of the experiment (any more)")
+            return
+        if self._rate is not None and not self._rate.allow(identity, time.monotonic()):
+            if self._rate.answer(identity, time.monotonic()):
+                self._refuse_early(identity, frames[1], "rate_limit",
+                                   f"rate limit: over {self._rate.limit.messages_per_s:g} messages/s from this peer")
+            else:
+                self.rejected["rate_limit"] += 1
+            return
         try:
             msg = decode(frames[1:], self.limits)
         except ProtocolError as e:

@@ -42,7 +42,10 @@ import torch
 from gossamer.errors import ConfigError
 from gossamer.gossip._io import MASS, SNAP, SNAPSHOT, Fault, PeerIO
 from gossamer.gossip.value_codec import parse_value_codec
+from gossamer.security import curve as curve_keys
+from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits, Message, encode
+from gossamer.transport.ratelimit import RateLimit
 
 __all__ = ["MixStats", "PushSumPeer", "Snapshot"]
 
@@ -79,11 +82,13 @@ class _Hold:
     weight: float
 
 
+_DEFAULT_RATE = RateLimit()
+
+
 def _limits_for(numel: int | None) -> FrameLimits:
-    default = FrameLimits()
-    if numel is None or 4 * numel + (1 << 20) <= default.max_message_bytes:
-        return default
-    return FrameLimits(max_message_bytes=4 * numel + (1 << 20))
+    # A peer receives one fp32 copy of z at most (a MASS with codec "none", a snapshot
+    # reply); twice that leaves room for a codec's extra bytes.
+    return FrameLimits() if numel is None else FrameLimits.for_values(numel, copies=2)
 
 
 class PushSumPeer:
@@ -96,11 +101,16 @@ class PushSumPeer:
         codec: none | fp16 | bf16 | int8 | qsgd:L (`parse_value_codec`).
         share: the fraction of its mass a peer sends per `send` (1/2 in SGP).
         ack_timeout_s: how long a hold waits for an answer before each CANCEL.
-        limits: frame limits for everything received (default: `FrameLimits()`, its
-            message size raised to fit a fp32 `numel` when that is given).
+        limits: frame limits for everything received, ZMQ MAXMSGSIZE included (default:
+            twice a fp32 `numel` plus a header when `numel` is given, else `FrameLimits()`).
         fault: test hook, see `gossamer.gossip._io.Fault`.
         numel: the size of z, if known before the first `send`/`mix`/`serve` (until then
             incoming mass is NACKed and comes back to its sender).
+        curve: serve and connect with CurveZMQ: only the keyring's members may connect,
+            neighbours are reached with the server keys it names (default: the keyring
+            installed in this process, if any).
+        rate_limit: per-neighbour message rate (None: unlimited); a peer over it gets
+            ERROR "rate_limit" replies and nothing of its messages is decided.
 
     Raises:
         ConfigError: bad `codec`, `share` or `ack_timeout_s`.
@@ -118,6 +128,8 @@ class PushSumPeer:
         limits: FrameLimits | None = None,
         fault: Fault | None = None,
         numel: int | None = None,
+        curve: CurveKeyring | None = None,
+        rate_limit: RateLimit | None = _DEFAULT_RATE,
     ) -> None:
         if not 0.0 < share < 1.0:
             raise ConfigError("share", f"must be in (0, 1), got {share!r}")
@@ -138,6 +150,8 @@ class PushSumPeer:
             limits=limits or _limits_for(numel),
             fault=fault,
             numel=numel,
+            curve=curve if curve is not None else curve_keys.installed(),
+            rate_limit=rate_limit,
         )
         self.endpoint = self._io.endpoint
         self.weight = 1.0
@@ -167,6 +181,16 @@ class PushSumPeer:
     def rejected(self) -> dict[str, int]:
         """Incoming messages refused so far, by reason ("generation", "nonfinite", ...)."""
         return dict(self._io.rejected)
+
+    @property
+    def handshake_failures(self) -> int:
+        """Connections a neighbour refused at the handshake (CURVE key, or CURVE on one side only)."""
+        return self._io.handshake_failures
+
+    @property
+    def refused_handshakes(self) -> int:
+        """CURVE handshakes this peer's server refused (keys of non-members)."""
+        return self._io.refused_handshakes
 
     @property
     def duplicates(self) -> int:

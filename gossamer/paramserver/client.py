@@ -16,6 +16,8 @@ from gossamer.errors import ConfigError, ProtocolError, ShardError, UnavailableE
 from gossamer.faults import die_at
 from gossamer.paramserver.shard import chunk_key, parse_chunk_key
 from gossamer.paramserver.shard_plan import ShardPlan
+from gossamer.security import curve as curve_keys
+from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import (
     ZERO_COPY_THRESHOLD,
     FrameLimits,
@@ -64,9 +66,11 @@ class ShardClient:
         throttle: TokenBucket | None = None,
         compressor: ChunkCompressor | None = None,
         pull_codec: str = "none",
+        curve: CurveKeyring | None = None,
     ) -> None:
         """`compressor` encodes pushed gradients; `pull_codec` asks shards for compressed
-        parameter differences instead of full values (see ShardServer)."""
+        parameter differences instead of full values (see ShardServer); `curve`: connect
+        with CurveZMQ (default: the keyring installed in this process, if any)."""
         if not sender:
             raise ConfigError("sender", "must be a non-empty string")
         if timeout_s <= 0:
@@ -88,6 +92,10 @@ class ShardClient:
         self._endpoints = {s: endpoints[s] for s in self._by_shard}
         self._own_context = context is None
         self._ctx = context if context is not None else zmq.Context()
+        self.curve = curve if curve is not None else curve_keys.installed()
+        self._watch: dict[int, HandshakeMonitor] = {}
+        self._refused: dict[int, str] = {}  # why a shard refused our last socket (kept across retries)
+        self.handshake_retries = 0
         self._socks: dict[int, zmq.Socket] = {s: self._connect(s) for s in self._endpoints}
         self._rid = 0
         self.throttle = throttle
@@ -149,8 +157,7 @@ class ShardClient:
                 log_ = f"shard {s} moved: {self._endpoints[s]} -> {new}"
                 logger.info(log_)
                 self._endpoints[s] = new
-                self._socks[s].close(linger=0)
-                self._socks[s] = self._connect(s)
+                self._reconnect(s)
                 moved.append(s)
         return moved
 
@@ -295,6 +302,9 @@ class ShardClient:
             logger.info("LEAVE not answered (%s); the shards will drop us by membership", e)
 
     def close(self) -> None:
+        for watch in self._watch.values():
+            watch.close()
+        self._watch.clear()
         for sock in self._socks.values():
             sock.close(linger=0)
         self._socks.clear()
@@ -318,8 +328,46 @@ class ShardClient:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        if self.curve is not None:
+            try:
+                self.curve.secure_client(sock, endpoint)
+            except Exception:
+                sock.close(linger=0)
+                raise
+        # Always watched: a refused handshake (CURVE key, or CURVE on one side only) is
+        # otherwise silence; the monitor costs nothing per message.
+        old = self._watch.pop(shard, None)
+        if old is not None:
+            old.close()
+        self._watch[shard] = HandshakeMonitor(sock)
         sock.connect(endpoint)
         return sock
+
+    def _reconnect(self, shard: int) -> None:
+        """A new socket to `shard` (a late reply on the old one can never be mistaken)."""
+        watch = self._watch.pop(shard, None)
+        if watch is not None:
+            watch.close()
+        self._socks[shard].close(linger=0)
+        self._socks[shard] = self._connect(shard)
+
+    def _handshake_trouble(self, shards: list[int]) -> str:
+        """Why requests to `shards` got no reply, as far as the socket monitors know."""
+        notes = []
+        for s in shards:
+            watch = self._watch.get(s)
+            if watch is None:
+                continue
+            failure = watch.check()
+            if not watch.succeeded and (failure is None or not watch.fatal) and s in self._refused:
+                # The retry's socket saw less (or nothing yet): the refusal that caused it says why.
+                failure = self._refused[s]
+            if failure is not None:
+                notes.append(f"shard {s} at {self._endpoints.get(s)} did not complete the ZMQ handshake: {failure}")
+            elif watch.dropped:
+                notes.append(f"shard {s} at {self._endpoints.get(s)} closed the connection {watch.dropped} time(s) "
+                             "(a message over its size limit, MAXMSGSIZE, is dropped that way)")
+        return "; ".join(notes)
 
     def _msg(
         self,
@@ -365,6 +413,8 @@ class ShardClient:
         """
         waiting = dict(reqs)
         sent_to = {s: self._socks[s] for s in waiting}
+        retry_at: dict[int, float] = {}
+        retried: set[int] = set()  # reconnected after a refused handshake: resend, same deadline
         replies: dict[int, Message] = {}
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
@@ -375,20 +425,40 @@ class ShardClient:
                 if self._socks[s] is not sent_to[s]:  # moved: ask the new endpoint
                     self._send_one(s, msg)
                     sent_to[s] = self._socks[s]
-                    self.resent += 1
-                    deadline = time.monotonic() + timeout_s
+                    if s in retried:
+                        retried.discard(s)
+                    else:
+                        self.resent += 1
+                        deadline = time.monotonic() + timeout_s
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 lost = sorted(waiting)
+                why = self._handshake_trouble(lost)
                 for s in lost:  # a late reply must not be read as the next request's
-                    self._socks[s].close(linger=0)
-                    self._socks[s] = self._connect(s)
-                raise UnavailableError(f"shards {lost} did not answer within {timeout_s:.1f}s")
+                    self._reconnect(s)
+                raise UnavailableError(f"shards {lost} did not answer within {timeout_s:.1f}s"
+                                       + (f": {why}" if why else ""))
             poller = zmq.Poller()
             by_sock = {sent_to[s]: s for s in waiting}
             for sock in by_sock:
                 poller.register(sock, zmq.POLLIN)
-            for sock, _ in poller.poll(min(left_ms, 100)):
+            ready = poller.poll(min(left_ms, 100))
+            if not ready:
+                now = time.monotonic()
+                for s in waiting:
+                    watch = self._watch.get(s)
+                    if watch is None or watch.check() is None or not watch.fatal or now < retry_at.get(s, 0.0):
+                        continue
+                    # libzmq gave up on this connection (refused key, CURVE on one side only);
+                    # the shard may not have heard of this node yet: a new socket, once a second.
+                    (logger.debug if s in retry_at else logger.warning)(
+                        "shard %d refused the handshake (%s); retrying every second", s, watch.failure)
+                    retry_at[s] = now + 1.0
+                    retried.add(s)
+                    self._refused[s] = watch.failure or ""
+                    self.handshake_retries += 1
+                    self._reconnect(s)
+            for sock, _ in ready:
                 s = by_sock[sock]
                 while s in waiting:
                     try:

@@ -25,12 +25,18 @@ import zmq
 
 from gossamer.checkpoint.sharded import ShardSnapshot, restore_range, verify_step
 from gossamer.compression.chunk_codec import ChunkCompressor
-from gossamer.errors import ConfigError, ProtocolError
+from gossamer.errors import AuthError, ConfigError, ProtocolError
 from gossamer.faults import die_at
 from gossamer.lr_schedule import LR_SCHEDULES, lr_multiplier
 from gossamer.paramserver.consistency import SSPGate
 from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer, set_lr_factor
 from gossamer.paramserver.shard_plan import ShardPlan
+from gossamer.security.curve import (
+    CurveKeyring,
+    HandshakeMonitor,
+    MembershipAuthenticator,
+    peer_key,
+)
 from gossamer.transport.frames import (
     ZERO_COPY_THRESHOLD,
     FrameLimits,
@@ -39,7 +45,9 @@ from gossamer.transport.frames import (
     decode,
     encode,
     frames_nbytes,
+    peek_header,
 )
+from gossamer.transport.ratelimit import PeerRateLimiter, RateLimit
 
 if TYPE_CHECKING:
     from gossamer.experiment import Experiment
@@ -85,7 +93,11 @@ class ShardConfig:
     worker_timeout_s: float = 30.0
     backup_timeout_s: float = 3.0
     checkpoint_every: int = 0
-    limits: FrameLimits = field(default_factory=FrameLimits)
+    #: Size limits of everything received (ZMQ MAXMSGSIZE and decoding); None: derived from
+    #: the shard's size (`FrameLimits.for_values`).
+    limits: FrameLimits | None = None
+    #: Per-peer message rate (None: unlimited); a peer over it gets ERROR "RATE_LIMITED".
+    rate_limit: RateLimit | None = field(default_factory=RateLimit)
 
     def __post_init__(self) -> None:
         if not isinstance(self.experiment, str) or not self.experiment:
@@ -108,8 +120,10 @@ class ShardConfig:
             raise ConfigError("lr_schedule", f"must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not self.worker_timeout_s > 0:
             raise ConfigError("worker_timeout_s", f"must be > 0, got {self.worker_timeout_s!r}")
-        if not isinstance(self.limits, FrameLimits):
-            raise ConfigError("limits", "must be a FrameLimits")
+        if self.limits is not None and not isinstance(self.limits, FrameLimits):
+            raise ConfigError("limits", "must be a FrameLimits or None")
+        if self.rate_limit is not None and not isinstance(self.rate_limit, RateLimit):
+            raise ConfigError("rate_limit", "must be a RateLimit or None")
 
     @classmethod
     def for_experiment(cls, exp: Experiment, experiment_id: str, shard: int) -> ShardConfig:
@@ -191,9 +205,11 @@ class ShardServer:
         *,
         shapes: dict[str, tuple[int, ...]] | None = None,
         backup: bool = False,
+        curve: CurveKeyring | None = None,
     ) -> None:
         """`shapes`: parameter shapes by name, so compressed segments decode as matrices;
-        `backup`: start as the backup replica (promoted by `promote`)."""
+        `backup`: start as the backup replica (promoted by `promote`); `curve`: serve with
+        CurveZMQ, accepting only the keyring's members (and use it to reach the backup)."""
         if config.shard >= plan.num_shards:
             raise ConfigError("shard", f"shard {config.shard} not in a plan of {plan.num_shards}")
         self.config = config
@@ -214,6 +230,14 @@ class ShardServer:
                 )
             self._params[idx] = value
         self._optimizer = build_optimizer(config.optimizer, list(self._params.values()))
+        self.limits = config.limits or FrameLimits.for_values(plan.shard_numel(config.shard))
+        self._curve = curve
+        self._auth: MembershipAuthenticator | None = None
+        self._rate = PeerRateLimiter(config.rate_limit) if config.rate_limit is not None else None
+        self._rate_logged = 0.0
+        self.not_member = 0  # messages on a connection whose key is no longer a member's
+        self._backup_watch: HandshakeMonitor | None = None
+        self._backup_retry_at = 0.0
         self._gate: SSPGate[tuple[bytes, Any, list[int]]] = SSPGate(
             config.staleness if config.mode == "async" else None,
             lr_staleness_scaling=config.lr_staleness_scaling,
@@ -273,9 +297,12 @@ class ShardServer:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.copy_threshold = ZERO_COPY_THRESHOLD  # pyzmq copies below this; see frames.py
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if self._curve is not None:
+            self._auth = self._curve.authenticator(self._ctx)
+            self._curve.secure_server(sock)
         if port == 0:
             port = sock.bind_to_random_port(f"tcp://{host}")
         else:
@@ -311,6 +338,9 @@ class ShardServer:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -422,7 +452,15 @@ class ShardServer:
         b.setsockopt(zmq.LINGER, 0)
         b.setsockopt(zmq.SNDHWM, 0)
         b.setsockopt(zmq.RCVHWM, 0)
-        b.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes)
+        b.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        if self._curve is not None:
+            try:
+                self._curve.secure_client(b, endpoint)
+            except AuthError as e:
+                b.close(linger=0)
+                logger.error("shard %d: cannot attach backup %s: %s", self.config.shard, endpoint, e)
+                return
+            self._backup_watch = HandshakeMonitor(b)
         b.connect(endpoint)
         self._backup_sock = b
         self._synced = False
@@ -430,6 +468,9 @@ class ShardServer:
         logger.info("shard %d: backup %s attached at version %d", self.config.shard, endpoint, self._version)
 
     def _close_backup(self) -> None:
+        if self._backup_watch is not None:
+            self._backup_watch.close()
+            self._backup_watch = None
         if self._backup_sock is not None:
             self._backup_sock.close(linger=0)
             self._backup_sock = None
@@ -463,7 +504,7 @@ class ShardServer:
             except zmq.Again:
                 return
             try:
-                reply = decode(frames, self.config.limits)
+                reply = decode(frames, self.limits)
             except ProtocolError as e:
                 logger.warning("shard %d: undecodable reply from the backup: %s", self.config.shard, e)
                 continue
@@ -482,6 +523,16 @@ class ShardServer:
                     self._detach_backup()
 
     def _check_backup(self, now: float) -> None:
+        watch = self._backup_watch
+        if watch is not None and watch.check() is not None and watch.fatal and now >= self._backup_retry_at:
+            # libzmq gave up on this connection (the backup does not know our key yet, or
+            # not any more): try again on a new socket, with a full SYNC, once a second.
+            logger.error("shard %d: backup %s refused the CURVE handshake: %s; retrying", self.config.shard,
+                         self.backup_endpoint, watch.failure)
+            self._backup_retry_at = now + 1.0
+            endpoint, self.backup_endpoint = self.backup_endpoint, ""
+            self._close_backup()
+            self.set_backup(endpoint)
         if self._awaiting and now - self._awaiting[0][1] > self.config.backup_timeout_s:
             logger.error("shard %d: backup %s silent for %.1fs; acknowledging unreplicated until a new "
                          "backup is attached", self.config.shard, self.backup_endpoint, self.config.backup_timeout_s)
@@ -683,6 +734,9 @@ class ShardServer:
             "generation": self._sync_generation,
             "applied": dict(self._applied),
             "versions_lost": self.versions_lost,
+            "rate_limited": self._rate.refused if self._rate is not None else 0,
+            "not_member": self.not_member,
+            "curve_refused": self._auth.refused if self._auth is not None else 0,
         }
 
     # -- request handling -------------------------------------------------------------
@@ -696,10 +750,20 @@ class ShardServer:
         identity = frames[0].bytes
         payload = frames[1:]
         self.bytes_in += frames_nbytes(payload)
+        if self._curve is not None and not self._curve.is_member(peer_key(payload[0])):
+            self.not_member += 1
+            self._refuse_early(identity, payload, "this node's CURVE key is not a member of the experiment "
+                               "(any more)", "PERMISSION_DENIED")
+            return
+        if self._rate is not None and not self._rate.allow(identity, time.monotonic()):
+            if self._rate.answer(identity, time.monotonic()):
+                self._refuse_early(identity, payload, f"rate limit: over {self._rate.limit.messages_per_s:g} "
+                                   "messages/s from this peer", "RATE_LIMITED")
+            return
         rid: Any = None
         op = ""
         try:
-            msg = decode(payload, self.config.limits)
+            msg = decode(payload, self.limits)
             rid, op = msg.meta.get("rid"), msg.op
             with self._lock:
                 self._dispatch(identity, msg)
@@ -714,6 +778,22 @@ class ShardServer:
         except Exception as e:  # keep serving whatever one request did
             logger.exception("shard %d: internal error handling a request", self.config.shard)
             self._reply_error(identity, rid, f"internal error: {type(e).__name__}: {e}", "INTERNAL")
+
+    def _refuse_early(self, identity: bytes, payload: Sequence[zmq.Frame], message: str, code: str) -> None:
+        """An ERROR reply to a request refused before decoding (rate limit, revoked key)."""
+        header = peek_header(payload[0], self.limits)
+        meta = header.get("meta") if header is not None else None
+        rid = meta.get("rid") if isinstance(meta, dict) else None
+        if not isinstance(rid, int | str | None) or isinstance(rid, bool):
+            rid = None
+        now = time.monotonic()
+        if now - self._rate_logged > 5.0:  # a flood must not flood the log too
+            self._rate_logged = now
+            logger.warning("shard %d: refused a request: %s (%s)", self.config.shard, message, code)
+        try:
+            self._reply(identity, "ERROR", {"rid": rid, "error": message, "code": code})
+        except zmq.ZMQError as e:
+            logger.warning("shard %d: could not send an error reply: %s", self.config.shard, e)
 
     def _dispatch(self, identity: bytes, msg: Message) -> None:
         if msg.experiment != self.config.experiment:

@@ -196,7 +196,7 @@ _HANDSHAKE_EVENTS = (
 )
 
 
-def _describe(event: int, value: int) -> str:
+def _describe(event: int, value: int, curve: bool) -> str:
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (
             f"the server refused this node's CURVE key (ZAP status {value}): this node is not, or no "
@@ -209,9 +209,14 @@ def _describe(event: int, value: int) -> str:
                 "agree on --curve (ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL, mechanism mismatch)"
             )
         return f"handshake protocol error {value:#x} (ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL)"
+    if not curve:
+        return (
+            "the server hung up during the handshake and this socket is plaintext: most likely one side "
+            "uses CURVE and the other plaintext (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL)"
+        )
     return (
-        "the handshake failed without detail: most likely the wrong CURVE server key for this "
-        "endpoint (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL)"
+        "the server hung up during the handshake: most likely the wrong CURVE server key for this "
+        "endpoint, or a plaintext server (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL)"
     )
 
 
@@ -225,6 +230,7 @@ class HandshakeMonitor:
 
     def __init__(self, sock: zmq.Socket) -> None:
         self._sock = sock
+        self._curve = sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
         self.socket: zmq.Socket = sock.get_monitor_socket(events=_HANDSHAKE_EVENTS)
         self.failure: str | None = None  # why the last handshake failed; None after a success
         self.fatal = False
@@ -247,8 +253,10 @@ class HandshakeMonitor:
             elif kind == zmq.EVENT_DISCONNECTED:
                 if self.succeeded and self.failure is None:
                     self.dropped += 1
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self.fatal:
+                pass  # the server hung up after refusing us: the refusal says more
             else:
-                self.failure = _describe(kind, value)
+                self.failure = _describe(kind, value, self._curve)
                 self.fatal = kind in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 
     def close(self) -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "decode",
     "encode",
     "frames_nbytes",
+    "peek_header",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ WIRE_VERSION = 1
 # a 104 KB push took 0.8 ms longer zero-copy than copied on a loaded 2-core machine).
 ZERO_COPY_THRESHOLD = 1 << 20
 MAX_NDIM = 64
+#: The floor of `FrameLimits.for_values`: small models still take a 256 KiB link probe.
+MIN_MESSAGE_BYTES = 4 << 20
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -134,6 +137,21 @@ class FrameLimits:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(name, f"must be a positive int, got {value!r}")
 
+    @classmethod
+    def for_values(cls, numel: int, *, copies: int = 4) -> FrameLimits:
+        """Limits for a server whose largest legitimate message holds `copies` fp32 tensors of
+        `numel` values, plus a header (at least `MIN_MESSAGE_BYTES`).
+
+        A shard's largest message is the full-state SYNC to its backup: the values and up to
+        two optimizer buffers (AdamW), so 3 copies; 4 leaves room for codecs that expand a
+        push (top-k at ratio 1 sends values and indices). A gossip peer receives one copy at
+        most (a MASS, a snapshot reply).
+        """
+        if numel < 0 or copies < 1:
+            raise ConfigError("numel", f"needs numel >= 0 and copies >= 1, got {numel!r}, {copies!r}")
+        default = cls()
+        return cls(max_message_bytes=max(MIN_MESSAGE_BYTES, copies * 4 * numel + default.max_header_bytes))
+
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """A flat byte view of a C-contiguous CPU tensor (bf16 and bool go through uint8)."""
@@ -199,6 +217,22 @@ def _frame_len(frame: bytes | memoryview | zmq.Frame) -> int:
     if isinstance(frame, memoryview):
         return frame.nbytes
     return len(frame)
+
+
+def peek_header(frame: bytes | memoryview | zmq.Frame, limits: FrameLimits = FrameLimits()) -> dict[str, Any] | None:
+    """The raw header map of frame 0 without validating the message (None if unreadable).
+
+    For answering a request that is refused before it is decoded (rate limit): the reply
+    carries the request's ``rid`` so the client matches it.
+    """
+    if _frame_len(frame) > limits.max_header_bytes:
+        return None
+    try:
+        raw = frame.bytes if isinstance(frame, zmq.Frame) else bytes(frame)
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+    except Exception:  # msgpack raises a zoo of types for bad input
+        return None
+    return header if isinstance(header, dict) else None
 
 
 def _frame_buffer(frame: bytes | memoryview | zmq.Frame) -> memoryview | bytearray:

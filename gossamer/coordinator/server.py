@@ -52,6 +52,12 @@ class Coordinator:
         self._seq = max((e.seq for e in exps), default=0)
         self._changed = asyncio.Condition()
         self._import_checks: set[tuple[str, str]] = set()
+        self.curve = config.data_plane_curve
+        if self.curve:
+            import zmq  # not at import time: a plaintext coordinator never loads ZMQ
+
+            if not zmq.has("curve"):
+                raise ConfigError("curve", "this pyzmq/libzmq was built without CURVE support")
         self.step_rates = StepRates()  # per-node step rates from workers' reports (stragglers)
         if nodes or exps:
             log.info("resumed state: %d nodes, %d experiments", len(nodes), len(exps))
@@ -69,11 +75,24 @@ class Coordinator:
                 pass
 
     # --- membership ------------------------------------------------------------------------
+    def _curve_key(self, req: pb.JoinRequest) -> str:
+        """The joining node's public CURVE key ("" when the data plane runs without CURVE)."""
+        if not self.curve:
+            return ""
+        if not req.curve_public_key:
+            raise ConfigError("curve_public_key", "this coordinator runs the data plane with CurveZMQ (--curve) "
+                              "and the node sent no CURVE public key: upgrade gossamer on the node")
+        from gossamer.security.curve import check_public_key
+
+        return check_public_key(req.curve_public_key)
+
     async def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
         now = time.time()
+        curve_key = self._curve_key(req)
         node = self.nodes.get(req.node_id) if req.node_id else None
         if node is not None and node.alive:
             node.last_seen = now
+            node.curve_key = curve_key  # the same key after a coordinator restart; assignments follow a new one
             await self.store.add_event("rejoin", f"node {node.name} re-attached", node_id=node.id)
         else:
             node_id = req.node_id or uuid.uuid4().hex[:12]
@@ -90,6 +109,7 @@ class Coordinator:
                 state=pb.NODE_STATE_READY,
                 joined_unix=now,
                 last_seen=now,
+                curve_key=curve_key,
             )
             self.nodes[node.id] = node
             await self.store.add_event(
@@ -101,6 +121,7 @@ class Coordinator:
             node_id=node.id,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             lease_timeout_s=self.config.lease_timeout_s,
+            curve=self.curve,
         )
 
     async def heartbeat(self, node_id: str) -> bool:
@@ -396,6 +417,7 @@ class Coordinator:
         workers = exp.roles_of(pb.ROLE_WORKER)
         senders = [f"{w.node_id}:{w.index}" for w in workers]
         peers = {w.index: w.endpoint for w in workers if w.endpoint} if _serverless(exp.spec) else {}
+        server_keys, members = self._curve_keys(exp)
         spec = exp.spec
         out = []
         for r in exp.roles:
@@ -422,9 +444,24 @@ class Coordinator:
                     restore_epoch=r.restore_epoch,
                     worker_rank=workers.index(r) if not ps else 0,
                     peer_endpoints={i: e for i, e in peers.items() if i != r.index} if not ps else {},
+                    curve_server_keys=server_keys,
+                    curve_members=members,
                 )
             )
         return out
+
+    def _curve_keys(self, exp: ExpRec) -> tuple[dict[str, str], list[str]]:
+        """CurveZMQ: (endpoint -> public key of the node serving it, public keys of the members).
+
+        Members are the nodes holding a role in `exp` now: a node that is lost, leaves or
+        loses its role drops out, and the shards and peers refuse its key from then on.
+        """
+        if not self.curve:
+            return {}, []
+        keys = {r.node_id: self.nodes[r.node_id].curve_key for r in exp.roles
+                if r.node_id in self.nodes and self.nodes[r.node_id].curve_key}
+        endpoints = {r.endpoint: keys[r.node_id] for r in exp.roles if r.endpoint and r.node_id in keys}
+        return endpoints, sorted(set(keys.values()))
 
     # --- experiments -----------------------------------------------------------------------
     async def submit(self, experiment_json: str) -> str:

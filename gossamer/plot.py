@@ -23,6 +23,12 @@ def _worker_sources(points: Sequence[dict[str, Any]], key: str) -> list[str]:
     return sorted({p["source"] for p in points if key in p})
 
 
+def _label(source: str, names: dict[str, str] | None) -> str:
+    """"node_id/rank" as the node's name (and the rank unless 0)."""
+    node, _, rank = source.partition("/")
+    return (names or {}).get(node, node) + (f"/{rank}" if rank not in ("", "0") else "")
+
+
 def _series(points: Sequence[dict[str, Any]], key: str, t0: float, source: str | None = None) -> Series:
     xs, ys = [], []
     for p in points:
@@ -49,7 +55,8 @@ def summed_latest(points: Sequence[dict[str, Any]], key: str, t0: float, ttl_s: 
     return xs, ys
 
 
-def render(points: Sequence[dict[str, Any]], title: str = "", names: dict[str, str] | None = None) -> Figure:
+def render(points: Sequence[dict[str, Any]], title: str = "", names: dict[str, str] | None = None,
+           t0: float | None = None) -> Figure:
     """Four panels against wall time: loss (train per worker, eval), eval accuracy,
     throughput (samples/s, all workers), cumulative bytes up and down (all workers).
 
@@ -57,6 +64,7 @@ def render(points: Sequence[dict[str, Any]], title: str = "", names: dict[str, s
         points: `Job.metrics()` (dicts with time_unix, step, source and values).
         title: figure title (the experiment id).
         names: node id -> node name, to label each worker's line by name.
+        t0: the time (unix) the x axis counts from; default the first point's.
 
     Raises:
         GossamerError: no points.
@@ -67,17 +75,16 @@ def render(points: Sequence[dict[str, Any]], title: str = "", names: dict[str, s
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    t0 = min(p["time_unix"] for p in points)
+    if t0 is None:
+        t0 = min(p["time_unix"] for p in points)
     fig = Figure(figsize=(11, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
     (ax_loss, ax_acc), (ax_rate, ax_bytes) = fig.subplots(2, 2, sharex=True)
     if title:
         fig.suptitle(title)
 
-    workers = _worker_sources(points, "loss")
-    for src in workers:
-        node, _, rank = src.partition("/")
-        label = (names or {}).get(node, node) + (f"/{rank}" if rank not in ("", "0") else "")
+    workers = sorted((_label(src, names), src) for src in _worker_sources(points, "loss"))
+    for label, src in workers:
         ax_loss.plot(*_series(points, "loss", t0, src), lw=1, alpha=0.8,
                      label=f"train {label}" if len(workers) <= 6 else None)
     if len(workers) > 6:
@@ -90,12 +97,12 @@ def render(points: Sequence[dict[str, Any]], title: str = "", names: dict[str, s
 
     ax_rate.plot(*summed_latest(points, "samples_per_s", t0, ttl_s=_RATE_TTL_S), "C1", drawstyle="steps-post",
                  label="all workers")
-    ax_rate.set(title="throughput", ylabel="samples/s", xlabel="wall time (s)")
+    ax_rate.set(title="throughput", ylabel="samples/s", xlabel="seconds since start")
 
     up, down = summed_latest(points, "bytes_up", t0), summed_latest(points, "bytes_down", t0)
     ax_bytes.plot(up[0], [b / 1e6 for b in up[1]], "C3", drawstyle="steps-post", label="up (sent)")
     ax_bytes.plot(down[0], [b / 1e6 for b in down[1]], "C4", drawstyle="steps-post", label="down (received)")
-    ax_bytes.set(title="bytes, cumulative", ylabel="MB", xlabel="wall time (s)")
+    ax_bytes.set(title="bytes, cumulative", ylabel="MB", xlabel="seconds since start")
 
     for ax in (ax_loss, ax_acc, ax_rate, ax_bytes):
         ax.grid(alpha=0.3)
@@ -108,10 +115,10 @@ def render(points: Sequence[dict[str, Any]], title: str = "", names: dict[str, s
 
 
 def plot_to_file(points: Iterable[dict[str, Any]], out: str | Path, title: str = "",
-                 names: dict[str, str] | None = None) -> Path:
+                 names: dict[str, str] | None = None, t0: float | None = None) -> Path:
     """Render `points` and write the figure (PNG, or any format matplotlib knows by suffix)."""
     path = Path(out)
-    fig = render(list(points), title=title, names=names)
+    fig = render(list(points), title=title, names=names, t0=t0)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     return path
@@ -130,4 +137,5 @@ def plot_experiment(job: Any, out: str | Path) -> Path:
         raise GossamerError(f"experiment {job.id} has no metric points yet ({status['state']}); "
                             "try again once it is running")
     names = {r["node_id"]: r["node"] for r in status["roles"] if r.get("node")}
-    return plot_to_file(points, out, title=f"{status['name']} ({job.id}): {status['state']}", names=names)
+    return plot_to_file(points, out, title=f"{status['name']} ({job.id}): {status['state']}", names=names,
+                        t0=status.get("started_unix") or None)

@@ -112,7 +112,7 @@ class WatchView:
         maxes = [t.latest["staleness_max"] for t in self.tracks.values() if "staleness_max" in t.latest]
         if not means:
             return "-"
-        return f"mean {sum(means) / len(means):.2f}, max {max(maxes, default=0):.0f}"
+        return f"mean {sum(means) / len(means):.2f}, max {max(maxes, default=0):.0f} versions"
 
     def header(self) -> RenderableType:
         st, m = self.status, self.status.get("metrics", {})
@@ -131,14 +131,20 @@ class WatchView:
         pct = f"{100 * steps / total:.0f}%" if total else ""
         bar.add_row("step", ProgressBar(total=max(1, total), completed=min(steps, total), width=50),
                     f"{steps}/{total} {pct}")
-        grid = Table.grid(padding=(0, 3))
-        for _ in range(4):
-            grid.add_column()
         ratio = m.get("compression_ratio")
-        grid.add_row(f"loss {_num(m, 'loss')}", f"eval accuracy {_num(m, 'eval_accuracy')}",
-                     f"eval loss {_num(m, 'eval_loss')}", f"samples/s {_num(m, 'samples_per_s', '.0f')}")
-        grid.add_row(f"bytes up {_bytes(m.get('bytes_up', 0.0))}", f"down {_bytes(m.get('bytes_down', 0.0))}",
-                     f"compression {'-' if not ratio else f'{ratio:.1f}x'}", f"staleness {self._staleness()}")
+
+        def line(*pairs: tuple[str, str]) -> Text:
+            return Text("   ").join(Text.assemble((f"{k} ", "dim"), v) for k, v in pairs)
+
+        lines = [
+            line(("loss", _num(m, "loss")), ("eval accuracy", _num(m, "eval_accuracy")),
+                 ("eval loss", _num(m, "eval_loss"))),
+            line(("samples/s", _num(m, "samples_per_s", ".0f")), ("bytes up", _bytes(m.get("bytes_up", 0.0))),
+                 ("down", _bytes(m.get("bytes_down", 0.0))), ("compression", "-" if not ratio else f"{ratio:.1f}x")),
+        ]
+        if self._staleness() != "-":
+            lines.append(line(("staleness", self._staleness())))
+        grid = Group(*lines)
         parts: list[RenderableType] = [title, bar, grid]
         if st.get("message"):
             parts.append(Text(st["message"], style="dim"))
@@ -174,7 +180,8 @@ class WatchView:
         t = Table.grid(padding=(0, 2))
         t.add_column(style="bold")
         t.add_column()
-        t.add_row(st.get("state", "?"), st.get("message", ""))
+        state = st.get("state", "?")
+        t.add_row(Text(state, style=_STATE_STYLE.get(state, "")), st.get("message", ""))
         for key, label, fmt in (("steps", "steps", ".0f"), ("eval_accuracy", "eval accuracy", ".4f"),
                                 ("eval_loss", "eval loss", ".4f"), ("samples", "samples", ".0f")):
             if key in m:
@@ -231,6 +238,8 @@ def watch(client: Any, experiment_id: str, *, refresh_s: float = 1.0, console: C
                 if status["state"] in _FINISHED:
                     break
                 time.sleep(refresh_s)
+        if not console.is_terminal:
+            console.line()  # a Live that could not redraw in place leaves its last frame unterminated
     except KeyboardInterrupt:
         out.print(f"detached from {experiment_id}; it keeps running (`gossamer watch {experiment_id}` "
                   "follows it again, `gossamer cancel` stops it)")

@@ -41,7 +41,7 @@ def test_table_shows_progress_totals_and_one_row_per_role_with_rates() -> None:
     text = _text(view.render())
     assert "digits" in text and "running" in text and "600/1500" in text and "40%" in text
     assert "0.9361" in text and "812" in text and "12.5 MB" in text and "3.9x" in text
-    assert "mean 1.50, max 4" in text
+    assert "staleness mean 1.50, max 4 versions" in text
     cells = [[c.strip() for c in line.strip("│").split("│")] for line in text.splitlines() if line.startswith("│")]
     rows = {c[0]: c for c in cells}
     assert rows["spot-0"] == ["spot-0", "worker 0", "40", "10.0", "0.4s ago", ""]

@@ -34,17 +34,47 @@ def _setup_logging(level: str, fmt: str = "text", **context: str) -> None:
     configure(level, fmt)
 
 
+# --- security ---------------------------------------------------------------------------------
+def _server_security(args: argparse.Namespace) -> dict[str, Any]:
+    """TLS and token paths of the coordinator; --secure DIR fills what the explicit flags leave."""
+    paths = {"tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_ca": args.tls_ca, "token_file": args.token_file}
+    if args.secure:
+        from gossamer.security.serving import client_instructions, secure_setup
+
+        made, created = secure_setup(args.secure, args.san, args.host)
+        paths = {k: v or made[k] for k, v in paths.items()}
+        host = args.host if args.host not in ("0.0.0.0", "::") else "HOST"
+        lines = client_instructions(args.secure, f"{host}:{args.port or 'PORT'}")
+        print(("created " if created else "using ") + "\n".join(lines), file=sys.stderr)
+    return paths
+
+
+def _client_security(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from gossamer.security.channel import ChannelSecurity
+
+    return ChannelSecurity.from_flags(
+        secure=args.secure, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_server_name=args.tls_server_name, token_file=args.token_file,
+    )
+
+
+def cmd_security_init(args: argparse.Namespace) -> int:
+    from gossamer.security.certs import init_secure_dir
+    from gossamer.security.serving import client_instructions
+
+    made = init_secure_dir(args.dir, args.san)
+    print(f"{'created' if made.created else 'kept the existing'} CA, certificates and token in {made.root}")
+    print(f"the coordinator's certificate is valid for: {', '.join(made.server_names)}")
+    print(f"coordinator: gossamer coordinator serve --host 0.0.0.0 --secure {made.root}")
+    for line in client_instructions(args.dir, args.address)[1:]:
+        print(line)
+    return 0
+
+
 # --- coordinator ------------------------------------------------------------------------------
-def _refuse_token_file(args: argparse.Namespace) -> None:
-    # Accepting the flag without enforcing it would look secure and not be.
-    if getattr(args, "token_file", None):
-        raise GossamerError("--token-file: token authentication is not available in this release yet")
-
-
 def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    _refuse_token_file(args)
     from gossamer.coordinator.config import CoordinatorConfig
     from gossamer.coordinator.server import serve
 
@@ -53,6 +83,8 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, state_dir=args.state_dir,
         heartbeat_interval_s=args.heartbeat_interval, lease_timeout_s=args.lease_timeout,
         check_imports=not args.no_import_check,
+        max_message_bytes=int(args.max_message_mb * (1 << 20)), rate_limit=args.rate_limit,
+        rate_burst=args.rate_burst, **_server_security(args),
     )
     http = None
     if args.http_port is not None:
@@ -67,12 +99,11 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
 def cmd_worker_join(args: argparse.Namespace) -> int:
     import asyncio
 
-    _refuse_token_file(args)
     from gossamer.worker.agent import AgentConfig, NodeAgent, parse_labels
 
     _setup_logging(args.log_level, args.log_format, role="agent", node=args.name)
     config = AgentConfig(
-        coordinator=args.coordinator, name=args.name, address=args.address,
+        coordinator=args.coordinator, name=args.name, address=args.address, security=_client_security(args),
         nproc_per_node=args.nproc_per_node, spot=args.spot, labels=parse_labels(args.labels),
         grace_s=args.grace, threads_per_role=args.threads, log_level=args.log_level.upper(), log_format=args.log_format,
     )
@@ -88,7 +119,7 @@ def cmd_worker_join(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from gossamer.client import Client
 
-    client = Client(args.coordinator)
+    client = Client.secured(args.coordinator, _client_security(args))
     client.ping(timeout=args.connect_timeout)
     return client
 
@@ -293,6 +324,38 @@ def _add_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", "-c", default=_env("COORDINATOR", DEFAULT_COORDINATOR),
                    help="coordinator HOST:PORT (env GOSSAMER_COORDINATOR)")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for the coordinator")
+    _add_security_flags(p, server=False)
+
+
+def _add_security_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
+    """TLS / mTLS and token flags (docs/security.md); env GOSSAMER_<FLAG> for each."""
+    g = p.add_argument_group("security (docs/security.md)")
+    if server:
+        g.add_argument("--secure", metavar="DIR", default=_env("SECURE", None),
+                       help="one-flag set-up: mutual TLS + token from DIR, created (CA, certificates, token) if "
+                            "missing; prints what to copy to workers (env GOSSAMER_SECURE)")
+        g.add_argument("--san", action="append", default=[s for s in _env("SAN", "").split(",") if s],
+                       metavar="HOST", help="with --secure: another name or IP the coordinator is reached at")
+        g.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="server certificate (PEM): serve TLS")
+        g.add_argument("--tls-key", default=_env("TLS_KEY", None), help="server private key (PEM)")
+        g.add_argument("--tls-ca", default=_env("TLS_CA", None),
+                       help="CA (PEM) that signs client certificates: require them (mutual TLS)")
+        g.add_argument("--token-file", default=_env("TOKEN_FILE", None),
+                       help="file with the token every client must send (health checks excepted)")
+        g.add_argument("--max-message-mb", type=float, default=_env("MAX_MESSAGE_MB", 16.0),
+                       help="largest request accepted, MiB")
+        g.add_argument("--rate-limit", type=float, default=_env("RATE_LIMIT", 200.0),
+                       help="requests/s per client host (0: no limit)")
+        g.add_argument("--rate-burst", type=int, default=_env("RATE_BURST", 400), help="requests at once per host")
+        return
+    g.add_argument("--secure", metavar="DIR", default=_env("SECURE", None),
+                   help="a copy of the coordinator's secure DIR/client: CA, client certificate, token")
+    g.add_argument("--tls-ca", default=_env("TLS_CA", None), help="CA (PEM) that signs the coordinator: use TLS")
+    g.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="client certificate (PEM) for mutual TLS")
+    g.add_argument("--tls-key", default=_env("TLS_KEY", None), help="client private key (PEM) for mutual TLS")
+    g.add_argument("--tls-server-name", default=_env("TLS_SERVER_NAME", None),
+                   help="name to check the coordinator's certificate against (default: the host dialled)")
+    g.add_argument("--token-file", default=_env("TOKEN_FILE", None), help="file with the coordinator's token")
 
 
 def _coordinator_parser(sub: Any) -> None:
@@ -311,7 +374,7 @@ def _coordinator_parser(sub: Any) -> None:
                    help="serve the status page and Prometheus /metrics on this port (0 picks a free one, written to "
                         "STATE_DIR/http.port); off unless given (env GOSSAMER_HTTP_PORT)")
     s.add_argument("--http-host", default=_env("HTTP_HOST", ""), help="address the HTTP side binds (default: --host)")
-    s.add_argument("--token-file", default=None, help="join token file (not available yet: refused)")
+    _add_security_flags(s, server=True)
     s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     s.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT", "text"),
                    help="text, or json: one object per line with ts, level, logger, msg, node, experiment, role"
@@ -337,7 +400,7 @@ def _worker_parser(sub: Any) -> None:
                         "given (env GOSSAMER_METRICS_PORT)")
     j.add_argument("--metrics-host", default=_env("METRICS_HOST", ""),
                    help="address /metrics binds (default: --address, the one other nodes reach this node at)")
-    j.add_argument("--token-file", default=None, help="join token file (not available yet: refused)")
+    _add_security_flags(j, server=False)
     j.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     j.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT", "text"),
                    help="text, or json: one object per line with ts, level, logger, msg, node, experiment, role"
@@ -393,6 +456,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", "-o", default=None, help="output file (default ID.png; .svg/.pdf by suffix)")
     _add_client_flags(pl)
     pl.set_defaults(fn=cmd_plot)
+
+    se = sub.add_parser("security", help="secure set-up (docs/security.md)")
+    sesub = se.add_subparsers(dest="action", required=True)
+    si = sesub.add_parser("init", help="create a CA, coordinator and client certificates and a token in DIR")
+    si.add_argument("dir")
+    si.add_argument("--san", action="append", default=[], metavar="HOST",
+                    help="a name or IP the coordinator is reached at (repeatable; this machine's are included)")
+    si.add_argument("--address", default="HOST:7070", help="coordinator address to show in the instructions")
+    si.set_defaults(fn=cmd_security_init)
 
     d = sub.add_parser("demo", help="a whole local cluster: coordinator, shards, workers, digits in async mode")
     d.add_argument("--workers", type=int, default=3)

@@ -211,8 +211,10 @@ class Client:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     return  # it answered (refusing is an answer too)
                 err = self._error(e)
-                if isinstance(err, AuthError) or time.monotonic() >= deadline:
+                if isinstance(err, AuthError):
                     raise err from None
+                if time.monotonic() >= deadline:
+                    raise UnavailableError(f"coordinator at {self.address} is unreachable") from None
             time.sleep(0.2)
 
     def submit(self, experiment: Experiment | dict[str, Any]) -> Job:

@@ -26,6 +26,7 @@ from gossamer.coordinator.store import Store
 from gossamer.coordinator.stragglers import StepRates, worker_speeds
 from gossamer.errors import ConfigError, GossamerError, NotFoundError
 from gossamer.experiment import IMPLEMENTED_MODES, Experiment
+from gossamer.security.serving import describe_security, server_interceptors
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -885,13 +886,16 @@ class CoordinatorServer:
     async def start(self) -> int:
         self.coord = Coordinator(self.config)
         self.server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
+            interceptors=server_interceptors(self.config),
+            options=[("grpc.max_receive_message_length", self.config.max_message_bytes), ("grpc.so_reuseport", 0)],
         )
         pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(self.coord), self.server)
         pb_grpc.add_ExperimentServiceServicer_to_server(ExperimentServicer(self.coord), self.server)
         pb_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(self.coord), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        bind, tls = f"{self.config.host}:{self.config.port}", self.config.tls
+        self.port = self.server.add_secure_port(bind, tls.server_credentials()) if tls \
+            else self.server.add_insecure_port(bind)
         if self.port == 0:
             raise ConfigError("port", f"cannot bind {self.config.host}:{self.config.port}")
         await self.server.start()
@@ -903,7 +907,8 @@ class CoordinatorServer:
             self.http = StatusHttp(self.coord, self.http_config)
             self.http_port = await self.http.start()
             log.info("status page and /metrics on http://%s:%d/", self.http_config.host, self.http_port)
-        log.info("coordinator serving on %s:%d (state in %s)", self.config.host, self.port, self.config.state_dir)
+        log.info("coordinator serving on %s:%d (state in %s; %s)", self.config.host, self.port, self.config.state_dir,
+                 describe_security(self.config))
         return self.port
 
     async def _reap(self) -> None:

@@ -16,7 +16,8 @@ from typing import Any
 
 import grpc
 
-from gossamer.errors import ConfigError
+from gossamer.errors import AuthError, ConfigError
+from gossamer.security.channel import ChannelSecurity, explain_rpc_error, open_aio_channel
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from gossamer.worker.node_metrics import NodeMetrics
@@ -41,6 +42,8 @@ class AgentConfig:
     metrics_port: int | None = None
     metrics_host: str = ""  # address /metrics binds; default: `address`
     log_level: str = "INFO"
+    #: TLS settings and token for the coordinator; role processes get the same (as file paths).
+    security: ChannelSecurity | None = None
     log_format: str = "text"  # text | json, for the agent and its role processes
 
     def __post_init__(self) -> None:
@@ -110,7 +113,7 @@ class NodeAgent:
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.config.coordinator)
+        self._channel = open_aio_channel(self.config.coordinator, self.config.security)
         self._stub = pb_grpc.NodeServiceStub(self._channel)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -192,6 +195,10 @@ class NodeAgent:
                 log.info("joined %s as node %s (address %s)", self.config.coordinator, self.node_id, self.address)
                 return
             except grpc.RpcError as e:
+                # A refused token or a TLS mismatch will not fix itself: stop with the reason.
+                err = await asyncio.to_thread(explain_rpc_error, e, self.config.coordinator, self.config.security)
+                if isinstance(err, AuthError):
+                    raise err from None
                 if not warned:
                     log.warning("waiting for the coordinator at %s (%s)", self.config.coordinator, e.code())
                     warned = True
@@ -211,6 +218,10 @@ class NodeAgent:
                 if not resp.known:
                     log.warning("coordinator does not know this node; joining again")
                     await self._join()
+            except AuthError as e:
+                log.error("%s; leaving", e)
+                self._stop.set()
+                return
             except grpc.RpcError as e:
                 if not warned:
                     log.warning("heartbeat failed (%s); roles keep running, retrying", e.code())
@@ -257,6 +268,7 @@ class NodeAgent:
             "metrics_socket": self.metrics.socket_path if self.metrics else "",
             "log_level": self.config.log_level, "log_format": self.config.log_format, "node_name": self.name,
             **self._update_of(a),
+            "security": self.config.security.spec() if self.config.security else None,
         }
 
     @staticmethod

@@ -91,7 +91,8 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
     exp = Experiment.from_json(spec["experiment_json"])
     shard = spec["index"]
     feed = MetricsFeed.for_spec(spec, "ps", shard=shard)  # this node's /metrics
-    reporter = Reporter(spec["coordinator"], spec["experiment_id"], f"{spec['node_id']}/ps{shard}")
+    reporter = Reporter(spec["coordinator"], spec["experiment_id"], f"{spec['node_id']}/ps{shard}",
+                        security=spec.get("security"))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -236,7 +237,7 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     source = f"{spec['node_id']}/{rank}"
-    reporter = Reporter(spec["coordinator"], spec["experiment_id"], source)
+    reporter = Reporter(spec["coordinator"], spec["experiment_id"], source, security=spec.get("security"))
     index = spec["index"]
     feed = MetricsFeed.for_spec(spec, "worker", worker=index, rank=rank)  # this node's /metrics
     try:

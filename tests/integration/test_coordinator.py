@@ -163,10 +163,19 @@ def test_unknown_experiment_is_not_found(coordinator) -> None:  # type: ignore[n
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_token_file_is_refused_rather_than_silently_ignored(tmp_path: Path) -> None:
-    token = tmp_path / "token"
-    token.write_text("secret\n")
-    for argv in (["coordinator", "serve", "--port", "0"], ["worker", "join", "127.0.0.1:1"]):
-        out = subprocess.run([sys.executable, "-m", "gossamer.cli", *argv, "--token-file", str(token)],
+def test_token_file_is_enforced_rather_than_silently_ignored(tmp_path: Path) -> None:
+    """--token-file was refused until tokens were checked; now it is enforced (tests/integration/test_security_grpc.py)."""
+    from gossamer.errors import AuthError
+    from gossamer.local_cluster import LocalCluster
+
+    token, wrong = tmp_path / "token", tmp_path / "wrong"
+    token.write_text("secret-token-0123456789\n")
+    wrong.write_text("wrong-token-0123456789\n")
+    with LocalCluster(tmp_path / "c", coordinator_args=["--token-file", str(token)]) as cluster:
+        address = cluster.start_coordinator(port=0)
+        with pytest.raises(AuthError, match="refused the token"):
+            Client(address).nodes()
+        out = subprocess.run([sys.executable, "-m", "gossamer.cli", "worker", "join", address, "--token-file", str(wrong)],
                              capture_output=True, text=True, timeout=60)
-        assert out.returncode == 2 and "--token-file" in out.stderr
+        assert out.returncode == 2 and "refused the token" in out.stderr and "--token-file" in out.stderr
+        assert Client(address, token="secret-token-0123456789").nodes() == []

@@ -141,6 +141,9 @@ class Job:
         )
 
 
+_SUBMIT_TIMEOUT_S = 150.0
+
+
 class Client:
     """Talks to a coordinator at "host:port".
 
@@ -186,9 +189,9 @@ class Client:
     def _error(self, err: grpc.RpcError) -> GossamerError:
         return explain_rpc_error(err, self.address, self.security)
 
-    def _call(self, method: Any, request: Any) -> Any:
+    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
             raise self._error(e) from None
 
@@ -220,7 +223,10 @@ class Client:
     def submit(self, experiment: Experiment | dict[str, Any]) -> Job:
         """Queue an experiment. ConfigError (naming the field) when the coordinator refuses it."""
         exp = experiment if isinstance(experiment, Experiment) else Experiment.from_dict(experiment)
-        resp = self._call(self._exp.Submit, pb.SubmitRequest(experiment_json=exp.to_json()))
+        # The coordinator imports the model and dataset in a child interpreter before it
+        # accepts (up to 120 s); on a loaded machine that alone can outlast the RPC timeout.
+        resp = self._call(self._exp.Submit, pb.SubmitRequest(experiment_json=exp.to_json()),
+                          timeout=max(self.timeout, _SUBMIT_TIMEOUT_S))
         return Job(self, resp.experiment_id)
 
     def job(self, experiment_id: str) -> Job:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gossamer.errors import ConfigError
+from gossamer.gossip.topology import TOPOLOGIES
 from gossamer.lr_schedule import LR_SCHEDULES
 
 if sys.version_info >= (3, 11):
@@ -28,7 +29,6 @@ OUTER_STEPS = ("sync", "async", "gossip")
 #: Gossip exchanges parameter values: only codecs whose decode approximates the value itself.
 #: Sparse and sign codecs would need a reference both ends share (CHOCO-SGD), not built here.
 GOSSIP_CODECS = re.compile(r"^(none|fp16|bf16|int8|qsgd:\d+)$")
-TOPOLOGIES = ("exponential", "ring", "random")
 PARALLELISMS = ("ddp", "fsdp", "pipeline")
 # Used with fullmatch: `$` alone also matches before a trailing newline. ASCII digits, at most
 # nine, exactly what gossamer.compression.parse_codec accepts.

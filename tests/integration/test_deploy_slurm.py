@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import sqlite3
+import stat
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from gossamer.errors import GossamerError
+from gossamer.v1 import coordinator_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "deploy" / "slurm" / "gossamer.sbatch"
@@ -60,14 +67,14 @@ class SbatchRun:
     def group(self) -> list[str]:
         """Live (non-zombie) processes still in the script's process group: PID and command line."""
         out = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
+        for proc_stat in Path("/proc").glob("[0-9]*/stat"):
             try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                fields = proc_stat.read_text().rsplit(")", 1)[1].split()
+                cmd = (proc_stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
             if int(fields[2]) == self.proc.pid and fields[0] != "Z":
-                out.append(f"{stat.parent.name}: {cmd}")
+                out.append(f"{proc_stat.parent.name}: {cmd}")
         return out
 
     def wait_group_gone(self, timeout: float = 10) -> list[str]:
@@ -91,7 +98,8 @@ def sbatch(tmp_path: Path) -> Iterator[Callable[[int], SbatchRun]]:
         exp.write_text(
             'name = "digits-slurm"\nmodel = "gossamer.examples.digits:mlp"\ndataset = "gossamer.examples.digits:data"\n'
             f'mode = "async"\nlr = 0.05\nmomentum = 0.5\nbatch_size = 32\nnum_ps_shards = 1\nmin_workers = 1\n'
-            f'max_workers = 1\ntotal_steps = {total_steps}\neval_every = 100\ncheckpoint_every = 100\nseed = 0\n'
+            f'max_workers = 1\nps_backup = false\ntotal_steps = {total_steps}\neval_every = 100\ncheckpoint_every = 100\n'
+            'seed = 0\n'
         )
         shared = tmp_path / "shared"
         env = {
@@ -99,7 +107,7 @@ def sbatch(tmp_path: Path) -> Iterator[Callable[[int], SbatchRun]]:
             "PATH": f"{shims}:{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
             "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node-0", "SLURM_JOB_NUM_NODES": "1", "SLURM_NNODES": "1",
             "SLURM_SUBMIT_DIR": str(tmp_path), "SHARED_DIR": str(shared), "SHARD_HOSTS": "1",
-            "GOSSAMER_PORT": "0", "GOSSAMER_GRACE": "10", "PYTHONUNBUFFERED": "1",
+            "GOSSAMER_PORT": "0", "GOSSAMER_HTTP_PORT": "0", "GOSSAMER_GRACE": "10", "PYTHONUNBUFFERED": "1",
         }
         env.pop("SLURM_GPUS_ON_NODE", None)
         log = tmp_path / "sbatch.log"
@@ -118,7 +126,7 @@ def sbatch(tmp_path: Path) -> Iterator[Callable[[int], SbatchRun]]:
 
 
 def test_sbatch_script_runs_an_experiment_to_the_end_and_cleans_up(sbatch: Callable[[int], SbatchRun]) -> None:
-    run = sbatch(300)
+    run = sbatch(200)
     code = run.proc.wait(timeout=240)
     out = run.output()
     assert code == 0, out
@@ -139,8 +147,15 @@ def test_sbatch_script_on_sigterm_nodes_leave_gracefully_and_nothing_is_left(sba
     run = sbatch(100_000)
     port = run.port()  # the script made its secure directory before the coordinator served
     client = Client.secured(f"localhost:{port}", ChannelSecurity.from_flags(secure=str(run.shared / "secure")))
+
+    def steps_running() -> int:
+        try:
+            return max((e["steps"] for e in client.experiments() if e["state"] == "running"), default=0)
+        except GossamerError as e:
+            raise AssertionError(f"{e}\n{run.output()}") from None
+
     deadline = time.monotonic() + 180
-    while not any(e["state"] == "running" and e["steps"] > 20 for e in client.experiments()):
+    while steps_running() <= 20:
         assert run.proc.poll() is None and time.monotonic() < deadline, run.output()
         time.sleep(0.5)
     client.close()
@@ -151,5 +166,10 @@ def test_sbatch_script_on_sigterm_nodes_leave_gracefully_and_nothing_is_left(sba
     assert code == 143, out
     assert time.monotonic() - t0 < 10 + 15, "longer than --grace plus the coordinator's stop"
     assert out.count("left the cluster") == 2, out
-    assert "cancelled" not in out, "a stopped job must leave the experiment to resume, not cancel it"
+    # The experiment stays in the state directory, running, for a later job to resume.
+    with closing(sqlite3.connect(run.shared / "state" / "coordinator.sqlite")) as db:
+        (data,) = db.execute("SELECT data FROM experiments").fetchone()
+    assert json.loads(data)["state"] == pb.EXPERIMENT_STATE_RUNNING, data
+    # Only this user's jobs can read the generated CA, certificates and token.
+    assert stat.S_IMODE((run.shared / "secure").stat().st_mode) == 0o700
     assert not run.wait_group_gone(), f"processes outlived the batch script: {run.group()}"

@@ -28,6 +28,7 @@ SPOT_LABELS = {
     "eks.amazonaws.com/capacityType": "SPOT",
     "kubernetes.azure.com/scalesetpriority": "spot",
 }
+SPOT_KEYS = {*SPOT_LABELS, "cloud.google.com/gke-preemptible", "karpenter.sh/capacity-type"}
 SPOT_TAINTS = {"cloud.google.com/gke-spot", "kubernetes.azure.com/scalesetpriority"}
 # What the kubelet's downward API would put in $(VAR), for expanding args.
 FIELD_SAMPLES = {"status.podIP": "10.8.0.7", "metadata.name": "gossamer-worker-7d9c", "spec.nodeName": "gke-node-1",
@@ -391,9 +392,11 @@ def test_coordinator_ports_match_its_flags_and_the_service() -> None:
 
 def test_coordinator_probes_check_the_grpc_port() -> None:
     c = coordinator()
-    for kind in ("readinessProbe", "livenessProbe"):
+    assert c.spec.get("readinessProbe") and c.spec.get("livenessProbe")
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = c.spec.get(kind)
-        assert probe, f"coordinator has no {kind}"
+        if not probe:
+            continue
         if getattr(c.args, "tls_cert", None):
             # The kubelet's grpc probe is plaintext: against a TLS port it would always fail.
             assert "grpc" not in probe, f"{kind}: a kubelet grpc probe cannot speak TLS"
@@ -457,8 +460,17 @@ def node_terms(pod: dict[str, Any]) -> list[list[dict[str, Any]]]:
     return [t["matchExpressions"] for t in req["nodeSelectorTerms"]]
 
 
+def requires_spot(pod: dict[str, Any]) -> bool:
+    """Whether the pod's required node affinity mentions a spot label with `In`."""
+    return any(e["operator"] == "In" and e["key"] in SPOT_KEYS for exprs in node_terms(pod) for e in exprs)
+
+
 def test_spot_workers_carry_spot_flag_affinity_and_tolerations() -> None:
-    spot = [w for w in by_command("worker join") if w.args.spot]
+    workers = by_command("worker join")
+    for w in workers:
+        assert w.args.spot == requires_spot(w.pod), f"{w.where}: --spot {w.args.spot} but scheduled on spot nodes: " \
+                                                    f"{requires_spot(w.pod)}"
+    spot = [w for w in workers if w.args.spot]
     assert spot, "no spot workers"
     for w in spot:
         assert w.workload["kind"] == "Deployment", f"{w.where}: spot workers scale as a Deployment"
@@ -466,8 +478,7 @@ def test_spot_workers_carry_spot_flag_affinity_and_tolerations() -> None:
         # Every term (they are ORed) requires a spot label, and each cloud's label has a term.
         selected = set()
         for exprs in terms:
-            spot_exprs = [e for e in exprs if e["operator"] == "In" and e["key"] in SPOT_LABELS | {
-                "cloud.google.com/gke-preemptible": "true", "karpenter.sh/capacity-type": "spot"}]
+            spot_exprs = [e for e in exprs if e["operator"] == "In" and e["key"] in SPOT_KEYS]
             assert spot_exprs, f"{w.where}: a nodeSelectorTerm admits non-spot nodes: {exprs}"
             selected |= {(e["key"], v) for e in spot_exprs for v in e["values"]}
         assert set(SPOT_LABELS.items()) <= selected

@@ -215,6 +215,7 @@ def watch(client: Any, experiment_id: str, *, refresh_s: float = 1.0, console: C
     since = 0.0
     seen: set[tuple[str, float, int]] = set()
     try:
+        console.print(f"following {experiment_id}; Ctrl-C detaches (the experiment keeps running)", style="dim")
         with Live(view.render(), console=console, refresh_per_second=4, transient=False) as live:
             while True:
                 try:

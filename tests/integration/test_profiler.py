@@ -14,7 +14,7 @@ import pytest
 from gossamer import Client, Experiment
 from gossamer.local_cluster import LocalCluster
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(420)
 
 
 def _run(cluster: LocalCluster, exp: Experiment, nodes: list[str]) -> tuple[Client, str]:
@@ -22,7 +22,7 @@ def _run(cluster: LocalCluster, exp: Experiment, nodes: list[str]) -> tuple[Clie
     for name in nodes:
         cluster.add_node(name, spot=name.startswith("w"))
     client = Client(address)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while sum(n["state"] == "ready" for n in client.nodes()) < len(nodes):
         assert time.monotonic() < deadline, client.nodes()
         time.sleep(0.2)

@@ -17,7 +17,8 @@ PAGE = r"""<!doctype html>
   header { display: flex; align-items: baseline; gap: 16px; padding: 14px 24px; background: #101828; color: #fff; }
   header h1 { margin: 0; font-size: 20px; letter-spacing: .5px; }
   header .sub { color: #98a2b3; font-size: 13px; }
-  main { padding: 16px 24px; display: grid; gap: 16px; }
+  main { padding: 16px 24px; display: grid; grid-template-columns: minmax(0, 1fr); gap: 16px; }
+  .scroll { overflow-x: auto; }
   section { background: var(--card); border: 1px solid var(--line); border-radius: 8px; padding: 12px 16px; }
   h2 { font-size: 15px; margin: 0 0 10px; }
   table { border-collapse: collapse; width: 100%; }
@@ -60,23 +61,24 @@ PAGE = r"""<!doctype html>
 <main>
   <section>
     <h2>Experiments</h2>
-    <table id="experiments"><thead><tr><th>experiment</th><th>name</th><th>mode</th><th>state</th>
+    <div class="scroll"><table id="experiments"><thead><tr><th>experiment</th><th>mode</th><th>state</th>
       <th>progress</th><th class="num">gen</th><th class="num">loss</th><th class="num">eval acc</th>
       <th class="num">samples/s</th><th class="num">bytes up</th><th class="num">bytes down</th>
-      <th class="num">compr.</th><th>stragglers</th></tr></thead><tbody></tbody></table>
+      <th>stragglers</th></tr></thead><tbody></tbody></table></div>
   </section>
   <section id="detail">
     <h2 id="detail-title">No experiment yet</h2>
     <div class="message" id="detail-message"></div>
     <div class="summary" id="summary"></div>
     <div class="charts" id="charts"></div>
-    <table id="roles"><thead><tr><th>node</th><th>role</th><th class="num">index</th><th>state</th>
-      <th class="num">steps/s</th><th>endpoint</th></tr></thead><tbody></tbody></table>
+    <div class="scroll"><table id="roles"><thead><tr><th>node</th><th>role</th><th class="num">index</th>
+      <th>state</th><th class="num">steps/s</th><th>endpoint</th></tr></thead><tbody></tbody></table></div>
   </section>
   <section>
     <h2>Nodes</h2>
-    <table id="nodes"><thead><tr><th>node</th><th>address</th><th>state</th><th>roles</th><th>experiment</th>
-      <th>spot</th><th class="num">lease age</th><th>labels</th></tr></thead><tbody></tbody></table>
+    <div class="scroll"><table id="nodes"><thead><tr><th>node</th><th>address</th><th>state</th><th>roles</th>
+      <th>experiment</th><th>spot</th><th class="num">lease age</th><th>labels</th></tr></thead><tbody></tbody>
+    </table></div>
   </section>
 </main>
 <script>
@@ -100,7 +102,8 @@ function svg(tag, attrs) {
 function num(v, digits) {
   if (v == null || !isFinite(v)) return "–";
   if (Math.abs(v) >= 1000) return Math.round(v).toLocaleString("en-US");
-  return Number(v).toPrecision(digits || 4).replace(/\.?0+$/, "");
+  const t = Number(v).toPrecision(digits || 4);
+  return t.includes(".") && !t.includes("e") ? t.replace(/0+$/, "").replace(/\.$/, "") : t;
 }
 function bytes(v) {
   if (v == null || !isFinite(v)) return "–";
@@ -120,12 +123,11 @@ function renderExperiments(exps) {
     const bar = el("span", {class: "bar"}, el("span", {style: "width:" + pct.toFixed(1) + "%"}));
     const slow = e.stragglers.length ? e.stragglers.join(", ") : "";
     const tr = el("tr", {class: "selectable" + (e.id === selected ? " selected" : ""), "data-experiment": e.id},
-      el("td", {}, e.id), el("td", {}, e.name), el("td", {}, e.mode), el("td", {}, badge(e.state)),
+      el("td", {title: e.name}, e.id), el("td", {}, e.mode), el("td", {}, badge(e.state)),
       el("td", {}, bar, e.steps + " / " + e.total_steps), el("td", {class: "num"}, e.generation),
       el("td", {class: "num"}, num(m.loss)), el("td", {class: "num"}, num(m.eval_accuracy)),
       el("td", {class: "num"}, num(m.samples_per_s)), el("td", {class: "num"}, bytes(m.bytes_up)),
-      el("td", {class: "num"}, bytes(m.bytes_down)),
-      el("td", {class: "num"}, m.compression_ratio ? num(m.compression_ratio, 3) + "×" : "–"), el("td", {}, slow));
+      el("td", {class: "num"}, bytes(m.bytes_down)), el("td", {}, slow));
     tr.addEventListener("click", () => { selected = e.id; location.hash = e.id; refresh(); });
     return tr;
   });
@@ -168,6 +170,16 @@ function renderNodes(nodes) {
   fill(document.querySelector("#nodes tbody"), rows);
 }
 
+// Round tick values (1, 2 or 5 times a power of ten) that cover [lo, hi].
+function niceTicks(lo, hi) {
+  if (hi === lo) { const d = Math.abs(lo) * 0.1 || 1; lo -= d; hi += d; }
+  const raw = (hi - lo) / 4, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map(m => m * mag).find(s => s >= raw);
+  const out = [];
+  for (let v = Math.floor(lo / step) * step; v < hi + step * 0.999; v += step) out.push(Number(v.toPrecision(12)));
+  return out;
+}
+
 function chart(name, title, points, color, fmt) {
   const W = 360, H = 170, L = 46, R = 8, T = 8, B = 22;
   const box = el("div", {class: "chart", "data-chart": name}, el("h3", {}, title));
@@ -181,13 +193,13 @@ function chart(name, title, points, color, fmt) {
     return box;
   }
   const xs = points.map(p => p[0]), ys = points.map(p => p[1]);
-  let x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
+  let x0 = Math.min(...xs), x1 = Math.max(...xs);
   if (x1 === x0) x1 = x0 + 1;
-  if (y1 === y0) { y0 -= 0.5 * Math.abs(y0 || 1); y1 += 0.5 * Math.abs(y1 || 1); }
-  const pad = (y1 - y0) * 0.05; y0 -= pad; y1 += pad;
+  const ticks = niceTicks(Math.min(...ys), Math.max(...ys));
+  const y0 = ticks[0], y1 = ticks[ticks.length - 1];
   const X = x => L + (x - x0) / (x1 - x0) * (W - L - R), Y = y => T + (y1 - y) / (y1 - y0) * (H - T - B);
-  for (let i = 0; i <= 4; i++) {
-    const v = y0 + (y1 - y0) * i / 4, y = Y(v);
+  for (const v of ticks) {
+    const y = Y(v);
     s.append(svg("line", {x1: L, x2: W - R, y1: y, y2: y, class: "grid"}));
     const t = svg("text", {x: L - 4, y: y + 4, "text-anchor": "end"}); t.textContent = fmt(v); s.append(t);
   }
@@ -202,7 +214,7 @@ function chart(name, title, points, color, fmt) {
 }
 
 function renderCharts(data) {
-  const f = v => num(v, 3);
+  const f = v => Math.abs(v) >= 1000 ? (v / 1000).toFixed(v % 1000 ? 1 : 0) + "k" : num(v, 3);
   document.getElementById("charts").replaceChildren(
     chart("loss", "training loss", data.loss || [], "#c01048", f),
     chart("eval_accuracy", "eval accuracy", data.eval_accuracy || [], "#12805c", f),

@@ -79,7 +79,7 @@ def digits(name: str, workers: int, **kw: Any) -> dict[str, Any]:
             "total_steps": 1_000_000, "eval_every": 100, **kw}
 
 
-def wait_steps(job: Any, steps: int, timeout: float = 150.0) -> dict[str, Any]:
+def wait_steps(job: Any, steps: int, timeout: float = 240.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while (st := job.status())["steps"] < steps:
         assert st["state"] in ("queued", "starting", "running"), st

@@ -28,7 +28,7 @@ from tests.integration._observability import (
     wait_steps,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(420)
 
 
 @pytest.fixture

@@ -80,7 +80,8 @@ class _Track:
         t0, v0 = next((t, v) for t, v in self.history if t >= t_end - _RATE_WINDOW_S)
         if t_end - t0 <= 0:
             t0, v0 = self.history[-2]
-        return (v_end - v0) / (t_end - t0) if t_end > t0 else None
+        # A restarted process counts from 0 again: no negative rates.
+        return max(0.0, (v_end - v0) / (t_end - t0)) if t_end > t0 else None
 
 
 class WatchView:

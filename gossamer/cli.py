@@ -71,6 +71,13 @@ def cmd_security_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _curve_flag(args: argparse.Namespace) -> bool | None:
+    """--curve/--no-curve, else GOSSAMER_CURVE, else None (the coordinator: on with TLS)."""
+    if args.curve is not None:
+        return bool(args.curve)
+    return _env("CURVE", False) if "GOSSAMER_CURVE" in os.environ else None
+
+
 # --- coordinator ------------------------------------------------------------------------------
 def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     import asyncio
@@ -84,7 +91,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval, lease_timeout_s=args.lease_timeout,
         check_imports=not args.no_import_check,
         max_message_bytes=int(args.max_message_mb * (1 << 20)), rate_limit=args.rate_limit,
-        rate_burst=args.rate_burst, **_server_security(args),
+        rate_burst=args.rate_burst, curve=_curve_flag(args), **_server_security(args),
     )
     http = None
     if args.http_port is not None:
@@ -375,6 +382,9 @@ def _coordinator_parser(sub: Any) -> None:
                         "STATE_DIR/http.port); off unless given (env GOSSAMER_HTTP_PORT)")
     s.add_argument("--http-host", default=_env("HTTP_HOST", ""), help="address the HTTP side binds (default: --host)")
     _add_security_flags(s, server=True)
+    s.add_argument("--curve", action=argparse.BooleanOptionalAction, default=None,
+                   help="CurveZMQ on the data plane: shards and gossip peers accept only the experiment's members' "
+                        "keys (env GOSSAMER_CURVE; default: on when serving TLS)")
     s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     s.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT", "text"),
                    help="text, or json: one object per line with ts, level, logger, msg, node, experiment, role"

@@ -18,6 +18,7 @@ import grpc
 
 from gossamer.errors import AuthError, ConfigError
 from gossamer.security.channel import ChannelSecurity, explain_rpc_error, open_aio_channel
+from gossamer.security.curve import CurveKeyPair
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from gossamer.worker.node_metrics import NodeMetrics
@@ -110,6 +111,9 @@ class NodeAgent:
         self._channel: grpc.aio.Channel | None = None
         self.metrics: NodeMetrics | None = None
         self._stub: pb_grpc.NodeServiceStub | None = None
+        # This node's data-plane identity; its secret goes only to this node's role processes.
+        self.curve_keys = _curve_keypair()
+        self.curve = False  # the coordinator's answer: the data plane runs CurveZMQ
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
@@ -180,6 +184,7 @@ class NodeAgent:
             name=self.config.name, address=self.address, hostname=socket.gethostname(), spot=self.config.spot,
             labels=self.config.labels, cpus=os.cpu_count() or 1, gpus=_cuda_count(),
             nproc_per_node=self.config.nproc_per_node, node_id=self.node_id,
+            curve_public_key=self.curve_keys.public if self.curve_keys else "",
         )
         delay, warned = 0.5, False
         while not self._stop.is_set():
@@ -192,6 +197,7 @@ class NodeAgent:
 
                 set_context(node=self.name)
                 self.heartbeat_s = resp.heartbeat_interval_s
+                self.curve = resp.curve
                 log.info("joined %s as node %s (address %s)", self.config.coordinator, self.node_id, self.address)
                 return
             except grpc.RpcError as e:
@@ -269,6 +275,7 @@ class NodeAgent:
             "log_level": self.config.log_level, "log_format": self.config.log_format, "node_name": self.name,
             **self._update_of(a),
             "security": self.config.security.spec() if self.config.security else None,
+            **self._curve_spec(),
         }
 
     @staticmethod
@@ -279,7 +286,14 @@ class NodeAgent:
             "generation": a.generation, "worker_rank": a.worker_rank, "replica": a.replica,
             "backup_endpoint": a.backup_endpoint, "workers": list(a.workers), "restore_epoch": a.restore_epoch,
             "peers": {int(k): v for k, v in a.peer_endpoints.items()},
+            "curve_server_keys": dict(a.curve_server_keys), "curve_members": list(a.curve_members),
         }
+
+    def _curve_spec(self) -> dict[str, str]:
+        """The node's CURVE key pair for a role process (nothing when the data plane is plaintext)."""
+        if not self.curve or self.curve_keys is None:
+            return {}
+        return {"curve_public": self.curve_keys.public, "curve_secret": self.curve_keys.secret}
 
     def _start(self, a: pb.Assignment) -> None:
         from gossamer.worker import roles
@@ -378,6 +392,16 @@ class NodeAgent:
             )
         except grpc.RpcError:
             pass
+
+
+def _curve_keypair() -> CurveKeyPair | None:
+    """A fresh CURVE key pair, or None where libzmq lacks CURVE (a coordinator running with
+    CURVE then refuses the join, naming the missing key)."""
+    try:
+        return CurveKeyPair.generate()
+    except ConfigError:
+        log.warning("this libzmq has no CURVE support: the node can only join a plaintext data plane")
+        return None
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:

@@ -11,6 +11,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from gossamer.security.curve import install as install_keyring
+from gossamer.security.curve import keyring_from_spec
 from gossamer.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -107,7 +109,8 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
         init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks_of_shard(shard)}
         config = ShardConfig.for_experiment(exp, spec["experiment_id"], shard)
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        server = ShardServer(config, plan, init, shapes=shapes, backup=spec.get("replica", 0) == 1)
+        keyring = keyring_from_spec(spec)  # None: plaintext data plane
+        server = ShardServer(config, plan, init, shapes=shapes, backup=spec.get("replica", 0) == 1, curve=keyring)
         snapshot_s = [0.0]
 
         def saved(path: Path, snap: Any, seconds: float) -> None:
@@ -142,13 +145,16 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
         early = _drain(conn)  # the assignment may have changed while this process started
         if early is not None:
             spec = {**spec, **early}
+            if keyring is not None:
+                keyring.update_from(early)
             if spec.get("replica", 0) == 0:
                 server.promote("assigned as primary before it served")
         if spec.get("restore_epoch", 0):
             restore(spec["restore_epoch"])
         endpoint = server.bind(host=spec["address"], port=0)
-        log.info("shard %d (%s) of %s serving %d parameters on %s", shard,
-                 "primary" if server.is_primary else "backup", spec["experiment_id"], plan.shard_numel(shard), endpoint)
+        log.info("shard %d (%s) of %s serving %d parameters on %s%s", shard,
+                 "primary" if server.is_primary else "backup", spec["experiment_id"], plan.shard_numel(shard), endpoint,
+                 f" over CurveZMQ ({len(keyring.members)} member keys)" if keyring is not None else "")
 
         sent: dict[str, bool | None] = {"replicated": None, "primary": None}
 
@@ -177,6 +183,8 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
         while not stop.wait(0.1):
             update = _drain(conn)
             if update is not None:
+                if keyring is not None:  # members and server keys: read by the ZAP thread as well
+                    keyring.update_from(update)
                 server.post(lambda u=update: apply(u))  # type: ignore[misc]
             if (server.replicated, server.is_primary) != (sent["replicated"], sent["primary"]) or restored["path"]:
                 report()
@@ -191,6 +199,9 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
                     "ps_decode_s": server.decode_seconds,
                     "ps_unreplicated": float(st.get("unreplicated", 0)),
                     "versions_lost": float(st.get("versions_lost", 0)),
+                    "ps_rate_limited": float(st.get("rate_limited", 0)),
+                    "ps_refused_not_member": float(st.get("not_member", 0)),
+                    "ps_refused_handshakes": float(st.get("curve_refused", 0)),
                     "ckpt_snapshot_s": snapshot_s[0],
                 }
                 values.update({f"discarded_{k}": float(v) for k, v in st.get("discarded", {}).items()})
@@ -240,6 +251,9 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
     reporter = Reporter(spec["coordinator"], spec["experiment_id"], source, security=spec.get("security"))
     index = spec["index"]
     feed = MetricsFeed.for_spec(spec, "worker", worker=index, rank=rank)  # this node's /metrics
+    # The node's CURVE keys: every ShardClient and gossip peer of this process uses them.
+    keyring = keyring_from_spec(spec)
+    install_keyring(keyring)
     try:
         if world > 1 and not dist.is_initialized():
             dist.init_process_group(
@@ -271,6 +285,8 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
             latest = None
             while conn is not None and conn.poll():
                 latest = conn.recv()
+            if latest is not None and keyring is not None:  # before the trainer connects anywhere new
+                keyring.update_from(latest)
             return latest
 
         base: type[RankTrainer] = Trainer

@@ -386,6 +386,93 @@ def test_gossip_flood_gets_rate_limit_errors_and_gossip_goes_on(closing: list[Pu
     assert b.mix(zb).restored == 0  # every MASS of the neighbour was accepted
 
 
+# -- the coordinator hands out the keys ---------------------------------------------------------
+
+
+def _latest(stream: Any, want: Any, timeout: float = 20.0) -> Any:
+    """The first assignment set from `stream` for which `want(assignments)` holds."""
+    deadline = time.monotonic() + timeout
+    for aset in stream:
+        if want(list(aset.assignments)):
+            return list(aset.assignments)
+        assert time.monotonic() < deadline
+    raise AssertionError("stream ended")
+
+
+def test_coordinator_hands_out_member_and_server_keys_and_drops_a_leaver(tmp_path: Path) -> None:
+    import json
+
+    import grpc
+
+    from gossamer.v1 import coordinator_pb2 as pb
+    from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+    from tests.conftest import InProcessCoordinator
+
+    def stub(c: InProcessCoordinator) -> Any:
+        return pb_grpc.NodeServiceStub(grpc.insecure_channel(c.address))
+
+    coord = InProcessCoordinator(tmp_path / "s", heartbeat_interval_s=0.2, lease_timeout_s=30.0, curve=True)
+    ps_keys, wk_keys, ep = CurveKeyPair.generate(), CurveKeyPair.generate(), "tcp://127.0.0.1:5555"
+    try:
+        nodes = stub(coord)
+        with pytest.raises(grpc.RpcError) as err:  # a node without a key cannot join a CURVE data plane
+            nodes.Join(pb.JoinRequest(name="old", address="127.0.0.1"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "curve_public_key" in err.value.details()
+        with pytest.raises(grpc.RpcError, match="z85"):
+            nodes.Join(pb.JoinRequest(name="bad", curve_public_key="~" * 40), timeout=5)
+        ps = nodes.Join(pb.JoinRequest(name="ps", address="127.0.0.1", curve_public_key=ps_keys.public), timeout=5)
+        assert ps.curve
+        wk = nodes.Join(pb.JoinRequest(name="wk", address="127.0.0.1", spot=True, curve_public_key=wk_keys.public),
+                        timeout=5)
+        exps = pb_grpc.ExperimentServiceStub(grpc.insecure_channel(coord.address))
+        exp_id = exps.Submit(pb.SubmitRequest(experiment_json=json.dumps({
+            "name": "t", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
+            "num_ps_shards": 1, "min_workers": 1, "ps_backup": False})), timeout=60).experiment_id
+        ps_stream = nodes.WatchAssignments(pb.WatchAssignmentsRequest(node_id=ps.node_id), timeout=30)
+        (a,) = _latest(ps_stream, lambda x: len(x) == 1)
+        assert list(a.curve_members) == sorted([ps_keys.public, wk_keys.public])
+        nodes.ReportRole(pb.ReportRoleRequest(node_id=ps.node_id, experiment_id=exp_id, role=pb.ROLE_PARAMETER_SERVER,
+                                              index=0, state=pb.ROLE_STATE_SERVING, endpoint=ep))
+        wk_stream = nodes.WatchAssignments(pb.WatchAssignmentsRequest(node_id=wk.node_id), timeout=30)
+        (w,) = _latest(wk_stream, lambda x: len(x) == 1)
+        assert dict(w.curve_server_keys) == {ep: ps_keys.public} and dict(w.shard_endpoints) == {0: ep}
+        nodes.Leave(pb.LeaveRequest(node_id=wk.node_id, reason="test"), timeout=5)
+        (a,) = _latest(ps_stream, lambda x: len(x) == 1 and list(x[0].curve_members) == [ps_keys.public])
+        ps_stream.cancel()
+        wk_stream.cancel()
+    finally:
+        coord.close()
+    # The keys survive a coordinator restart: the running shard re-attaches with the same one.
+    again = InProcessCoordinator(tmp_path / "s", heartbeat_interval_s=0.2, lease_timeout_s=30.0, curve=True)
+    try:
+        nodes = stub(again)
+        assert nodes.Join(pb.JoinRequest(node_id=ps.node_id, name="ps", curve_public_key=ps_keys.public),
+                          timeout=5).curve
+        stream = nodes.WatchAssignments(pb.WatchAssignmentsRequest(node_id=ps.node_id), timeout=30)
+        (a,) = _latest(stream, lambda x: len(x) == 1)
+        assert list(a.curve_members) == [ps_keys.public] and dict(a.curve_server_keys) == {ep: ps_keys.public}
+        stream.cancel()
+    finally:
+        again.close()
+
+
+def test_a_plaintext_coordinator_hands_out_no_keys(tmp_path: Path) -> None:
+    import grpc
+
+    from gossamer.v1 import coordinator_pb2 as pb
+    from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+    from tests.conftest import InProcessCoordinator
+
+    coord = InProcessCoordinator(tmp_path / "s", heartbeat_interval_s=0.2, lease_timeout_s=30.0)
+    try:
+        assert not coord.config.data_plane_curve
+        nodes = pb_grpc.NodeServiceStub(grpc.insecure_channel(coord.address))
+        resp = nodes.Join(pb.JoinRequest(name="n", curve_public_key=CurveKeyPair.generate().public), timeout=5)
+        assert not resp.curve
+    finally:
+        coord.close()
+
+
 # -- real processes -----------------------------------------------------------------------------
 
 

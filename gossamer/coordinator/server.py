@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -18,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gossamer.coordinator import scheduler
+from gossamer.coordinator._malformed import MalformedRequestInterceptor
 from gossamer.coordinator._status import code_for
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.http import HttpConfig, StatusHttp
@@ -617,6 +619,9 @@ class Coordinator:
 
     async def report_metrics(self, req: pb.ReportMetricsRequest) -> bool:
         exp = self.get(req.experiment_id)
+        for p in req.points:  # a NaN time broke the metrics table's NOT NULL and the ordering of points
+            if not math.isfinite(p.time_unix):
+                raise ConfigError("time_unix", f"a metric point needs a finite time, got {p.time_unix!r}")
         rows = []
         for p in req.points:
             values = dict(p.values)
@@ -664,9 +669,12 @@ class Coordinator:
         exp = self.get(req.experiment_id)
         if not exp.active:
             return
+        steps = req.final_metrics.get("steps", float(exp.steps))
+        if not (math.isfinite(steps) and 0 <= steps < 2**63):  # else every later status() of it fails
+            raise ConfigError("final_metrics", f"'steps' must be a step count, got {steps!r}")
         exp.final_metrics = dict(req.final_metrics)
         exp.checkpoint = req.checkpoint
-        exp.steps = int(req.final_metrics.get("steps", exp.steps))
+        exp.steps = int(steps)
         acc = req.final_metrics.get("eval_accuracy")
         await self._finish(
             exp, pb.EXPERIMENT_STATE_COMPLETED,
@@ -710,11 +718,16 @@ def _slug(name: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # Servicers: translate RPCs, map errors to status codes in one place.
 # ----------------------------------------------------------------------------------------------
+def _detail(text: str, limit: int = 1024) -> str:
+    """A status message short enough for clients' 16 KiB metadata limit (ids in it come from requests)."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 async def _guard(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, GossamerError):
-        await context.abort(code_for(exc), str(exc))
+        await context.abort(code_for(exc), _detail(str(exc)))
     log.exception("internal error")
-    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    await context.abort(grpc.StatusCode.INTERNAL, _detail(f"{type(exc).__name__}: {exc}"))
 
 
 class NodeServicer(pb_grpc.NodeServiceServicer):
@@ -739,7 +752,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
 
     async def WatchAssignments(self, request, context) -> AsyncIterator[pb.AssignmentSet]:  # type: ignore[no-untyped-def,override]
         if request.node_id not in self.c.nodes:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"node {request.node_id} is not known; join first")
+            await context.abort(grpc.StatusCode.NOT_FOUND, _detail(f"node {request.node_id} is not known; join first"))
         last: bytes | None = None
         self.c.stream_opened(request.node_id)
         try:
@@ -860,7 +873,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     async def Latest(self, request, context):  # type: ignore[no-untyped-def]
         row = await self.c.store.latest_checkpoint(request.experiment_id)
         if row is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint for {request.experiment_id!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, _detail(f"no checkpoint for {request.experiment_id!r}"))
         step, path, kind, t = row  # type: ignore[misc]
         return pb.LatestCheckpointResponse(
             checkpoint=pb.CheckpointInfo(
@@ -882,26 +895,18 @@ class CoordinatorServer:
         self.health = health.aio.HealthServicer()
         self.port = 0
         self._reaper: asyncio.Task[None] | None = None
+        self._keeper: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.restarts = 0  # gRPC servers brought back after a malformed request stopped one
+        self.malformed = MalformedRequestInterceptor()  # .refused: requests whose body did not parse
 
     async def start(self) -> int:
         self.coord = Coordinator(self.config)
-        self.server = grpc.aio.server(
-            interceptors=server_interceptors(self.config),
-            options=[("grpc.max_receive_message_length", self.config.max_message_bytes), ("grpc.so_reuseport", 0)],
-        )
-        pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(self.coord), self.server)
-        pb_grpc.add_ExperimentServiceServicer_to_server(ExperimentServicer(self.coord), self.server)
-        pb_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(self.coord), self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        bind, tls = f"{self.config.host}:{self.config.port}", self.config.tls
-        self.port = self.server.add_secure_port(bind, tls.server_credentials()) if tls \
-            else self.server.add_insecure_port(bind)
-        if self.port == 0:
-            raise ConfigError("port", f"cannot bind {self.config.host}:{self.config.port}")
-        await self.server.start()
+        self.port = await self._start_grpc(self.config.port)
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap())
+        self._keeper = asyncio.create_task(self._keep_serving())
         await self.coord.reconcile()
         if self.http_config is not None:
             self.http = StatusHttp(self.coord, self.http_config)
@@ -910,6 +915,57 @@ class CoordinatorServer:
         log.info("coordinator serving on %s:%d (state in %s; %s)", self.config.host, self.port, self.config.state_dir,
                  describe_security(self.config))
         return self.port
+
+    async def _start_grpc(self, port: int) -> int:
+        """Build, bind and start the gRPC server on `port` (0: a free one); returns the bound port."""
+        assert self.coord is not None
+        server = grpc.aio.server(
+            interceptors=[*server_interceptors(self.config), self.malformed],
+            options=[("grpc.max_receive_message_length", self.config.max_message_bytes), ("grpc.so_reuseport", 0)],
+        )
+        pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(self.coord), server)
+        pb_grpc.add_ExperimentServiceServicer_to_server(ExperimentServicer(self.coord), server)
+        pb_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(self.coord), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        bind, tls = f"{self.config.host}:{port}", self.config.tls
+        bound = server.add_secure_port(bind, tls.server_credentials()) if tls else server.add_insecure_port(bind)
+        if bound == 0:
+            raise ConfigError("port", f"cannot bind {self.config.host}:{port}")
+        await server.start()
+        self.server = server
+        return bound
+
+    async def _keep_serving(self) -> None:
+        """Start the gRPC server again, same port and state, whenever it stops on its own.
+
+        grpc.aio (grpcio 1.85) shuts its whole server down when a single request's HTTP/2
+        :path is not UTF-8 (its serving loop decodes the method name unchecked), so one
+        malformed frame from anyone who reaches the port would end the coordinator's service.
+        """
+        while not self._stopping:
+            server = self.server
+            assert server is not None
+            try:
+                if await server.wait_for_termination(timeout=0.25):
+                    continue  # still serving
+                why = "stopped"
+            except Exception as e:  # noqa: BLE001 — what crashed it
+                why = f"{type(e).__name__}: {e}"
+            if self._stopping:
+                return
+            log.warning("gRPC server on port %d stopped by a request (%s); serving again", self.port, why[:200])
+            try:  # a crashed server never finishes its own shutdown: cancel its calls, free the port
+                await asyncio.wait_for(server.stop(0), 5)
+            except Exception:  # noqa: BLE001
+                log.warning("the stopped gRPC server did not shut down cleanly", exc_info=True)
+            while not self._stopping:
+                try:
+                    await self._start_grpc(self.port)
+                    self.restarts += 1
+                    break
+                except Exception:  # noqa: BLE001 — the port may take a moment to come free
+                    log.exception("gRPC server could not restart on port %d; retrying", self.port)
+                    await asyncio.sleep(0.5)
 
     async def _reap(self) -> None:
         assert self.coord is not None
@@ -921,6 +977,9 @@ class CoordinatorServer:
                 log.exception("lease reaper")
 
     async def stop(self) -> None:
+        self._stopping = True
+        if self._keeper is not None:
+            self._keeper.cancel()
         await self.health.enter_graceful_shutdown()
         if self.http is not None:
             await self.http.stop()

@@ -98,10 +98,16 @@ class Store:
 
         def _ins(db: sqlite3.Connection) -> None:
             db.execute("BEGIN")
-            db.executemany(
-                "INSERT INTO metrics (experiment_id, time, step, source, data) VALUES (?,?,?,?,?)",
-                params,
-            )
+            try:
+                db.executemany(
+                    "INSERT INTO metrics (experiment_id, time, step, source, data) VALUES (?,?,?,?,?)",
+                    params,
+                )
+            except BaseException:
+                # Left open, the transaction would swallow every later write of the coordinator
+                # and fail every later BEGIN ("cannot start a transaction within a transaction").
+                db.execute("ROLLBACK")
+                raise
             db.execute("COMMIT")
 
         await self.run(_ins)

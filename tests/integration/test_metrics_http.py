@@ -48,7 +48,13 @@ def test_metrics_scraped_during_a_run_show_steps_rising_and_bytes_counted(cluste
     job = client.submit(digits("metrics", workers=2))
     try:
         wait_steps(job, 100)
-        time.sleep(2.5)  # two report intervals: every node has a step rate
+        deadline = time.monotonic() + 240
+        while True:  # both workers stepping (one may start well after the other under load)
+            st = job.status()
+            if all(r["step_rate"] > 0 for r in st["roles"] if r["role"] == "worker"):
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.5)
         first = scrape(f"{base}/metrics")
         wait_steps(job, int(value(first, "gossamer_experiment_steps_total", experiment=job.id)) + 100)
         time.sleep(1.5)

@@ -530,3 +530,39 @@ def test_secured_cluster_runs_curve_and_refuses_strangers_end_to_end(tmp_path: P
     assert result.status == "completed", result
     assert result.metrics["eval_accuracy"] >= 0.9, result.metrics
     assert "over CurveZMQ" in logs
+
+
+@pytest.mark.timeout(420)
+def test_gossip_over_curve_through_real_processes_with_the_explicit_flag(tmp_path: Path) -> None:
+    """`--curve` on a plaintext coordinator: gossip workers find each other through the keys
+    their assignments carry, train to completion, and none refuses a member.
+
+    Steps are slowed (50 ms) so the workers overlap although their processes start seconds
+    apart: a worker that comes up late copies a peer's parameters, the lead gathers every
+    peer's at the end, all over CURVE."""
+    spec = {
+        "name": "curve-gossip", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
+        "mode": "gossip", "lr": 0.05, "momentum": 0.9, "min_workers": 3, "max_workers": 3,
+        "total_steps": 300, "eval_every": 0,
+    }
+    with LocalCluster(tmp_path / "state", coordinator_args=["--curve"]) as cluster:
+        cluster.start_coordinator(port=0)
+        client = cluster.client()
+        for i in range(3):
+            cluster.add_node(f"g{i}", env={"GOSSAMER_FAULT": "delay:seconds=0.05"})
+        deadline = time.monotonic() + 90
+        while sum(n["state"] == "ready" for n in client.nodes()) < 3:
+            assert time.monotonic() < deadline, client.nodes()
+            time.sleep(0.2)
+        job = client.submit(spec)
+        result = job.wait(timeout=300)
+        history = job.metrics()
+        logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "state" / "logs").glob("g*.log"))
+    assert result.status == "completed", result
+    assert result.metrics["eval_accuracy"] >= 0.9, result.metrics
+    final = [p for p in history if "gossip_peers" in p]
+    assert final and final[-1]["gossip_peers"] >= 2, final  # the lead got a peer's parameters over CURVE
+    assert sum(p.get("bytes_down", 0) for p in history) > 0
+    refused = {k: v for p in history for k, v in p.items() if k.startswith("gossip_refused_not_member") and v}
+    assert not refused, refused
+    assert "did not complete the ZMQ handshake" not in logs and "refused a CURVE handshake" not in logs

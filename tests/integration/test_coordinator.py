@@ -137,9 +137,11 @@ def test_state_survives_a_restart(tmp_path: Path) -> None:
 
     first = InProcessCoordinator(tmp_path / "s", heartbeat_interval_s=0.2, lease_timeout_s=5.0)
     nodes, exps = _stubs(first.address)
-    node_id = nodes.Join(pb.JoinRequest(name="keep", address="127.0.0.1"), timeout=5).node_id
+    # Submit first: its import check can outlast the 5 s lease on a loaded machine, and a
+    # node already lost before the restart is (rightly) not re-attached.
     exp_id = exps.Submit(pb.SubmitRequest(experiment_json=json.dumps({**BASE, "min_workers": 2})),
-                         timeout=60).experiment_id
+                         timeout=150).experiment_id
+    node_id = nodes.Join(pb.JoinRequest(name="keep", address="127.0.0.1"), timeout=5).node_id
     exps.ReportMetrics(pb.ReportMetricsRequest(experiment_id=exp_id, points=[
         pb.MetricPoint(time_unix=time.time(), step=3, source="x/0", values={"samples": 96.0})]))
     first.close()

@@ -16,7 +16,7 @@ def demo_experiment(workers: int, shards: int, total_steps: int) -> Experiment:
         model="gossamer.examples.digits:mlp",
         dataset="gossamer.examples.digits:data",
         mode="async",
-        optimizer="sgd", lr=0.05, momentum=0.5, batch_size=32,
+        optimizer="sgd", lr=0.1, lr_schedule="cosine", momentum=0.5, batch_size=32,
         staleness=4, num_ps_shards=shards, min_workers=workers, max_workers=workers,
         total_steps=total_steps, eval_every=100, checkpoint_every=500, seed=0,
     )

@@ -76,6 +76,9 @@ _RECV_BATCH = 256
 # its MASS, or the late copy would be applied after the sender took the mass back.
 _SEEN_PER_SENDER = 1 << 16
 _SEEN_SENDERS = 1024
+#: Push-sum weights start at 1 per peer and only move between peers, so none exceeds the number
+#: of peers; one far above it (1e308 passed as finite) left the receiver unable to send again.
+_MAX_WEIGHT = float(1 << 20)
 _REDIAL_S = 1.0  # after a refused handshake, a neighbour's socket is opened again this often
 
 
@@ -642,8 +645,8 @@ class PeerIO:
             reason, text = "not_ready", "this peer does not know its parameter size yet"
         elif spec != self._codec.spec:
             reason, text = "codec", f"codec {spec!r}, this peer uses {self._codec.spec!r}"
-        elif not (math.isfinite(weight) and weight > 0):
-            reason, text = "weight", f"weight {weight!r} is not finite and positive"
+        elif not (math.isfinite(weight) and 0 < weight <= _MAX_WEIGHT):
+            reason, text = "weight", f"weight {weight!r} is not in (0, {_MAX_WEIGHT:g}]"
         elif not isinstance(pmeta, dict):
             reason, text = "malformed", "MASS payload meta must be a map"
         if reason:

@@ -41,7 +41,7 @@ from gossamer.coordinator import CoordinatorConfig, CoordinatorServer
 from gossamer.coordinator.http import HttpConfig
 from gossamer.errors import ProtocolError
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
-from gossamer.transport.frames import DTYPES, decode
+from gossamer.transport.frames import DTYPES, Message, decode, encode
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -103,7 +103,8 @@ def mutate_tree(rng: random.Random, root: dict[str, Any]) -> dict[str, Any]:
         parent[rng.choice(["rid", "clock", "basis", "chunks", "pull_codec", "fresh", "compression", "codec",
                            "codec_overrides", "step", "num_workers", "generation", "x"])] = rng.choice(NASTY)
     elif isinstance(old, int) and not isinstance(old, bool) and r < 0.55:
-        parent[key] = rng.choice([old + 1, old - 1, -old, old * 2 ** rng.randint(1, 40), 0, 2**63 - 1])
+        nudged = [old + 1, old - 1, -old, old * 2 ** rng.randint(1, 40), 0, 2**63 - 1]
+        parent[key] = rng.choice([v for v in nudged if -(2**63) <= v < 2**64])  # what msgpack can carry
     elif key == "op":
         parent[key] = rng.choice(OPS)
     else:
@@ -200,31 +201,45 @@ def shard() -> Iterator[tuple[ShardServer, ShardPlan, str, dict[int, dict[int, t
         srv.close()
 
 
-def record_client_messages(plan: ShardPlan, endpoint: str) -> list[list[bytes]]:
-    """What real ShardClients send (plain, compressed, pull-compressed), through a recording ROUTER/DEALER relay."""
-    ctx = zmq.Context()
-    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    port = front.bind_to_random_port("tcp://127.0.0.1")
-    back.connect(endpoint)
-    recorded: list[list[bytes]] = []
-    stop = threading.Event()
+class RecordingRelay:
+    """A ROUTER/DEALER relay in front of `endpoint` that keeps every request a real client sends."""
 
-    def relay() -> None:
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.front, self.back = self.ctx.socket(zmq.ROUTER), self.ctx.socket(zmq.DEALER)
+        self.endpoint = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
+        self.back.connect(endpoint)
+        self.recorded: list[list[bytes]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._relay, daemon=True)
+        self._thread.start()
+
+    def _relay(self) -> None:
         poller = zmq.Poller()
-        poller.register(front, zmq.POLLIN)
-        poller.register(back, zmq.POLLIN)
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.back, zmq.POLLIN)
         identity = b""
-        while not stop.is_set():
+        while not self._stop.is_set():
             for sock, _ in poller.poll(20):
-                if sock is front:
-                    identity, *frames = front.recv_multipart()
-                    recorded.append(frames)
-                    back.send_multipart(frames)
+                if sock is self.front:
+                    identity, *frames = self.front.recv_multipart()
+                    self.recorded.append(frames)
+                    self.back.send_multipart(frames)
                 else:
-                    front.send_multipart([identity, *back.recv_multipart()])
+                    self.front.send_multipart([identity, *self.back.recv_multipart()])
 
-    thread = threading.Thread(target=relay, daemon=True)
-    thread.start()
+    def close(self) -> list[list[bytes]]:
+        self._stop.set()
+        self._thread.join(5)
+        self.front.close(linger=0)
+        self.back.close(linger=0)
+        self.ctx.term()
+        return self.recorded
+
+
+def record_client_messages(plan: ShardPlan, endpoint: str) -> list[list[bytes]]:
+    """What real ShardClients send (plain, compressed, pull-compressed), through a RecordingRelay."""
+    relay = RecordingRelay(endpoint)
     g = torch.Generator().manual_seed(SEED)
     try:
         for n, (codec, pull_codec) in enumerate(
@@ -232,7 +247,7 @@ def record_client_messages(plan: ShardPlan, endpoint: str) -> list[list[bytes]]:
              ("sign", "none")]
         ):
             compressor = ChunkCompressor(codec, plan, shapes=SHAPES) if codec else None
-            with ShardClient(experiment=EXP, sender=f"rec{n}", plan=plan, endpoints={0: f"tcp://127.0.0.1:{port}"},
+            with ShardClient(experiment=EXP, sender=f"rec{n}", plan=plan, endpoints={0: relay.endpoint},
                              timeout_s=10, compressor=compressor, pull_codec=pull_codec) as client:
                 client.hello(fresh=True)
                 versions = client.pull().versions
@@ -243,11 +258,7 @@ def record_client_messages(plan: ShardPlan, endpoint: str) -> list[list[bytes]]:
                     client.probe(nbytes=256)
                 client.leave()
     finally:
-        stop.set()
-        thread.join(5)
-        front.close(linger=0)
-        back.close(linger=0)
-        ctx.term()
+        recorded = relay.close()
     ops = Counter(msgpack.unpackb(f[0], raw=False)["op"] for f in recorded)
     assert {"HELLO", "PULL", "PUSH", "STATS", "LEAVE"} <= set(ops), ops
     return recorded
@@ -313,7 +324,7 @@ def raw_tcp(port: int, chunks: list[bytes], *, reset: bool = False, read: bool =
         try:
             conn = socket.create_connection(("127.0.0.1", port), timeout=2)
             break
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, ConnectionResetError):
             time.sleep(0.02)
     else:
         raise AssertionError(f"port {port} refused connections for 2 s")
@@ -984,3 +995,142 @@ def test_an_experiment_name_protobuf_cannot_carry_is_refused_at_submit(stubs: tu
     text = _experiment("x").to_json().replace('"name": "x"', '"name": "\\ud800"')
     assert _code(exps.Submit, pb.SubmitRequest(experiment_json=text)) == grpc.StatusCode.INVALID_ARGUMENT
     assert list(exps.List(pb.ListExperimentsRequest(), timeout=10).experiments) == []
+
+
+# -- a gossip peer ----------------------------------------------------------------------------
+
+GOSSIP_MESSAGES = 3_000
+
+
+def test_gossip_peer_survives_random_and_mutated_frames_and_still_reaches_consensus() -> None:
+    """A push-sum peer's ROUTER gets the same kinds of storm (MASS/CANCEL/SNAP recorded from a real
+    neighbour, mutated); it never fails inside, its (z, weight) stay finite, and it still
+    averages exactly with its real neighbour afterwards."""
+    from gossamer.gossip import PushSumPeer
+
+    numel = 64
+    rng = random.Random(SEED)
+    a = PushSumPeer(experiment=EXP, peer_id="a", numel=numel, ack_timeout_s=0.5)
+    b = PushSumPeer(experiment=EXP, peer_id="b", numel=numel, ack_timeout_s=0.5)
+    errors = ErrorLog()
+    logging.getLogger().addHandler(errors)
+    ctx = zmq.Context()
+    dealers: list[zmq.Socket] = []
+    try:
+        g = torch.Generator().manual_seed(SEED)
+        za, zb = torch.randn(numel, generator=g), torch.randn(numel, generator=g) + 3
+        relay = RecordingRelay(a.endpoint)
+        a.set_membership({"b": b.endpoint}, 1)
+        b.set_membership({"a": relay.endpoint}, 1)
+        for step in range(4):  # b's real MASS messages (and CANCELs if a reply is slow), then a SNAP
+            b.send(zb, "a", step=step)
+            assert b.wait_settled(10)
+            a.mix(za)
+            b.mix(zb)
+        snaps: list[Any] = []
+        asker = threading.Thread(target=lambda: snaps.append(b.request_snapshot("a", timeout=10)))
+        asker.start()
+        while asker.is_alive():  # a's trainer answers snapshot requests between its steps
+            a.serve(za, 3)
+            time.sleep(0.01)
+        assert snaps and snaps[0] is not None
+        recorded = relay.close()
+        assert {msgpack.unpackb(f[0], raw=False)["op"] for f in recorded} >= {"MASS", "SNAP"}
+
+        dealers.extend(ctx.socket(zmq.DEALER) for _ in range(4))
+        for s in dealers:
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(a.endpoint)
+        replies: Counter[str] = Counter()
+
+        def drain() -> int:
+            got = 0
+            for s in dealers:
+                while True:
+                    try:
+                        reply = decode(s.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    got += 1
+                    replies[f"{reply.op}:{reply.meta.get('code', '')}"] += 1
+            return got
+
+        rejected0 = sum(a.rejected.values())
+        for i in range(GOSSIP_MESSAGES):
+            r = rng.random()
+            if r < 0.7:
+                frames = mutate_frames(rng, rng.choice(recorded))
+            elif r < 0.8:
+                frames = random_header_message(rng)
+            else:
+                frames = [_rand_bytes(rng, rng.randint(0, 300)) for _ in range(rng.randint(1, 4))]
+            rng.choice(dealers).send_multipart(frames)
+            if i % 200 == 0:
+                drain()
+                a.mix(za)  # the trainer keeps mixing and serving snapshots while the storm goes on
+                a.serve(za, 4)
+        quiet = time.monotonic()
+        while time.monotonic() - quiet < 1.0:
+            if drain():
+                quiet = time.monotonic()
+            time.sleep(0.02)
+        a.mix(za)
+        assert "internal" not in a.rejected, a.rejected  # no exception escaped the message handlers
+        assert sum(a.rejected.values()) - rejected0 > GOSSIP_MESSAGES // 3, (a.rejected, replies)
+        assert math.isfinite(a.weight) and 0 < a.weight <= 1 + (1 << 20) * replies["ACK:"], (a.weight, replies)
+
+        # The peer still takes part: a real neighbour's mass is ACKed and folded, weight moves
+        # exactly, and a snapshot request is answered. (Its z may hold whatever the forged but
+        # well-formed mass carried: without CURVE, anyone who reaches the port is a neighbour.)
+        b.set_membership({"a": a.endpoint}, 1)
+        for step in range(4, 8):
+            total = a.weight + b.weight
+            b.send(zb, "a", step=step)
+            assert b.wait_settled(10) and b.pending() == 0
+            assert a.mix(za).received == 1
+            b.mix(zb)
+            assert a.weight + b.weight == pytest.approx(total, rel=1e-12)
+        snaps.clear()
+        asker = threading.Thread(target=lambda: snaps.append(b.request_snapshot("a", timeout=10, light=True)))
+        asker.start()
+        while asker.is_alive():
+            a.serve(za, 8)
+            time.sleep(0.01)
+        assert snaps[0] is not None and snaps[0].weight == a.weight
+    finally:
+        logging.getLogger().removeHandler(errors)
+        for s in dealers:
+            s.close(linger=0)
+        a.close()
+        b.close()
+        ctx.term()
+    assert not errors.records, errors.records[:8]
+
+
+def test_gossip_mass_with_an_impossible_weight_is_refused() -> None:
+    """A MASS with weight 1e308 was accepted as finite; the receiver's next send then overflowed
+    (z * weight is Inf) and raised on every step after."""
+    from gossamer.gossip import PushSumPeer
+
+    a = PushSumPeer(experiment=EXP, peer_id="a", numel=4)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(a.endpoint)
+    try:
+        a.set_membership({"b": "tcp://127.0.0.1:1"}, 1)
+        for hid, weight in enumerate([1e308, float(1 << 21), 0.5]):
+            meta = {"id": hid, "inc": 1, "gen": 1, "step": 0, "weight": weight, "codec": "none", "payload": {}}
+            s.send_multipart(encode(Message(op="MASS", experiment=EXP, sender="b", meta=meta,
+                                            tensors={"values": torch.full((4,), 0.25)})))
+            assert s.poll(10_000)
+            reply = decode(s.recv_multipart())
+            assert (reply.op, reply.meta["id"]) == (("ACK" if weight == 0.5 else "NACK"), hid)
+        z = torch.zeros(4)
+        a.mix(z)
+        assert a.weight == 1.5 and a.rejected.get("weight") == 2
+        a.send(z, "b", step=1)  # still able to send
+    finally:
+        s.close(linger=0)
+        a.close()
+        ctx.term()

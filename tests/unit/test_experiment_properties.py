@@ -80,6 +80,8 @@ for _name, _f in FIELDS.items():
         continue
     if _f.type == "bool":
         PLAUSIBLE[_name] = st.booleans()
+    elif _f.type == "str":
+        PLAUSIBLE[_name] = st.one_of(st.just(_f.default), any_text)
     elif "float" in str(_f.type):
         PLAUSIBLE[_name] = st.one_of(st.floats(-1, 12), edge_floats, st.integers(-1, 3))
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import shutil
@@ -38,7 +39,12 @@ FIELD_SAMPLES = {"status.podIP": "10.8.0.7", "metadata.name": "gossamer-worker-7
 # --- the CLI as the manifests must match it ----------------------------------------------------
 def parse_cli(argv: list[str], where: str) -> argparse.Namespace:
     """Parse `gossamer ARGV` with the real parser; an unknown flag or bad value fails the test."""
-    parser = build_parser()
+    # Defaults as in a clean container: GOSSAMER_* in the test's own environment would change them.
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("GOSSAMER_")}
+    try:
+        parser = build_parser()
+    finally:
+        os.environ.update(saved)
 
     def fail(message: str) -> None:  # argparse would print and exit
         raise AssertionError(f"{where}: `gossamer {shlex.join(argv)}` is not accepted by the CLI: {message}")

@@ -365,8 +365,8 @@ class ShardClient:
             if failure is not None:
                 notes.append(f"shard {s} at {self._endpoints.get(s)} did not complete the ZMQ handshake: {failure}")
             elif watch.dropped:
-                notes.append(f"shard {s} at {self._endpoints.get(s)} closed the connection {watch.dropped} time(s) "
-                             "(a message over its size limit, MAXMSGSIZE, is dropped that way)")
+                notes.append(f"shard {s} at {self._endpoints.get(s)} dropped the connection {watch.dropped} time(s): "
+                             "it stopped, or refused a message over its size limit (MAXMSGSIZE)")
         return "; ".join(notes)
 
     def _msg(

@@ -214,6 +214,20 @@ def test_default_size_limit_fits_the_shard_and_an_oversized_frame_is_dropped(pla
         srv.close()
 
 
+def test_a_client_whose_message_is_over_the_size_limit_is_told_so(plan: ShardPlan) -> None:
+    init = {c.index: torch.zeros(c.numel) for c in plan.chunks}
+    srv = ShardServer(shard_config(limits=FrameLimits(max_message_bytes=64 << 10)), plan, init)
+    endpoint = srv.bind()
+    srv.start()
+    try:
+        with client(plan, endpoint, None) as c:
+            with pytest.raises(UnavailableError, match=r"dropped the connection .*size limit \(MAXMSGSIZE\)"):
+                c.probe(nbytes=256 << 10)  # a 256 KiB frame to a shard that takes 64 KiB
+            assert c.pull().versions == {0: 0}  # the same client, on its new socket, is served
+    finally:
+        srv.close()
+
+
 def test_a_flood_gets_rate_limit_errors_and_the_shard_still_serves_members(plan: ShardPlan) -> None:
     init = {c.index: torch.zeros(c.numel) for c in plan.chunks}
     srv = ShardServer(shard_config(rate_limit=RateLimit(messages_per_s=20, burst=10, answer_every_s=0.0)), plan,

@@ -808,3 +808,16 @@ def test_fuzzed_chunk_meta_only_ever_raises_protocol_error(spec, where, key, jun
     except ProtocolError:
         return
     assert out.shape == (pl.total_numel,) and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("spec", ["topk:1", "topk:0.5"])
+def test_topk_payload_size_does_not_depend_on_tiny_values(spec):
+    """A kept value under fp16's normal range used to switch every value to fp32 (payload
+    1.5x the nominal size, ~5% of randn(1000) draws at topk:1); it is now a subnormal."""
+    codec = parse_codec(spec)
+    x = torch.randn(1000)
+    x[0], x[1] = 1e-5, -3e-7
+    p = codec.encode(x)
+    assert codec.nominal_ratio(1000, (1000,)) == pytest.approx(4 * 1000 / p.nbytes)
+    err = (codec.decode(p, (1000,), torch.float32) - x).abs()
+    assert bool((err <= codec.error_bound(x)).all())

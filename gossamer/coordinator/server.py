@@ -555,6 +555,11 @@ class Coordinator:
         return exp
 
     async def report_role(self, req: pb.ReportRoleRequest) -> None:
+        # protobuf enums are open: an unknown number would be stored and break every status
+        if req.role not in pb.Role.values():
+            raise ConfigError("role", f"unknown role {req.role}")
+        if req.state not in pb.RoleState.values():
+            raise ConfigError("state", f"unknown role state {req.state}")
         exp = self.get(req.experiment_id)
         role = next(
             (r for r in exp.roles if r.node_id == req.node_id and r.role == req.role and r.index == req.index),

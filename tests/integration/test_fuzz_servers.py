@@ -999,6 +999,17 @@ def test_an_experiment_name_protobuf_cannot_carry_is_refused_at_submit(stubs: tu
     assert list(exps.List(pb.ListExperimentsRequest(), timeout=10).experiments) == []
 
 
+def test_a_role_report_with_an_unknown_enum_value_is_refused(stubs: tuple[Any, Any, grpc.Channel]) -> None:
+    """protobuf enums are open: a fuzzed ReportRole with state 99 was stored, and every
+    /api/status after failed with 500 ("Enum RoleState has no name defined for value 99")."""
+    nodes, _, _ = stubs
+    for req in (pb.ReportRoleRequest(experiment_id="e", node_id="n", role=pb.ROLE_WORKER, state=99),  # type: ignore[arg-type]
+                pb.ReportRoleRequest(experiment_id="e", node_id="n", role=42, state=pb.ROLE_STATE_SERVING)):  # type: ignore[arg-type]
+        with pytest.raises(grpc.RpcError) as err:
+            nodes.ReportRole(req, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown" in err.value.details()
+
+
 # -- a gossip peer ----------------------------------------------------------------------------
 
 GOSSIP_MESSAGES = 3_000

@@ -53,7 +53,7 @@ class Coordinator:
             n.stream_lost_at = 0.0
         self.exps: dict[str, ExpRec] = {e.id: e for e in exps}
         self._seq = max((e.seq for e in exps), default=0)
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()  # replaced by a fresh one at every change
         self._import_checks: set[tuple[str, str]] = set()
         self.curve = config.data_plane_curve
         if self.curve:
@@ -66,16 +66,18 @@ class Coordinator:
             log.info("resumed state: %d nodes, %d experiments", len(nodes), len(exps))
 
     # --- change notification ---------------------------------------------------------------
+    # An Event swapped at each change, not a Condition: on Python 3.11 a Condition.wait()
+    # cancelled by wait_for at shutdown can leave its lock released, and `async with` then
+    # raised "Lock is not acquired" in every stream handler, so SIGTERM did not end the process.
     async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     async def wait_change(self, timeout: float) -> None:
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
 
     # --- membership ------------------------------------------------------------------------
     def _curve_key(self, req: pb.JoinRequest) -> str:

@@ -55,6 +55,7 @@ class CoordinatorCollector:
         yield from self._nodes(now)
         yield from self._experiments(exps)
         yield from self._per_node(exps, now)
+        yield from self._grpc()
 
     # --- nodes -------------------------------------------------------------------------
     def _nodes(self, now: float) -> Iterator[Metric]:
@@ -204,6 +205,18 @@ class CoordinatorCollector:
     def _name(self, node_id: str) -> str:
         node = self.c.nodes.get(node_id)
         return node.name if node is not None else node_id
+
+    # --- the gRPC server -------------------------------------------------------------------
+    def _grpc(self) -> Iterator[Metric]:
+        srv = self.c.grpc_server
+        if srv is None:  # a Coordinator without its server (tests): nothing to count
+            return
+        yield counter("gossamer_grpc_server_restarts",
+                      "gRPC servers started again (same port, same state) after a malformed request stopped one.",
+                      [], [([], float(srv.restarts))])
+        yield counter("gossamer_grpc_malformed_refused",
+                      "gRPC requests refused with INVALID_ARGUMENT because their body did not parse.",
+                      [], [([], float(srv.malformed.refused))])
 
 
 def render(coord: Coordinator) -> bytes:

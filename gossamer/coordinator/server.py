@@ -40,6 +40,9 @@ SERVICE_NAMES = ("gossamer.v1.NodeService", "gossamer.v1.ExperimentService", "go
 class Coordinator:
     """All coordinator state and logic; the servicers below are thin RPC adapters over it."""
 
+    #: The CoordinatorServer serving this state: /metrics shows its gRPC restart and refusal counts.
+    grpc_server: CoordinatorServer | None = None
+
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.store = Store(config.state_dir)
@@ -909,6 +912,7 @@ class CoordinatorServer:
 
     async def start(self) -> int:
         self.coord = Coordinator(self.config)
+        self.coord.grpc_server = self
         self.port = await self._start_grpc(self.config.port)
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -18,8 +18,10 @@ import logging
 import math
 import os
 import random
+import signal
 import socket
 import struct
+import subprocess
 import threading
 import time
 import urllib.request
@@ -36,12 +38,14 @@ import zmq
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message as Proto
 from grpc_health.v1 import health_pb2
+from prometheus_client.parser import text_string_to_metric_families
 
 from gossamer import Experiment
 from gossamer.compression import ChunkCompressor
 from gossamer.coordinator import CoordinatorConfig, CoordinatorServer
 from gossamer.coordinator.http import HttpConfig
 from gossamer.errors import ProtocolError
+from gossamer.local_cluster import LocalCluster
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
 from gossamer.transport.frames import DTYPES, Message, decode, encode
 from gossamer.v1 import coordinator_pb2 as pb
@@ -468,6 +472,101 @@ def live_coordinator(tmp_path: Path) -> Iterator[LiveCoordinator]:
         c.close()
 
 
+def scrape(http: str) -> dict[str, float]:
+    """The unlabelled samples on `http`/metrics, by name."""
+    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+class CoordinatorProcess:
+    """`gossamer coordinator serve` as its own process (LocalCluster), its HTTP side on, logs as JSON lines.
+
+    For tests that make the coordinator restart its gRPC server: with the grpc.aio server in
+    pytest's own process, a sync client's call in flight while it restarted segfaulted the
+    whole pytest process about one run in five (the two share grpc core). What the test used
+    to read off the server object now comes over /metrics and the process's log.
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        # --rate-limit 0: every fuzzed call must reach the servicers, not the per-host limiter.
+        # --no-import-check: mutated model paths would each import in a subprocess.
+        self.cluster = LocalCluster(
+            state_dir, heartbeat_interval=0.2, lease_timeout=1.0, env={"PYTHONFAULTHANDLER": "1"},
+            coordinator_args=["--http-port", "0", "--no-import-check", "--rate-limit", "0", "--log-format", "json"])
+        try:
+            self.address = self.cluster.start_coordinator(port=0)
+            self.http = f"http://127.0.0.1:{int((state_dir / 'http.port').read_text())}"
+        except BaseException:
+            self.cluster.close()
+            raise
+        assert self.cluster.coordinator is not None
+        self.proc = self.cluster.coordinator
+        self.port = self.cluster.port
+        self.log_file = self.cluster.log_dir / "coordinator.log"
+
+    def metrics(self) -> dict[str, float]:
+        return scrape(self.http)
+
+    def restarts(self) -> int:
+        return int(self.metrics()["gossamer_grpc_server_restarts_total"])
+
+    def errors(self) -> ErrorLog:
+        """The ERROR records in the process's log so far (and anything it printed that says it crashed)."""
+        errors = ErrorLog()
+        for line in self.log_file.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if isinstance(rec, dict) and "level" in rec:
+                if rec["level"] in ("ERROR", "CRITICAL"):
+                    exc = str(rec.get("exc", "")).strip().splitlines()
+                    errors.note(str(rec.get("logger", "")), str(rec.get("msg", "")) + (f" [{exc[-1]}]" if exc else ""))
+            elif line.startswith(("Traceback", "Fatal Python error", "Segmentation fault")):
+                errors.records.append(f"stderr: {line}"[:500])  # not from logging: an exception nobody caught
+        return errors
+
+    def settle(self, quiet_s: float = 1.0, timeout: float = 30.0) -> None:
+        """Wait until each gRPC server crash in the log has been followed by a restart, no new crash
+        for `quiet_s` (the server notices one within 0.25 s), and the port answers a health check."""
+        deadline = time.monotonic() + timeout
+        last, since = (-1, -1), time.monotonic()
+        while True:
+            now = (self.errors().crashes, self.restarts())
+            if now != last:
+                last, since = now, time.monotonic()
+            elif now[1] >= now[0] and time.monotonic() - since >= quiet_s:
+                break
+            assert time.monotonic() < deadline, f"(crashes, restarts) {now}: the gRPC server did not settle"
+            time.sleep(0.05)
+        with grpc.insecure_channel(self.address) as channel:
+            check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                        response_deserializer=health_pb2.HealthCheckResponse.FromString)
+            reply = check(health_pb2.HealthCheckRequest(service=""), timeout=10, wait_for_ready=True)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def stop(self) -> int | None:
+        """SIGTERM, as an operator stops it; its exit status (None: still running after 30 s)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        return self.proc.poll()
+
+
+@pytest.fixture
+def coordinator_process(tmp_path: Path) -> Iterator[CoordinatorProcess]:
+    c = CoordinatorProcess(tmp_path / "coordinator")
+    try:
+        yield c
+    finally:
+        c.cluster.close()
+
+
 class ErrorLog(logging.Handler):
     """ERROR records of gossamer, grpc and asyncio: an exception a servicer or the reaper did not expect.
 
@@ -481,15 +580,20 @@ class ErrorLog(logging.Handler):
         self.crashes = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not record.name.startswith(("gossamer", "grpc", "asyncio")):
-            return
-        text = f"{record.name}: {record.getMessage()}"
+        text = record.getMessage()
         if record.exc_info and record.exc_info[1] is not None:
             text += f" [{type(record.exc_info[1]).__name__}: {record.exc_info[1]}]"
-        if record.name.startswith("grpc") and "Invalid encoding on" in text:
+        self.note(record.name, text)
+
+    def note(self, logger: str, message: str) -> None:
+        """Sort one ERROR record of `logger` (its message and exception text)."""
+        if not logger.startswith(("gossamer", "grpc", "asyncio")):
             return
-        if "UnicodeDecodeError" in text or (record.name.startswith("grpc") and "can't decode" in text):
-            self.crashes += record.name.startswith("grpc")
+        text = f"{logger}: {message}"
+        if logger.startswith("grpc") and "Invalid encoding on" in text:
+            return
+        if "UnicodeDecodeError" in text or (logger.startswith("grpc") and "can't decode" in text):
+            self.crashes += logger.startswith("grpc")
             return
         self.records.append(text[:500])
 
@@ -761,9 +865,9 @@ def h2_storm(rng: random.Random, port: int, examples: dict[str, list[Proto]]) ->
 
 def test_10000_random_and_mutated_frames_leave_shard_and_coordinator_serving_correctly(
     shard: tuple[ShardServer, ShardPlan, str, dict[int, dict[int, torch.Tensor]]],
-    live_coordinator: LiveCoordinator,
+    coordinator_process: CoordinatorProcess,
 ) -> None:
-    coordinator = live_coordinator
+    coordinator = coordinator_process
     srv, plan, endpoint, history = shard
     rng = random.Random(SEED)
     errors = ErrorLog()
@@ -801,6 +905,9 @@ def test_10000_random_and_mutated_frames_leave_shard_and_coordinator_serving_cor
                              [PREFACE, *grpc_over_h2("/gossamer.v1.ExperimentService/List", b"")], read=True)
             assert any(t == 1 and sid == 1 for t, _, sid in h2_frames(answer)), h2_frames(answer)
             raw_sent = sum(h2_storm(rng, coordinator.port, examples) for _ in range(RAW_CONNECTIONS))
+            # A crash at the raw storm's end restarts the server just as the gRPC storm begins; its
+            # channel would then spend the reconnect backoff failing fast (UNAVAILABLE), not fuzzing.
+            coordinator.settle()
             details: dict[str, list[str]] = {}
             codes = grpc_storm(coordinator.address, examples, known, rng, details)
         finally:
@@ -810,11 +917,14 @@ def test_10000_random_and_mutated_frames_leave_shard_and_coordinator_serving_cor
     finally:
         logging.getLogger().removeHandler(errors)
 
+    assert coordinator.proc.poll() is None, f"the coordinator exited (status {coordinator.proc.returncode})"
+    served = coordinator.metrics()
+    restarts, refused = served["gossamer_grpc_server_restarts_total"], served["gossamer_grpc_malformed_refused_total"]
     total = shard_sent + raw_sent + sum(codes.values())
     summary = (f"seed {SEED}: {total} frames in {storm_s:.1f}s; shard: {shard_sent} sent, replies {dict(replies.ops)}, "
                f"error codes {dict(replies.codes)}, {len(replies.applied_versions)} applied; coordinator: "
-               f"{raw_sent} raw frames, gRPC codes {dict(codes)}, {coordinator.server.restarts} gRPC restarts, "
-               f"{coordinator.server.malformed.refused} unparsable bodies refused; details {details}")
+               f"{raw_sent} raw frames, gRPC codes {dict(codes)}, {restarts:.0f} gRPC restarts, "
+               f"{refused:.0f} unparsable bodies refused; details {details}")
     print(summary)
     assert total >= 10_000, summary
 
@@ -849,10 +959,16 @@ def test_10000_random_and_mutated_frames_leave_shard_and_coordinator_serving_cor
 
     # -- the coordinator never failed inside and still serves --------------------------------
     assert "UNKNOWN" not in codes, f"{summary}: a servicer raised an unhandled exception"
-    assert not errors.records, f"{summary}\nerror log: {errors.records[:8]}"
-    assert coordinator.server.restarts >= errors.crashes, "a crashed gRPC server was not brought back"
+    assert not errors.records, f"{summary}\nerror log: {errors.records[:8]}"  # the shard's and the test's own
+    served_errors = coordinator.errors()
+    assert not served_errors.records, f"{summary}\ncoordinator's error log: {served_errors.records[:8]}"
+    deadline = time.monotonic() + 10  # a crash logged just now: its server is started again within 0.25 s
+    while restarts < served_errors.crashes and time.monotonic() < deadline:
+        time.sleep(0.05)
+        restarts = coordinator.metrics()["gossamer_grpc_server_restarts_total"]
+    assert restarts >= served_errors.crashes, f"a crashed gRPC server was not brought back: {summary}"
     assert codes["OK"] > 100 and codes["INVALID_ARGUMENT"] + codes["NOT_FOUND"] > 100, summary
-    assert coordinator.server.malformed.refused > 100, summary  # the coordinator's count of refused bodies
+    assert refused > 100, summary  # the coordinator's count of refused bodies
     health = channel.unary_unary("/grpc.health.v1.Health/Check",
                                  request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                                  response_deserializer=health_pb2.HealthCheckResponse.FromString)
@@ -866,12 +982,14 @@ def test_10000_random_and_mutated_frames_leave_shard_and_coordinator_serving_cor
     joined = nodes.Join(pb.JoinRequest(name="late", address="127.0.0.1"), timeout=10).node_id
     assert nodes.Heartbeat(pb.HeartbeatRequest(node_id=joined), timeout=10).known
     assert joined in [n.id for n in nodes.ListNodes(pb.ListNodesRequest(), timeout=10).nodes]
-    http = f"http://127.0.0.1:{coordinator.server.http_port}"
-    with urllib.request.urlopen(f"{http}/api/status", timeout=10) as resp:
+    with urllib.request.urlopen(f"{coordinator.http}/api/status", timeout=10) as resp:
         assert sid in json.dumps(json.load(resp))
-    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as resp:
+    with urllib.request.urlopen(f"{coordinator.http}/metrics", timeout=10) as resp:
         assert b"gossamer_nodes" in resp.read()
     channel.close()
+    assert coordinator.proc.poll() is None, f"the coordinator exited (status {coordinator.proc.returncode})"
+    assert not coordinator.errors().records, "ERROR records in the coordinator's log after the storm"
+    assert coordinator.stop() == 0, f"the coordinator did not exit cleanly on SIGTERM: see {coordinator.log_file}"
 
 
 # -- regressions: one test per bug the storm found ------------------------------------------------
@@ -891,19 +1009,26 @@ def _code(fn: Any, *args: Any) -> grpc.StatusCode:
 
 
 def test_a_request_with_a_non_utf8_path_does_not_take_the_coordinator_down(
-    live_coordinator: LiveCoordinator, stubs: tuple[Any, Any, grpc.Channel]
+    coordinator_process: CoordinatorProcess,
 ) -> None:
     """grpc.aio stopped its whole server on such a :path; the coordinator now serves again at once."""
-    _, exps, _ = stubs
-    sid = exps.Submit(pb.SubmitRequest(experiment_json=_experiment("kept").to_json()), timeout=10).experiment_id
-    frames = grpc_over_h2(b"/gossamer.v1.\xd6/List", b"")  # 0xd6 alone is not UTF-8
-    raw_tcp(live_coordinator.port, [PREFACE, *frames], read=True)
-    deadline = time.monotonic() + 10
-    while live_coordinator.server.restarts == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert live_coordinator.server.restarts == 1
-    listed = exps.List(pb.ListExperimentsRequest(), timeout=10, wait_for_ready=True).experiments
-    assert [e.id for e in listed] == [sid]  # same port, same state
+    coordinator = coordinator_process
+    assert coordinator.restarts() == 0
+    with grpc.insecure_channel(coordinator.address) as channel:
+        exps = pb_grpc.ExperimentServiceStub(channel)
+        sid = exps.Submit(pb.SubmitRequest(experiment_json=_experiment("kept").to_json()), timeout=10).experiment_id
+        frames = grpc_over_h2(b"/gossamer.v1.\xd6/List", b"")  # 0xd6 alone is not UTF-8
+        raw_tcp(coordinator.port, [PREFACE, *frames], read=True)
+        deadline = time.monotonic() + 10
+        while coordinator.restarts() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert coordinator.restarts() == 1
+        listed = exps.List(pb.ListExperimentsRequest(), timeout=10, wait_for_ready=True).experiments
+        assert [e.id for e in listed] == [sid]  # same port, same state
+    assert coordinator.proc.poll() is None
+    errors = coordinator.errors()
+    assert not errors.records, errors.records[:8]
+    assert coordinator.stop() == 0, f"the coordinator did not exit cleanly on SIGTERM: see {coordinator.log_file}"
 
 
 def test_an_unparsable_body_is_invalid_argument_on_every_method(
@@ -925,6 +1050,8 @@ def test_an_unparsable_body_is_invalid_argument_on_every_method(
     finally:
         logging.getLogger().removeHandler(errors)
     assert live_coordinator.server.malformed.refused == 7
+    served = scrape(f"http://127.0.0.1:{live_coordinator.server.http_port}")
+    assert (served["gossamer_grpc_malformed_refused_total"], served["gossamer_grpc_server_restarts_total"]) == (7, 0)
     assert not errors.records
 
 

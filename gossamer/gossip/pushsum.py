@@ -36,6 +36,7 @@ import time
 import zlib
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -422,6 +423,42 @@ class PushSumPeer:
         finally:
             self._io.forget(rid)
         return None if msg is None else self._snapshot(peer, msg, light)
+
+    def gather_snapshots(self, peers: list[str], timeout: float, z: torch.Tensor, step: int, *,
+                         light: bool = False) -> dict[str, Snapshot]:
+        """Ask every peer at once for its state (`light`: weight, step, done only), answering
+        their requests meanwhile.
+
+        Peers that start together ask each other: asked one at a time without serving, each
+        waited out the others' timeouts in turn (seconds of start-up skew on 4 workers).
+        """
+        pending: dict[str, tuple[int, Any]] = {}
+        for peer in peers:
+            endpoint = self._peers.get(peer)
+            if endpoint is None or self._closed:
+                continue
+            rid = next(self._rids)
+            frames = encode(Message(op=SNAP, experiment=self.experiment, sender=self.peer_id,
+                                    meta={"rid": rid, "light": light}))
+            pending[peer] = (rid, self._io.request(rid, endpoint, frames))
+        got: dict[str, Snapshot] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while pending and time.monotonic() < deadline:
+                self.serve(z, step)
+                for peer, (rid, fut) in list(pending.items()):
+                    if fut.done():
+                        del pending[peer]
+                        self._io.forget(rid)
+                        msg = None if fut.exception() is not None else fut.result()
+                        snap = None if msg is None else self._snapshot(peer, msg, light)
+                        if snap is not None:
+                            got[peer] = snap
+                time.sleep(0.005)
+        finally:
+            for rid, _ in pending.values():
+                self._io.forget(rid)
+        return got
 
     def _snapshot(self, peer: str, msg: Message, light: bool = False) -> Snapshot | None:
         z = torch.empty(0) if light and not msg.tensors else msg.tensors.get("z")

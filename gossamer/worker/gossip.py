@@ -96,12 +96,24 @@ class GossipTrainer(RankTrainer):
 
     def _join(self) -> None:
         """Start from the most advanced peer's parameters (a late joiner copies a neighbour)."""
+        if self.peer is not None:
+            # A run starts together: wait (bounded) until the assignment names min_workers
+            # peers, answering their snapshot requests meanwhile.
+            deadline = time.monotonic() + 30.0
+            while (len(self.members) + 1 < self.exp.min_workers and time.monotonic() < deadline
+                   and not self.should_stop()):
+                self.peer.serve(self.flat, self.clock)
+                time.sleep(0.02)
+                self._apply_updates()
         if self.peer is not None and self.members:
             best: tuple[str, Snapshot] | None = None
-            for pid in sorted(self.members, key=int):
-                snap = self.peer.request_snapshot(pid, timeout=5.0)
-                if snap is not None and (best is None or snap.step > best[1].step):
-                    best = (pid, snap)
+            # Steps first (light), then the model of the most advanced peer only.
+            steps = self.peer.gather_snapshots(sorted(self.members, key=int), 5.0, self.flat, self.clock, light=True)
+            ahead = max(steps.items(), key=lambda kv: (kv[1].step, -int(kv[0])), default=None)
+            if ahead is not None and ahead[1].step > 0:
+                snap = self.peer.request_snapshot(ahead[0], timeout=5.0)
+                if snap is not None:
+                    best = (ahead[0], snap)
             if best is not None and best[1].step > 0:
                 self.flat.copy_(best[1].z)
                 self.clock = best[1].step

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gossamer import Experiment
+from gossamer import Experiment, Job
 from gossamer.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(240)
@@ -32,14 +32,14 @@ def test_sigterm_with_open_streams_exits_cleanly(tmp_path: Path) -> None:
             client = cluster.client()
             job = client.submit(exp)
 
-            def follow() -> None:
+            def follow(job: Job) -> None:
                 try:
                     for _ in job.watch(timeout=120):
                         pass
                 except Exception:  # noqa: BLE001 — the coordinator going away ends the stream
                     pass
 
-            watcher = threading.Thread(target=follow, daemon=True)
+            watcher = threading.Thread(target=follow, args=(job,), daemon=True)
             watcher.start()
             deadline = time.monotonic() + 60
             while sum(n["state"] == "ready" for n in client.nodes()) < 2:

@@ -398,6 +398,16 @@ class PushSumPeer:
             )
             self._io.post("reply", identity, frames, {"peer": requester, "rid": rid})
 
+    def _ask_snapshot(self, endpoint: str | None, light: bool) -> tuple[int, Any] | None:
+        """Send a SNAP request; (request id, future of the reply), or None if there is no one to ask."""
+        if endpoint is None or self._closed:
+            return None
+        rid = next(self._rids)
+        frames = encode(
+            Message(op=SNAP, experiment=self.experiment, sender=self.peer_id, meta={"rid": rid, "light": light})
+        )
+        return rid, self._io.request(rid, endpoint, frames)
+
     def request_snapshot(self, peer: str, timeout: float, *, light: bool = False) -> Snapshot | None:
         """Ask `peer` (a member's id, or a ``tcp://`` endpoint) for its current state.
 
@@ -408,14 +418,10 @@ class PushSumPeer:
             The snapshot, or None on timeout, an error reply, an invalid reply, or a peer
             that is not a member.
         """
-        endpoint = self._peers.get(peer) or (peer if "://" in peer else None)
-        if endpoint is None or self._closed:
+        asked = self._ask_snapshot(self._peers.get(peer) or (peer if "://" in peer else None), light)
+        if asked is None:
             return None
-        rid = next(self._rids)
-        frames = encode(
-            Message(op=SNAP, experiment=self.experiment, sender=self.peer_id, meta={"rid": rid, "light": light})
-        )
-        fut = self._io.request(rid, endpoint, frames)
+        rid, fut = asked
         try:
             msg = fut.result(timeout=timeout)
         except FutureTimeout:
@@ -434,13 +440,9 @@ class PushSumPeer:
         """
         pending: dict[str, tuple[int, Any]] = {}
         for peer in peers:
-            endpoint = self._peers.get(peer)
-            if endpoint is None or self._closed:
-                continue
-            rid = next(self._rids)
-            frames = encode(Message(op=SNAP, experiment=self.experiment, sender=self.peer_id,
-                                    meta={"rid": rid, "light": light}))
-            pending[peer] = (rid, self._io.request(rid, endpoint, frames))
+            asked = self._ask_snapshot(self._peers.get(peer), light)
+            if asked is not None:
+                pending[peer] = asked
         got: dict[str, Snapshot] = {}
         deadline = time.monotonic() + timeout
         try:

@@ -106,20 +106,37 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
 def cmd_worker_join(args: argparse.Namespace) -> int:
     import asyncio
 
+    from gossamer.worker import launcher
+
+    # Under torchrun/srun with several processes per node, local rank 0 is the node agent and the
+    # others attach to it (README "Under torchrun or srun").
+    launch = launcher.detect()
+    nproc = launcher.resolve_nproc(launch, args.nproc_per_node)
+    launcher.scrub_cross_node_env(launch)
+    if launch.shared:
+        launcher.ensure_run_dir(args.run_dir or launcher.default_run_dir())
+    if launch.shared and launch.local_rank > 0:
+        from gossamer.worker.attach import run_attached_rank
+
+        _setup_logging(args.log_level, args.log_format, role=f"rank{launch.local_rank}", node=args.name)
+        return run_attached_rank(launch, launch.socket_path(args.run_dir), timeout_s=args.attach_timeout)
+
     from gossamer.worker.agent import AgentConfig, NodeAgent, parse_labels
 
     _setup_logging(args.log_level, args.log_format, role="agent", node=args.name)
     config = AgentConfig(
         coordinator=args.coordinator, name=args.name, address=args.address, security=_client_security(args),
-        nproc_per_node=args.nproc_per_node, spot=args.spot, labels=parse_labels(args.labels),
+        nproc_per_node=nproc, spot=args.spot, labels=parse_labels(args.labels),
         grace_s=args.grace, threads_per_role=args.threads, log_level=args.log_level.upper(), log_format=args.log_format,
+        launch=launch, run_dir=args.run_dir, attach_timeout_s=args.attach_timeout,
     )
     if args.metrics_port is not None:
         import dataclasses
 
         config = dataclasses.replace(config, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
-    asyncio.run(NodeAgent(config).run())
-    return 0
+    agent = NodeAgent(config)
+    asyncio.run(agent.run())
+    return agent.exit_code
 
 
 # --- client verbs -----------------------------------------------------------------------------
@@ -399,12 +416,18 @@ def _worker_parser(sub: Any) -> None:
     j.add_argument("coordinator", nargs="?", default=_env("COORDINATOR", DEFAULT_COORDINATOR), help="HOST:PORT")
     j.add_argument("--name", default=_env("NAME", ""), help="node name (default hostname-id)")
     j.add_argument("--address", default=_env("ADDRESS", ""), help="address other nodes use to reach this one")
-    j.add_argument("--nproc-per-node", type=int, default=_env("NPROC_PER_NODE", 1), help="local ranks per worker")
+    j.add_argument("--nproc-per-node", type=int, default=_env("NPROC_PER_NODE", None),
+                   help="local ranks per worker (default 1; under torchrun/srun: its processes on this node)")
     j.add_argument("--spot", action="store_true", default=_env("SPOT", False), help="preemptible machine")
     j.add_argument("--labels", nargs="*", default=[], metavar="K=V")
     j.add_argument("--grace", type=float, default=_env("GRACE", 30.0),
                    help="seconds to leave gracefully on SIGTERM (a spot notice): finish the step, hand shards over")
     j.add_argument("--threads", type=int, default=_env("THREADS", 1), help="torch threads per role process")
+    j.add_argument("--run-dir", default=_env("RUN_DIR", ""),
+                   help="under torchrun/srun: private directory of the socket where local ranks attach to local "
+                        "rank 0's agent (default $TMPDIR/gossamer-UID; env GOSSAMER_RUN_DIR)")
+    j.add_argument("--attach-timeout", type=float, default=_env("ATTACH_TIMEOUT", 120.0),
+                   help="under torchrun/srun: seconds local ranks wait for each other before giving up")
     j.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", None),
                    help="serve this node's Prometheus /metrics on this port (0 picks a free one, logged); off unless "
                         "given (env GOSSAMER_METRICS_PORT)")

@@ -1,4 +1,8 @@
-"""The node agent (`gossamer worker join`): joins, heartbeats, and runs assigned roles in spawned processes."""
+"""The node agent (`gossamer worker join`): joins, heartbeats, and runs assigned roles in spawned processes.
+
+Under torchrun or srun with several processes on a node, local rank 0 runs the agent and the
+other local ranks attach to it (`gossamer.worker.attach`) to run its worker ranks.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +14,17 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import grpc
 
-from gossamer.errors import AuthError, ConfigError
+from gossamer.errors import AuthError, ConfigError, UnavailableError
 from gossamer.security.channel import ChannelSecurity, explain_rpc_error, open_aio_channel
 from gossamer.security.curve import CurveKeyPair
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
+from gossamer.worker.launcher import Launch
 from gossamer.worker.node_metrics import NodeMetrics
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,11 @@ class AgentConfig:
     #: TLS settings and token for the coordinator; role processes get the same (as file paths).
     security: ChannelSecurity | None = None
     log_format: str = "text"  # text | json, for the agent and its role processes
+    #: The launcher (torchrun, srun) that started this process: with several processes on this node
+    #: they are its local ranks (`nproc_per_node` of them), and the others attach to this agent.
+    launch: Launch = field(default_factory=Launch)
+    run_dir: str = ""  # where the attach socket lives; default `launcher.default_run_dir()`
+    attach_timeout_s: float = 120.0  # how long the other local ranks have to attach before the join
 
     def __post_init__(self) -> None:
         if ":" not in self.coordinator:
@@ -56,6 +65,13 @@ class AgentConfig:
             raise ConfigError("grace_s", "must be >= 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError("metrics_port", f"must be in 0..65535, got {self.metrics_port}")
+        if self.launch.shared and self.nproc_per_node != self.launch.local_world:
+            raise ConfigError("nproc_per_node", f"{self.nproc_per_node} conflicts with the {self.launch.local_world} "
+                                                f"processes {self.launch.source} started on this node")
+        if self.launch.shared and self.launch.local_rank != 0:
+            raise ConfigError("launcher", f"local rank {self.launch.local_rank} attaches to local rank 0's agent")
+        if self.attach_timeout_s <= 0:
+            raise ConfigError("attach_timeout_s", "must be > 0")
 
 
 def route_address(coordinator: str) -> str:
@@ -87,8 +103,8 @@ def _cuda_count() -> int:
 
 @dataclass
 class _Running:
-    procs: list[BaseProcess]
-    pipes: list[Connection]
+    procs: list[RoleProcess]
+    pipes: list[RolePipe]
     assignment: pb.Assignment
     stopping: bool = False
     reported: bool = False
@@ -114,14 +130,50 @@ class NodeAgent:
         # This node's data-plane identity; its secret goes only to this node's role processes.
         self.curve_keys = _curve_keypair()
         self.curve = False  # the coordinator's answer: the data plane runs CurveZMQ
+        #: The other local ranks of a torchrun/srun launch (None: this agent spawns every rank).
+        self.attached: AttachedRanks | None = None
+        self.exit_code = 0  # of `gossamer worker join`: 1 when an attached local rank was lost
+        self._reason = "signal"
+        self._leaving = False  # Leave sent: an unknown-node heartbeat answer is expected, not a cue to rejoin
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
-        self._channel = open_aio_channel(self.config.coordinator, self.config.security)
-        self._stub = pb_grpc.NodeServiceStub(self._channel)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
+        try:
+            if self.config.launch.shared and not await self._await_local_ranks():
+                return
+            await self._run()
+        finally:
+            if self.attached is not None:
+                await self.attached.close()
+
+    async def _await_local_ranks(self) -> bool:
+        """Listen for the other local ranks and wait until all attached (False: stopped meanwhile).
+
+        The node joins only then, so the local ranks it advertises are really there.
+        """
+        launch = self.config.launch
+        self.attached = AttachedRanks(launch, launch.socket_path(self.config.run_dir), grace_s=self.config.grace_s)
+        await self.attached.start()
+        waiting = asyncio.create_task(self.attached.wait_all())
+        stopping = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({waiting, stopping}, timeout=self.config.attach_timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        stopping.cancel()
+        if self._stop.is_set():
+            return False
+        if missing := self.attached.missing():
+            raise UnavailableError(f"local ranks {missing} of this {launch.source} launch did not attach to "
+                                   f"{self.attached.path} within {self.config.attach_timeout_s:.0f} s")
+        log.info("all %d local ranks of %s are here", launch.local_world, launch.source)
+        return True
+
+    async def _run(self) -> None:
+        self._channel = open_aio_channel(self.config.coordinator, self.config.security)
+        self._stub = pb_grpc.NodeServiceStub(self._channel)
         await self._join()
         if self.config.metrics_port is not None:
             await self._serve_metrics()
@@ -131,7 +183,7 @@ class NodeAgent:
         for t in tasks:
             t.cancel()
         # Heartbeats go on while the roles stop, so a slow graceful exit never looks like a loss.
-        await self.shutdown("signal")
+        await self.shutdown(self._reason)
         beats.cancel()
 
     async def _serve_metrics(self) -> None:
@@ -165,6 +217,7 @@ class NodeAgent:
         workers = {k: r for k, r in self.running.items() if k[1] != pb.ROLE_PARAMETER_SERVER}
         await self._stop_runs(workers, max(0.0, (deadline - time.monotonic()) * 0.6))
         assert self._stub is not None
+        self._leaving = True
         try:
             await self._stub.Leave(pb.LeaveRequest(node_id=self.node_id, reason=reason), timeout=3.0)
             if self.running:  # let workers pick up the promoted backups before the shards go
@@ -221,7 +274,7 @@ class NodeAgent:
                 if warned:
                     log.info("coordinator reachable again")
                     warned = False
-                if not resp.known:
+                if not resp.known and not self._leaving:
                     log.warning("coordinator does not know this node; joining again")
                     await self._join()
             except AuthError as e:
@@ -299,8 +352,8 @@ class NodeAgent:
         from gossamer.worker import roles
 
         spec = self._spec(a)
-        procs: list[BaseProcess] = []
-        pipes: list[Connection] = []
+        procs: list[RoleProcess] = []
+        pipes: list[RolePipe] = []
         if a.role == pb.ROLE_PARAMETER_SERVER:
             spec["label"] = f"ps{a.index}" + ("b" if a.replica else "")
             recv, send = _SPAWN.Pipe(duplex=False)
@@ -310,9 +363,14 @@ class NodeAgent:
             nproc = self.config.nproc_per_node
             port = _free_port()
             for rank in range(nproc):
-                recv, send = _SPAWN.Pipe(duplex=False)
                 rspec = {**spec, "local_rank": rank, "nproc": nproc, "master_port": port,
                          "label": f"w{a.index}.{rank}"}
+                if rank > 0 and self.attached is not None:  # runs in the launcher's process of that local rank
+                    proc, pipe = self.attached.remote(rank, rspec)
+                    procs.append(proc)
+                    pipes.append(pipe)
+                    continue
+                recv, send = _SPAWN.Pipe(duplex=False)
                 procs.append(_SPAWN.Process(target=roles.run_worker_rank, args=(rspec, recv),
                                             name=f"gossamer-w{a.index}.{rank}"))
                 pipes.append(send)
@@ -335,8 +393,8 @@ class NodeAgent:
     def _terminate(self, run: _Running) -> None:
         run.stopping = True
         for p in run.procs:
-            if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, signal.SIGTERM)
+            if p.is_alive():
+                p.terminate()  # SIGTERM; an attached rank passes it on to its child
 
     async def _stop_runs(self, runs: dict[tuple[str, int, int], _Running], grace: float) -> None:
         for run in runs.values():
@@ -376,6 +434,11 @@ class NodeAgent:
                     del self.running[key]
                     if not run.stopping:
                         self.finished.add(key)
+            if self.attached is not None and self.attached.lost and not self._stop.is_set():
+                # Its launcher process is gone: this node can no longer run the ranks it advertised.
+                log.error("local rank(s) %s of %s are gone: leaving", self.attached.lost, self.config.launch.source)
+                self.exit_code, self._reason = 1, "local rank lost"
+                self._stop.set()
 
     async def _report_failure(self, run: _Running, code: int) -> None:
         a = run.assignment

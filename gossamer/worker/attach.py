@@ -161,6 +161,7 @@ class AttachedRanks:
         self._server: asyncio.AbstractServer | None = None
         self._seq = 0
         self._closing = False
+        self._handlers: set[asyncio.Task[None]] = set()
 
     @property
     def expected(self) -> set[int]:
@@ -205,6 +206,8 @@ class AttachedRanks:
             with contextlib.suppress(ConnectionError, OSError):
                 await asyncio.wait_for(peer.writer.drain(), 2.0)
             peer.writer.close()
+        if self._handlers:  # they end on the closed connections; cancelled instead, asyncio would log it
+            await asyncio.wait(self._handlers, timeout=2.0)
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -222,6 +225,10 @@ class AttachedRanks:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer: _Rank | None = None
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
         try:
             hello = await asyncio.wait_for(self._read(reader), 10.0)
             if hello is None:

@@ -203,16 +203,16 @@ class AttachedRanks:
         for peer in self.ranks.values():
             peer.send({"op": "bye"})
         for peer in self.ranks.values():
-            with contextlib.suppress(ConnectionError, OSError):
+            with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError):
                 await asyncio.wait_for(peer.writer.drain(), 2.0)
             peer.writer.close()
         if self._handlers:  # they end on the closed connections; cancelled instead, asyncio would log it
             await asyncio.wait(self._handlers, timeout=2.0)
-        if self._server is not None:
+        if self._server is not None:  # never another agent's socket (start() refused to replace it)
             self._server.close()
             self._server = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     async def _read(self, reader: asyncio.StreamReader) -> dict[str, Any] | None:
         try:

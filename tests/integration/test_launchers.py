@@ -238,3 +238,27 @@ def test_an_attached_rank_without_its_agent_gives_up_with_a_clear_error() -> Non
         assert time.monotonic() - t0 < 30
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_a_second_local_rank_0_is_refused_and_leaves_the_first_agents_socket_alone() -> None:
+    run_dir = tempfile.mkdtemp(prefix="gsr-")
+    cmd = [sys.executable, "-m", "gossamer.cli", "worker", "join", "127.0.0.1:1", "--run-dir", run_dir]
+    first = subprocess.Popen(cmd, env=_srun_env(0, "3"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.listdir(run_dir):  # the agent listens (for its local rank 1) before joining anyone
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        (sock,) = os.listdir(run_dir)
+        second = subprocess.run(cmd, env=_srun_env(0, "3"), capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stderr
+        assert "two processes claim local rank 0" in second.stderr
+        assert os.listdir(run_dir) == [sock] and first.poll() is None
+        first.send_signal(signal.SIGTERM)  # while it waits for local rank 1: it stops at once
+        assert first.wait(timeout=20) == 0
+        assert os.listdir(run_dir) == []
+    finally:
+        _kill_sessions({first.pid})
+        first.wait(timeout=10)
+        shutil.rmtree(run_dir, ignore_errors=True)

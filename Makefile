@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/recovery.py
+	$(BIN)/python bench/intranode.py
 
 # Needs root (network namespaces, tc): four emulated hosts on 100 Mbit/s and 1 Gbit/s links.
 bench-wan: $(STAMP)

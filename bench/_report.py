@@ -19,10 +19,11 @@ def _atomic_write(path: pathlib.Path, text: str) -> None:
 
 
 def write_report(
-    name: str, rows: list[dict[str, Any]], notes: str
+    name: str, rows: list[dict[str, Any]], notes: str, out_dir: pathlib.Path | None = None
 ) -> tuple[pathlib.Path, pathlib.Path]:
-    """Write ``results/<name>.json`` and ``results/<name>.md``; returns both paths."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """Write ``<out_dir>/<name>.json`` and ``<out_dir>/<name>.md`` (default: results/); returns both paths."""
+    out = RESULTS if out_dir is None else pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     meta = {
         "name": name,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -30,7 +31,7 @@ def write_report(
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
     }
-    js = RESULTS / f"{name}.json"
+    js = out / f"{name}.json"
     _atomic_write(js, json.dumps({**meta, "notes": notes, "rows": rows}, indent=2) + "\n")
     cols: list[str] = []
     for row in rows:
@@ -50,6 +51,6 @@ def write_report(
             cells.append(f"{v:.3f}" if isinstance(v, float) else str(v))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"_{meta['time']}, {meta['cpus']} CPUs, Python {meta['python']}_", ""]
-    md = RESULTS / f"{name}.md"
+    md = out / f"{name}.md"
     _atomic_write(md, "\n".join(lines))
     return js, md

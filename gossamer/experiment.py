@@ -30,6 +30,9 @@ OUTER_STEPS = ("sync", "async", "gossip")
 #: Sparse and sign codecs would need a reference both ends share (CHOCO-SGD), not built here.
 GOSSIP_CODECS = re.compile(r"^(none|fp16|bf16|int8|qsgd:\d+)$")
 PARALLELISMS = ("ddp", "fsdp", "pipeline")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PRECISIONS = ("fp32", "bf16", "fp16")
+LR_SCALINGS = ("none", "linear")
 # Used with fullmatch: `$` alone also matches before a trailing newline. ASCII digits, at most
 # nine, exactly what gossamer.compression.parse_codec accepts.
 _COMPRESSION = re.compile(
@@ -89,7 +92,13 @@ class Experiment:
     outer_momentum: float = 0.9
     outer_step: str = "sync"
     topology: str = "exponential"
-    parallelism: str = "ddp"
+    parallelism: str = "ddp"  # inside a node: ddp | fsdp | pipeline (gossamer/worker/layout.py)
+    pipeline_microbatches: int = 4
+    pipeline_schedule: str = "gpipe"  # gpipe | 1f1b
+    precision: str = "fp32"  # fp32 | bf16 (autocast, CPU and CUDA) | fp16 (autocast + loss scaling, CUDA)
+    max_grad_norm: float = 0.0  # > 0: clip each node's gradient to this global L2 norm
+    lr_scaling: str = "none"  # none | linear: lr x (batch per update / base_batch_size)
+    base_batch_size: int = 0  # the batch `lr` was tuned for (0: batch_size)
     chunk_numel: int = 1 << 20
     profile_steps: int = 0  # > 0: a torch.profiler trace of this many steps (gossamer/worker/profiling.py)
     profile_start: int = 5  # each profiled rank's own step at which the trace starts
@@ -183,6 +192,30 @@ class Experiment:
             raise bad("topology", f"unknown topology {self.topology!r}; choose {', '.join(TOPOLOGIES)}")
         if self.parallelism not in PARALLELISMS:
             raise bad("parallelism", f"unknown parallelism {self.parallelism!r}; choose {', '.join(PARALLELISMS)}")
+        if self.parallelism != "ddp" and self.mode not in ("async", "sync"):
+            raise bad("parallelism", f"{self.parallelism} runs in mode 'async' or 'sync'; {self.mode} keeps a whole "
+                                     "replica on every local rank (use parallelism='ddp')")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise bad("pipeline_schedule", f"unknown schedule {self.pipeline_schedule!r}; choose "
+                                           f"{', '.join(PIPELINE_SCHEDULES)}")
+        for f in ("pipeline_microbatches",):
+            if not _positive_int(getattr(self, f)):
+                raise bad(f, f"must be an integer >= 1, got {getattr(self, f)!r}")
+        if self.parallelism == "pipeline":
+            if self.batch_size % self.pipeline_microbatches:
+                raise bad("pipeline_microbatches", f"must divide batch_size ({self.batch_size}), "
+                                                   f"got {self.pipeline_microbatches}")
+            if self.global_batch_size is not None:
+                raise bad("global_batch_size", "pipeline keeps batch_size per worker; leave global_batch_size unset")
+        if self.precision not in PRECISIONS:
+            raise bad("precision", f"unknown precision {self.precision!r}; choose {', '.join(PRECISIONS)}")
+        if _not_number(self.max_grad_norm) or not math.isfinite(self.max_grad_norm) or self.max_grad_norm < 0:
+            raise bad("max_grad_norm", f"must be a finite number >= 0 (0: no clipping), got {self.max_grad_norm!r}")
+        if self.lr_scaling not in LR_SCALINGS:
+            raise bad("lr_scaling", f"unknown lr scaling {self.lr_scaling!r}; choose {', '.join(LR_SCALINGS)}")
+        if not isinstance(self.base_batch_size, int) or isinstance(self.base_batch_size, bool) \
+                or self.base_batch_size < 0:
+            raise bad("base_batch_size", f"must be an integer >= 0 (0: batch_size), got {self.base_batch_size!r}")
         if not isinstance(self.checkpoint_dir, str):
             raise bad("checkpoint_dir", "must be a path string")
         for f in ("profile_steps", "profile_start"):
@@ -248,6 +281,17 @@ class Experiment:
         return cls.from_dict(data)
 
     # --- derived values ----------------------------------------------------------------
+    def linear_lr_factor(self, num_workers: int = 1) -> float:
+        """The linear scaling rule's lr multiplier: samples per update / `base_batch_size` (1 when off).
+
+        An update is one worker's batch in async, gossip and diloco, and the global batch of
+        `num_workers` workers in sync (Goyal et al. 2017; pair it with `warmup_steps`).
+        """
+        if self.lr_scaling != "linear":
+            return 1.0
+        per_update = self.effective_global_batch(num_workers) if self.mode == "sync" else self.batch_size
+        return per_update / (self.base_batch_size or self.batch_size)
+
     def effective_global_batch(self, num_workers: int) -> int:
         """Samples per global step in sync mode."""
         return self.global_batch_size or self.batch_size * num_workers

@@ -476,8 +476,6 @@ class Coordinator:
         exp = Experiment.from_json(experiment_json)
         if exp.mode not in IMPLEMENTED_MODES:
             raise ConfigError("mode", f"mode {exp.mode!r} is not available in this release")
-        if exp.parallelism != "ddp":
-            raise ConfigError("parallelism", f"{exp.parallelism!r} is not available in this release; use 'ddp'")
         if self.config.check_imports:
             await self._check_imports(exp)
         self._seq += 1

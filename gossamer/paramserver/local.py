@@ -17,7 +17,7 @@ class LocalShards:
         from gossamer.worker.trainer import build  # the worker package imports this one
 
         model, _, _ = build(exp, torch.device("cpu"))
-        self.plan = ShardPlan.for_module(model, exp.num_ps_shards, exp.chunk_numel)
+        self.plan = ShardPlan.for_experiment(model, exp)
         flat = flatten_params(model)
         self.servers: list[ShardServer] = []
         self.endpoints: dict[int, str] = {}

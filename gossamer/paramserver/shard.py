@@ -93,6 +93,9 @@ class ShardConfig:
     worker_timeout_s: float = 30.0
     backup_timeout_s: float = 3.0
     checkpoint_every: int = 0
+    #: Linear lr scaling (the experiment's `linear_lr_factor`, by the number of workers of
+    #: an update); None: off.
+    lr_linear: Callable[[int], float] | None = None
     #: Size limits of everything received (ZMQ MAXMSGSIZE and decoding); None: derived from
     #: the shard's size (`FrameLimits.for_values`).
     limits: FrameLimits | None = None
@@ -158,6 +161,7 @@ class ShardConfig:
             total_steps=exp.total_steps, lr_staleness_scaling=exp.lr_staleness_scaling,
             lr_schedule=exp.lr_schedule, warmup_steps=exp.warmup_steps,
             checkpoint_every=exp.checkpoint_every, expect_backup=exp.ps_backup,
+            lr_linear=exp.linear_lr_factor if exp.lr_scaling != "none" else None,
         )
 
 
@@ -593,7 +597,7 @@ class ShardServer:
         return ShardSnapshot(
             experiment=self.config.experiment, step=step, shard=self.config.shard,
             num_shards=self.plan.num_shards, total_numel=self.plan.total_numel, version=self._version,
-            pieces=pieces, scalars=scalars, layout=layout, extra={"applied": meta["applied"]},
+            pieces=pieces, scalars=scalars, layout=layout, extra={"applied": meta["applied"], "env": _environment()},
         )
 
     def restore(self, step_dir: str) -> int:
@@ -1104,13 +1108,16 @@ class ShardServer:
         if self.is_primary and every and self._version % every == 0 and self.on_snapshot is not None:
             self.on_snapshot(self._version)
 
+    def _linear(self, num_workers: int) -> float:
+        return 1.0 if self.config.lr_linear is None else self.config.lr_linear(num_workers)
+
     def _apply_async(self, update: _Update, now: float) -> None:
         basis = min(p.basis for p in update.parts)
         record = self._gate.on_apply(update.sender, version=self._version, basis=basis, now=now)
         grads: dict[int, torch.Tensor] = {}
         for part in update.parts:
             grads.update(part.grads)
-        self._apply(grads, record.lr_factor, [(update.sender, update.key)])
+        self._apply(grads, record.lr_factor * self._linear(1), [(update.sender, update.key)])
         extra = {"staleness": record.version_staleness, "lead": record.lead}
         if self._gate.must_wait(update.sender, now):
             for part in update.parts:
@@ -1150,7 +1157,7 @@ class ShardServer:
                     else:
                         summed[idx] = g.clone()
             self._gate.on_apply(contrib.sender, version=self._version, basis=self._version, now=now)
-        self._apply(summed, 1.0, [(c.sender, c.key) for c in contributions])
+        self._apply(summed, self._linear(len(contributions)), [(c.sender, c.key) for c in contributions])
         for contrib in contributions:
             for part in contrib.parts:
                 self._after_backup(
@@ -1226,6 +1233,18 @@ class ShardServer:
             self._reply(identity, "ERROR", {"rid": rid, "error": message, "code": code})
         except zmq.ZMQError as e:
             logger.warning("shard %d: could not send an error reply: %s", self.config.shard, e)
+
+
+_ENV: dict[str, Any] = {}
+
+
+def _environment() -> dict[str, Any]:
+    """This process's environment fingerprint, stored with each shard checkpoint (computed once)."""
+    if not _ENV:
+        from gossamer.envinfo import fingerprint
+
+        _ENV.update(fingerprint())
+    return _ENV
 
 
 def _clone_state(state: dict[str, Any]) -> dict[str, Any]:

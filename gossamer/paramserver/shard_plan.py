@@ -66,8 +66,13 @@ class ShardPlan:
         num_shards: int,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
         row_numels: dict[str, int] | None = None,
+        cuts: Iterable[int] | None = None,
     ) -> ShardPlan:
         """Cut the flat vector into near-equal chunks of at most `chunk_numel`, place them greedily.
+
+        With `cuts` (flat offsets), every parameter boundary and every given offset is a
+        chunk boundary instead (see `for_module`'s `align`), and longer stretches are cut
+        into near-equal row-aligned chunks of at most `chunk_numel`.
 
         Each cut moves to a parameter boundary when one is within a quarter chunk, else to a
         row boundary of the parameter it falls in (`row_numels`: elements per row, i.e.
@@ -93,6 +98,9 @@ class ShardPlan:
             if numel:
                 starts.append((total, name))
             total += numel
+        if cuts is not None:
+            return cls._build_at_cuts(named_numels, num_shards, chunk_numel, rows_of=row_numels or {},
+                                      starts=starts, total=total, cuts=cuts)
         # Near-equal contiguous ranges, as few as the size limit allows but at least one per
         # shard: small parameters are packed together, so a small model costs one frame per
         # shard (per-tensor costs dominate small messages); elementwise optimizers do not care
@@ -140,13 +148,79 @@ class ShardPlan:
         return cls(params=params, num_shards=num_shards, chunk_numel=chunk_numel, chunks=chunks)
 
     @classmethod
+    def _build_at_cuts(cls, named_numels: list[tuple[str, int]], num_shards: int, chunk_numel: int, *,
+                       rows_of: dict[str, int], starts: list[tuple[int, str]], total: int,
+                       cuts: Iterable[int]) -> ShardPlan:
+        bounds = {0, total} | {o for o, _ in starts} | {c for c in cuts if 0 < c < total}
+        ranges: list[tuple[int, int, int]] = []  # lo, hi, elements per row of the parameter
+        offsets = [o for o, _ in starts]
+        edges = sorted(bounds)
+        for lo, hi in zip(edges, edges[1:], strict=False):
+            start, name = starts[bisect.bisect_right(offsets, lo) - 1]
+            row = max(1, rows_of.get(name, 1)) if (lo - start) % max(1, rows_of.get(name, 1)) == 0 else 1
+            ranges.append((lo, hi, row))
+        pieces: list[tuple[int, int, int]] = []
+        for lo, hi, row in ranges:
+            n = -(-(hi - lo) // chunk_numel)
+            marks = [lo + round(i * (hi - lo) / n / row) * row for i in range(n)] + [hi]
+            for a, b in zip(marks, marks[1:], strict=False):
+                while b - a > chunk_numel:  # row rounding overshot: cut where the limit says
+                    pieces.append((a, a + chunk_numel, row))
+                    a += chunk_numel
+                if b > a:
+                    pieces.append((a, b, row))
+        while 0 < len(pieces) < num_shards:  # one chunk per shard at least: halve the largest
+            i = max(range(len(pieces)), key=lambda k: pieces[k][1] - pieces[k][0])
+            a, b, row = pieces[i]
+            if b - a < 2:
+                break
+            mid = a + max(1, (b - a) // 2 // row * row) if b - a >= 2 * row else a + (b - a) // 2
+            pieces[i : i + 1] = [(a, mid, row), (mid, b, row)]
+        chunks = []
+        for i, (lo, hi, _) in enumerate(pieces):
+            offset, name = starts[bisect.bisect_right(offsets, lo) - 1]
+            chunks.append(Chunk(i, name, lo - offset, lo, hi - lo, -1))
+        placement = _greedy(chunks, num_shards)
+        placed = tuple(Chunk(c.index, c.name, c.param_offset, c.flat_offset, c.numel, placement[c.index])
+                       for c in chunks)
+        params = tuple((str(n), int(k)) for n, k in named_numels)
+        return cls(params=params, num_shards=num_shards, chunk_numel=chunk_numel, chunks=placed)
+
+    @classmethod
     def for_module(
-        cls, module: torch.nn.Module, num_shards: int, chunk_numel: int = DEFAULT_CHUNK_NUMEL
+        cls, module: torch.nn.Module, num_shards: int, chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        align: str = "pack",
     ) -> ShardPlan:
-        """`build` from `module.named_parameters()`."""
+        """`build` from `module.named_parameters()`.
+
+        `align`: "pack" packs small parameters into shared chunks (fewest frames); "param"
+        cuts at every parameter (a pipeline stage then exchanges whole chunks); "fsdp" also
+        cuts wherever FSDP2 splits a parameter's rows over 2..8 local ranks, so each rank of
+        an FSDP node exchanges whole chunks of its own shard and nobody gathers the model.
+        """
         named = [(n, p.numel()) for n, p in module.named_parameters()]
         rows = {n: p[0].numel() for n, p in module.named_parameters() if p.dim() >= 2 and len(p)}
-        return cls.build(named, num_shards, chunk_numel, rows)
+        if align == "pack":
+            return cls.build(named, num_shards, chunk_numel, rows)
+        if align not in ("param", "fsdp"):
+            raise ConfigError("align", f"unknown plan alignment {align!r}; choose pack, param or fsdp")
+        cuts: set[int] = set()
+        if align == "fsdp":
+            from gossamer.worker.layout import fsdp_row_cuts
+
+            offset = 0
+            for _, p in module.named_parameters():
+                if p.dim() >= 1 and p.shape[0] > 1:
+                    per_row = p.numel() // p.shape[0]
+                    cuts.update(offset + r * per_row for r in fsdp_row_cuts(p.shape[0]))
+                offset += p.numel()
+        return cls.build(named, num_shards, chunk_numel, rows, cuts=cuts)
+
+    @classmethod
+    def for_experiment(cls, module: torch.nn.Module, exp: Any) -> ShardPlan:
+        """The plan every process of experiment `exp` agrees on (its parallelism picks `align`)."""
+        align = {"fsdp": "fsdp", "pipeline": "param"}.get(exp.parallelism, "pack")
+        return cls.for_module(module, exp.num_ps_shards, exp.chunk_numel, align=align)
 
     @property
     def total_numel(self) -> int:

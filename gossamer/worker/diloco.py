@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 def schedule_lr(opt: torch.optim.Optimizer, exp: Any, step: int) -> None:
     """The experiment's lr schedule on a worker's own optimizer, for its 0-based `step`."""
-    set_lr_factor(opt, exp.lr, lr_multiplier(step, exp.total_steps, exp.lr_schedule, exp.warmup_steps))
+    set_lr_factor(opt, exp.lr, exp.linear_lr_factor()
+                  * lr_multiplier(step, exp.total_steps, exp.lr_schedule, exp.warmup_steps))
 
 
 def inner_optimizer(exp: Any, params: Any) -> torch.optim.Optimizer:

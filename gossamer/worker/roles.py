@@ -104,7 +104,7 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
         import torch
 
         model, _, _ = build(exp, torch.device("cpu"))
-        plan = ShardPlan.for_module(model, exp.num_ps_shards, exp.chunk_numel)
+        plan = ShardPlan.for_experiment(model, exp)
         flat = flatten_params(model)
         init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks_of_shard(shard)}
         config = ShardConfig.for_experiment(exp, spec["experiment_id"], shard)
@@ -227,6 +227,29 @@ def run_server(spec: dict[str, Any], conn: Connection | None = None) -> None:
     reporter.close()
 
 
+def _record_environment(spec: dict[str, Any], device: Any) -> None:
+    """Write this node's environment fingerprint next to the experiment's checkpoints.
+
+    `<checkpoint_dir>/<experiment>/environment/<node>.json`: what every worker of the run
+    ran on (torch, CUDA, NCCL, host), to explain a run that does not reproduce.
+    """
+    import json
+    from pathlib import Path
+
+    from gossamer.envinfo import fingerprint
+
+    try:
+        d = Path(spec["checkpoint_dir"]) / spec["experiment_id"] / "environment"
+        d.mkdir(parents=True, exist_ok=True)
+        name = spec.get("node_name") or spec["node_id"]
+        tmp = d / f".{name}.json.tmp"
+        tmp.write_text(json.dumps({"node": name, "node_id": spec["node_id"], "worker": spec["index"],
+                                   "local_ranks": spec["nproc"], **fingerprint(device)}, indent=1, sort_keys=True))
+        tmp.replace(d / f"{name}.json")
+    except OSError as e:  # a read-only or missing checkpoint volume must not stop training
+        log.warning("could not record the environment fingerprint: %s", e)
+
+
 def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> None:
     """Run local rank `spec['local_rank']` of a worker role."""
     _setup(spec)
@@ -308,6 +331,8 @@ def run_worker_rank(spec: dict[str, Any], conn: Connection | None = None) -> Non
         trainer = _Trainer(ctx, on_metrics=feed.tee(reporter.metric), updates=updates, should_stop=stop.is_set,
                            **kwargs)
         trainer.flush_metrics = reporter.flush
+        if rank == 0:
+            _record_environment(spec, device)
         if rank == 0:  # a gossip worker's endpoint reaches its peers through the coordinator
             reporter.role(spec["node_id"], pb.ROLE_WORKER, index, pb.ROLE_STATE_SERVING,
                           endpoint=getattr(trainer, "endpoint", ""))

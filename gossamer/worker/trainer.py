@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -18,7 +19,8 @@ from torch import nn
 from gossamer._import_check import resolve
 from gossamer.checkpoint.manifest import save_model_checkpoint
 from gossamer.compression.chunk_codec import ChunkCompressor
-from gossamer.errors import ShardError
+from gossamer.envinfo import fingerprint
+from gossamer.errors import ConfigError, ShardError
 from gossamer.experiment import Experiment
 from gossamer.faults import die_at
 from gossamer.paramserver import (
@@ -31,6 +33,8 @@ from gossamer.paramserver import (
 from gossamer.transport.throttle import TokenBucket
 from gossamer.worker import sampler
 from gossamer.worker.adaptive_link import AdaptiveLink
+from gossamer.worker.layout import NodeLayout, Region, make_layout
+from gossamer.worker.precision import LossScaler, check_precision
 from gossamer.worker.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -145,14 +149,27 @@ class RankTrainer:
                  should_stop: Callable[[], bool] | None = None) -> None:
         self.ctx = ctx
         self.exp = ctx.experiment
+        check_precision(self.exp, ctx.device)
         self.model, self.train_set, self.eval_set = build(self.exp, ctx.device)
+        # The plan is made from the whole model, before a layout shards or stages it.
+        self.plan = ShardPlan.for_experiment(self.model, self.exp)
+        self.layout: NodeLayout | None = None
+        if self.exp.parallelism != "ddp" and ctx.local_world > 1:
+            self.layout = make_layout(self.model, self.exp, ctx.local_rank, ctx.local_world, ctx.device)
+            self.model = self.layout.module
+        self.scaler = LossScaler() if self.exp.precision == "fp16" else None
+        self.step_ok = True  # False: the last gradient overflowed in fp16 and must not be applied
+        self.skipped_steps = 0
+        self.grad_norm = float("nan")
         self.on_metrics = on_metrics or (lambda step, values: None)
         self.flush_metrics: Callable[[], None] = lambda: None  # the role process sets the reporter's flush
         self.updates = updates or (lambda: None)
         self.should_stop = should_stop or (lambda: False)
-        self.flat = flatten_params(self.model).to(ctx.device)
+        # ddp: the whole model as one flat vector; sharded layouts hold only their regions.
+        self.flat = flatten_params(self.model).to(ctx.device) if self.layout is None else torch.zeros(0)
         self.flat_grad: torch.Tensor | None = None
-        self._bind_flat()
+        if self.layout is None:
+            self._bind_flat()
         self.clock = 0
         self.stats = StepStats()
         self._last_eval = 0
@@ -196,7 +213,13 @@ class RankTrainer:
         """This rank's sample indices for the step and the denominator of the mean loss."""
         n = len(self.train_set)
         idx = sampler.async_batch(n, self.exp.batch_size, self.clock, self.exp.seed, self.ctx.worker_index)
-        return sampler.even_split(idx, self.ctx.local_world, self.ctx.local_rank), idx.numel()
+        return self._rank_share(idx), idx.numel()
+
+    def _rank_share(self, idx: torch.Tensor) -> torch.Tensor:
+        """This local rank's samples of the node batch (a pipeline stage sees all of them)."""
+        if self.layout is not None and self.layout.kind == "pipeline":
+            return idx
+        return sampler.even_split(idx, self.ctx.local_world, self.ctx.local_rank)
 
     def _local_grad(self, fault_ctx: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Backprop this rank's samples and all-reduce inside the node.
@@ -208,10 +231,14 @@ class RankTrainer:
         idx, denom = self._batch()
         x, y = _stack(self.train_set, idx)
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+        if self.layout is not None:
+            return self._sharded_grad(x, y, denom, idx.numel(), t_compute, fault_ctx)
         self.model.zero_grad(set_to_none=False)
-        total, predictions = loss_sum(self.model(x), y)
+        with self._autocast():
+            out = self.model(x)
+        total, predictions = loss_sum(out.float(), y)
         per_sample = max(1, predictions // max(1, y.shape[0]))  # 1 for classifiers, T for sequences
-        (total / (denom * per_sample)).backward()
+        (total * (self._loss_scale() / (denom * per_sample))).backward()
         if self.clock == 0 and self.flat_grad is not None and not self._grads_are_views():
             # Checked once: autograd accumulates in place into an existing .grad, so if the
             # first backward kept the views, later ones do too.
@@ -223,11 +250,53 @@ class RankTrainer:
             die_at("mid-allreduce", step=self.clock, **(fault_ctx or {}))
             dist.all_reduce(grad)
             dist.all_reduce(node_samples)
-            if self.flat_grad is None:
-                _unflatten_grads(self.model, grad)
+        # Every rank now holds the node's gradient: unscale, check and clip it alike.
+        self.step_ok = True
+        if self.scaler is not None:
+            grad.div_(self.scaler.scale)
+            self.step_ok = self.scaler.update(bool(torch.isfinite(grad).all()))
+        if self.exp.max_grad_norm and self.step_ok:
+            self.grad_norm = float(grad.double().norm())
+            if self.grad_norm > self.exp.max_grad_norm:
+                grad.mul_(self.exp.max_grad_norm / (self.grad_norm + 1e-6))
+        if self.flat_grad is None and (self.ctx.local_world > 1 or self.scaler or self.exp.max_grad_norm):
+            _unflatten_grads(self.model, grad)
         if self.ctx.step_delay_s:
             time.sleep(self.ctx.step_delay_s)
         return grad, node_samples, time.perf_counter() - t_compute
+
+    def _autocast(self) -> Any:
+        """bf16/fp16 autocast of the forward pass (a no-op in fp32)."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.exp.precision)
+        return torch.autocast(self.ctx.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+    def _loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def _sharded_grad(self, x: torch.Tensor, y: torch.Tensor, denom: int, samples: int, t_compute: float,
+                      fault_ctx: dict[str, int] | None) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """FSDP / pipeline: each rank ends with the node gradient of its own regions only."""
+        assert self.layout is not None
+        layout = self.layout
+        layout.zero_grad()
+        per_sample = max(1, y[0].numel()) if y.dim() > 1 else 1
+        die_at("mid-allreduce", step=self.clock, **(fault_ctx or {}))
+        total, _ = layout.forward_backward(x, y, denom * per_sample, self._loss_scale())
+        node_samples = torch.tensor([float(samples), total / per_sample])
+        if layout.kind == "fsdp":  # each rank had its own samples; a pipeline stage saw them all
+            dist.all_reduce(node_samples)
+        self.step_ok = True
+        if self.scaler is not None:
+            for r in layout.regions:
+                g = r.grad()
+                if g is not None:
+                    g.div_(self.scaler.scale)
+            self.step_ok = self.scaler.update(layout.all_finite())
+        if self.exp.max_grad_norm and self.step_ok:
+            self.grad_norm = layout.clip_gradients(self.exp.max_grad_norm)
+        if self.ctx.step_delay_s:
+            time.sleep(self.ctx.step_delay_s)
+        return torch.zeros(0), node_samples, time.perf_counter() - t_compute
 
     def _apply_updates(self) -> dict[str, Any] | None:
         """Take in the newest assignment change the node agent passed on (lead, membership)."""
@@ -246,17 +315,51 @@ class RankTrainer:
         self.stats.loss = node_samples[1].item() / max(1.0, node_samples[0].item())
 
     def _evaluate(self, step: int) -> tuple[float, float]:
-        acc, loss = evaluate(self.model, self.eval_set, self.ctx.device)
-        self.on_metrics(step, {"eval_accuracy": acc, "eval_loss": loss, "eval_step": float(step)})
+        """Evaluate (every local rank of a sharded layout takes part); local rank 0 reports."""
+        if self.layout is not None:
+            acc, loss = self.layout.evaluate(self.eval_set)
+        else:
+            acc, loss = evaluate(self.model, self.eval_set, self.ctx.device)
+        if self.ctx.local_rank == 0:
+            self.on_metrics(step, {"eval_accuracy": acc, "eval_loss": loss, "eval_step": float(step)})
         return acc, loss
 
+    def _evaluates(self) -> bool:
+        """Whether this rank takes part in evaluations: the lead's rank 0, or all its ranks when sharded."""
+        if self.layout is not None:
+            return self.ctx.lead
+        return self.ctx.lead and self.ctx.local_rank == 0
+
     def _maybe_eval(self, step: int) -> None:
-        """Lead, local rank 0: evaluate every `eval_every` steps of progress."""
+        """The lead evaluates every `eval_every` steps of progress."""
         every = self.exp.eval_every
-        if self.ctx.lead and self.ctx.local_rank == 0 and every and step // every > self._last_eval \
+        if self._evaluates() and every and step // every > self._last_eval \
                 and step < self.exp.total_steps:
             self._last_eval = step // every
             self._evaluate(step)
+
+    def _finish_sharded(self, step: int, extra: dict[str, float] | None) -> None:
+        from gossamer.checkpoint.sharded import ShardSnapshot, save_shard
+
+        assert self.layout is not None
+        layout = self.layout
+        acc, loss = self._evaluate(step)
+        snap = ShardSnapshot(
+            experiment=self.ctx.experiment_id, step=step, shard=self.ctx.local_rank, num_shards=self.ctx.local_world,
+            total_numel=layout.total_numel, version=step,
+            pieces={off: {"param": t.float()} for off, t in layout.read_flat().items()},
+            layout=[(n, list(shape)) for n, shape in layout.shapes.items()],
+            extra={"kind": "final", "parallelism": layout.kind, "env": fingerprint(self.ctx.device)},
+        )
+        path = save_shard(self.checkpoint_path("final"), snap).parent
+        dist.barrier()  # every rank's piece is on disk before rank 0 reports the checkpoint
+        if self.ctx.local_rank == 0:
+            self.on_metrics(step, {"checkpoint_step": float(step)})
+            self.saved(step, str(path), "final")
+            self.final_path = str(path)
+            self.final_metrics = {"eval_accuracy": acc, "eval_loss": loss, "steps": float(step), **(extra or {})}
+            log.info("final (%s over %d ranks): step %d eval accuracy %.4f loss %.4f -> %s", layout.kind,
+                     self.ctx.local_world, step, acc, loss, path)
 
     def checkpoint_path(self, label: str) -> Path:
         return Path(self.ctx.checkpoint_dir) / self.ctx.experiment_id / label
@@ -266,7 +369,7 @@ class RankTrainer:
         path = save_model_checkpoint(
             self.checkpoint_path(label), state,
             {"experiment_id": self.ctx.experiment_id, "step": step, "kind": kind,
-             "experiment": self.exp.to_dict(), "torch": torch.__version__},
+             "experiment": self.exp.to_dict(), "torch": torch.__version__, "env": fingerprint(self.ctx.device)},
         )
         self.on_metrics(step, {"checkpoint_step": float(step)})
         self.saved(step, str(path), kind)
@@ -276,7 +379,14 @@ class RankTrainer:
         """Hook: a checkpoint was written (the role process registers it with the coordinator)."""
 
     def _finish_at(self, step: int, extra: dict[str, float] | None = None) -> None:
-        """Final eval and final checkpoint of the parameters this rank holds (local rank 0)."""
+        """Final eval and final checkpoint of the parameters this rank holds (local rank 0).
+
+        Sharded layouts: every rank writes its own regions (no rank gathers the model) as one
+        shard of a sharded checkpoint that `load_checkpoint` reads back as a plain state_dict.
+        """
+        if self.layout is not None:
+            self._finish_sharded(step, extra)
+            return
         if self.ctx.local_rank != 0:
             return
         acc, loss = self._evaluate(step)
@@ -299,9 +409,12 @@ class Trainer(RankTrainer):
                  updates: Callable[[], dict[str, Any] | None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> None:
         super().__init__(ctx, on_metrics=on_metrics, updates=updates, should_stop=should_stop)
-        self.plan = ShardPlan.for_module(self.model, self.exp.num_ps_shards, self.exp.chunk_numel)
-        self.mine = self.plan.chunks_of_rank(ctx.local_rank, ctx.local_world)
-        shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        # ddp: a balanced share of every chunk; fsdp/pipeline: exactly the chunks of this rank's regions.
+        self._slots = self._chunk_slots() if self.layout is not None else {}
+        self.mine = [self.plan.chunks[i] for i in sorted(self._slots)] if self.layout is not None \
+            else self.plan.chunks_of_rank(ctx.local_rank, ctx.local_world)
+        shapes = dict(self.layout.shapes) if self.layout is not None \
+            else {name: tuple(p.shape) for name, p in self.model.named_parameters()}
         compressor = None
         if self.exp.compression not in ("none", "adaptive") or self.exp.compression_overrides:
             compressor = ChunkCompressor(
@@ -337,8 +450,49 @@ class Trainer(RankTrainer):
         self.versions_lost = 0
         self._last_ckpt = 0
         self._ckpt_thread: threading.Thread | None = None
+        self._node_progress = 0  # sharded: the step every local rank agreed on at the last exchange
 
     # --- parameter exchange ------------------------------------------------------------
+    def _chunk_slots(self) -> dict[int, tuple[Region, int]]:
+        """Which plan chunk lies where in this rank's regions: chunk index -> (region, offset in it).
+
+        Raises:
+            ConfigError: a region is not made of whole chunks (the plan was cut for another layout).
+        """
+        assert self.layout is not None
+        by_start = {c.flat_offset: c for c in self.plan.chunks}
+        slots: dict[int, tuple[Region, int]] = {}
+        for r in self.layout.regions:
+            pos, end = r.flat_offset, r.flat_offset + r.numel
+            while pos < end:
+                c = by_start.get(pos)
+                if c is None or pos + c.numel > end:
+                    raise ConfigError("parallelism", f"{self.layout.kind} rank {self.ctx.local_rank} of "
+                                      f"{self.ctx.local_world} holds {r.name} [{r.flat_offset}, {end}) of the flat "
+                                      "vector, which is not made of whole chunks of the parameter-server plan")
+                slots[c.index] = (r, pos - r.flat_offset)
+                pos += c.numel
+        return slots
+
+    def _region_grads(self) -> dict[int, torch.Tensor]:
+        out: dict[int, torch.Tensor] = {}
+        for idx, (r, start) in self._slots.items():
+            n = self.plan.chunks[idx].numel
+            g = r.grad()
+            out[idx] = g[start : start + n].cpu() if g is not None else torch.zeros(n)
+        return out
+
+    def _agree(self, done: bool) -> bool:
+        """Sharded layouts: every local rank adopts the same end flag, progress and lead flag.
+
+        Ranks talk to different shards, so their views of progress differ by a step or so;
+        evaluations and the end are collective and must be decided alike on every rank.
+        """
+        flags = torch.tensor([float(done), -float(self.version), float(self.ctx.lead)], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self._node_progress = int(-flags[1])
+        self.ctx.lead = bool(flags[2] > 0)
+        return bool(flags[0] > 0)
     def _assemble(self, values: dict[int, torch.Tensor], done: bool) -> bool:
         """Make every local rank hold the full parameters, given this rank's fresh chunks.
 
@@ -346,6 +500,11 @@ class Trainer(RankTrainer):
         step before another's, and a rank that stopped alone would leave the others in
         their next collective. The flag rides in the same all-reduce as the parameters.
         """
+        if self.layout is not None:
+            for idx, v in values.items():
+                r, start = self._slots[idx]
+                r.local()[start : start + v.numel()].copy_(v.reshape(-1).to(self.ctx.device))
+            return self._agree(done)
         if self.ctx.local_world == 1:
             self.plan.scatter(self.flat, values)
         else:
@@ -379,7 +538,7 @@ class Trainer(RankTrainer):
     @property
     def progress(self) -> int:
         """Steps done by the experiment, as compared with `total_steps` and `eval_every`."""
-        return self.version
+        return self._node_progress if self.layout is not None else self.version
 
     @property
     def barrier(self) -> bool:
@@ -393,7 +552,7 @@ class Trainer(RankTrainer):
         g = self.exp.effective_global_batch(self.ctx.num_workers)
         idx = sampler.sync_global_batch(len(self.train_set), g, self.version, self.exp.seed)
         idx = sampler.even_split(idx, self.ctx.num_workers, self.ctx.worker_rank)
-        return sampler.even_split(idx, self.ctx.local_world, self.ctx.local_rank), g
+        return self._rank_share(idx), g
 
     def step(self) -> bool:
         """One training step; True when the experiment has reached total_steps.
@@ -432,7 +591,13 @@ class Trainer(RankTrainer):
     def _step_once(self) -> bool:
         with self.profiler.region("compute"):
             grad, node_samples, compute_s = self._local_grad(self.client.fault_ctx)
-        grads = {c.index: grad[c.flat_offset : c.flat_offset + c.numel].cpu() for c in self.mine}
+        if not self.step_ok:  # fp16 overflow: nothing is pushed, the scale went down, the batch is redone
+            self.skipped_steps += 1
+            return self.pull()
+        if self.layout is not None:
+            grads = self._region_grads()
+        else:
+            grads = {c.index: grad[c.flat_offset : c.flat_offset + c.numel].cpu() for c in self.mine}
         if self.exp.overlap:
             done = self._exchange_overlapped(grads, compute_s)
         else:
@@ -513,6 +678,8 @@ class Trainer(RankTrainer):
             self._ckpt_thread.join()
         if done:
             self._apply_updates()
+            if self.layout is not None:
+                self._agree(True)  # every rank of the node agrees on the lead flag, then on the finish
             if self.ctx.lead:
                 self.pull()  # the final parameters, whoever pushed last
                 self.finish()
@@ -542,6 +709,11 @@ class Trainer(RankTrainer):
             "resent": float(c.resent),
             "redone_steps": float(self.redone),
         }
+        if self.skipped_steps or self.scaler is not None:
+            values["skipped_steps"] = float(self.skipped_steps)
+            values["loss_scale"] = self._loss_scale()
+        if self.exp.max_grad_norm:
+            values["grad_norm"] = self.grad_norm
         if c.compressor is not None:
             values["encode_s"] = c.compressor.encode_seconds
         if self.adaptive is not None:
@@ -555,7 +727,7 @@ class Trainer(RankTrainer):
 
     def _maybe_eval_and_checkpoint(self) -> None:
         self._maybe_eval(self.progress)
-        if not self.ctx.lead or self.ctx.local_rank != 0:
+        if not self.ctx.lead or self.ctx.local_rank != 0 or self.layout is not None:
             return
         # Periodic checkpoints are the shards' (sharded, DCP); the lead writes the final one.
         v = self.progress

@@ -1,0 +1,40 @@
+"""The environment a run used (library versions, devices, host), stored with checkpoints and experiments."""
+
+from __future__ import annotations
+
+import platform
+import socket
+import sys
+from typing import Any
+
+
+def fingerprint(device: Any = None) -> dict[str, Any]:
+    """Versions of python, torch, CUDA, cuDNN and NCCL, the device model and the host name.
+
+    Two runs that should match bit for bit need equal fingerprints; a difference here is
+    the first thing to look at when they do not.
+    """
+    import torch
+
+    from gossamer import __version__
+
+    cuda = torch.cuda.is_available()
+    nccl = ""
+    if cuda:
+        try:
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except Exception:  # noqa: BLE001 — a CUDA build without NCCL
+            nccl = ""
+    info: dict[str, Any] = {
+        "gossamer": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "",
+        "cudnn": str(torch.backends.cudnn.version() or "") if cuda else "",
+        "nccl": nccl,
+        "device": torch.cuda.get_device_name(device) if cuda and getattr(device, "type", "cpu") == "cuda" else "cpu",
+        "hostname": socket.gethostname(),
+        "platform": f"{sys.platform}-{platform.machine()}",
+        "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
+    }
+    return info

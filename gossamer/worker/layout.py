@@ -1,0 +1,441 @@
+"""How a node lays its model over its local ranks: replicated (ddp), sharded (FSDP2) or staged (pipeline)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gossamer.errors import ConfigError
+from gossamer.experiment import Experiment
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FSDP_MAX_LOCAL_RANKS", "NodeLayout", "Region", "fsdp_row_cuts", "make_layout", "pipeline_split"]
+
+# The parameter-server plan of an fsdp experiment is cut wherever FSDP2 cuts a parameter for
+# any local world size up to this, so every rank of any node exchanges whole chunks.
+FSDP_MAX_LOCAL_RANKS = 8
+
+
+def fsdp_row_cuts(rows: int, max_world: int = FSDP_MAX_LOCAL_RANKS) -> set[int]:
+    """Row indices where FSDP2's dim-0 split (torch.chunk) cuts `rows` rows for worlds 2..max_world."""
+    cuts: set[int] = set()
+    for world in range(2, max_world + 1):
+        step = -(-rows // world)
+        cuts.update(range(step, rows, step))
+    return cuts
+
+
+@dataclass(frozen=True)
+class Region:
+    """A contiguous piece of the full model's flat parameter vector that this rank holds."""
+
+    name: str
+    flat_offset: int
+    numel: int
+    param: nn.Parameter
+
+    def piece(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of `t`, a tensor shaped (and, under FSDP, sharded) like the parameter."""
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return local.detach().view(-1)
+
+    def local(self) -> torch.Tensor:
+        """This rank's values of the piece, as a writable 1-D view of the module's storage."""
+        return self.piece(self.param.data if not hasattr(self.param, "to_local") else self.param)
+
+    def grad(self) -> torch.Tensor | None:
+        g = self.param.grad
+        return None if g is None else self.piece(g)
+
+
+def _param_offsets(model: nn.Module) -> dict[str, int]:
+    offsets, total = {}, 0
+    for name, p in model.named_parameters():
+        offsets[name] = total
+        total += p.numel()
+    return offsets
+
+
+def pipeline_split(model: nn.Module, stages: int) -> list[list[int]]:
+    """Contiguous groups of `model`'s children, one per stage, balanced by parameter count.
+
+    Raises:
+        ConfigError: the model is not an nn.Sequential with at least `stages` children
+            that hold parameters.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise ConfigError("parallelism", f"pipeline needs an nn.Sequential model, got {type(model).__name__}")
+    sizes = [sum(p.numel() for p in child.parameters()) for child in model]
+    if sum(1 for s in sizes if s) < stages:
+        raise ConfigError("parallelism", f"pipeline over {stages} local ranks needs at least {stages} layers "
+                                         f"with parameters; the model has {sum(1 for s in sizes if s)}")
+    with_params = [i for i, s in enumerate(sizes) if s]
+    total, before, stage_of, prev = sum(sizes), 0, {}, 0
+    for j, i in enumerate(with_params):
+        want = min(stages - 1, int((before + sizes[i] / 2) * stages / total))  # by the layer's middle
+        # Monotone, at most one stage further per layer, and a layer left for every later stage.
+        prev = stage_of[i] = max(min(want, prev + 1 if j else 0), stages - (len(with_params) - j))
+        before += sizes[i]
+    groups: list[list[int]] = [[] for _ in range(stages)]
+    stage = 0
+    for i in range(len(sizes)):
+        stage = stage_of.get(i, stage)  # a layer without parameters rides with the one before
+        groups[stage].append(i)
+    return groups
+
+
+def _stack(ds: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tensors = getattr(ds, "tensors", None)
+    if tensors is not None:
+        return tensors[0][idx], tensors[1][idx]
+    items = [ds[int(i)] for i in idx]
+    return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.stack([torch.as_tensor(y) for _, y in items])
+
+
+def _loss_sum(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if out.dim() > 2:
+        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    return F.cross_entropy(out.float(), y, reduction="sum"), y.numel()
+
+
+class NodeLayout:
+    """Replicated (ddp): every local rank holds the whole model and all-reduces its gradient.
+
+    Subclasses shard or stage the model. Every layout exposes the same four things: which
+    pieces of the full flat parameter vector this rank holds (`regions`, what it exchanges
+    with other nodes and what it checkpoints), one forward/backward over a node batch,
+    the node-wide gradient norm, and evaluation. All methods that communicate must be
+    called by every local rank, in the same order.
+    """
+
+    kind = "ddp"
+
+    def __init__(self, model: nn.Module, exp: Experiment, rank: int, world: int, device: torch.device) -> None:
+        self.exp, self.rank, self.world, self.device = exp, rank, world, device
+        self.full_offsets = _param_offsets(model)
+        self.total_numel = sum(p.numel() for p in model.parameters())
+        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self.module = self._wrap(model)
+        self.regions = self._regions()
+
+    # --- construction ------------------------------------------------------------------
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def _regions(self) -> list[Region]:
+        return [Region(n, self.full_offsets[n], p.numel(), p) for n, p in self.module.named_parameters()]
+
+    def owned_regions(self) -> list[Region]:
+        """The pieces this rank writes to a node checkpoint (disjoint across the node's ranks)."""
+        return self.regions
+
+    @property
+    def holds_full_model(self) -> bool:
+        return True
+
+    # --- one step ----------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.exp.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, denom: float,
+                         loss_scale: float = 1.0) -> tuple[float, int]:
+        """Backprop sum(loss) * loss_scale / denom over this rank's part of the node batch.
+
+        Returns the rank's summed loss and its number of predictions (each the node's total
+        for pipeline, which only the last stage knows: it is shared with the other stages).
+        """
+        with self.autocast():
+            out = self.module(x)
+        total, k = _loss_sum(out, y)
+        (total * (loss_scale / denom)).backward()
+        return float(total.item()), k
+
+    def reduce_gradients(self) -> None:
+        """Make every rank's local gradient the node's (ddp all-reduces; sharded layouts already are)."""
+        if self.world > 1:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+
+    def zero_grad(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+
+    def grad_sq_norm(self) -> float:
+        """The squared L2 norm of the node's whole gradient (collective for sharded layouts)."""
+        local = torch.zeros((), dtype=torch.float64)
+        for r in self.regions:
+            g = r.grad()
+            if g is not None:
+                local += g.double().pow(2).sum().cpu()
+        if not self.holds_full_model and self.world > 1:
+            dist.all_reduce(local)
+        return float(local)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Scale the node's gradient so its global L2 norm is at most `max_norm`; returns the norm before."""
+        norm = math.sqrt(self.grad_sq_norm())
+        if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for r in self.regions:
+                g = r.grad()
+                if g is not None:
+                    g.mul_(scale)
+        return norm
+
+    def all_finite(self) -> bool:
+        """Whether the node's gradient is finite everywhere (agreed by every rank)."""
+        ok = torch.tensor([1.0])
+        for r in self.regions:
+            g = r.grad()
+            if g is not None and not bool(torch.isfinite(g).all()):
+                ok[0] = 0.0
+                break
+        if self.world > 1:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok[0] > 0)
+
+    # --- evaluation --------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, ds: Any, batch: int = 1024) -> tuple[float, float]:
+        """(accuracy, mean cross-entropy per prediction) over `ds`; every local rank calls it."""
+        self.module.eval()
+        sums = torch.zeros(3, dtype=torch.float64)  # correct, loss, predictions
+        n = len(ds)
+        try:
+            for start in range(0, n, batch):
+                idx = torch.arange(start, min(n, start + batch))
+                for y, out in self._eval_batches(ds, idx):
+                    total, k = _loss_sum(out, y)
+                    sums += torch.tensor([float((out.argmax(-1).cpu() == y.cpu()).sum()), float(total), float(k)],
+                                         dtype=torch.float64)
+        finally:
+            self.module.train()
+        if self.world > 1 and self._eval_is_split():
+            dist.all_reduce(sums)
+        return float(sums[0] / max(1.0, float(sums[2]))), float(sums[1] / max(1.0, float(sums[2])))
+
+    def _eval_is_split(self) -> bool:
+        return False
+
+    def _eval_batches(self, ds: Any, idx: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        x, y = _stack(ds, idx)
+        yield y.to(self.device), self.module(x.to(self.device)).float()
+
+    # --- state ---------------------------------------------------------------------------
+    def read_flat(self) -> dict[int, torch.Tensor]:
+        """This rank's region values by flat offset (copies, on CPU)."""
+        return {r.flat_offset: r.local().detach().cpu().clone() for r in self.owned_regions()}
+
+
+class FsdpLayout(NodeLayout):
+    """FSDP2: every parameter sharded on dim 0 across the node's local ranks (`fully_shard`).
+
+    Each layer with parameters is its own FSDP unit, so only one layer is gathered at a
+    time in forward and backward; the gradient arrives reduce-scattered, each rank holding
+    its own rows, which are exactly what it exchanges with other nodes.
+    """
+
+    kind = "fsdp"
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if self.world > FSDP_MAX_LOCAL_RANKS:
+            raise ConfigError("parallelism", f"fsdp supports at most {FSDP_MAX_LOCAL_RANKS} local ranks per node "
+                                             f"(the parameter-server plan is cut for those), got {self.world}")
+        if self.world == 1:
+            return model
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        for child in model.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, denom: float,
+                         loss_scale: float = 1.0) -> tuple[float, int]:
+        # FSDP's reduce-scatter averages over ranks, but each rank's loss is already its share
+        # of the node mean: scale by the world so the average is the sum (as ddp's all-reduce).
+        # (`set_gradient_divide_factor(1.0)` says the same, but gloo lacks the PREMUL_SUM it uses.)
+        return super().forward_backward(x, y, denom, loss_scale * self.world)
+
+    def _regions(self) -> list[Region]:
+        regions = []
+        for name, p in self.module.named_parameters():
+            if self.world == 1:
+                regions.append(Region(name, self.full_offsets[name], p.numel(), p))
+                continue
+            local = p.to_local()  # type: ignore[attr-defined]  # a DTensor once fully_shard ran
+            if local.numel() == 0:
+                continue
+            rows = p.shape[0] if p.dim() else 1
+            per_row = p.numel() // max(1, rows)
+            start_row = self.rank * -(-rows // self.world)
+            regions.append(Region(name, self.full_offsets[name] + start_row * per_row, local.numel(), p))
+        return regions
+
+    @property
+    def holds_full_model(self) -> bool:
+        return self.world == 1
+
+    def reduce_gradients(self) -> None:
+        pass  # FSDP reduce-scattered them in backward
+
+    def _eval_is_split(self) -> bool:
+        return self.world > 1
+
+    def _eval_batches(self, ds: Any, idx: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # Every rank must run the same number of forwards (each gathers layers collectively):
+        # each takes an equal slice of the batch, and a rank with an empty slice still runs one.
+        from gossamer.worker.sampler import even_split
+
+        mine = even_split(idx, self.world, self.rank)
+        x, y = _stack(ds, mine if mine.numel() else idx[:1])
+        out = self.module(x.to(self.device)).float()
+        if mine.numel():
+            yield y.to(self.device), out
+
+
+class PipelineLayout(NodeLayout):
+    """torch.distributed.pipelining: the model's layers cut into one stage per local rank.
+
+    Each node batch is split into `pipeline_microbatches` micro-batches and run with the
+    GPipe or 1F1B schedule (`pipeline_schedule`). A stage holds, exchanges and checkpoints
+    only its own layers' parameters.
+    """
+
+    kind = "pipeline"
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        groups = pipeline_split(model, self.world)
+        self.groups = groups
+        names = list(dict(model.named_children()))
+        keep = [names[i] for i in groups[self.rank]]
+        stage = nn.Sequential()
+        for n in keep:
+            stage.add_module(n, getattr(model, n))  # the full model's names: "2.weight" stays "2.weight"
+        self.first, self.last = self.rank == 0, self.rank == self.world - 1
+        self._schedule: Any = None
+        return stage
+
+    def _regions(self) -> list[Region]:
+        return [Region(n, self.full_offsets[n], p.numel(), p) for n, p in self.module.named_parameters()]
+
+    @property
+    def holds_full_model(self) -> bool:
+        return self.world == 1
+
+    def reduce_gradients(self) -> None:
+        pass
+
+    def _build_schedule(self, denom_ref: list[float], scale_ref: list[float]) -> Any:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        stage = PipelineStage(self.module, self.rank, self.world, self.device)
+
+        def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            total, _ = _loss_sum(out, y)
+            return total * (scale_ref[0] / denom_ref[0])
+
+        cls = Schedule1F1B if self.exp.pipeline_schedule == "1f1b" else ScheduleGPipe
+        return cls(stage, self.exp.pipeline_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, denom: float,
+                         loss_scale: float = 1.0) -> tuple[float, int]:
+        if self.world == 1:
+            return super().forward_backward(x, y, denom, loss_scale)
+        if self._schedule is None:
+            self._denom, self._scale = [denom], [loss_scale]
+            self._schedule = self._build_schedule(self._denom, self._scale)
+        self._denom[0], self._scale[0] = denom, loss_scale
+        losses: list[torch.Tensor] = []
+        with self.autocast():
+            if self.first:
+                self._schedule.step(x)
+            elif self.last:
+                self._schedule.step(target=y, losses=losses)
+            else:
+                self._schedule.step()
+        # Only the last stage saw the loss: share it (and the prediction count) with the others.
+        summed = sum(float(v) for v in losses) * denom / loss_scale if self.last else 0.0
+        k = y.numel() if y.dim() > 1 else y.shape[0]
+        shared = torch.tensor([summed], dtype=torch.float64)
+        dist.broadcast(shared, src=self.world - 1)
+        return float(shared[0]), k
+
+    def _eval_batches(self, ds: Any, idx: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.world == 1:
+            yield from super()._eval_batches(ds, idx)
+            return
+        x, y = _stack(ds, idx)
+        act = x.to(self.device) if self.first else self._recv(self.rank - 1)
+        out = self.module(act)
+        if not self.last:
+            self._send(out, self.rank + 1)
+            return
+        yield y.to(self.device), out.float()
+
+    def _eval_is_split(self) -> bool:
+        return self.world > 1  # only the last stage counts; the sum carries its figures to all
+
+    def _send(self, t: torch.Tensor, dst: int) -> None:
+        t = t.detach().float().contiguous()
+        header = torch.zeros(9, dtype=torch.int64)
+        header[0] = t.dim()
+        header[1 : 1 + t.dim()] = torch.tensor(t.shape)
+        dist.send(header, dst)
+        dist.send(t.cpu() if self.device.type == "cpu" else t, dst)
+
+    def _recv(self, src: int) -> torch.Tensor:
+        header = torch.zeros(9, dtype=torch.int64)
+        dist.recv(header, src)
+        shape = tuple(int(d) for d in header[1 : 1 + int(header[0])])
+        t = torch.empty(shape, dtype=torch.float32, device=self.device)
+        dist.recv(t, src)
+        return t
+
+
+class ReplicatedLayout(NodeLayout):
+    """ddp, for node checkpoints: every rank holds everything, each saves an even slice of it."""
+
+    def owned_regions(self) -> list[Region]:
+        if self.world == 1:
+            return self.regions
+        lo = self.rank * self.total_numel // self.world
+        hi = (self.rank + 1) * self.total_numel // self.world
+        out: list[Region] = []
+        for r in self.regions:
+            a, b = max(lo, r.flat_offset), min(hi, r.flat_offset + r.numel)
+            if a < b:
+                out.append(_SliceRegion(r.name, a, b - a, r.param, a - r.flat_offset))
+        return out
+
+
+@dataclass(frozen=True)
+class _SliceRegion(Region):
+    start: int = 0
+
+    def piece(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().view(-1)[self.start : self.start + self.numel]
+
+
+def make_layout(model: nn.Module, exp: Experiment, rank: int, world: int, device: torch.device) -> NodeLayout:
+    """The layout `exp.parallelism` asks for over `world` local ranks."""
+    cls: Callable[..., NodeLayout] = {
+        "ddp": ReplicatedLayout, "fsdp": FsdpLayout, "pipeline": PipelineLayout,
+    }[exp.parallelism]
+    return cls(model, exp, rank, world, device)

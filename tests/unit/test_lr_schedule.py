@@ -71,3 +71,27 @@ def test_shard_applies_the_schedule_per_version() -> None:
     finally:
         client.close()
         shards.close()
+
+
+def test_shard_applies_the_linear_scaling_rule() -> None:
+    """A real shard steps by lr x batch_size / base_batch_size when `lr_scaling = "linear"`."""
+    moved = {}
+    for scaling in ("none", "linear"):
+        exp = Experiment(name="s", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
+                         lr=0.1, batch_size=64, base_batch_size=16, lr_scaling=scaling, total_steps=4,
+                         lr_staleness_scaling=False)
+        shards = LocalShards(exp)
+        client = ShardClient(experiment=shards.experiment_id, sender="w0", plan=shards.plan,
+                             endpoints=shards.endpoints)
+        try:
+            before = shards.flat()
+            res = client.push_pull({c.index: torch.ones(c.numel) for c in shards.plan.chunks}, clock=0,
+                                   basis=client.pull().versions)
+            now = torch.zeros(shards.plan.total_numel)
+            shards.plan.scatter(now, res.values)
+            moved[scaling] = float((before - now).mean())
+        finally:
+            client.close()
+            shards.close()
+    assert moved["none"] == pytest.approx(0.1, rel=1e-4)
+    assert moved["linear"] == pytest.approx(0.4, rel=1e-4)  # 64 / 16 = 4x the lr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -451,6 +452,7 @@ class Trainer(RankTrainer):
         self._last_ckpt = 0
         self._ckpt_thread: threading.Thread | None = None
         self._node_progress = 0  # sharded: the step every local rank agreed on at the last exchange
+        self._node_stop = False
 
     # --- parameter exchange ------------------------------------------------------------
     def _chunk_slots(self) -> dict[int, tuple[Region, int]]:
@@ -488,10 +490,13 @@ class Trainer(RankTrainer):
         Ranks talk to different shards, so their views of progress differ by a step or so;
         evaluations and the end are collective and must be decided alike on every rank.
         """
-        flags = torch.tensor([float(done), -float(self.version), float(self.ctx.lead)], dtype=torch.float64)
+        version = -float(self.version) if self.versions else -float("inf")  # no chunks: no say
+        flags = torch.tensor([float(done), version, float(self.ctx.lead), float(self.should_stop())],
+                             dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self._node_progress = int(-flags[1])
+        self._node_progress = max(0, int(-flags[1])) if math.isfinite(float(flags[1])) else 0
         self.ctx.lead = bool(flags[2] > 0)
+        self._node_stop = bool(flags[3] > 0)  # SIGTERM reached one rank: the node stops together
         return bool(flags[0] > 0)
     def _assemble(self, values: dict[int, torch.Tensor], done: bool) -> bool:
         """Make every local rank hold the full parameters, given this rank's fresh chunks.
@@ -648,7 +653,7 @@ class Trainer(RankTrainer):
         done = self.pull()
         t_report, t0, samples0 = time.monotonic(), time.monotonic(), 0
         self._exchanging = True
-        while not done and not self.should_stop():
+        while not done and not self._stopping():
             self._apply_updates()
             self.profiler.step(self.clock)
             try:
@@ -688,9 +693,14 @@ class Trainer(RankTrainer):
         log.info("worker %d rank %d finished after %d steps (%.1f s)", self.ctx.worker_index,
                  self.ctx.local_rank, self.stats.steps, time.monotonic() - t0)
 
+    def _stopping(self) -> bool:
+        """ddp: this rank's stop flag; sharded layouts: the flag the node's ranks agreed on."""
+        return self._node_stop if self.layout is not None else self.should_stop()
+
     def _on_wait(self) -> None:
         self._apply_updates()
-        if self._exchanging and self.should_stop():
+        # Sharded layouts never abandon a step alone: the other ranks would wait in a collective.
+        if self._exchanging and self.layout is None and self.should_stop():
             raise _Abandoned
 
     def _apply_updates(self) -> dict[str, Any] | None:

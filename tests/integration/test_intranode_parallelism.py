@@ -67,3 +67,30 @@ def test_two_nodes_of_two_local_ranks_train_digits_async(cluster: LocalCluster, 
     assert manifest["extra"]["env"]["torch"] == torch.__version__
     assert manifest["extra"]["parallelism"] == parallelism
     client.close()
+
+
+@pytest.mark.parametrize("parallelism", ["fsdp", "pipeline"])
+def test_sigterm_stops_a_sharded_node_together(cluster: LocalCluster, parallelism: str) -> None:
+    """SIGTERM reaches the local ranks at slightly different steps: they agree to stop, none hangs."""
+    address = cluster.start_coordinator(port=0)
+    cluster.add_node("ps")
+    time.sleep(0.3)
+    cluster.add_node("w0", spot=True, nproc_per_node=2)
+    client = Client(address)
+    _wait_ready(client, 2)
+    job = client.submit({
+        "name": "long", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
+        "mode": "async", "parallelism": parallelism, "num_ps_shards": 1, "min_workers": 1, "max_workers": 1,
+        "total_steps": 10**6, "eval_every": 0,
+    })
+    deadline = time.monotonic() + 120
+    while job.status()["steps"] < 30:
+        assert time.monotonic() < deadline, job.status()
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    code = cluster.stop_node("w0", timeout=30)
+    elapsed = time.monotonic() - t0
+    assert code == 0 and elapsed < 15, (code, elapsed)
+    nodes = {n["name"]: n["state"] for n in client.nodes()}
+    assert nodes["w0"] == "left", nodes
+    client.close()

@@ -73,11 +73,11 @@ def _timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
 
 
 def _train_loop(step: Callable[[int], float], spec: dict[str, Any], world: int) -> dict[str, Any]:
-    """Warm-up steps, then timed steps between two barriers; losses, the timed wall and each step's time."""
+    """Warm-up steps, then timed steps between two barriers; losses, wall and CPU time, each step's time."""
     losses = [step(i) for i in range(spec["warmup"])]
     if world > 1:
         dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     step_s = []
     for i in range(spec["warmup"], spec["warmup"] + spec["steps"]):
         t = time.perf_counter()
@@ -85,9 +85,9 @@ def _train_loop(step: Callable[[int], float], spec: dict[str, Any], world: int) 
         step_s.append(time.perf_counter() - t)
     if world > 1:
         dist.barrier()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     # every layout's step ends in a collective (loss all-reduce), so a rank's step time is the step's
-    return {"losses": losses, "timed_s": wall, "step_s": step_s,
+    return {"losses": losses, "timed_s": wall, "cpu_s": cpu, "step_s": step_s,
             "samples_per_s": spec["batch"] * spec["steps"] / wall,
             "samples_per_s_median": spec["batch"] / statistics.median(step_s)}
 

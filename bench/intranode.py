@@ -48,7 +48,7 @@ BUILT = {
     "single": "full model on CPU",
     "ddp": "full model on every rank, torch DDP (bucketed all-reduce, grads as bucket views)",
     "fsdp": "meta device, fully_shard per Linear then root, to_empty; init copied in one layer at a time",
-    "pipeline": "each rank builds only its stage's layers (GPipe, m=4)",
+    "pipeline": "each rank builds only its stage's layers",
 }
 
 
@@ -133,6 +133,8 @@ def main() -> None:
 
     sources = [("mmap", thr)] if args.quick else [("mmap", mem), ("default", thr)]
     ddp_ref = {kind: peak(source["ddp"]) for kind, source in sources}
+    run_of = {("mmap", "pipeline"): " (GPipe m=4)" if not args.quick else " (the schedule sweep)",
+              ("default", "pipeline"): " (the schedule sweep)"}
     for kind, source in sources:
         for layout in MEMORY_LAYOUTS:
             res = source[layout]
@@ -142,7 +144,7 @@ def main() -> None:
             rows.append(_row(
                 "memory", layout, f"peak RSS growth MB/rank ({what})", peak(res), ddp_ref[kind],
                 share[layout] / share["ddp"],
-                f"{BUILT[layout]}; per rank {per_rank(res)} MB; params+grads+AdamW state "
+                f"{BUILT[layout]}{run_of.get((kind, layout), '')}; per rank {per_rank(res)} MB; params+grads+AdamW state "
                 f"{_state_mb(layers, width, share[layout]):.0f} MB/rank in theory{late}"))
 
     single = [thr["single"][0]["samples_per_s_median"], thr["single (end)"][0]["samples_per_s_median"]]
@@ -163,8 +165,9 @@ def main() -> None:
             f"reference = theory (p-1)/(m+p-1); stage 0 {statistics.mean(per_stage[0]):.3f}, stage 1 "
             f"{statistics.mean(per_stage[1]):.3f}; step {1e3 * statistics.median(walls):.0f} ms median"))
 
-    def mean_rate(r: dict[str, Any]) -> str:
-        return f"mean over the timed steps {r['samples_per_s']:.1f} samples/s"
+    def mean_rate(r: dict[str, Any], cpu_s: float | None = None) -> str:
+        cores = (r["cpu_s"] if cpu_s is None else cpu_s) / r["timed_s"]
+        return f"mean over the timed steps {r['samples_per_s']:.1f} samples/s; CPU used {cores:.2f} cores"
 
     rows.append(_row("throughput", "single (start)", "samples/s", single[0], ref, 1.0,
                      "1 process, 1 thread, whole global batch; reference = mean of start and end runs; "
@@ -178,14 +181,17 @@ def main() -> None:
     for layout in ("ddp", "fsdp"):
         rows.append(_row("throughput", f"{layout} x{WORLD}", "samples/s", thr[layout][0]["samples_per_s_median"],
                          ref, float(WORLD), f"{base['batch'] // WORLD} samples per rank; {traffic[layout]}; "
-                         f"ideal = {WORLD} cores, free communication; " + mean_rate(thr[layout][0])))
+                         f"ideal = {WORLD} cores, free communication; "
+                         + mean_rate(thr[layout][0], sum(r["cpu_s"] for r in thr[layout]))))
     act_mb = 4 * base["batch"] * width / 2**20
     for kind, label in (("gpipe", "GPipe"), ("1f1b", "1F1B")):
         run_ = next(x for x in thr["pipeline"][0]["runs"] if x["schedule"] == kind and x["microbatches"] == 4)
+        cpu_pipe = sum(x["cpu_s"] for r in thr["pipeline"] for x in r["runs"]
+                       if x["schedule"] == kind and x["microbatches"] == 4)
         rows.append(_row("throughput", f"{label} p={p} m=4", "samples/s", run_["samples_per_s_median"], ref,
                          p * 4 / (4 + p - 1), f"micro-batch {base['batch'] // 4}; {act_mb:.1f} MB of activations "
                          f"forward and as much gradient back per step; ideal = p x (1 - bubble); "
-                         + mean_rate(run_)))
+                         + mean_rate(run_, cpu_pipe)))
 
     first = {"single": thr["single"][0]["losses"][0], "ddp": thr["ddp"][0]["losses"][0],
              "fsdp": thr["fsdp"][0]["losses"][0], "pipeline": thr["pipeline"][0]["losses"][0]}
@@ -223,7 +229,8 @@ def main() -> None:
         "the median resists bursts of load from other jobs, the mean is in the note), ratio vs the mean of the "
         "single-process runs at the start and the end of this run; the single process uses 1 thread, the "
         f"layouts {WORLD} ranks x 1 thread, so the ideal is {WORLD}x (pipeline: {WORLD} x (1 - theoretical "
-        f"bubble)). Machine: {os.cpu_count()} CPUs shared with other jobs (load average {load0:.1f} at the "
+        "bubble)) when each process has a core of its own; 'CPU used' (process CPU time / wall, summed over "
+        f"the ranks) shows how much CPU each layout actually got. Machine: {os.cpu_count()} vCPUs (KVM) shared with other jobs (load average {load0:.1f} at the "
         f"start, {load1:.1f} at the end); whole run {total_s:.0f} s. Compare ratios, not absolute figures."
     )
     js, md = write_report("intranode", rows, notes, out_dir=args.out)

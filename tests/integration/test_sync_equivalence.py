@@ -102,10 +102,25 @@ def test_two_local_ranks_on_nccl_equal_single_process(tmp_path: Path) -> None:
     _two_ranks(tmp_path, "nccl", atol=1e-4)  # GPU kernels sum in another order than the CPU loop
 
 
-def _two_ranks(tmp_path: Path, backend: str, atol: float = 1e-5) -> None:
+@pytest.mark.parametrize(("parallelism", "world", "schedule"),
+                         [("fsdp", 2, "gpipe"), ("fsdp", 3, "gpipe"), ("pipeline", 2, "gpipe"), ("pipeline", 3, "1f1b")])
+def test_fsdp_and_pipeline_nodes_equal_single_process(tmp_path: Path, parallelism: str, world: int,
+                                                      schedule: str) -> None:
+    """Each rank exchanges only its own rows or stage, and the step is still exactly the global-batch step."""
+    _two_ranks(tmp_path, "gloo", parallelism=parallelism, world=world, schedule=schedule)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices for an NCCL group")
+@pytest.mark.parametrize("parallelism", ["fsdp", "pipeline"])
+def test_fsdp_and_pipeline_on_nccl_equal_single_process(tmp_path: Path, parallelism: str) -> None:
+    _two_ranks(tmp_path, "nccl", atol=1e-4, parallelism=parallelism)
+
+
+def _two_ranks(tmp_path: Path, backend: str, atol: float = 1e-5, parallelism: str = "ddp", world: int = 2,
+               schedule: str = "gpipe") -> None:
     import socket
 
-    exp = _exp(batch_size=32, total_steps=20, chunk_numel=2048)
+    exp = _exp(batch_size=32, total_steps=20, chunk_numel=2048, parallelism=parallelism, pipeline_schedule=schedule)
     shards = Shards(exp)
     try:
         with socket.socket() as s:
@@ -113,13 +128,13 @@ def _two_ranks(tmp_path: Path, backend: str, atol: float = 1e-5) -> None:
             port = s.getsockname()[1]
         ctx = tmp.get_context("spawn")
         procs = [ctx.Process(target=_rank_main,
-                             args=(r, 2, port, exp.to_json(), shards.endpoints, str(tmp_path), backend))
-                 for r in range(2)]
+                             args=(r, world, port, exp.to_json(), shards.endpoints, str(tmp_path), backend))
+                 for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
             p.join(150)
-        assert [p.exitcode for p in procs] == [0, 0]
+        assert [p.exitcode for p in procs] == [0] * world
         stats = [s.stats() for s in shards.servers]
         got = shards.flat()
     finally:
@@ -127,7 +142,8 @@ def _two_ranks(tmp_path: Path, backend: str, atol: float = 1e-5) -> None:
             if p.is_alive():
                 p.kill()
         shards.close()
-    assert len(shards.plan.chunks_of_rank(0, 2)) > 0 and len(shards.plan.chunks_of_rank(1, 2)) > 0
+    if parallelism == "ddp":
+        assert len(shards.plan.chunks_of_rank(0, 2)) > 0 and len(shards.plan.chunks_of_rank(1, 2)) > 0
     assert all(st["version"] == 20 for st in stats)
     want = reference_sync(exp, global_batch=32)
     assert (got - want).abs().max().item() <= atol

@@ -192,9 +192,10 @@ class Experiment:
             raise bad("topology", f"unknown topology {self.topology!r}; choose {', '.join(TOPOLOGIES)}")
         if self.parallelism not in PARALLELISMS:
             raise bad("parallelism", f"unknown parallelism {self.parallelism!r}; choose {', '.join(PARALLELISMS)}")
-        if self.parallelism != "ddp" and self.mode not in ("async", "sync"):
-            raise bad("parallelism", f"{self.parallelism} runs in mode 'async' or 'sync'; {self.mode} keeps a whole "
-                                     "replica on every local rank (use parallelism='ddp')")
+        if self.parallelism != "ddp" and (self.mode == "gossip" or self.outer_step == "gossip"):
+            raise bad("parallelism", f"{self.parallelism} runs with the parameter servers (sync, async, diloco with "
+                                     "a sync or async outer step); gossip mixes a whole replica on every local rank "
+                                     "(use parallelism='ddp')")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise bad("pipeline_schedule", f"unknown schedule {self.pipeline_schedule!r}; choose "
                                            f"{', '.join(PIPELINE_SCHEDULES)}")

@@ -53,7 +53,7 @@ class DilocoTrainer(Trainer):
         super().__init__(ctx, on_metrics=on_metrics, updates=updates, should_stop=should_stop)
         self.inner = inner_optimizer(self.exp, self.model.parameters())
         self.rounds = 0
-        self._pseudo: tuple[int, torch.Tensor] | None = None  # (version it started from, theta_0 - theta_H)
+        self._pseudo: tuple[int, torch.Tensor | dict[int, torch.Tensor]] | None = None  # (version it started from, theta_0 - theta_H)
 
     @property
     def barrier(self) -> bool:
@@ -61,7 +61,7 @@ class DilocoTrainer(Trainer):
 
     @property
     def progress(self) -> int:
-        return self.version * self.exp.inner_steps
+        return (self._node_progress if self.layout is not None else self.version) * self.exp.inner_steps
 
     def _step_once(self) -> bool:
         start = self.version
@@ -69,7 +69,10 @@ class DilocoTrainer(Trainer):
             self._pseudo = (start, self._inner_round())
         delta = self._pseudo[1]
         scale = 1.0 / self.ctx.num_workers
-        grads = {c.index: (delta[c.flat_offset : c.flat_offset + c.numel] * scale).cpu() for c in self.mine}
+        if isinstance(delta, dict):  # fsdp / pipeline: this rank's own chunks only
+            grads = {idx: d * scale for idx, d in delta.items()}
+        else:
+            grads = {c.index: (delta[c.flat_offset : c.flat_offset + c.numel] * scale).cpu() for c in self.mine}
         die_at("mid-push", step=self.clock, **self.client.fault_ctx)
         self.client.fault_step = self.clock
         with self.profiler.region("communication"):
@@ -86,8 +89,16 @@ class DilocoTrainer(Trainer):
         self._note_versions(res.versions)
         return self._assemble(res.values, res.done)
 
-    def _inner_round(self) -> torch.Tensor:
-        """H inner steps from the current (global) parameters; returns theta_0 - theta_H."""
+    def _inner_round(self) -> torch.Tensor | dict[int, torch.Tensor]:
+        """H inner steps from the current (global) parameters; returns theta_0 - theta_H.
+
+        With fsdp or pipeline the inner optimizer steps each rank's own shard or stage, and
+        the pseudo-gradient is of this rank's chunks only (by chunk index). A stop request
+        waits for the end of the round there: abandoning alone would leave the other local
+        ranks in a collective.
+        """
+        if self.layout is not None:
+            return self._inner_round_sharded()
         theta0 = self.flat.clone()
         for i in range(self.exp.inner_steps):
             if self.should_stop():
@@ -97,6 +108,9 @@ class DilocoTrainer(Trainer):
             with self.profiler.region("compute"):
                 _, node_samples, _ = self._local_grad(self.client.fault_ctx)
             schedule_lr(self.inner, self.exp, self.progress + i)
+            if not self.step_ok:  # fp16 overflow: this inner step is skipped
+                self.skipped_steps += 1
+                continue
             self.inner.step()
             if self.flat_grad is None:  # parameters are not views of `flat`: gather them
                 from gossamer.paramserver import flatten_params
@@ -104,6 +118,20 @@ class DilocoTrainer(Trainer):
                 self.flat.copy_(flatten_params(self.model))
             self._count(node_samples)
         return theta0.sub_(self.flat)
+
+    def _inner_round_sharded(self) -> dict[int, torch.Tensor]:
+        theta0 = self._own_values()
+        for i in range(self.exp.inner_steps):
+            with self.profiler.region("compute"):
+                _, node_samples, _ = self._local_grad(self.client.fault_ctx)
+            schedule_lr(self.inner, self.exp, self.progress + i)
+            if not self.step_ok:
+                self.skipped_steps += 1
+                continue
+            self.inner.step()
+            self._count(node_samples)
+        now = self._own_values()
+        return {idx: theta0[idx].sub_(now[idx]) for idx in theta0}
 
     def _report(self, rate: float) -> None:
         self.on_metrics(self.progress, {"outer_rounds": float(self.rounds)})

@@ -240,6 +240,27 @@ class NodeLayout:
         return {r.flat_offset: r.local().detach().cpu().clone() for r in self.owned_regions()}
 
 
+def _mmap_large_allocations(threshold: int = 1 << 20) -> None:
+    """Have glibc serve allocations >= 1 MiB by mmap, so freed ones go back to the OS at once.
+
+    FSDP gathers and frees a layer's full parameters and gradients every step; with glibc's
+    adaptive threshold those buffers end up in the heap and fragment it, and on CPU FSDP's
+    resident memory grew past ddp's (bench/intranode.py: 989 MB per rank against ddp's 756;
+    0.51x of ddp with the threshold fixed). GPUs use CUDA's caching allocator instead.
+    """
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc (musl): nothing to tune
+        pass
+
+
 class FsdpLayout(NodeLayout):
     """FSDP2: every parameter sharded on dim 0 across the node's local ranks (`fully_shard`).
 
@@ -258,6 +279,9 @@ class FsdpLayout(NodeLayout):
             return model
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
+        if self.device.type == "cpu":
+            _mmap_large_allocations()
 
         mesh = init_device_mesh(self.device.type, (self.world,))
         for child in model.children():

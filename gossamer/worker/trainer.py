@@ -476,6 +476,13 @@ class Trainer(RankTrainer):
                 pos += c.numel
         return slots
 
+    def _own_values(self) -> dict[int, torch.Tensor]:
+        """Copies of the current values of this rank's chunks (sharded layouts), by chunk index."""
+        out: dict[int, torch.Tensor] = {}
+        for idx, (r, start) in self._slots.items():
+            out[idx] = r.local()[start : start + self.plan.chunks[idx].numel].detach().cpu().clone()
+        return out
+
     def _region_grads(self) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         for idx, (r, start) in self._slots.items():

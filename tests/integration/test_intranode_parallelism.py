@@ -94,3 +94,26 @@ def test_sigterm_stops_a_sharded_node_together(cluster: LocalCluster, parallelis
     nodes = {n["name"]: n["state"] for n in client.nodes()}
     assert nodes["w0"] == "left", nodes
     client.close()
+
+
+def test_diloco_with_fsdp_nodes_trains_digits(cluster: LocalCluster) -> None:
+    """DiLoCo's inner AdamW steps each rank's own FSDP shard; the pseudo-gradient leaves per rank."""
+    address = cluster.start_coordinator(port=0)
+    cluster.add_node("ps")
+    time.sleep(0.3)
+    for i in range(2):
+        cluster.add_node(f"w{i}", spot=True, nproc_per_node=2)
+    client = Client(address)
+    _wait_ready(client, 3)
+    job = client.submit({
+        "name": "diloco-fsdp", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
+        "mode": "diloco", "parallelism": "fsdp", "lr": 0.003, "inner_steps": 20, "outer_momentum": 0.6,
+        "num_ps_shards": 1, "ps_backup": False, "min_workers": 2, "max_workers": 2, "total_steps": 400,
+        "eval_every": 0, "seed": 1,
+    })
+    result = job.wait(timeout=480)
+    assert result.status == "completed", result.message
+    assert result.metrics["eval_accuracy"] >= 0.95, result.metrics
+    sources = {p["source"] for p in job.metrics() if "bytes_up" in p}
+    assert len(sources) == 4, sources
+    client.close()

@@ -89,7 +89,7 @@ def test_pipeline_split_balances_contiguous_stages() -> None:
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("parallelism", "fsdp", "runs in mode"),
+    ("parallelism", "fsdp", "runs with the parameter servers"),
     ("pipeline_schedule", "zb", "unknown schedule"),
     ("pipeline_microbatches", 0, ">= 1"),
     ("precision", "fp8", "unknown precision"),

@@ -240,6 +240,16 @@ class NodeLayout:
         return {r.flat_offset: r.local().detach().cpu().clone() for r in self.owned_regions()}
 
 
+def _materialize(module: nn.Module, device: torch.device) -> nn.Module:
+    """Allocate a module built on the meta device (this rank's part only); its values are unset."""
+    if any(p.is_meta for p in module.parameters()):
+        module.to_empty(device=device)
+        with torch.no_grad():
+            for p in module.parameters():
+                (p.to_local() if hasattr(p, "to_local") else p).zero_()  # never garbage, until the first pull
+    return module
+
+
 def _mmap_large_allocations(threshold: int = 1 << 20) -> None:
     """Have glibc serve allocations >= 1 MiB by mmap, so freed ones go back to the OS at once.
 
@@ -288,7 +298,7 @@ class FsdpLayout(NodeLayout):
             if any(True for _ in child.parameters()):
                 fully_shard(child, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        return model
+        return _materialize(model, self.device)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, denom: float,
                          loss_scale: float = 1.0) -> tuple[float, int]:
@@ -354,7 +364,7 @@ class PipelineLayout(NodeLayout):
             stage.add_module(n, getattr(model, n))  # the full model's names: "2.weight" stays "2.weight"
         self.first, self.last = self.rank == 0, self.rank == self.world - 1
         self._schedule: Any = None
-        return stage
+        return _materialize(stage, self.device)
 
     def _regions(self) -> list[Region]:
         return [Region(n, self.full_offsets[n], p.numel(), p) for n, p in self.module.named_parameters()]

@@ -81,9 +81,22 @@ class StepStats:
 Hook = Callable[[int, dict[str, float]], None]
 
 
-def build(exp: Experiment, device: torch.device) -> tuple[nn.Module, Any, Any]:
-    """Model (seeded, so every process builds identical initial parameters) and (train, eval) data."""
+def build(exp: Experiment, device: torch.device, *, meta: bool = False) -> tuple[nn.Module, Any, Any]:
+    """Model (seeded, so every process builds identical initial parameters) and (train, eval) data.
+
+    `meta=True` builds the model on the meta device (shapes only, no memory) when it has no
+    buffers: a sharded layout then allocates only its own part, and the values come from
+    the parameter servers at the first pull. A model with buffers (batch-norm statistics,
+    which the servers do not hold) is built for real.
+    """
     torch.manual_seed(exp.seed)
+    if meta:
+        with torch.device("meta"):
+            shape_only = resolve(exp.model)(**exp.model_args)  # type: ignore[operator]
+        if not any(True for _ in shape_only.buffers()):
+            train, evalset = resolve(exp.dataset)(**exp.dataset_args)  # type: ignore[operator]
+            return shape_only, train, evalset
+        torch.manual_seed(exp.seed)
     model = resolve(exp.model)(**exp.model_args).to(device)  # type: ignore[operator]
     train, evalset = resolve(exp.dataset)(**exp.dataset_args)  # type: ignore[operator]
     return model, train, evalset
@@ -151,11 +164,14 @@ class RankTrainer:
         self.ctx = ctx
         self.exp = ctx.experiment
         check_precision(self.exp, ctx.device)
-        self.model, self.train_set, self.eval_set = build(self.exp, ctx.device)
+        sharded = self.exp.parallelism != "ddp" and ctx.local_world > 1
+        # Sharded layouts with servers never hold the whole model: it is built on the meta
+        # device, each rank allocates its own part, and the first pull fills it in.
+        self.model, self.train_set, self.eval_set = build(self.exp, ctx.device, meta=sharded and self.uses_servers)
         # The plan is made from the whole model, before a layout shards or stages it.
         self.plan = ShardPlan.for_experiment(self.model, self.exp)
         self.layout: NodeLayout | None = None
-        if self.exp.parallelism != "ddp" and ctx.local_world > 1:
+        if sharded:
             self.layout = make_layout(self.model, self.exp, ctx.local_rank, ctx.local_world, ctx.device)
             self.model = self.layout.module
         self.scaler = LossScaler() if self.exp.precision == "fp16" else None
@@ -179,6 +195,9 @@ class RankTrainer:
         self.profiler = StepProfiler(self.exp, experiment_id=ctx.experiment_id, node_id=ctx.node_id,
                                      node_name=ctx.node_name, local_rank=ctx.local_rank, device=ctx.device,
                                      checkpoint_dir=ctx.checkpoint_dir, on_metrics=lambda s, v: self.on_metrics(s, v))
+
+    #: Whether this trainer's parameters come from parameter servers at its first pull.
+    uses_servers = False
 
     def _bind_flat(self) -> None:
         """Make parameters and gradients views of two flat fp32 buffers (as DDP buckets do).
@@ -405,6 +424,8 @@ class Trainer(RankTrainer):
     gradient inside the node (gloo/NCCL), push this rank's chunks to their shards and get
     the new values back, then re-assemble the full parameters inside the node.
     """
+
+    uses_servers = True
 
     def __init__(self, ctx: RankContext, *, on_metrics: Hook | None = None,
                  updates: Callable[[], dict[str, Any] | None] | None = None,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,6 +201,24 @@ class WatchView:
         return t
 
 
+@contextlib.contextmanager
+def _ctrl_c() -> Iterator[threading.Event]:
+    """Ctrl-C sets an event the loop checks instead of raising KeyboardInterrupt wherever it lands.
+
+    Raised inside a gRPC call or rich's Live refresh, it once left `gossamer watch` still
+    running 30 s after Ctrl-C (a clean-checkout run of tests/integration/test_plot_cli.py).
+    """
+    event = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield event
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: event.set())
+    try:
+        yield event
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def watch(client: Any, experiment_id: str, *, refresh_s: float = 1.0, console: Console | None = None,
           out: Console | None = None) -> int:
     """Follow an experiment in a live table until it finishes; print the final summary.
@@ -215,10 +236,10 @@ def watch(client: Any, experiment_id: str, *, refresh_s: float = 1.0, console: C
     out = out or Console()
     since = 0.0
     seen: set[tuple[str, float, int]] = set()
-    try:
+    with _ctrl_c() as detach:
         console.print(f"following {experiment_id}; Ctrl-C detaches (the experiment keeps running)", style="dim")
         with Live(view.render(), console=console, refresh_per_second=4, transient=False) as live:
-            while True:
+            while not detach.is_set():
                 try:
                     status = job.status()
                     # Points are stamped by their sources' clocks and may arrive late: re-ask a
@@ -230,7 +251,7 @@ def watch(client: Any, experiment_id: str, *, refresh_s: float = 1.0, console: C
                 except UnavailableError as e:
                     view.note = f"{e}; retrying"
                     live.update(view.render())
-                    time.sleep(refresh_s)
+                    detach.wait(refresh_s)
                     continue
                 seen = {k for k in seen if k[1] >= since - 5.0}
                 seen.update((p["source"], p["time_unix"], p["step"]) for p in points)
@@ -239,10 +260,10 @@ def watch(client: Any, experiment_id: str, *, refresh_s: float = 1.0, console: C
                 live.update(view.render())
                 if status["state"] in _FINISHED:
                     break
-                time.sleep(refresh_s)
+                detach.wait(refresh_s)
         if not console.is_terminal:
             console.line()  # a Live that could not redraw in place leaves its last frame unterminated
-    except KeyboardInterrupt:
+    if detach.is_set():
         out.print(f"detached from {experiment_id}; it keeps running (`gossamer watch {experiment_id}` "
                   "follows it again, `gossamer cancel` stops it)")
         return 130

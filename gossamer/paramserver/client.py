@@ -394,9 +394,17 @@ class ShardClient:
         nbytes = frames_nbytes(frames)
         if self.throttle is not None:
             self.throttle.consume(nbytes)
+        try:
+            # Never block: a DEALER whose only connection was refused at the handshake has no
+            # pipe, and a blocking send there waited forever (a late-admitted CURVE key under
+            # load). Unsent, the request is resent when the handshake watch reconnects, or
+            # times out as unanswered.
+            self._socks[s].send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.debug("shard %d: no connection to send on yet; the request waits for a reconnect", s)
+            return
         self.bytes_up += nbytes
         self.messages += 1
-        self._socks[s].send_multipart(frames, copy=False)
 
     def _send(self, reqs: dict[int, Message]) -> dict[int, Message]:
         if self._in_flight is not None:

@@ -102,7 +102,12 @@ def _stack(ds: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.stack([torch.as_tensor(y) for _, y in items])
 
 
-def _loss_sum(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+def loss_sum(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy (in fp32, whatever autocast produced) and the number of predictions.
+
+    Classifiers give (B, C) logits for (B,) labels; sequence models (B, T, V) for (B, T)
+    targets, and every position counts as one prediction.
+    """
     if out.dim() > 2:
         out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
     return F.cross_entropy(out.float(), y, reduction="sum"), y.numel()
@@ -159,7 +164,7 @@ class NodeLayout:
         """
         with self.autocast():
             out = self.module(x)
-        total, k = _loss_sum(out, y)
+        total, k = loss_sum(out, y)
         (total * (loss_scale / denom)).backward()
         return float(total.item()), k
 
@@ -218,7 +223,7 @@ class NodeLayout:
             for start in range(0, n, batch):
                 idx = torch.arange(start, min(n, start + batch))
                 for y, out in self._eval_batches(ds, idx):
-                    total, k = _loss_sum(out, y)
+                    total, k = loss_sum(out, y)
                     sums += torch.tensor([float((out.argmax(-1).cpu() == y.cpu()).sum()), float(total), float(k)],
                                          dtype=torch.float64)
         finally:
@@ -382,7 +387,7 @@ class PipelineLayout(NodeLayout):
         stage = PipelineStage(self.module, self.rank, self.world, self.device)
 
         def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            total, _ = _loss_sum(out, y)
+            total, _ = loss_sum(out, y)
             return total * (scale_ref[0] / denom_ref[0])
 
         cls = Schedule1F1B if self.exp.pipeline_schedule == "1f1b" else ScheduleGPipe

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from gossamer._import_check import resolve
@@ -34,7 +33,7 @@ from gossamer.paramserver import (
 from gossamer.transport.throttle import TokenBucket
 from gossamer.worker import sampler
 from gossamer.worker.adaptive_link import AdaptiveLink
-from gossamer.worker.layout import NodeLayout, Region, make_layout
+from gossamer.worker.layout import NodeLayout, Region, _stack, loss_sum, make_layout
 from gossamer.worker.precision import LossScaler, check_precision
 from gossamer.worker.profiling import StepProfiler
 
@@ -102,14 +101,6 @@ def build(exp: Experiment, device: torch.device, *, meta: bool = False) -> tuple
     return model, train, evalset
 
 
-def _stack(ds: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    tensors = getattr(ds, "tensors", None)
-    if tensors is not None:  # TensorDataset: index all at once
-        return tensors[0][idx], tensors[1][idx]
-    items = [ds[int(i)] for i in idx]
-    return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.stack([torch.as_tensor(y) for _, y in items])
-
-
 def _unflatten_grads(model: nn.Module, flat: torch.Tensor) -> None:
     offset = 0
     for p in model.parameters():
@@ -117,17 +108,6 @@ def _unflatten_grads(model: nn.Module, flat: torch.Tensor) -> None:
         if p.grad is not None:
             p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
         offset += n
-
-
-def loss_sum(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy and the number of predictions it covers.
-
-    Classifiers give (B, C) logits for (B,) labels; sequence models (B, T, V) for (B, T)
-    targets, and every position counts as one prediction.
-    """
-    if out.dim() > 2:
-        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
-    return F.cross_entropy(out, y, reduction="sum"), y.numel()
 
 
 @torch.no_grad()

@@ -62,7 +62,8 @@ class SSPGate(Generic[T]):
 
     A worker silent for longer than ``max(suspect_floor_s, 3 x its usual update interval)``
     is *suspect*: it no longer holds the others back (a killed worker stalls the survivors
-    for about one of its own steps, not until its lease expires). When it speaks again it
+    for about one of its own steps, not until its lease expires). A worker with no update
+    applied yet is judged by the slowest worker's interval. When a suspect speaks again it
     is re-floored to the slowest other worker's clock, like a late joiner.
     """
 
@@ -102,22 +103,39 @@ class SSPGate(Generic[T]):
 
     def min_clock(self, now: float | None = None, *, exclude: str = "") -> int | None:
         """Slowest clock among active workers (without suspects when `now` is given)."""
+        usual = self._usual_interval()
         return min(
             (
                 w.clock
                 for name, w in self._workers.items()
-                if name != exclude and (now is None or not self._suspect(w, now))
+                if name != exclude and (now is None or not self._suspect(w, now, usual))
             ),
             default=None,
         )
 
-    def _suspect(self, w: _Worker, now: float) -> bool:
-        if w.held or w.last_apply is None:
+    def _usual_interval(self) -> float:
+        """The slowest known update interval: what a worker with no history of its own is
+        judged by."""
+        return max((w.interval for w in self._workers.values()), default=0.0)
+
+    def _suspect(self, w: _Worker, now: float, usual: float) -> bool:
+        if w.held:
             return False
-        return now - w.last_seen > max(self.suspect_floor_s, 3.0 * w.interval)
+        if w.last_apply is None:
+            # No update of its own applied yet (just joined, or killed between its HELLO and
+            # its first push): judged by the others' pace, since exempting it held survivors
+            # until its lease expired. If it is only slow, its first push re-floors it like a
+            # late joiner. At the very start nobody has a pace yet, and nobody is suspected.
+            if usual == 0.0:
+                return False
+            interval = usual
+        else:
+            interval = w.interval
+        return now - w.last_seen > max(self.suspect_floor_s, 3.0 * interval)
 
     def suspects(self, now: float) -> list[str]:
-        return sorted(n for n, w in self._workers.items() if self._suspect(w, now))
+        usual = self._usual_interval()
+        return sorted(n for n, w in self._workers.items() if self._suspect(w, now, usual))
 
     def clock(self, worker: str) -> int | None:
         w = self._workers.get(worker)
@@ -139,7 +157,7 @@ class SSPGate(Generic[T]):
         if w is None:
             self.join(worker, now)
             return
-        if self._suspect(w, now):
+        if self._suspect(w, now, self._usual_interval()):
             floor = self.min_clock(now, exclude=worker)
             if floor is None:  # everyone else is quiet too: level with the slowest of them
                 floor = self.min_clock(exclude=worker)

@@ -114,3 +114,32 @@ def test_a_silent_worker_stops_holding_the_others_back_after_a_few_of_its_steps(
     # b speaks again: it is re-floored to a's clock, not left far behind.
     g.touch("b", now=1.0)
     assert g.clock("b") == g.clock("a")
+
+
+def test_a_worker_killed_between_hello_and_its_first_push_is_suspected_at_the_others_pace() -> None:
+    g: SSPGate[str] = SSPGate(1, suspect_floor_s=0.1)
+    for w in ("a", "b"):
+        g.join(w, 0.0)
+    for t in range(5):  # a and b step every 0.05 s
+        for w in ("a", "b"):
+            g.on_apply(w, version=0, basis=0, now=t * 0.05)
+    g.join("late", 0.21)  # HELLO at the slowest clock, then killed before its first push
+    for t in (0.25, 0.30):
+        for w in ("a", "b"):
+            g.on_apply(w, version=0, basis=0, now=t)
+    assert g.must_wait("a", now=0.30)  # within its grace SSP holds a and b back
+    # 3 x the others' 0.05 s pace later it no longer does (not its 30 s lease).
+    assert g.suspects(0.45) == ["late"] and not g.must_wait("a", now=0.45)
+    # It was only slow after all: its first push re-floors it to the slowest other clock.
+    g.on_apply("late", version=0, basis=0, now=0.5)
+    assert g.clock("late") == g.clock("a") + 1
+
+
+def test_at_the_start_nobody_has_a_pace_so_nobody_is_suspected() -> None:
+    g: SSPGate[str] = SSPGate(0, suspect_floor_s=0.1)
+    for w in ("a", "b"):
+        g.join(w, 0.0)
+    g.on_apply("a", version=0, basis=0, now=1.0)  # b's first step is slow (a big model)
+    assert g.must_wait("a", now=1.0)
+    g.hold("a", "reply-a", 1.0)
+    assert g.suspects(5.0) == [] and g.must_wait("a", now=5.0)

@@ -112,6 +112,8 @@ def cmd_worker_join(args: argparse.Namespace) -> int:
     # others attach to it (README "Under torchrun or srun").
     launch = launcher.detect()
     nproc = launcher.resolve_nproc(launch, args.nproc_per_node)
+    if not launch.shared:  # under a launcher each rank may see only its own GPU (srun --gpus-per-task)
+        launcher.check_cuda_ranks(nproc, launcher.visible_cuda_devices())
     launcher.scrub_cross_node_env(launch)
     if launch.shared:
         launcher.ensure_run_dir(args.run_dir or launcher.default_run_dir())

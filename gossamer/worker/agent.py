@@ -24,7 +24,7 @@ from gossamer.security.curve import CurveKeyPair
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
-from gossamer.worker.launcher import Launch
+from gossamer.worker.launcher import Launch, visible_cuda_devices
 from gossamer.worker.node_metrics import NodeMetrics
 
 log = logging.getLogger(__name__)
@@ -91,14 +91,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _cuda_count() -> int:
-    # Counting GPUs must not import torch (slow) in the agent: ask the driver's device files.
-    try:
-        return len([d for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit()])
-    except OSError:
-        return 0
 
 
 @dataclass
@@ -235,7 +227,7 @@ class NodeAgent:
         assert self._stub is not None
         req = pb.JoinRequest(
             name=self.config.name, address=self.address, hostname=socket.gethostname(), spot=self.config.spot,
-            labels=self.config.labels, cpus=os.cpu_count() or 1, gpus=_cuda_count(),
+            labels=self.config.labels, cpus=os.cpu_count() or 1, gpus=visible_cuda_devices(),
             nproc_per_node=self.config.nproc_per_node, node_id=self.node_id,
             curve_public_key=self.curve_keys.public if self.curve_keys else "",
         )

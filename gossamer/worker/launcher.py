@@ -187,6 +187,39 @@ def resolve_nproc(launch: Launch, requested: int | None) -> int:
     return launch.local_world
 
 
+def visible_cuda_devices(env: Mapping[str, str] | None = None, dev_dir: str = "/dev") -> int:
+    """CUDA devices a rank started by this process would see, without importing torch (slow):
+    the driver's `nvidiaN` device files, narrowed by CUDA_VISIBLE_DEVICES when it is set."""
+    env = os.environ if env is None else env
+    try:
+        present = len([d for d in os.listdir(dev_dir) if d.startswith("nvidia") and d[6:].isdigit()])
+    except OSError:
+        present = 0
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is None or present == 0:
+        return present
+    count = 0
+    for entry in listed.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):  # CUDA ignores the list from the first invalid entry
+            break
+        count += 1
+    return min(count, present)
+
+
+def check_cuda_ranks(nproc: int, devices: int) -> None:
+    """Refuse more spawned local ranks than visible GPUs: two NCCL ranks on one GPU fail at
+    the first collective with a duplicate-device error, far from the cause.
+
+    Raises:
+        ConfigError: `nproc` > `devices` > 0.
+    """
+    if 0 < devices < nproc:
+        raise ConfigError("nproc_per_node", f"{nproc} local ranks but {devices} visible CUDA device(s): NCCL needs "
+                                            f"one GPU per rank. Use --nproc-per-node {devices}, or train on CPU "
+                                            "with gloo by setting CUDA_VISIBLE_DEVICES to an empty string")
+
+
 def scrub_cross_node_env(launch: Launch, env: MutableMapping[str, str] | None = None) -> None:
     """Drop torchrun's whole-job rank, world size and master from `env` (`os.environ` by default),
     so the role processes this one starts see only their node (LOCAL_RANK stays)."""

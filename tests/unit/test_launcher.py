@@ -10,11 +10,13 @@ import pytest
 from gossamer.errors import ConfigError
 from gossamer.worker.launcher import (
     Launch,
+    check_cuda_ranks,
     detect,
     ensure_run_dir,
     parse_tasks_per_node,
     resolve_nproc,
     scrub_cross_node_env,
+    visible_cuda_devices,
 )
 
 
@@ -154,3 +156,28 @@ def test_run_dir_is_created_private_and_a_shared_one_is_refused(tmp_path: Path) 
 def test_a_socket_path_too_long_for_unix_sockets_is_refused() -> None:
     with pytest.raises(ConfigError, match="longer than a Unix socket allows"):
         detect(torchrun_env(0)).socket_path("/tmp/" + "d" * 120)
+
+
+def _devices(tmp_path: Path, n: int) -> str:
+    for i in range(n):
+        (tmp_path / f"nvidia{i}").touch()
+    (tmp_path / "nvidiactl").touch()  # the driver's control files are not devices
+    (tmp_path / "nvidia-uvm").touch()
+    return str(tmp_path)
+
+
+def test_visible_cuda_devices_counts_device_files_narrowed_by_cuda_visible_devices(tmp_path: Path) -> None:
+    dev = _devices(tmp_path, 4)
+    assert visible_cuda_devices({}, dev) == 4
+    assert visible_cuda_devices({"CUDA_VISIBLE_DEVICES": "2,3"}, dev) == 2
+    assert visible_cuda_devices({"CUDA_VISIBLE_DEVICES": ""}, dev) == 0
+    assert visible_cuda_devices({"CUDA_VISIBLE_DEVICES": "0,-1,2"}, dev) == 1  # CUDA stops at -1
+    assert visible_cuda_devices({"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5"}, dev) == 4
+    assert visible_cuda_devices({"CUDA_VISIBLE_DEVICES": "0"}, str(tmp_path / "missing")) == 0
+
+
+def test_more_spawned_ranks_than_gpus_is_refused_with_the_way_out() -> None:
+    check_cuda_ranks(2, 0)  # no GPU: gloo on CPU
+    check_cuda_ranks(2, 2)
+    with pytest.raises(ConfigError, match=r"2 local ranks but 1 visible CUDA device.*--nproc-per-node 1"):
+        check_cuda_ranks(2, 1)

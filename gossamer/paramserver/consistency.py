@@ -118,7 +118,8 @@ class SSPGate(Generic[T]):
         judged by."""
         return max((w.interval for w in self._workers.values()), default=0.0)
 
-    def _suspect(self, w: _Worker, now: float, usual: float) -> bool:
+    def _suspect(self, w: _Worker, now: float, usual: float | None = None) -> bool:
+        """`usual`: `_usual_interval()`, when the caller asks about every worker."""
         if w.held:
             return False
         if w.last_apply is None:
@@ -126,9 +127,9 @@ class SSPGate(Generic[T]):
             # its first push): judged by the others' pace, since exempting it held survivors
             # until its lease expired. If it is only slow, its first push re-floors it like a
             # late joiner. At the very start nobody has a pace yet, and nobody is suspected.
-            if usual == 0.0:
+            interval = self._usual_interval() if usual is None else usual
+            if interval == 0.0:
                 return False
-            interval = usual
         else:
             interval = w.interval
         return now - w.last_seen > max(self.suspect_floor_s, 3.0 * interval)
@@ -157,7 +158,7 @@ class SSPGate(Generic[T]):
         if w is None:
             self.join(worker, now)
             return
-        if self._suspect(w, now, self._usual_interval()):
+        if self._suspect(w, now):
             floor = self.min_clock(now, exclude=worker)
             if floor is None:  # everyone else is quiet too: level with the slowest of them
                 floor = self.min_clock(exclude=worker)

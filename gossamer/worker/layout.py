@@ -94,7 +94,8 @@ def pipeline_split(model: nn.Module, stages: int) -> list[list[int]]:
     return groups
 
 
-def _stack(ds: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_batch(ds: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples `idx` of `ds` as one (inputs, targets) batch."""
     tensors = getattr(ds, "tensors", None)
     if tensors is not None:
         return tensors[0][idx], tensors[1][idx]
@@ -236,7 +237,7 @@ class NodeLayout:
         return False
 
     def _eval_batches(self, ds: Any, idx: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        x, y = _stack(ds, idx)
+        x, y = stack_batch(ds, idx)
         yield y.to(self.device), self.module(x.to(self.device)).float()
 
     # --- state ---------------------------------------------------------------------------
@@ -343,7 +344,7 @@ class FsdpLayout(NodeLayout):
         from gossamer.worker.sampler import even_split
 
         mine = even_split(idx, self.world, self.rank)
-        x, y = _stack(ds, mine if mine.numel() else idx[:1])
+        x, y = stack_batch(ds, mine if mine.numel() else idx[:1])
         out = self.module(x.to(self.device)).float()
         if mine.numel():
             yield y.to(self.device), out
@@ -420,7 +421,7 @@ class PipelineLayout(NodeLayout):
         if self.world == 1:
             yield from super()._eval_batches(ds, idx)
             return
-        x, y = _stack(ds, idx)
+        x, y = stack_batch(ds, idx)
         act = x.to(self.device) if self.first else self._recv(self.rank - 1)
         out = self.module(act)
         if not self.last:

@@ -33,7 +33,7 @@ from gossamer.paramserver import (
 from gossamer.transport.throttle import TokenBucket
 from gossamer.worker import sampler
 from gossamer.worker.adaptive_link import AdaptiveLink
-from gossamer.worker.layout import NodeLayout, Region, _stack, loss_sum, make_layout
+from gossamer.worker.layout import NodeLayout, Region, loss_sum, make_layout, stack_batch
 from gossamer.worker.precision import LossScaler, check_precision
 from gossamer.worker.profiling import StepProfiler
 
@@ -116,7 +116,7 @@ def evaluate(model: nn.Module, ds: Any, device: torch.device, batch: int = 1024)
     model.eval()
     correct, loss, count, n = 0, 0.0, 0, len(ds)
     for start in range(0, n, batch):
-        x, y = _stack(ds, torch.arange(start, min(n, start + batch)))
+        x, y = stack_batch(ds, torch.arange(start, min(n, start + batch)))
         out = model(x.to(device))
         total, k = loss_sum(out, y.to(device))
         loss += total.item()
@@ -229,7 +229,7 @@ class RankTrainer:
         """
         t_compute = time.perf_counter()
         idx, denom = self._batch()
-        x, y = _stack(self.train_set, idx)
+        x, y = stack_batch(self.train_set, idx)
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
         if self.layout is not None:
             return self._sharded_grad(x, y, denom, idx.numel(), t_compute, fault_ctx)

@@ -16,7 +16,7 @@ from gossamer.examples.digits import data, mlp
 from gossamer.experiment import Experiment
 from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer
 from gossamer.worker import sampler
-from gossamer.worker.layout import _stack, make_layout
+from gossamer.worker.layout import make_layout, stack_batch
 from gossamer.worker.precision import LossScaler, check_precision
 
 
@@ -47,7 +47,7 @@ def run_rank(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
         for step in range(start, start + cfg["steps"]):
             idx = sampler.async_batch(len(train), exp.batch_size, step, exp.seed, 0)
             share = idx if layout.kind == "pipeline" else sampler.even_split(idx, world, rank)
-            x, y = _stack(train, share)
+            x, y = stack_batch(train, share)
             layout.zero_grad()
             total, _ = layout.forward_backward(x.to(device), y.to(device), float(idx.numel()),
                                                scaler.scale if scaler else 1.0)

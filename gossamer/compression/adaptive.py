@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from gossamer.errors import ConfigError
 
@@ -44,8 +45,8 @@ class AdaptivePolicy:
     """Chooses a codec per tensor from measured compute time and link bandwidth.
 
     Feed it `observe_step(compute_s)` every step and `observe_transfer(nbytes, seconds)`
-    whenever a transfer's pure transmission time is known (a bandwidth probe, or a push
-    minus the measured latency). `decide()` re-plans every `decide_every` steps: all
+    whenever a transfer's pure transmission time is known (a bandwidth probe: a padded
+    round trip minus a bare one; see `ProbeSchedule` for why pushes are not samples). `decide()` re-plans every `decide_every` steps: all
     tensors start at the least lossy codec and the tensor with the most bytes moves one
     step down the ladder until the predicted transfer time fits the budget.
     """
@@ -64,6 +65,7 @@ class AdaptivePolicy:
         self.compute_s: float | None = None
         self.bandwidth_bps: float | None = None
         self._samples: list[tuple[float, float]] = []  # (time, bytes/s)
+        self.drop_pending: tuple[float, float] | None = None  # a low sample awaiting confirmation
         self._steps = 0
         self.decisions = 0
 
@@ -81,17 +83,25 @@ class AdaptivePolicy:
 
         Noise (scheduling, other traffic) only ever makes a transfer look slower, so the
         estimate is the best rate seen in the last `bandwidth_window_s` (a max filter, as
-        BBR does). A sample under `drop_factor` of the estimate is a real drop (a throttled
-        or shared link), not noise: it restarts the window at once, so the policy reacts
-        within a step.
+        BBR does). A sample under `drop_factor` of the estimate is either a real drop (a
+        throttled or shared link) or a stall of the measuring process: it is held as
+        `drop_pending` and changes nothing until the next sample. If that one is low too,
+        the drop is real and the window restarts from the two; otherwise the outlier is
+        forgotten. One noisy probe on a loaded machine (a 5 ms stall on a 0.2 ms transfer)
+        used to flip every codec to top-k until the next probe.
         """
         if nbytes <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         now = time.monotonic() if now is None else now
         rate = nbytes / seconds
-        if self.bandwidth_bps is not None and rate < self.config.drop_factor * self.bandwidth_bps:
-            self._samples = []
         horizon = now - self.config.bandwidth_window_s
+        if self.bandwidth_bps is not None and rate < self.config.drop_factor * self.bandwidth_bps:
+            if self.drop_pending is None:
+                self.drop_pending = (now, rate)
+                return
+            self._samples = [self.drop_pending]
+            horizon = -math.inf
+        self.drop_pending = None
         self._samples = [(t, r) for t, r in self._samples if t >= horizon] + [(now, rate)]
         self.bandwidth_bps = max(r for _, r in self._samples)
 
@@ -138,3 +148,52 @@ class AdaptivePolicy:
     def mean_level(self) -> float:
         total = sum(self.tensors.values()) or 1
         return sum(self.level[n] * k for n, k in self.tensors.items()) / total
+
+
+@dataclass(kw_only=True)
+class ProbeSchedule:
+    """When to spend bytes measuring the link: probing costs at most `share` of its capacity.
+
+    A probe of `probe_bytes` is due once `probe_bytes / (share * bandwidth)` seconds have
+    passed since the last one, capped at `max_interval_s`: on a fast link that is every
+    decision, so a sudden throttle shows within a few steps; on a slow link it is rare, so
+    probing does not eat the bytes it is meant to save. A big push much slower per byte than
+    the pushes since the last probe hints that the link changed and makes a probe due at once.
+    Pushes are only hints, never bandwidth samples: their time includes the shard's decode
+    and apply and the reply's download, which read 10-40x under the link's rate on a loaded
+    machine.
+    """
+
+    probe_bytes: int
+    share: float = 0.02
+    max_interval_s: float = 2.0
+    slowdown: float = 4.0
+    last: float = -math.inf
+    urgent: bool = False
+    _costs: deque[float] = field(default_factory=lambda: deque(maxlen=16))
+
+    def __post_init__(self) -> None:
+        if self.probe_bytes <= 0 or not 0 < self.share <= 1 or self.max_interval_s <= 0 or self.slowdown <= 1:
+            raise ConfigError("probe", "probe_bytes > 0, share in (0, 1], max_interval_s > 0, slowdown > 1")
+
+    def interval(self, bandwidth_bps: float | None) -> float:
+        if not bandwidth_bps:
+            return 0.0
+        return min(self.max_interval_s, self.probe_bytes / (self.share * bandwidth_bps))
+
+    def due(self, bandwidth_bps: float | None, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return self.urgent or now - self.last >= self.interval(bandwidth_bps)
+
+    def probed(self, now: float | None = None) -> None:
+        self.last = time.monotonic() if now is None else now
+        self.urgent = False
+        self._costs.clear()
+
+    def observe_push(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0 or not math.isfinite(seconds):
+            return
+        cost = seconds / nbytes
+        if self._costs and cost > self.slowdown * min(self._costs):
+            self.urgent = True
+        self._costs.append(cost)

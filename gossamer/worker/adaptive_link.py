@@ -6,7 +6,7 @@ import glob
 import logging
 import time
 
-from gossamer.compression.adaptive import AdaptiveConfig, AdaptivePolicy
+from gossamer.compression.adaptive import AdaptiveConfig, AdaptivePolicy, ProbeSchedule
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.compression.codec_spec import parse_codec
 from gossamer.paramserver.client import ShardClient
@@ -19,19 +19,23 @@ class AdaptiveLink:
     """Owns the client's compressor when `compression="adaptive"`.
 
     Every `decide_every` steps it may probe the link (a small and a `probe_bytes` round
-    trip to a shard, at most every `probe_interval_s`), then lets the policy choose a codec
-    per parameter and installs a new compressor that keeps the error-feedback memory.
+    trip to a shard) when its `ProbeSchedule` says so: probes take at most `probe_share` of
+    the measured link, and a push that suddenly got slower brings the next one forward.
+    Then the policy chooses a codec per parameter and a new compressor is installed that
+    keeps the error-feedback memory.
     """
 
     def __init__(self, client: ShardClient, plan: ShardPlan, shapes: dict[str, tuple[int, ...]], *,
                  target_share: float = 0.2, seed: int = 0, probe_bytes: int = 128 * 1024,
-                 probe_interval_s: float = 1.0) -> None:
+                 probe_share: float = 0.02, max_probe_interval_s: float = 2.0) -> None:
         self.client = client
         self.plan = plan
         self.shapes = shapes
         self.seed = seed
         self.probe_bytes = probe_bytes
-        self.probe_interval_s = probe_interval_s
+        self.schedule = ProbeSchedule(probe_bytes=probe_bytes, share=probe_share,
+                                      max_interval_s=max_probe_interval_s)
+        self.probes = 0
         tensors = {name: numel for name, numel in plan.params if numel}
         config = AdaptiveConfig(target_share=target_share)
         ratio = {}
@@ -42,7 +46,6 @@ class AdaptiveLink:
             ratio[spec] = raw / wire
         self.policy = AdaptivePolicy(tensors, ratio, config)
         self.latency_s = 0.0
-        self._last_probe = -1e9
         self.changes = 0
         self._install()
 
@@ -61,15 +64,18 @@ class AdaptiveLink:
         """Account one step: its compute time and, when known, its push (bytes, round trip)."""
         self.policy.observe_step(compute_s)
         if sent_bytes >= 32 * 1024 and exchange_s > self.latency_s:
-            # A big push is a bandwidth sample of its own: a throttled link shows at once.
-            self.policy.observe_transfer(sent_bytes, exchange_s - self.latency_s)
+            self.schedule.observe_push(sent_bytes, exchange_s - self.latency_s)
         if not self.policy.due():
             return
         now = time.monotonic()
-        if now - self._last_probe >= self.probe_interval_s:
-            self._last_probe = now
+        if self.schedule.due(self.policy.bandwidth_bps, now):
+            self.schedule.probed(now)
+            self.probes += 1
             self.latency_s, transfer_s = self.client.probe(self.probe_bytes)
-            self.policy.observe_transfer(self.probe_bytes, transfer_s)
+            if transfer_s > 1e-9:  # a padded trip no slower than the bare one resolves nothing
+                self.policy.observe_transfer(self.probe_bytes, transfer_s, now)
+            # A suspected drop is confirmed or dismissed by the very next decision's probe.
+            self.schedule.urgent = self.policy.drop_pending is not None
         if self.policy.decide():
             self.changes += 1
             self._install()
@@ -83,6 +89,7 @@ class AdaptiveLink:
             "adaptive_bandwidth_bps": float(self.policy.bandwidth_bps or 0.0),
             "adaptive_changes": float(self.changes),
             "link_latency_s": self.latency_s,
+            "adaptive_probes": float(self.probes),
         }
         for name in self.policy.tensors:
             out[f"codec_level.{name}"] = float(self.policy.level[name])

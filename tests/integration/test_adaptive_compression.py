@@ -64,3 +64,4 @@ def test_adaptive_follows_the_link_bandwidth_down_and_back_up(tmp_path) -> None:
     assert relaxed <= fast, (fast, slow, relaxed)
     metrics = trainer.adaptive.metrics()
     assert metrics["adaptive_changes"] >= 2 and any(k.startswith("codec_level.") for k in metrics)
+    assert metrics["adaptive_probes"] >= 2

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from gossamer.compression.adaptive import LADDER, AdaptiveConfig, AdaptivePolicy
+import pytest
+
+from gossamer.compression.adaptive import LADDER, AdaptiveConfig, AdaptivePolicy, ProbeSchedule
+from gossamer.errors import ConfigError
 
 RATIO = {"none": 1.0, "bf16": 2.0, "int8": 3.9, "topk:0.1": 6.0, "topk:0.01": 60.0, "topk:0.001": 600.0}
 TENSORS = {"big.weight": 100_000, "small.weight": 5_000, "bias": 100}
@@ -33,12 +36,68 @@ def test_choice_follows_bandwidth_down_and_back_up() -> None:
     p.observe_transfer(10**6, 10**6 / 10e9)
     p.decide()
     fast = p.mean_level()
-    p.observe_transfer(10**6, 10**6 / 1e6)  # throttled
+    p.observe_transfer(10**6, 10**6 / 1e6, now=1.0)  # throttled: held until confirmed
+    assert p.drop_pending is not None and not p.decide()
+    p.observe_transfer(10**6, 10**6 / 1e6, now=1.1)  # still throttled: a real drop
+    assert p.drop_pending is None and p.bandwidth_bps == 1e6
     assert p.decide()
     slow = p.mean_level()
-    p.observe_transfer(10**6, 10**6 / 10e9)  # lifted
+    p.observe_transfer(10**6, 10**6 / 10e9, now=1.2)  # lifted: a faster sample counts at once
     assert p.decide()
     assert slow > fast and p.mean_level() == fast
+
+
+def test_one_stalled_sample_on_a_fast_link_is_forgotten() -> None:
+    """A single probe that hit a scheduling stall must not flip every codec to top-k."""
+    p = AdaptivePolicy(TENSORS, RATIO, AdaptiveConfig(decide_every=1))
+    p.observe_step(0.01)
+    p.observe_transfer(10**6, 10**6 / 10e9, now=0.0)
+    p.decide()
+    p.observe_transfer(10**6, 10**6 / 1e6, now=0.1)  # 10000x slower once
+    p.observe_transfer(10**6, 10**6 / 8e9, now=0.2)  # and fast again
+    assert p.drop_pending is None and p.bandwidth_bps == 10e9
+    assert not p.decide() and set(p.choices().values()) == {"none"}
+
+
+def test_within_the_window_the_best_sample_is_the_estimate() -> None:
+    p = AdaptivePolicy(TENSORS, RATIO, AdaptiveConfig(bandwidth_window_s=3.0))
+    p.observe_transfer(100, 100 / 5e6, now=0.0)
+    p.observe_transfer(100, 100 / 2e6, now=1.0)  # slower, but not a drop: noise
+    assert p.bandwidth_bps == 5e6
+    p.observe_transfer(100, 100 / 2e6, now=3.5)  # the 5 MB/s sample has left the window
+    assert p.bandwidth_bps == 2e6
+
+
+def test_probes_cost_at_most_their_share_of_the_link() -> None:
+    s = ProbeSchedule(probe_bytes=100_000, share=0.02, max_interval_s=2.0)
+    assert s.interval(None) == 0.0  # nothing known yet: probe at the first decision
+    assert s.interval(1e9) == pytest.approx(0.005)  # 100 kB is 2% of 5 ms of a 1 GB/s link
+    assert s.interval(1e7) == pytest.approx(0.5)
+    assert s.interval(1e5) == 2.0  # capped, so a lifted limit is seen within 2 s
+    s.probed(now=10.0)
+    assert not s.due(1e7, now=10.4) and s.due(1e7, now=10.5)
+
+
+def test_a_push_that_suddenly_got_slower_brings_the_probe_forward() -> None:
+    s = ProbeSchedule(probe_bytes=100_000, max_interval_s=2.0)
+    s.probed(now=0.0)
+    for _ in range(5):
+        s.observe_push(100_000, 0.001)
+    s.observe_push(100_000, 0.003)  # 3x: noise, not a change
+    assert not s.due(1e5, now=0.1)
+    s.observe_push(100_000, 0.05)  # 50x slower per byte than the pushes since the probe
+    assert s.due(1e5, now=0.1)
+    s.probed(now=0.1)
+    assert not s.urgent
+    s.observe_push(100_000, 0.05)  # the new normal is judged against pushes after the probe
+    assert not s.due(1e5, now=0.2)
+
+
+def test_probe_schedule_refuses_nonsense() -> None:
+    with pytest.raises(ConfigError):
+        ProbeSchedule(probe_bytes=0)
+    with pytest.raises(ConfigError):
+        ProbeSchedule(probe_bytes=1, share=0.0)
 
 
 def test_no_decision_before_measurements() -> None:

@@ -46,9 +46,10 @@ class AdaptivePolicy:
 
     Feed it `observe_step(compute_s)` every step and `observe_transfer(nbytes, seconds)`
     whenever a transfer's pure transmission time is known (a bandwidth probe: a padded
-    round trip minus a bare one; see `ProbeSchedule` for why pushes are not samples). `decide()` re-plans every `decide_every` steps: all
-    tensors start at the least lossy codec and the tensor with the most bytes moves one
-    step down the ladder until the predicted transfer time fits the budget.
+    round trip minus a bare one; see `ProbeSchedule` for why pushes are not samples).
+    `decide()` re-plans every `decide_every` steps: all tensors start at the least lossy
+    codec and the tensor with the most bytes moves one step down the ladder until the
+    predicted transfer time fits the budget.
     """
 
     def __init__(
@@ -170,6 +171,7 @@ class ProbeSchedule:
     slowdown: float = 4.0
     last: float = -math.inf
     urgent: bool = False
+    probes: int = 0
     _costs: deque[float] = field(default_factory=lambda: deque(maxlen=16))
 
     def __post_init__(self) -> None:
@@ -187,6 +189,7 @@ class ProbeSchedule:
 
     def probed(self, now: float | None = None) -> None:
         self.last = time.monotonic() if now is None else now
+        self.probes += 1
         self.urgent = False
         self._costs.clear()
 

@@ -279,7 +279,8 @@ class ShardClient:
         """Measure the link to the first shard: (round-trip latency s, transmission s of `nbytes`).
 
         Two round trips through the same socket (and throttle) as pushes: a tiny STATS, then
-        one carrying `nbytes` of padding; the difference is what the bytes cost.
+        one carrying `nbytes` of padding; the difference is what the bytes cost (0 when the
+        padded trip was no slower: too fast to resolve, which a bandwidth estimate skips).
         """
         shard = self.shards[0]
         t0 = time.perf_counter()
@@ -288,7 +289,7 @@ class ShardClient:
         pad = torch.zeros(nbytes, dtype=torch.uint8)
         t0 = time.perf_counter()
         self._request({shard: self._msg("STATS", shard, tensors={"probe": pad})})
-        return latency, max(1e-9, time.perf_counter() - t0 - latency)
+        return latency, max(0.0, time.perf_counter() - t0 - latency)
 
     def leave(self, timeout_s: float = 3.0) -> None:
         """Leave the active set of every involved shard (releases SSP waits on us).

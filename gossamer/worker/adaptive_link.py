@@ -32,10 +32,8 @@ class AdaptiveLink:
         self.plan = plan
         self.shapes = shapes
         self.seed = seed
-        self.probe_bytes = probe_bytes
         self.schedule = ProbeSchedule(probe_bytes=probe_bytes, share=probe_share,
                                       max_interval_s=max_probe_interval_s)
-        self.probes = 0
         tensors = {name: numel for name, numel in plan.params if numel}
         config = AdaptiveConfig(target_share=target_share)
         ratio = {}
@@ -70,10 +68,8 @@ class AdaptiveLink:
         now = time.monotonic()
         if self.schedule.due(self.policy.bandwidth_bps, now):
             self.schedule.probed(now)
-            self.probes += 1
-            self.latency_s, transfer_s = self.client.probe(self.probe_bytes)
-            if transfer_s > 1e-9:  # a padded trip no slower than the bare one resolves nothing
-                self.policy.observe_transfer(self.probe_bytes, transfer_s, now)
+            self.latency_s, transfer_s = self.client.probe(self.schedule.probe_bytes)
+            self.policy.observe_transfer(self.schedule.probe_bytes, transfer_s, now)  # skips 0 s
             # A suspected drop is confirmed or dismissed by the very next decision's probe.
             self.schedule.urgent = self.policy.drop_pending is not None
         if self.policy.decide():
@@ -89,7 +85,7 @@ class AdaptiveLink:
             "adaptive_bandwidth_bps": float(self.policy.bandwidth_bps or 0.0),
             "adaptive_changes": float(self.changes),
             "link_latency_s": self.latency_s,
-            "adaptive_probes": float(self.probes),
+            "adaptive_probes": float(self.schedule.probes),
         }
         for name in self.policy.tensors:
             out[f"codec_level.{name}"] = float(self.policy.level[name])

@@ -171,7 +171,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     job = client.submit(exp)
     print(job.id)
     if args.wait:
-        return _watch(job, quiet=args.quiet)
+        from gossamer.watch import follow
+
+        return follow(job, quiet=args.quiet)
     return 0
 
 
@@ -263,54 +265,12 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
-def _watch(job: Any, quiet: bool = False) -> int:
-    """Live progress bar until the experiment finishes; exit code 0 only if it completed."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = Console(stderr=True)
-    final: dict[str, Any] = {}
-    with Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"),
-        console=console, disable=quiet, transient=False,
-    ) as progress:
-        task = progress.add_task(job.id, total=None, info="", eta="-")
-        t_start: tuple[float, int] | None = None
-        for st in job.watch():
-            final = st
-            m = st["metrics"]
-            info = [st["state"]]
-            if "loss" in m:
-                info.append(f"loss {m['loss']:.4f}")
-            if "eval_accuracy" in m:
-                info.append(f"acc {m['eval_accuracy']:.4f}")
-            if m.get("samples_per_s"):
-                info.append(f"{m['samples_per_s']:.0f} samples/s")
-            eta = "-"
-            if st["state"] == "running" and st["steps"] > 0:
-                now = time.monotonic()
-                if t_start is None:
-                    t_start = (now, st["steps"])
-                elif st["steps"] > t_start[1]:
-                    rate = (st["steps"] - t_start[1]) / (now - t_start[0])
-                    eta = f"{(st['total_steps'] - st['steps']) / rate:.0f}s"
-            progress.update(task, total=st["total_steps"], completed=st["steps"], info="  ".join(info), eta=eta)
-    m = final.get("metrics", {})
-    print(f"{final.get('state')}: {final.get('message', '')}")
-    if "eval_accuracy" in m:
-        print(f"final eval accuracy: {m['eval_accuracy']:.4f}")
-    if final.get("checkpoint"):
-        print(f"checkpoint: {final['checkpoint']}")
-    return 0 if final.get("state") == "completed" else 1
-
-
 def cmd_watch(args: argparse.Namespace) -> int:
+    from gossamer.watch import follow, watch
+
     client = _client(args)
     if args.quiet:
-        return _watch(client.job(args.id), quiet=True)
-    from gossamer.watch import watch
-
+        return follow(client.job(args.id), quiet=True)
     return watch(client, args.id, refresh_s=args.interval)
 
 

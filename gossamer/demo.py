@@ -8,6 +8,7 @@ import time
 from gossamer.client import Client
 from gossamer.experiment import Experiment
 from gossamer.local_cluster import LocalCluster
+from gossamer.watch import follow
 
 
 def demo_experiment(workers: int, shards: int, total_steps: int) -> Experiment:
@@ -23,8 +24,6 @@ def demo_experiment(workers: int, shards: int, total_steps: int) -> Experiment:
 
 
 def run_demo(workers: int = 3, shards: int = 2, total_steps: int = 1500, keep: bool = False) -> int:
-    from gossamer.cli import _watch
-
     state = tempfile.mkdtemp(prefix="gossamer-demo-") if keep else None
     t0 = time.monotonic()
     with LocalCluster(state) as cluster:
@@ -47,7 +46,7 @@ def run_demo(workers: int = 3, shards: int = 2, total_steps: int = 1500, keep: b
         job = client.submit(demo_experiment(workers, shards, total_steps))
         print(f"submitted {job.id}: digits MLP, async SGD, {shards} shards x {workers} workers, "
               f"{total_steps} steps")
-        code = _watch(job)
+        code = follow(job)
         result = job.wait(timeout=10)
         m = result.metrics
         print(f"samples {m.get('samples', 0):.0f}, bytes up {m.get('bytes_up', 0) / 1e6:.1f} MB, "

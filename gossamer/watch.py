@@ -1,4 +1,4 @@
-"""`gossamer watch ID`: a live table of an experiment (progress, accuracy, throughput, bytes, one row per role)."""
+"""`gossamer watch ID`: a live table of an experiment (progress, accuracy, throughput, bytes, one row per role); `follow`, the progress bar of `submit --wait`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
@@ -270,3 +271,41 @@ def watch(client: Any, experiment_id: str, *, refresh_s: float = 1.0, console: C
     out.print(view.summary())
     return 0 if view.status.get("state") == "completed" else 1
 
+
+def follow(job: Any, quiet: bool = False) -> int:
+    """Live progress bar until the experiment finishes; exit code 0 only if it completed."""
+    console = Console(stderr=True)
+    final: dict[str, Any] = {}
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"),
+        console=console, disable=quiet, transient=False,
+    ) as progress:
+        task = progress.add_task(job.id, total=None, info="", eta="-")
+        t_start: tuple[float, int] | None = None
+        for st in job.watch():
+            final = st
+            m = st["metrics"]
+            info = [st["state"]]
+            if "loss" in m:
+                info.append(f"loss {m['loss']:.4f}")
+            if "eval_accuracy" in m:
+                info.append(f"acc {m['eval_accuracy']:.4f}")
+            if m.get("samples_per_s"):
+                info.append(f"{m['samples_per_s']:.0f} samples/s")
+            eta = "-"
+            if st["state"] == "running" and st["steps"] > 0:
+                now = time.monotonic()
+                if t_start is None:
+                    t_start = (now, st["steps"])
+                elif st["steps"] > t_start[1]:
+                    rate = (st["steps"] - t_start[1]) / (now - t_start[0])
+                    eta = f"{(st['total_steps'] - st['steps']) / rate:.0f}s"
+            progress.update(task, total=st["total_steps"], completed=st["steps"], info="  ".join(info), eta=eta)
+    m = final.get("metrics", {})
+    print(f"{final.get('state')}: {final.get('message', '')}")
+    if "eval_accuracy" in m:
+        print(f"final eval accuracy: {m['eval_accuracy']:.4f}")
+    if final.get("checkpoint"):
+        print(f"checkpoint: {final['checkpoint']}")
+    return 0 if final.get("state") == "completed" else 1

@@ -17,7 +17,8 @@ MANIFEST = "manifest.json"
 FORMAT = "gossamer-checkpoint/1"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in directory `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -48,11 +49,11 @@ def write_atomic_dir(dest: str | os.PathLike[str], files: dict[str, bytes], meta
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -88,29 +89,3 @@ def save_model_checkpoint(dest: str | os.PathLike[str], state_dict: dict[str, An
     buf = io.BytesIO()
     torch.save({k: v.detach().cpu().clone() for k, v in state_dict.items()}, buf)
     return write_atomic_dir(dest, {"model.pt": buf.getvalue()}, meta)
-
-
-def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load a checkpoint directory as a plain state_dict for `nn.Module.load_state_dict`.
-
-    `path` is a `model.pt` checkpoint or a sharded step directory (`shard-*` subdirectories,
-    see `gossamer.checkpoint.sharded`). The manifests' checksums are verified first; tensors
-    are read with `weights_only=True`, so a checkpoint can never run code.
-
-    Raises:
-        CheckpointError: missing, partial or corrupt checkpoint.
-    """
-    import torch
-
-    if any(p.is_dir() for p in Path(path).glob("shard-[0-9]*")):
-        from gossamer.checkpoint.sharded import load_sharded_model  # it imports this module
-
-        return load_sharded_model(path)
-    read_manifest(path)
-    try:
-        state = torch.load(Path(path) / "model.pt", map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{path}: cannot read model.pt: {e}") from e
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: model.pt does not hold a state_dict")
-    return state

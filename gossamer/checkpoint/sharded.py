@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from gossamer.checkpoint.manifest import MANIFEST, _fsync_dir
+from gossamer.checkpoint.manifest import MANIFEST, fsync_dir
 from gossamer.errors import CheckpointError
 from gossamer.faults import die_at
 
@@ -196,7 +196,7 @@ def save_shard(root: str | os.PathLike[str], snap: ShardSnapshot) -> Path:
     _check_snapshot(snap)
     parent = step_dir(root, snap.step)
     parent.mkdir(parents=True, exist_ok=True)
-    _fsync_dir(parent.parent)
+    fsync_dir(parent.parent)
     name = _shard_name(snap.shard)
     tmp = parent / f".{name}.tmp-{os.getpid()}-{time.time_ns()}"
     tmp.mkdir()
@@ -208,9 +208,9 @@ def save_shard(root: str | os.PathLike[str], snap: ShardSnapshot) -> Path:
             raise CheckpointError(f"{tmp}: DCP save failed: {_dcp_cause(e)}") from e
         die_at("mid-checkpoint", step=snap.step, shard=snap.shard)
         _write_json(tmp / MANIFEST, _manifest(snap, _seal_files(tmp)))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _replace_dir(tmp, parent / name)
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,4 +1,4 @@
-"""The one small error hierarchy of gossamer; `gossamer.coordinator._status` maps it to gRPC codes."""
+"""The one small error hierarchy of gossamer; `gossamer.rpc_errors` maps it to gRPC codes."""
 
 from __future__ import annotations
 

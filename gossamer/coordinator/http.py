@@ -18,8 +18,8 @@ from gossamer.httpserver import HttpServer, Request, Response
 from gossamer.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
+    from gossamer.coordinator.core import Coordinator
     from gossamer.coordinator.records import ExpRec
-    from gossamer.coordinator.server import Coordinator
 
 #: Points per chart series; longer runs are averaged into this many time buckets.
 MAX_POINTS = 300

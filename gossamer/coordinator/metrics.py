@@ -15,7 +15,7 @@ from gossamer.metric_families import Rows, counter, gauge, histogram_buckets, su
 from gossamer.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
-    from gossamer.coordinator.server import Coordinator
+    from gossamer.coordinator.core import Coordinator
 
 #: A finished experiment stays on /metrics this long (its counters' last values).
 KEEP_FINISHED_S = 3600.0
@@ -216,7 +216,7 @@ class CoordinatorCollector:
                       [], [([], float(srv.restarts))])
         yield counter("gossamer_grpc_malformed_refused",
                       "gRPC requests refused with INVALID_ARGUMENT because their body did not parse.",
-                      [], [([], float(srv.malformed.refused))])
+                      [], [([], float(srv.malformed_refused))])
 
 
 def render(coord: Coordinator) -> bytes:

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from gossamer.modes import Mode, resolve
 from gossamer.v1 import coordinator_pb2 as pb
 
 ACTIVE_STATES = (
@@ -107,6 +108,12 @@ class ExpRec:
     @property
     def spec(self) -> dict[str, Any]:
         return json.loads(self.spec_json)
+
+    @property
+    def mode(self) -> Mode:
+        """The mode table's row the experiment runs by."""
+        spec = self.spec
+        return resolve(spec["mode"], spec.get("outer_step", "sync"))  # "sync": Experiment's default
 
     @property
     def active(self) -> bool:

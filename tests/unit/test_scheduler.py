@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from gossamer.coordinator.placement import grow, place
 from gossamer.coordinator.records import NodeRec
-from gossamer.coordinator.scheduler import grow, place
 
 
 def _node(i: int, spot: bool) -> NodeRec:
@@ -35,8 +35,8 @@ def test_max_workers_caps_placement_and_growth() -> None:
 
 
 def test_spot_nodes_train_first_and_replicas_never_share_a_node() -> None:
+    from gossamer.coordinator.placement import place, replica_host
     from gossamer.coordinator.records import NodeRec
-    from gossamer.coordinator.scheduler import place, replica_host
 
     nodes = [NodeRec(id=f"n{i}", name=f"n{i}", address="x", spot=i >= 2, joined_unix=float(i)) for i in range(5)]
     p = place(nodes, num_servers=1, min_workers=2, max_workers=3)

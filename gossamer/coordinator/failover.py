@@ -1,0 +1,96 @@
+"""Failover policy: when a node counts as lost, and what replaces a lost role (pure logic, time passed in)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gossamer.coordinator.records import NodeRec, RoleRec
+from gossamer.v1 import coordinator_pb2 as pb
+
+
+def lease_verdict(node: NodeRec, *, now: float, lease_timeout_s: float,
+                  heartbeat_interval_s: float) -> tuple[str, float] | None:
+    """(why, seconds silent) if `node` is lost at `now`, else None.
+
+    Lost: its lease expired, or its assignment stream dropped and no heartbeat came since.
+    A process that dies (kill -9, OOM, crash) closes its TCP connections at once, so its
+    stream ends; a live node reconnects it or heartbeats within one interval. Two quiet
+    intervals after the drop are enough evidence; a machine that vanishes without closing
+    anything is caught by the lease.
+    """
+    if not node.alive:
+        return None
+    silent = now - node.last_seen
+    if silent > lease_timeout_s:
+        return f"lease expired ({silent:.1f}s without heartbeat)", silent
+    fast = 2.0 * heartbeat_interval_s
+    if node.stream_lost_at and now - node.stream_lost_at > fast and node.last_seen < node.stream_lost_at:
+        return f"connection closed and no heartbeat for {silent:.1f}s", silent
+    return None
+
+
+def replacement_order(lost: Sequence[RoleRec]) -> list[RoleRec]:
+    """The order lost roles are re-planned in: primaries first, since a lost primary may
+    promote a backup that was lost with it."""
+    return sorted(lost, key=lambda r: (r.role, r.replica))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DropWorker:
+    """A worker is gone: the others go on (the next free node joins as a new worker)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplaceBackup:
+    """A shard's backup is gone: the primary serves unreplicated until a new backup syncs."""
+
+    #: The replicas of the shard left (the primary): no longer replicated.
+    unreplicated: tuple[RoleRec, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromoteBackup:
+    """A shard's primary is gone and its synced backup serves: it becomes the primary."""
+
+    backup: RoleRec
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreShard:
+    """Every usable replica of a shard is gone: a new primary loads the newest good checkpoint."""
+
+    #: Replicas of the shard left that cannot serve (a backup not synced): removed.
+    stale: tuple[RoleRec, ...]
+
+
+Recovery = DropWorker | ReplaceBackup | PromoteBackup | RestoreShard
+
+
+def recovery_for(lost: RoleRec, roles: Sequence[RoleRec]) -> Recovery:
+    """What replaces role `lost`, given the experiment's remaining `roles` (without `lost`)."""
+    if lost.role == pb.ROLE_WORKER:
+        return DropWorker()
+    replicas = tuple(r for r in roles if r.role == pb.ROLE_PARAMETER_SERVER and r.index == lost.index)
+    if lost.replica == 1:
+        return ReplaceBackup(unreplicated=replicas)
+    backup = next((r for r in replicas if r.replica == 1), None)
+    if backup is not None and lost.replicated and backup.state == pb.ROLE_STATE_SERVING and backup.endpoint:
+        return PromoteBackup(backup=backup)
+    return RestoreShard(stale=replicas)
+
+
+def roll_back_together(roles: Sequence[RoleRec], index: int, *, barrier: bool) -> list[int]:
+    """The shards that restore from the checkpoint when shard `index` does.
+
+    With a barrier every shard must stand at the same version, so all of them roll back
+    together; otherwise only shard `index`.
+    """
+    if not barrier:
+        return [index]
+    return sorted({index} | {r.index for r in roles if r.role == pb.ROLE_PARAMETER_SERVER})
+
+
+def gives_up(failures: int, max_workers: int) -> bool:
+    """Whether `failures` crashed role processes end the experiment (a budget against crash loops)."""
+    return failures > max(10, 3 * max_workers)

@@ -1,0 +1,97 @@
+"""Placement: which nodes host an experiment's shards, their backups and its workers (pure logic over records)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gossamer.coordinator.records import NodeRec, RoleRec
+from gossamer.modes import Mode
+from gossamer.v1 import coordinator_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Nodes chosen for an experiment: `servers[i]` hosts shard i; `workers` train."""
+
+    servers: list[NodeRec]
+    workers: list[NodeRec]
+
+
+def _server_preference(node: NodeRec) -> tuple[bool, float, str]:
+    # On-demand nodes first (a preempted shard costs more than a preempted worker), then
+    # the longest-lived node, which has shown it stays.
+    return (node.spot, node.joined_unix, node.id)
+
+
+def free_nodes(nodes: Iterable[NodeRec]) -> list[NodeRec]:
+    """Live nodes with no experiment: what placement may use."""
+    return [n for n in nodes if n.alive and not n.experiment_id]
+
+
+def place(
+    free: list[NodeRec], *, num_servers: int, min_workers: int, max_workers: int
+) -> Placement | None:
+    """Choose servers and workers among `free` nodes, or None if there are too few."""
+    if len(free) < num_servers + min_workers:
+        return None
+    by_pref = sorted(free, key=_server_preference)
+    servers = by_pref[:num_servers]
+    chosen = {n.id for n in servers}
+    # Spot nodes train first: an on-demand node left over can hold a shard's backup.
+    rest = sorted((n for n in free if n.id not in chosen), key=lambda n: (not n.spot, n.joined_unix, n.id))
+    return Placement(servers=servers, workers=rest[:max_workers])
+
+
+def place_experiment(free: list[NodeRec], spec: dict[str, Any], mode: Mode) -> Placement | None:
+    """Where a queued experiment starts: its shards (none in a mode without servers) and workers."""
+    return place(free, num_servers=spec["num_ps_shards"] if mode.servers else 0,
+                 min_workers=spec["min_workers"], max_workers=spec["max_workers"])
+
+
+def grow(free: list[NodeRec], *, current_workers: int, max_workers: int) -> list[NodeRec]:
+    """Free nodes to add as workers to a running experiment (up to `max_workers`)."""
+    room = max(0, max_workers - current_workers)
+    return sorted(free, key=lambda n: (n.joined_unix, n.id))[:room]
+
+
+def replica_host(
+    *, avoid: set[str], servers: list[NodeRec], free: list[NodeRec], workers: list[NodeRec]
+) -> NodeRec | None:
+    """Where a shard replica goes: another server node, else a free node, else a worker node.
+
+    On-demand, long-lived nodes first within each group; never a node in `avoid` (the
+    nodes already holding a replica of that shard), so the two replicas never share a fate.
+    """
+    for group in (servers, free, workers):
+        candidates = [n for n in group if n.id not in avoid and n.alive]
+        if candidates:
+            return sorted(candidates, key=_server_preference)[0]
+    return None
+
+
+def shard_host(roles: Sequence[RoleRec], index: int, nodes: Mapping[str, NodeRec],
+               free: list[NodeRec]) -> NodeRec | None:
+    """The node for a new replica of shard `index` of an experiment with `roles` (`replica_host`)."""
+    avoid = {r.node_id for r in roles if r.role == pb.ROLE_PARAMETER_SERVER and r.index == index}
+    servers = [nodes[r.node_id] for r in roles if r.role == pb.ROLE_PARAMETER_SERVER and r.node_id in nodes]
+    workers = [nodes[r.node_id] for r in roles if r.role == pb.ROLE_WORKER and r.node_id in nodes]
+    return replica_host(avoid=avoid, servers=servers, free=free, workers=workers)
+
+
+def lead_node(roles: Sequence[RoleRec]) -> str:
+    """The node of the lowest-indexed worker (it evaluates and saves the model), "" without workers."""
+    workers = sorted((r for r in roles if r.role == pb.ROLE_WORKER), key=lambda r: r.index)
+    return workers[0].node_id if workers else ""
+
+
+def shards_ready(roles: Sequence[RoleRec], num_shards: int) -> bool:
+    """Every shard has a primary, every replica serves, and every primary with a backup is synced to it."""
+    servers = [r for r in roles if r.role == pb.ROLE_PARAMETER_SERVER]
+    primaries = [r for r in servers if r.replica == 0]
+    return (
+        len(primaries) == num_shards
+        and all(r.state == pb.ROLE_STATE_SERVING and r.endpoint for r in servers)
+        and all(r.replicated for r in primaries if any(b.replica == 1 and b.index == r.index for b in servers))
+    )

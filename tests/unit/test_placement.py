@@ -1,0 +1,155 @@
+"""Placement and failover policy of the coordinator, as pure functions over its records (no gRPC, no store)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gossamer.coordinator.failover import (
+    DropWorker,
+    PromoteBackup,
+    ReplaceBackup,
+    RestoreShard,
+    gives_up,
+    lease_verdict,
+    recovery_for,
+    replacement_order,
+    roll_back_together,
+)
+from gossamer.coordinator.placement import (
+    free_nodes,
+    lead_node,
+    place_experiment,
+    shard_host,
+    shards_ready,
+)
+from gossamer.coordinator.records import NodeRec, RoleRec
+from gossamer.modes import resolve
+from gossamer.v1 import coordinator_pb2 as pb
+
+PS, WORKER = pb.ROLE_PARAMETER_SERVER, pb.ROLE_WORKER
+SERVING = pb.ROLE_STATE_SERVING
+
+
+def _node(i: int, *, spot: bool = False, **kw: Any) -> NodeRec:
+    return NodeRec(id=f"n{i}", name=f"n{i}", address="127.0.0.1", spot=spot, joined_unix=float(i), **kw)
+
+
+def _spec(shards: int = 2, min_workers: int = 2, max_workers: int = 4) -> dict[str, Any]:
+    return {"num_ps_shards": shards, "min_workers": min_workers, "max_workers": max_workers}
+
+
+def _shard(node: str, index: int, replica: int = 0, *, serving: bool = True, replicated: bool = False) -> RoleRec:
+    return RoleRec(node_id=node, role=PS, index=index, replica=replica, replicated=replicated,
+                   state=SERVING if serving else pb.ROLE_STATE_STARTING, endpoint=f"tcp://{node}:1" if serving else "")
+
+
+# --- placement ---------------------------------------------------------------------------------
+def test_an_experiment_needs_its_shards_plus_min_workers_and_a_serverless_mode_no_shards() -> None:
+    nodes = [_node(i) for i in range(3)]
+    assert place_experiment(nodes, _spec(shards=2, min_workers=2), resolve("async")) is None
+    gossip = place_experiment(nodes, _spec(shards=2, min_workers=2), resolve("gossip"))
+    assert gossip is not None and gossip.servers == [] and len(gossip.workers) == 3
+    diloco = place_experiment(nodes, _spec(shards=1, min_workers=2), resolve("diloco", "gossip"))
+    assert diloco is not None and diloco.servers == []
+    sync = place_experiment(nodes, _spec(shards=1, min_workers=2), resolve("sync"))
+    assert sync is not None and [n.id for n in sync.servers] == ["n0"]
+
+
+def test_only_live_nodes_without_an_experiment_are_free() -> None:
+    nodes = [_node(0), _node(1, experiment_id="e"), _node(2, state=pb.NODE_STATE_LOST), _node(3)]
+    assert [n.id for n in free_nodes(nodes)] == ["n0", "n3"]
+
+
+def test_a_new_replica_goes_to_another_server_node_then_a_free_node_then_a_worker_never_beside_its_twin() -> None:
+    nodes = {n.id: n for n in (_node(0), _node(1), _node(2, spot=True), _node(3))}
+    roles = [_shard("n0", 0), _shard("n1", 1), RoleRec(node_id="n2", role=WORKER, index=0)]
+    host = shard_host(roles, 0, nodes, free=[nodes["n3"]])
+    assert host is not None and host.id == "n1"  # the other shard's node
+    host = shard_host(roles[:1] + roles[2:], 0, nodes, free=[nodes["n3"]])
+    assert host is not None and host.id == "n3"  # no other server: a free node
+    host = shard_host(roles[:1] + roles[2:], 0, nodes, free=[])
+    assert host is not None and host.id == "n2"  # else a worker's node
+    assert shard_host([_shard("n0", 0), _shard("n2", 0, 1)], 0, nodes, free=[]) is None
+
+
+def test_the_lead_is_the_lowest_indexed_worker() -> None:
+    roles = [RoleRec(node_id="a", role=WORKER, index=3), _shard("p", 0), RoleRec(node_id="b", role=WORKER, index=1)]
+    assert lead_node(roles) == "b"
+    assert lead_node([_shard("p", 0)]) == ""
+
+
+def test_an_experiment_runs_once_every_shard_serves_and_every_backup_is_synced() -> None:
+    assert not shards_ready([_shard("a", 0)], num_shards=2)
+    assert not shards_ready([_shard("a", 0), _shard("b", 1, serving=False)], num_shards=2)
+    assert shards_ready([_shard("a", 0), _shard("b", 1)], num_shards=2)
+    with_backup = [_shard("a", 0), _shard("b", 0, 1)]
+    assert not shards_ready(with_backup, num_shards=1)
+    with_backup[0].replicated = True
+    assert shards_ready(with_backup, num_shards=1)
+
+
+# --- failure detection -------------------------------------------------------------------------
+def test_a_node_is_lost_when_its_lease_expires() -> None:
+    node = _node(0, last_seen=100.0)
+    assert lease_verdict(node, now=104.0, lease_timeout_s=5.0, heartbeat_interval_s=1.0) is None
+    verdict = lease_verdict(node, now=105.5, lease_timeout_s=5.0, heartbeat_interval_s=1.0)
+    assert verdict is not None and verdict[0].startswith("lease expired") and verdict[1] == 5.5
+
+
+def test_a_dropped_stream_with_two_quiet_heartbeat_intervals_is_a_loss_but_a_heartbeat_since_is_not() -> None:
+    node = _node(0, last_seen=100.0, stream_lost_at=100.5)
+    assert lease_verdict(node, now=102.0, lease_timeout_s=30.0, heartbeat_interval_s=1.0) is None
+    verdict = lease_verdict(node, now=102.6, lease_timeout_s=30.0, heartbeat_interval_s=1.0)
+    assert verdict is not None and verdict[0].startswith("connection closed")
+    node.last_seen = 101.0  # it heartbeat after the drop: alive, reconnecting
+    assert lease_verdict(node, now=102.6, lease_timeout_s=30.0, heartbeat_interval_s=1.0) is None
+
+
+def test_a_node_already_gone_is_not_lost_again() -> None:
+    node = _node(0, last_seen=0.0, state=pb.NODE_STATE_LEFT)
+    assert lease_verdict(node, now=1000.0, lease_timeout_s=5.0, heartbeat_interval_s=1.0) is None
+
+
+# --- recovery ----------------------------------------------------------------------------------
+def test_lost_primaries_are_replaced_before_backups_and_workers_last() -> None:
+    worker, backup, primary = RoleRec(node_id="a", role=WORKER, index=0), _shard("a", 0, 1), _shard("a", 1)
+    assert replacement_order([worker, backup, primary]) == [primary, backup, worker]
+
+
+def test_a_lost_worker_is_dropped() -> None:
+    assert isinstance(recovery_for(RoleRec(node_id="a", role=WORKER, index=0), []), DropWorker)
+
+
+def test_a_lost_backup_leaves_its_primary_unreplicated_until_a_new_backup_syncs() -> None:
+    primary = _shard("a", 0, replicated=True)
+    recovery = recovery_for(_shard("b", 0, 1), [primary, _shard("c", 1)])
+    assert isinstance(recovery, ReplaceBackup) and recovery.unreplicated == (primary,)
+
+
+def test_a_lost_primary_with_a_synced_serving_backup_promotes_it() -> None:
+    backup = _shard("b", 0, 1)
+    recovery = recovery_for(_shard("a", 0, replicated=True), [backup])
+    assert isinstance(recovery, PromoteBackup) and recovery.backup is backup
+
+
+def test_a_lost_primary_whose_backup_is_unsynced_or_not_serving_restores_from_the_checkpoint() -> None:
+    unsynced = _shard("b", 0, 1)
+    recovery = recovery_for(_shard("a", 0, replicated=False), [unsynced])
+    assert isinstance(recovery, RestoreShard) and recovery.stale == (unsynced,)
+    starting = _shard("b", 0, 1, serving=False)
+    recovery = recovery_for(_shard("a", 0, replicated=True), [starting])
+    assert isinstance(recovery, RestoreShard) and recovery.stale == (starting,)
+    recovery = recovery_for(_shard("a", 0), [_shard("c", 1)])
+    assert isinstance(recovery, RestoreShard) and recovery.stale == ()
+
+
+def test_in_a_barrier_mode_every_shard_rolls_back_with_a_restored_one() -> None:
+    roles = [_shard("a", 0), _shard("b", 2), RoleRec(node_id="w", role=WORKER, index=5)]
+    assert roll_back_together(roles, 1, barrier=resolve("sync").barrier) == [0, 1, 2]
+    assert roll_back_together(roles, 1, barrier=resolve("diloco", "sync").barrier) == [0, 1, 2]
+    assert roll_back_together(roles, 1, barrier=resolve("async").barrier) == [1]
+
+
+def test_the_failure_budget_is_ten_or_three_per_worker_whichever_is_more() -> None:
+    assert not gives_up(10, max_workers=2) and gives_up(11, max_workers=2)
+    assert not gives_up(12, max_workers=4) and gives_up(13, max_workers=4)

@@ -90,3 +90,28 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles_in_gossamer() -> None:
     found = cycles(import_graph())
     assert not found, "import cycles among gossamer modules:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def private_imports() -> list[str]:
+    """Imports of a private name (`from m import _x`) or of a private module from outside its package."""
+    mods = _modules()
+    found = []
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level or not (node.module or "").startswith("gossamer"):
+                continue
+            module = node.module or ""
+            for a in node.names:
+                full = f"{module}.{a.name}"
+                parts = full.split(".") if full in mods else module.split(".")
+                private = next((i for i, p in enumerate(parts) if p.startswith("_") and not p.startswith("__")), None)
+                if private is not None and not name.startswith(".".join(parts[:private]) + "."):
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {full}")
+                elif full not in mods and a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {full}")
+    return found
+
+
+def test_no_private_name_imported_from_another_module() -> None:
+    found = private_imports()
+    assert not found, "private names imported from another module:\n" + "\n".join(found)

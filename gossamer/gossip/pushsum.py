@@ -139,8 +139,9 @@ class PushSumPeer:
         self.experiment = experiment
         self.peer_id = peer_id
         self.share = share
-        # Seeded per peer so QSGD's draws neither touch nor follow torch's global generator.
-        self._codec = parse_value_codec(codec, seed=zlib.crc32(peer_id.encode()))
+        #: The value codec this peer sends with (the trainer's profiler times it). Seeded per
+        #: peer so QSGD's draws neither touch nor follow torch's global generator.
+        self.codec = parse_value_codec(codec, seed=zlib.crc32(peer_id.encode()))
         self._numel = numel
         self._io = PeerIO(
             experiment=experiment,
@@ -256,8 +257,8 @@ class PushSumPeer:
         w = self.weight
         w_s = self.share * w
         with torch.no_grad():
-            payload = self._codec.encode(z.detach() * w_s)
-            d = self._codec.decode(payload, (z.numel(),), torch.float32)
+            payload = self.codec.encode(z.detach() * w_s)
+            d = self.codec.decode(payload, (z.numel(),), torch.float32)
             hid = next(self._ids)
             meta = {
                 "id": hid,
@@ -265,7 +266,7 @@ class PushSumPeer:
                 "gen": self.generation,
                 "step": step,
                 "weight": w_s,
-                "codec": self._codec.spec,
+                "codec": self.codec.spec,
                 "payload": payload.meta,
             }
             frames = encode(

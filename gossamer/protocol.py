@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -286,3 +287,110 @@ class SyncMeta:
                        scalars={str(k): float(v) for k, v in scalars.items()})
         except (TypeError, ValueError, OverflowError) as e:
             raise ProtocolError(f"SYNC meta 'applied' and 'scalars' must hold numbers: {e}") from None
+
+
+# -- gossip (push-sum peers) --------------------------------------------------------------
+
+
+def _gossip_int(op: str, meta: Mapping[str, Any], key: str) -> int:
+    value = meta.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(f"{op} meta {key!r} must be an int, got {value!r}")
+    return value
+
+
+def _number(op: str, meta: Mapping[str, Any], key: str) -> float:
+    value = meta.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProtocolError(f"{op} meta {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MassMeta:
+    """MASS (peer -> neighbour): a share of the sender's push-sum mass (the codec payload travels as tensors).
+
+    `from_meta` checks the types; whether the receiver takes the mass (its generation, codec,
+    a weight in range) is the receiver's decision.
+    """
+
+    #: The sender's hold id: the ACK, NACK or CANCEL of this mass names it.
+    id: int
+    #: The sender's incarnation (a restarted peer's ids must not look seen).
+    inc: int
+    #: The membership generation the mass belongs to.
+    gen: int
+    step: int
+    weight: float
+    #: The value codec's spec (None: not a string, which no receiver's codec matches).
+    codec: str | None
+    #: The codec payload's meta (None: not a map).
+    payload: dict[str, Any] | None
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"id": self.id, "inc": self.inc, "gen": self.gen, "step": self.step, "weight": self.weight,
+                "codec": self.codec, "payload": self.payload}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> MassMeta:
+        codec, payload = meta.get("codec"), meta.get("payload")
+        return cls(id=_gossip_int("MASS", meta, "id"), inc=_gossip_int("MASS", meta, "inc"),
+                   gen=_gossip_int("MASS", meta, "gen"), step=_gossip_int("MASS", meta, "step"),
+                   weight=_number("MASS", meta, "weight"), codec=codec if isinstance(codec, str) else None,
+                   payload=payload if isinstance(payload, dict) else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelMeta:
+    """CANCEL (peer -> neighbour): take back mass `id` unless it was applied (answered ACK, NACK or CANCELLED)."""
+
+    id: int
+    inc: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"id": self.id, "inc": self.inc}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> CancelMeta:
+        return cls(id=_gossip_int("CANCEL", meta, "id"), inc=_gossip_int("CANCEL", meta, "inc"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapMeta:
+    """SNAP (peer -> peer): ask for the receiver's state; its "rid" (an int) is required."""
+
+    #: Only weight, step and done, no parameters.
+    light: bool = False
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"light": self.light}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> SnapMeta:
+        _gossip_int("SNAP", meta, "rid")
+        return cls(light=meta.get("light") is True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotMeta:
+    """SNAPSHOT (peer -> peer): the answer to SNAP; its z (unless light) travels as tensor "z"."""
+
+    weight: float
+    step: int
+    done: bool
+    gen: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"weight": self.weight, "step": self.step, "done": self.done, "gen": self.gen}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> SnapshotMeta:
+        weight = _number("SNAPSHOT", meta, "weight")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ProtocolError(f"SNAPSHOT meta 'weight' must be finite and > 0, got {weight!r}")
+        done = meta.get("done")
+        if not isinstance(done, bool):
+            raise ProtocolError(f"SNAPSHOT meta 'done' must be a bool, got {done!r}")
+        gen = meta.get("gen", 0)
+        return cls(weight=weight, step=_gossip_int("SNAPSHOT", meta, "step"), done=done,
+                   gen=gen if isinstance(gen, int) and not isinstance(gen, bool) else 0)

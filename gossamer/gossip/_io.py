@@ -31,6 +31,7 @@ import zmq
 
 from gossamer.compression import Codec, Payload
 from gossamer.errors import AuthError, ProtocolError
+from gossamer.protocol import CancelMeta, MassMeta, SnapMeta
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
 from gossamer.transport.ratelimit import RateLimit
@@ -100,13 +101,6 @@ class _Outstanding:
 def _int(meta: dict[str, Any], key: str) -> int | None:
     v = meta.get(key)
     return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def _number(meta: dict[str, Any], key: str) -> float | None:
-    v = meta.get(key)
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        return None
-    return float(v)
 
 
 class PeerIO:
@@ -572,11 +566,12 @@ class PeerIO:
         elif msg.op == CANCEL:
             self._on_cancel(identity, msg)
         elif msg.op == SNAP:
-            rid = _int(msg.meta, "rid")
-            if rid is None:
-                self._refuse(identity, msg, "malformed", "SNAP without an int 'rid'")
-            else:
-                self.snap_requests.put((identity, rid, msg.sender, msg.meta.get("light") is True))
+            try:
+                snap = SnapMeta.from_meta(msg.meta)
+            except ProtocolError as e:
+                self._refuse(identity, msg, "malformed", str(e))
+                return
+            self.snap_requests.put((identity, msg.meta["rid"], msg.sender, snap.light))
         else:
             self._refuse(identity, msg, "unknown_op", f"unknown op {msg.op!r}")
 
@@ -597,13 +592,13 @@ class PeerIO:
             seen.popitem(last=False)
 
     def _on_mass(self, identity: bytes, msg: Message) -> None:
-        m = msg.meta
-        hid, inc, gen, step = _int(m, "id"), _int(m, "inc"), _int(m, "gen"), _int(m, "step")
-        weight, spec, pmeta = _number(m, "weight"), m.get("codec"), m.get("payload")
-        if hid is None or inc is None or gen is None or step is None or weight is None:
-            self._refuse(identity, msg, "malformed", "MASS needs int id/inc/gen/step, weight")
+        try:
+            m = MassMeta.from_meta(msg.meta)
+        except ProtocolError as e:
+            self._refuse(identity, msg, "malformed", str(e))
             return
-        seen = self._outcomes(msg.sender, inc)
+        hid, gen, weight, pmeta = m.id, m.gen, m.weight, m.payload
+        seen = self._outcomes(msg.sender, m.inc)
         if hid in seen:  # a duplicate: answer as the first time
             self.duplicates += 1
             self._reply(identity, ACK if seen[hid] else NACK, {"id": hid}, msg.sender)
@@ -615,17 +610,17 @@ class PeerIO:
             reason, text = "generation", f"generation {gen}, this peer is at {self._generation}"
         elif self._numel is None:
             reason, text = "not_ready", "this peer does not know its parameter size yet"
-        elif spec != self.codec.spec:
-            reason, text = "codec", f"codec {spec!r}, this peer uses {self.codec.spec!r}"
+        elif m.codec != self.codec.spec:
+            reason, text = "codec", f"codec {msg.meta.get('codec')!r}, this peer uses {self.codec.spec!r}"
         elif not (math.isfinite(weight) and 0 < weight <= _MAX_WEIGHT):
             reason, text = "weight", f"weight {weight!r} is not in (0, {_MAX_WEIGHT:g}]"
-        elif not isinstance(pmeta, dict):
+        elif pmeta is None:
             reason, text = "malformed", "MASS payload meta must be a map"
         if reason:
             self._remember(seen, hid, False)
             self._refuse(identity, msg, reason, text)
             return
-        assert self._numel is not None and isinstance(pmeta, dict)
+        assert self._numel is not None and pmeta is not None
         try:
             d = self.codec.decode(Payload(msg.tensors, pmeta), (self._numel,), torch.float32)
         except ProtocolError as e:
@@ -634,16 +629,17 @@ class PeerIO:
             self._refuse(identity, msg, "nonfinite" if bad else "payload", str(e))
             return
         self._remember(seen, hid, True)
-        assert weight is not None
-        self.inbox.put(Incoming(msg.sender, gen, step, weight, d))
+        self.inbox.put(Incoming(msg.sender, gen, m.step, weight, d))
         self._reply(identity, ACK, {"id": hid}, msg.sender)
 
     def _on_cancel(self, identity: bytes, msg: Message) -> None:
-        hid, inc = _int(msg.meta, "id"), _int(msg.meta, "inc")
-        if hid is None or inc is None:
-            self._refuse(identity, msg, "malformed", "CANCEL needs int id and inc")
+        try:
+            cancel = CancelMeta.from_meta(msg.meta)
+        except ProtocolError as e:
+            self._refuse(identity, msg, "malformed", str(e))
             return
-        seen = self._outcomes(msg.sender, inc)
+        hid = cancel.id
+        seen = self._outcomes(msg.sender, cancel.inc)
         if hid in seen:
             self._reply(identity, ACK if seen[hid] else NACK, {"id": hid}, msg.sender)
         else:  # never arrived: a late copy will be NACKed

@@ -8,12 +8,16 @@ import pytest
 
 from gossamer.errors import ProtocolError
 from gossamer.protocol import (
+    CancelMeta,
     HelloMeta,
+    MassMeta,
     ParamsMeta,
     PullMeta,
     PushCompression,
     PushMeta,
     ReplicateMeta,
+    SnapMeta,
+    SnapshotMeta,
     SyncMeta,
     chunk_key,
     parse_chunk_key,
@@ -83,3 +87,21 @@ def test_chunk_keys_round_trip_and_refuse_other_names() -> None:
     for bad in ("c", "x1", "c-1", "c1/m", "c" + "9" * 12):
         with pytest.raises(ProtocolError):
             parse_chunk_key(bad)
+
+
+def test_gossip_meta_round_trips_and_names_a_bad_field() -> None:
+    mass = MassMeta(id=3, inc=9, gen=1, step=4, weight=0.5, codec="int8", payload={"scale": 1.0})
+    assert MassMeta.from_meta(mass.to_meta()) == mass
+    assert CancelMeta.from_meta(CancelMeta(id=3, inc=9).to_meta()) == CancelMeta(id=3, inc=9)
+    assert SnapMeta.from_meta({"rid": 1, **SnapMeta(light=True).to_meta()}).light
+    snap = SnapshotMeta(weight=1.0, step=7, done=False, gen=2)
+    assert SnapshotMeta.from_meta(snap.to_meta()) == snap
+    for decode, meta, field in [
+        (MassMeta.from_meta, {**mass.to_meta(), "inc": None}, "inc"),
+        (MassMeta.from_meta, {**mass.to_meta(), "weight": "1"}, "weight"),
+        (CancelMeta.from_meta, {"id": 1}, "inc"),
+        (SnapMeta.from_meta, {"light": True}, "rid"),
+        (SnapshotMeta.from_meta, {**snap.to_meta(), "weight": float("inf")}, "weight"),
+    ]:
+        with pytest.raises(ProtocolError, match=field):
+            decode(meta)  # type: ignore[operator]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["MODES", "OUTER_STEPS", "Mode", "mode_names", "mode_of", "resolve"]
+__all__ = ["BARRIER_CONSISTENCY", "MODES", "OUTER_STEPS", "SHARD_CONSISTENCIES", "Mode", "mode_names", "mode_of", "resolve"]
 
 
 class _HasMode(Protocol):
@@ -120,3 +120,9 @@ def resolve(mode: str, outer_step: str = "") -> Mode:
 def mode_of(exp: _HasMode) -> Mode:
     """The table row an experiment (or anything with `mode` and `outer_step`) runs by."""
     return resolve(exp.mode, exp.outer_step)
+
+
+#: Every shard consistency a mode with servers runs its shards with (`ShardConfig.mode`).
+SHARD_CONSISTENCIES: tuple[str, ...] = tuple(dict.fromkeys(m.shard_consistency for m in _TABLE if m.servers))
+#: The shard consistency with a barrier: every current worker's update each version.
+BARRIER_CONSISTENCY = "sync"

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gossamer.errors import ProtocolError
+
 # Each contract is a frozen dataclass, validated where it is decoded (`from_*` raises
 # ProtocolError or ConfigError naming the field), so no process reads another's bare dict keys.
 
@@ -16,4 +23,374 @@ from __future__ import annotations
 # Data plane: metadata of each op's header (PUSH, PULL, HELLO, ...)
 # ---------------------------------------------------------------------------------------
 
-# (section owned by the parameter-server refactor)
+# The header's `meta` map of each op, by who sends it. Every request's meta also carries the
+# request id "rid" (any msgpack scalar, echoed in the reply) next to these fields; the `to_meta`
+# key order is the order the fields went on the wire before they were typed.
+
+
+def chunk_key(index: int) -> str:
+    """The tensor name chunk `index` travels under."""
+    return f"c{index}"
+
+
+def parse_chunk_key(name: str) -> int:
+    """Inverse of `chunk_key`; raises ProtocolError for any other name."""
+    if len(name) < 2 or name[0] != "c" or not name[1:].isdigit() or len(name) > 12:
+        raise ProtocolError(f"tensor name {name!r} is not a chunk key like 'c12'")
+    return int(name[1:])
+
+
+def _int(op: str, meta: Mapping[str, Any], key: str, minimum: int = 0, default: int | None = None) -> int:
+    value = meta.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ProtocolError(f"{op} meta {key!r} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _codec_spec(op: str, meta: Mapping[str, Any], key: str) -> str:
+    spec = meta.get(key, "none")
+    if not isinstance(spec, str) or len(spec) > 64:
+        raise ProtocolError(f"{op} meta {key!r} must be a codec spec string")
+    return spec
+
+
+@dataclass(frozen=True, kw_only=True)
+class HelloMeta:
+    """HELLO (worker -> shard): register as an active worker."""
+
+    #: A new process under this sender id: its clocks start over.
+    fresh: bool = False
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"fresh": self.fresh}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> HelloMeta:
+        fresh = meta.get("fresh", False)
+        if not isinstance(fresh, bool):
+            raise ProtocolError(f"HELLO meta 'fresh' must be a bool, got {fresh!r}")
+        return cls(fresh=fresh)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WelcomeMeta:
+    """WELCOME (shard -> worker): the answer to HELLO."""
+
+    done: bool
+    #: The shard plan's fingerprint.
+    plan: str
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"done": self.done, "plan": self.plan}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PullMeta:
+    """PULL (worker -> shard): the current values of `chunks` (None: every chunk of the shard)."""
+
+    chunks: tuple[int, ...] | None = None
+    #: Codec of the parameter differences the shard sends back ("none": full values).
+    pull_codec: str = "none"
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {}
+        if self.chunks is not None:
+            meta["chunks"] = list(self.chunks)
+        meta["pull_codec"] = self.pull_codec
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> PullMeta:
+        chunks = meta.get("chunks")
+        if chunks is not None and (
+            not isinstance(chunks, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in chunks)
+        ):
+            raise ProtocolError("PULL meta 'chunks' must be a list of ints")
+        return cls(chunks=None if chunks is None else tuple(chunks), pull_codec=_codec_spec("PULL", meta, "pull_codec"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushMeta:
+    """PUSH (worker -> shard): one local rank's part of a worker's update.
+
+    `step`, `num_workers` and `generation` are sent (and read) only for a shard with a barrier.
+    """
+
+    #: The worker's update counter; a shard applies each clock of a worker once.
+    clock: int
+    #: The shard version the gradients were computed on.
+    basis: int
+    pull_codec: str = "none"
+    step: int | None = None
+    num_workers: int | None = None
+    generation: int | None = None
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"clock": self.clock, "basis": self.basis}
+        if self.pull_codec != "none":
+            meta["pull_codec"] = self.pull_codec
+        if self.step is not None:
+            meta["step"] = self.step
+            meta["num_workers"] = self.num_workers if self.num_workers is not None else 1
+            meta["generation"] = self.generation or 0
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any], *, barrier: bool) -> PushMeta:
+        """Validate a PUSH's meta; `barrier`: the shard waits for every worker each step."""
+        pull_codec = _codec_spec("PUSH", meta, "pull_codec")
+        clock = _int("PUSH", meta, "clock")
+        basis = _int("PUSH", meta, "basis")
+        if not barrier:
+            return cls(clock=clock, basis=basis, pull_codec=pull_codec)
+        return cls(clock=clock, basis=basis, pull_codec=pull_codec, step=_int("PUSH", meta, "step"),
+                   num_workers=_int("PUSH", meta, "num_workers", 1), generation=_int("PUSH", meta, "generation",
+                                                                                     default=0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushCompression:
+    """The compressed form of a PUSH (its tensors are codec payloads, not raw chunks)."""
+
+    #: Chunk index (as a string) -> that chunk's codec meta.
+    chunks: dict[str, Any]
+    #: The codec spec every chunk uses unless an override matches.
+    codec: str
+    #: (pattern, codec) pairs.
+    overrides: tuple[tuple[str, str], ...] = ()
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"compression": self.chunks, "codec": self.codec}
+        if self.overrides:
+            meta["codec_overrides"] = [list(p) for p in self.overrides]
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> PushCompression | None:
+        """None for an uncompressed PUSH."""
+        if "compression" not in meta:
+            return None
+        chunks = meta["compression"]
+        if not isinstance(chunks, dict) or not chunks:
+            raise ProtocolError("PUSH meta 'compression' must map chunk index -> chunk meta")
+        codec, overrides = meta.get("codec"), meta.get("codec_overrides", [])
+        if not isinstance(codec, str) or not isinstance(overrides, list):
+            raise ProtocolError("PUSH meta 'codec' must be a string and 'codec_overrides' a list")
+        pairs: list[tuple[str, str]] = []
+        for item in overrides:
+            if not (isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+                raise ProtocolError("PUSH meta 'codec_overrides' must hold [pattern, codec] pairs")
+            pairs.append((item[0], item[1]))
+        return cls(chunks=chunks, codec=codec, overrides=tuple(pairs))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamsMeta:
+    """PARAMS (shard -> worker): chunk values (or compressed differences), the answer to PULL and PUSH."""
+
+    done: bool
+    #: Versions applied between the push's basis and its own (async), or 0.
+    staleness: int | None = None
+    #: How far the pusher's clock leads the slowest worker's (async).
+    lead: int | None = None
+    #: Chunk index (as a string) -> codec meta of a compressed difference.
+    pull_compression: dict[str, Any] | None = None
+    codec: str | None = None
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"done": self.done}
+        if self.staleness is not None:
+            meta["staleness"] = self.staleness
+        if self.lead is not None:
+            meta["lead"] = self.lead
+        if self.pull_compression:
+            meta["pull_compression"] = self.pull_compression
+            meta["codec"] = self.codec
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> ParamsMeta:
+        done = meta.get("done", False)
+        if not isinstance(done, bool):
+            raise ProtocolError(f"PARAMS meta 'done' must be a bool, got {done!r}")
+        staleness = meta.get("staleness")
+        if staleness is not None and (not isinstance(staleness, int) or isinstance(staleness, bool)):
+            raise ProtocolError(f"PARAMS meta 'staleness' must be an int, got {staleness!r}")
+        compressed = meta.get("pull_compression") or None
+        if compressed is not None and not isinstance(compressed, dict):
+            raise ProtocolError("PARAMS meta 'pull_compression' must map chunk index -> chunk meta")
+        codec = meta.get("codec")
+        return cls(done=done, staleness=staleness, pull_compression=compressed,
+                   codec=codec if isinstance(codec, str) else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ErrorMeta:
+    """ERROR (any server -> its peer): why a request was refused; `code` is one of `transport.router`'s codes."""
+
+    error: str
+    code: str
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"error": self.error, "code": self.code}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicateMeta:
+    """REPLICATE (primary -> backup): replay one applied update (its dense gradient travels as tensors)."""
+
+    #: The lr factor the primary applied (staleness, schedule, linear scaling).
+    lr_factor: float
+    #: (worker, clock or step) of each worker update it covers.
+    applied: tuple[tuple[str, int], ...] = ()
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"lr_factor": self.lr_factor, "applied": [[s, k] for s, k in self.applied]}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> ReplicateMeta:
+        factor = meta.get("lr_factor", 1.0)
+        applied = meta.get("applied", [])
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not isinstance(applied, list):
+            raise ProtocolError("REPLICATE meta 'lr_factor' must be a number and 'applied' a list")
+        # Entries that are not [worker, int] pairs carry nothing to remember: skipped.
+        pairs = tuple((str(item[0]), item[1]) for item in applied
+                      if isinstance(item, list) and len(item) == 2 and isinstance(item[1], int))
+        return cls(lr_factor=float(factor), applied=pairs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncMeta:
+    """SYNC (primary -> backup) and a shard's exported state: chunk values and optimizer state travel
+    as tensors ("c3", "c3/momentum_buffer"), the rest here."""
+
+    #: The shard version the state is at.
+    state_version: int
+    #: Worker -> the last clock (async) or step (sync) applied.
+    applied: dict[str, int]
+    #: "<chunk>/<name>" -> a scalar optimizer state entry (AdamW's step).
+    scalars: dict[str, float]
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"applied": dict(self.applied), "scalars": dict(self.scalars), "state_version": self.state_version}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> SyncMeta:
+        applied, scalars = meta.get("applied"), meta.get("scalars", {})
+        if not isinstance(applied, dict) or not isinstance(scalars, dict):
+            raise ProtocolError("state meta 'applied' and 'scalars' must be maps")
+        version = meta.get("state_version", -1)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ProtocolError(f"SYNC meta 'state_version' must be an int, got {version!r}")
+        try:
+            return cls(state_version=version, applied={str(k): int(v) for k, v in applied.items()},
+                       scalars={str(k): float(v) for k, v in scalars.items()})
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ProtocolError(f"SYNC meta 'applied' and 'scalars' must hold numbers: {e}") from None
+
+
+# -- gossip (push-sum peers) --------------------------------------------------------------
+
+
+def _gossip_int(op: str, meta: Mapping[str, Any], key: str) -> int:
+    value = meta.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(f"{op} meta {key!r} must be an int, got {value!r}")
+    return value
+
+
+def _number(op: str, meta: Mapping[str, Any], key: str) -> float:
+    value = meta.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProtocolError(f"{op} meta {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MassMeta:
+    """MASS (peer -> neighbour): a share of the sender's push-sum mass (the codec payload travels as tensors).
+
+    `from_meta` checks the types; whether the receiver takes the mass (its generation, codec,
+    a weight in range) is the receiver's decision.
+    """
+
+    #: The sender's hold id: the ACK, NACK or CANCEL of this mass names it.
+    id: int
+    #: The sender's incarnation (a restarted peer's ids must not look seen).
+    inc: int
+    #: The membership generation the mass belongs to.
+    gen: int
+    step: int
+    weight: float
+    #: The value codec's spec (None: not a string, which no receiver's codec matches).
+    codec: str | None
+    #: The codec payload's meta (None: not a map).
+    payload: dict[str, Any] | None
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"id": self.id, "inc": self.inc, "gen": self.gen, "step": self.step, "weight": self.weight,
+                "codec": self.codec, "payload": self.payload}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> MassMeta:
+        codec, payload = meta.get("codec"), meta.get("payload")
+        return cls(id=_gossip_int("MASS", meta, "id"), inc=_gossip_int("MASS", meta, "inc"),
+                   gen=_gossip_int("MASS", meta, "gen"), step=_gossip_int("MASS", meta, "step"),
+                   weight=_number("MASS", meta, "weight"), codec=codec if isinstance(codec, str) else None,
+                   payload=payload if isinstance(payload, dict) else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelMeta:
+    """CANCEL (peer -> neighbour): take back mass `id` unless it was applied (answered ACK, NACK or CANCELLED)."""
+
+    id: int
+    inc: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"id": self.id, "inc": self.inc}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> CancelMeta:
+        return cls(id=_gossip_int("CANCEL", meta, "id"), inc=_gossip_int("CANCEL", meta, "inc"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapMeta:
+    """SNAP (peer -> peer): ask for the receiver's state; its "rid" (an int) is required."""
+
+    #: Only weight, step and done, no parameters.
+    light: bool = False
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"light": self.light}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> SnapMeta:
+        _gossip_int("SNAP", meta, "rid")
+        return cls(light=meta.get("light") is True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotMeta:
+    """SNAPSHOT (peer -> peer): the answer to SNAP; its z (unless light) travels as tensor "z"."""
+
+    weight: float
+    step: int
+    done: bool
+    gen: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"weight": self.weight, "step": self.step, "done": self.done, "gen": self.gen}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> SnapshotMeta:
+        weight = _number("SNAPSHOT", meta, "weight")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ProtocolError(f"SNAPSHOT meta 'weight' must be finite and > 0, got {weight!r}")
+        done = meta.get("done")
+        if not isinstance(done, bool):
+            raise ProtocolError(f"SNAPSHOT meta 'done' must be a bool, got {done!r}")
+        gen = meta.get("gen", 0)
+        return cls(weight=weight, step=_gossip_int("SNAPSHOT", meta, "step"), done=done,
+                   gen=gen if isinstance(gen, int) and not isinstance(gen, bool) else 0)

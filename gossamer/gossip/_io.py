@@ -31,22 +31,18 @@ import zmq
 
 from gossamer.compression import Codec, Payload
 from gossamer.errors import AuthError, ProtocolError
-from gossamer.security.curve import (
-    CurveKeyring,
-    HandshakeMonitor,
-    MembershipAuthenticator,
-    peer_key,
+from gossamer.protocol import CancelMeta, MassMeta, SnapMeta
+from gossamer.security.curve import CurveKeyring, HandshakeMonitor
+from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
+from gossamer.transport.ratelimit import RateLimit
+from gossamer.transport.router import (
+    NOT_MEMBER,
+    OVER_RATE,
+    PERMISSION_DENIED,
+    RATE_LIMITED,
+    Router,
+    configure_socket,
 )
-from gossamer.transport.frames import (
-    ZERO_COPY_THRESHOLD,
-    FrameLimits,
-    Message,
-    decode,
-    encode,
-    frames_nbytes,
-    peek_header,
-)
-from gossamer.transport.ratelimit import PeerRateLimiter, RateLimit
 
 __all__ = [
     "ACK",
@@ -80,6 +76,9 @@ _SEEN_SENDERS = 1024
 #: of peers; one far above it (1e308 passed as finite) left the receiver unable to send again.
 _MAX_WEIGHT = float(1 << 20)
 _REDIAL_S = 1.0  # after a refused handshake, a neighbour's socket is opened again this often
+# A gossip peer's ERROR code is its refusal reason (the key of `PeerIO.rejected`, reported as
+# `gossip_refused_<reason>`), also for the router's admission gate.
+_REASON_OF_CODE = {PERMISSION_DENIED: NOT_MEMBER, RATE_LIMITED: OVER_RATE}
 
 
 @dataclass
@@ -104,13 +103,6 @@ def _int(meta: dict[str, Any], key: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def _number(meta: dict[str, Any], key: str) -> float | None:
-    v = meta.get(key)
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        return None
-    return float(v)
-
-
 class PeerIO:
     """The socket side of a `PushSumPeer`; methods without a leading underscore are for the
     trainer thread (they only enqueue), everything else runs on the I/O thread."""
@@ -133,7 +125,7 @@ class PeerIO:
         self.peer_id = peer_id
         self.limits = limits
         self.incarnation = secrets.randbits(62)  # a restarted peer's ids must not look seen
-        self._codec = codec
+        self.codec = codec
         self._ack_timeout = ack_timeout_s
         self._fault = fault
         self._numel = numel
@@ -151,24 +143,21 @@ class PeerIO:
         self.send_failures = 0
         self.handshake_failures = 0  # our connections a neighbour refused (CURVE key, mechanism)
         self._curve = curve
-        self._rate = PeerRateLimiter(rate_limit) if rate_limit is not None else None
-        self._refuse_logged = 0.0
 
         self._ctx = zmq.Context()
-        self._router = self._socket(zmq.ROUTER)
-        self._auth: MembershipAuthenticator | None = None
         try:
-            if curve is not None:
-                self._auth = curve.authenticator(self._ctx)
-                curve.secure_server(self._router)
-            port = self._router.bind_to_random_port(f"tcp://{host}")
+            self._router = Router(self._ctx, name=f"gossip peer {peer_id}", limits=limits,
+                                  refusal_reply=self._refusal_reply, curve=curve, rate_limit=rate_limit,
+                                  refused=self.rejected)
         except zmq.ZMQError:
-            self._router.close(linger=0)
-            if self._auth is not None:
-                self._auth.stop()
             self._ctx.term()
             raise
-        self.endpoint = f"tcp://{host}:{port}"
+        try:
+            self.endpoint = self._router.bind(host)
+        except zmq.ZMQError:
+            self._router.close()
+            self._ctx.term()
+            raise
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._wake_pending = False  # a byte is in the pipe: the loop will run commands
@@ -199,7 +188,7 @@ class PeerIO:
     @property
     def refused_handshakes(self) -> int:
         """CURVE handshakes the ZAP handler refused (keys of non-members)."""
-        return self._auth.refused if self._auth is not None else 0
+        return self._router.curve_refused
 
     # -- trainer side ------------------------------------------------------------------
     def post(self, *command: Any) -> None:
@@ -229,8 +218,7 @@ class PeerIO:
     def close(self) -> None:
         self.post("stop")
         self._thread.join(timeout=10)
-        if self._auth is not None:
-            self._auth.stop()
+        self._router.stop_auth()
         if self._thread.is_alive():  # never seen; destroying closes the sockets under it
             logger.error("gossip peer %s: I/O thread did not stop", self.peer_id)
             self._ctx.destroy(linger=0)
@@ -249,15 +237,11 @@ class PeerIO:
     # -- the loop ----------------------------------------------------------------------
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self._ctx.socket(kind)
-        sock.copy_threshold = ZERO_COPY_THRESHOLD  # pyzmq copies below this; see frames.py
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        configure_socket(sock, self.limits)
         return sock
 
     def _run(self) -> None:
-        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._router.socket, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         try:
             while True:
@@ -273,7 +257,7 @@ class PeerIO:
                     if not self._run_commands():
                         return
                     for sock in ready:
-                        if sock is self._router:
+                        if sock is self._router.socket:
                             self._receive(sock, self._on_request)
                         elif sock in self._watched:
                             self._on_handshake_event(sock)
@@ -286,7 +270,8 @@ class PeerIO:
         finally:
             for watch in self._watch.values():
                 watch.close()
-            for sock in [self._router, *self._sock_peer]:
+            self._router.close_socket()
+            for sock in list(self._sock_peer):
                 sock.close(linger=0)
 
     def _poll_ms(self) -> int:
@@ -314,7 +299,7 @@ class PeerIO:
                     self._send_mass(*cmd[1:])
                 elif kind == "reply":
                     _, identity, frames, info = cmd
-                    self._send(self._router, identity, frames, SNAPSHOT, info)
+                    self._send(self._router.socket, identity, frames, SNAPSHOT, info)
                 elif kind == "members":
                     self._set_members(cmd[1], cmd[2])
                 elif kind == "numel":
@@ -527,7 +512,7 @@ class PeerIO:
 
     # -- receiving: requests on the ROUTER -----------------------------------------------
     def _reply(self, identity: bytes, op: str, meta: dict[str, Any], to: str) -> None:
-        self._send(self._router, identity, self._message(op, meta), op, {"peer": to, **meta})
+        self._send(self._router.socket, identity, self._message(op, meta), op, {"peer": to, **meta})
 
     def _refuse(self, identity: bytes, msg: Message | None, reason: str, text: str) -> None:
         """Count and log a refused request; NACK a MASS with an id, else an ERROR reply."""
@@ -551,40 +536,21 @@ class PeerIO:
             err["rid"] = rid
         self._reply(identity, ERROR, err, sender)
 
-    def _refuse_early(self, identity: bytes, head: Any, reason: str, text: str) -> None:
-        """Count a request refused before decoding; answer ERROR (no ACK/NACK: nothing is
-        decided about its mass, so a CANCEL later settles it exactly)."""
-        self.rejected[reason] += 1
-        now = time.monotonic()
-        if now - self._refuse_logged > 5.0:  # a flood must not flood the log too
-            self._refuse_logged = now
-            logger.warning("gossip peer %s: refused a request: %s", self.peer_id, text)
-        header = peek_header(head, self.limits)
-        meta = header.get("meta") if header is not None else None
-        err: dict[str, Any] = {"error": text, "code": reason}
-        rid = _int(meta, "rid") if isinstance(meta, dict) else None
-        if rid is not None:
+    def _refusal_reply(self, identity: bytes, rid: Any, code: str, text: str) -> None:
+        """ERROR to a request the router's gate refused before decoding (counted there); no
+        ACK/NACK: nothing is decided about its mass, so a CANCEL later settles it exactly."""
+        err: dict[str, Any] = {"error": text, "code": _REASON_OF_CODE.get(code, code)}
+        if isinstance(rid, int) and not isinstance(rid, bool):
             err["rid"] = rid
         self._reply(identity, ERROR, err, "?")
 
     def _on_request(self, _sock: zmq.Socket, frames: Sequence[Any]) -> None:
-        if len(frames) < 2 or len(frames[0].buffer) == 0:
-            self.rejected["unroutable"] += 1
+        admitted = self._router.admit(frames)
+        if admitted is None:
             return
-        identity = frames[0].bytes
-        if self._curve is not None and not self._curve.is_member(peer_key(frames[1])):
-            self._refuse_early(identity, frames[1], "not_member",
-                               "this node's CURVE key is not a member of the experiment (any more)")
-            return
-        if self._rate is not None and not self._rate.allow(identity, time.monotonic()):
-            if self._rate.answer(identity, time.monotonic()):
-                self._refuse_early(identity, frames[1], "rate_limit",
-                                   f"rate limit: over {self._rate.limit.messages_per_s:g} messages/s from this peer")
-            else:
-                self.rejected["rate_limit"] += 1
-            return
+        identity, payload = admitted
         try:
-            msg = decode(frames[1:], self.limits)
+            msg = decode(payload, self.limits)
         except ProtocolError as e:
             self._refuse(identity, None, "malformed", str(e))
             return
@@ -600,11 +566,12 @@ class PeerIO:
         elif msg.op == CANCEL:
             self._on_cancel(identity, msg)
         elif msg.op == SNAP:
-            rid = _int(msg.meta, "rid")
-            if rid is None:
-                self._refuse(identity, msg, "malformed", "SNAP without an int 'rid'")
-            else:
-                self.snap_requests.put((identity, rid, msg.sender, msg.meta.get("light") is True))
+            try:
+                snap = SnapMeta.from_meta(msg.meta)
+            except ProtocolError as e:
+                self._refuse(identity, msg, "malformed", str(e))
+                return
+            self.snap_requests.put((identity, msg.meta["rid"], msg.sender, snap.light))
         else:
             self._refuse(identity, msg, "unknown_op", f"unknown op {msg.op!r}")
 
@@ -625,13 +592,13 @@ class PeerIO:
             seen.popitem(last=False)
 
     def _on_mass(self, identity: bytes, msg: Message) -> None:
-        m = msg.meta
-        hid, inc, gen, step = _int(m, "id"), _int(m, "inc"), _int(m, "gen"), _int(m, "step")
-        weight, spec, pmeta = _number(m, "weight"), m.get("codec"), m.get("payload")
-        if hid is None or inc is None or gen is None or step is None or weight is None:
-            self._refuse(identity, msg, "malformed", "MASS needs int id/inc/gen/step, weight")
+        try:
+            m = MassMeta.from_meta(msg.meta)
+        except ProtocolError as e:
+            self._refuse(identity, msg, "malformed", str(e))
             return
-        seen = self._outcomes(msg.sender, inc)
+        hid, gen, weight, pmeta = m.id, m.gen, m.weight, m.payload
+        seen = self._outcomes(msg.sender, m.inc)
         if hid in seen:  # a duplicate: answer as the first time
             self.duplicates += 1
             self._reply(identity, ACK if seen[hid] else NACK, {"id": hid}, msg.sender)
@@ -643,35 +610,36 @@ class PeerIO:
             reason, text = "generation", f"generation {gen}, this peer is at {self._generation}"
         elif self._numel is None:
             reason, text = "not_ready", "this peer does not know its parameter size yet"
-        elif spec != self._codec.spec:
-            reason, text = "codec", f"codec {spec!r}, this peer uses {self._codec.spec!r}"
+        elif m.codec != self.codec.spec:
+            reason, text = "codec", f"codec {msg.meta.get('codec')!r}, this peer uses {self.codec.spec!r}"
         elif not (math.isfinite(weight) and 0 < weight <= _MAX_WEIGHT):
             reason, text = "weight", f"weight {weight!r} is not in (0, {_MAX_WEIGHT:g}]"
-        elif not isinstance(pmeta, dict):
+        elif pmeta is None:
             reason, text = "malformed", "MASS payload meta must be a map"
         if reason:
             self._remember(seen, hid, False)
             self._refuse(identity, msg, reason, text)
             return
-        assert self._numel is not None and isinstance(pmeta, dict)
+        assert self._numel is not None and pmeta is not None
         try:
-            d = self._codec.decode(Payload(msg.tensors, pmeta), (self._numel,), torch.float32)
+            d = self.codec.decode(Payload(msg.tensors, pmeta), (self._numel,), torch.float32)
         except ProtocolError as e:
             bad = "NaN" in str(e) or "beyond the fp32 range" in str(e)
             self._remember(seen, hid, False)
             self._refuse(identity, msg, "nonfinite" if bad else "payload", str(e))
             return
         self._remember(seen, hid, True)
-        assert weight is not None
-        self.inbox.put(Incoming(msg.sender, gen, step, weight, d))
+        self.inbox.put(Incoming(msg.sender, gen, m.step, weight, d))
         self._reply(identity, ACK, {"id": hid}, msg.sender)
 
     def _on_cancel(self, identity: bytes, msg: Message) -> None:
-        hid, inc = _int(msg.meta, "id"), _int(msg.meta, "inc")
-        if hid is None or inc is None:
-            self._refuse(identity, msg, "malformed", "CANCEL needs int id and inc")
+        try:
+            cancel = CancelMeta.from_meta(msg.meta)
+        except ProtocolError as e:
+            self._refuse(identity, msg, "malformed", str(e))
             return
-        seen = self._outcomes(msg.sender, inc)
+        hid = cancel.id
+        seen = self._outcomes(msg.sender, cancel.inc)
         if hid in seen:
             self._reply(identity, ACK if seen[hid] else NACK, {"id": hid}, msg.sender)
         else:  # never arrived: a late copy will be NACKed

@@ -40,9 +40,10 @@ from typing import Any
 
 import torch
 
-from gossamer.errors import ConfigError
+from gossamer.errors import ConfigError, ProtocolError
 from gossamer.gossip._io import MASS, SNAP, SNAPSHOT, Fault, PeerIO
 from gossamer.gossip.value_codec import parse_value_codec
+from gossamer.protocol import MassMeta, SnapMeta, SnapshotMeta
 from gossamer.security import curve as curve_keys
 from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits, Message, encode
@@ -139,8 +140,9 @@ class PushSumPeer:
         self.experiment = experiment
         self.peer_id = peer_id
         self.share = share
-        # Seeded per peer so QSGD's draws neither touch nor follow torch's global generator.
-        self._codec = parse_value_codec(codec, seed=zlib.crc32(peer_id.encode()))
+        #: The value codec this peer sends with (the trainer's profiler times it). Seeded per
+        #: peer so QSGD's draws neither touch nor follow torch's global generator.
+        self.codec = parse_value_codec(codec, seed=zlib.crc32(peer_id.encode()))
         self._numel = numel
         self._io = PeerIO(
             experiment=experiment,
@@ -256,18 +258,11 @@ class PushSumPeer:
         w = self.weight
         w_s = self.share * w
         with torch.no_grad():
-            payload = self._codec.encode(z.detach() * w_s)
-            d = self._codec.decode(payload, (z.numel(),), torch.float32)
+            payload = self.codec.encode(z.detach() * w_s)
+            d = self.codec.decode(payload, (z.numel(),), torch.float32)
             hid = next(self._ids)
-            meta = {
-                "id": hid,
-                "inc": self._io.incarnation,
-                "gen": self.generation,
-                "step": step,
-                "weight": w_s,
-                "codec": self._codec.spec,
-                "payload": payload.meta,
-            }
+            meta = MassMeta(id=hid, inc=self._io.incarnation, gen=self.generation, step=step, weight=w_s,
+                            codec=self.codec.spec, payload=payload.meta).to_meta()
             frames = encode(
                 Message(
                     op=MASS,
@@ -379,13 +374,7 @@ class PushSumPeer:
                 identity, rid, requester, light = self._io.snap_requests.get_nowait()
             except queue.Empty:
                 return
-            meta = {
-                "rid": rid,
-                "weight": self.weight,
-                "step": step,
-                "done": done,
-                "gen": self.generation,
-            }
+            meta = {"rid": rid, **SnapshotMeta(weight=self.weight, step=step, done=done, gen=self.generation).to_meta()}
             frames = encode(
                 Message(
                     op=SNAPSHOT,
@@ -404,7 +393,8 @@ class PushSumPeer:
             return None
         rid = next(self._rids)
         frames = encode(
-            Message(op=SNAP, experiment=self.experiment, sender=self.peer_id, meta={"rid": rid, "light": light})
+            Message(op=SNAP, experiment=self.experiment, sender=self.peer_id,
+                    meta={"rid": rid, **SnapMeta(light=light).to_meta()})
         )
         return rid, self._io.request(rid, endpoint, frames)
 
@@ -464,23 +454,19 @@ class PushSumPeer:
 
     def _snapshot(self, peer: str, msg: Message, light: bool = False) -> Snapshot | None:
         z = torch.empty(0) if light and not msg.tensors else msg.tensors.get("z")
-        weight, step, done = msg.meta.get("weight"), msg.meta.get("step"), msg.meta.get("done")
         if z is None or z.dtype != torch.float32 or z.dim() != 1:
             problem = "no flat float32 tensor 'z'"
         elif self._numel is not None and z.numel() != self._numel and not light:
             problem = f"{z.numel()} values, expected {self._numel}"
         elif not bool(torch.isfinite(z).all()):
             problem = "non-finite values"
-        elif (
-            isinstance(weight, bool)
-            or not isinstance(weight, int | float)
-            or not (math.isfinite(weight) and weight > 0)
-        ):
-            problem = f"bad weight {weight!r}"
-        elif isinstance(step, bool) or not isinstance(step, int) or not isinstance(done, bool):
-            problem = "bad step or done"
         else:
-            return Snapshot(z=z, weight=float(weight), step=step, done=done)
+            try:
+                meta = SnapshotMeta.from_meta(msg.meta)
+            except ProtocolError as e:
+                problem = str(e)
+            else:
+                return Snapshot(z=z, weight=meta.weight, step=meta.step, done=meta.done)
         logger.warning("gossip peer %s: invalid snapshot from %r: %s", self.peer_id, peer, problem)
         return None
 

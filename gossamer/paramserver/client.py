@@ -14,18 +14,20 @@ import zmq
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.errors import ConfigError, ProtocolError, ShardError, UnavailableError
 from gossamer.faults import die_at
-from gossamer.paramserver.shard import chunk_key, parse_chunk_key
 from gossamer.paramserver.shard_plan import ShardPlan
+from gossamer.protocol import (
+    HelloMeta,
+    ParamsMeta,
+    PullMeta,
+    PushCompression,
+    PushMeta,
+    chunk_key,
+    parse_chunk_key,
+)
 from gossamer.security import curve as curve_keys
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
-from gossamer.transport.frames import (
-    ZERO_COPY_THRESHOLD,
-    FrameLimits,
-    Message,
-    decode,
-    encode,
-    frames_nbytes,
-)
+from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
+from gossamer.transport.router import configure_socket
 from gossamer.transport.throttle import TokenBucket
 
 __all__ = ["PullResult", "ShardClient"]
@@ -101,9 +103,10 @@ class ShardClient:
         self.throttle = throttle
         self.compressor = compressor
         self.pull_codec = pull_codec
-        self._pull_decoder: ChunkCompressor | None = None
+        #: Decodes the shards' compressed parameter differences (None without a pull codec).
+        self.pull_decoder: ChunkCompressor | None = None
         if pull_codec != "none":
-            self._pull_decoder = ChunkCompressor(
+            self.pull_decoder = ChunkCompressor(
                 pull_codec,
                 plan,
                 error_feedback=False,
@@ -137,7 +140,7 @@ class ShardClient:
 
         `fresh`: this is a new process under this sender id (its clocks start over).
         """
-        self._request({s: self._msg("HELLO", s, {"fresh": fresh}) for s in self.shards})
+        self._request({s: self._msg("HELLO", s, HelloMeta(fresh=fresh).to_meta()) for s in self.shards})
 
     @property
     def endpoints(self) -> dict[int, str]:
@@ -164,7 +167,7 @@ class ShardClient:
     def pull(self) -> PullResult:
         """Current values of this client's chunks."""
         reqs = {
-            s: self._msg("PULL", s, {"chunks": self._by_shard[s], "pull_codec": self.pull_codec})
+            s: self._msg("PULL", s, PullMeta(chunks=tuple(self._by_shard[s]), pull_codec=self.pull_codec).to_meta())
             for s in self.shards
         }
         return self._result(self._request(reqs))
@@ -190,16 +193,8 @@ class ShardClient:
         for s, tensors in per_shard.items():
             if s not in self._socks:
                 raise ConfigError("grads", f"chunks of shard {s} are not this client's")
-            meta: dict[str, Any] = {
-                "clock": clock,
-                "basis": basis.get(s, 0),
-            }
-            if self.pull_codec != "none":
-                meta["pull_codec"] = self.pull_codec
-            if step is not None:
-                meta["step"] = step
-                meta["num_workers"] = num_workers if num_workers is not None else 1
-                meta["generation"] = generation or 0
+            meta = PushMeta(clock=clock, basis=basis.get(s, 0), pull_codec=self.pull_codec, step=step,
+                            num_workers=num_workers, generation=generation).to_meta()
             self.raw_bytes_up += sum(4 * t.numel() for t in tensors.values())
             if self.compressor is not None:
                 wire: dict[str, torch.Tensor] = {}
@@ -209,10 +204,8 @@ class ShardClient:
                     part, chunk_meta[str(idx)] = self.compressor.encode(idx, t)
                     wire.update(part)
                 tensors = wire
-                meta["compression"] = chunk_meta
-                meta["codec"] = self.compressor.default_spec
-                if self.compressor.overrides:
-                    meta["codec_overrides"] = [list(p) for p in self.compressor.overrides]
+                meta.update(PushCompression(chunks=chunk_meta, codec=self.compressor.default_spec,
+                                            overrides=tuple(self.compressor.overrides)).to_meta())
             reqs[s] = self._msg("PUSH", s, meta, tensors)
         return reqs
 
@@ -324,11 +317,7 @@ class ShardClient:
         if endpoint is None:
             raise ConfigError("endpoints", f"no endpoint for shard {shard}")
         sock = self._ctx.socket(zmq.DEALER)
-        sock.copy_threshold = ZERO_COPY_THRESHOLD  # pyzmq copies below this; see frames.py
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        configure_socket(sock, self.limits)
         if self.curve is not None:
             try:
                 self.curve.secure_client(sock, endpoint)
@@ -496,9 +485,9 @@ class ShardClient:
             raise ShardError("; ".join(errors), codes)
         return replies
 
-    def _apply_deltas(self, shard: int, reply: Message, compressed: Any) -> dict[int, torch.Tensor]:
+    def _apply_deltas(self, shard: int, reply: Message, compressed: dict[str, Any]) -> dict[int, torch.Tensor]:
         """Rebuild chunk values from compressed differences against what we hold."""
-        if self._pull_decoder is None or not isinstance(compressed, dict):
+        if self.pull_decoder is None:
             raise ShardError(f"shard {shard} sent compressed parameters we did not ask for")
         out: dict[int, torch.Tensor] = {}
         for key, cmeta in compressed.items():
@@ -508,7 +497,7 @@ class ShardClient:
                     f"shard {shard} sent a difference for chunk {key!r} we do not hold"
                 )
             try:
-                out[idx] = self._held[idx] + self._pull_decoder.decode(idx, reply.tensors, cmeta)
+                out[idx] = self._held[idx] + self.pull_decoder.decode(idx, reply.tensors, cmeta)
             except ProtocolError as e:
                 raise ShardError(f"shard {shard} sent an undecodable difference: {e}") from e
         return out
@@ -519,11 +508,15 @@ class ShardClient:
         staleness: dict[int, int] = {}
         done = False
         for s, reply in replies.items():
+            try:
+                meta = ParamsMeta.from_meta(reply.meta)
+            except ProtocolError as e:
+                raise ShardError(f"shard {s} sent a malformed reply: {e}") from e
             versions[s] = reply.version
-            done = done or bool(reply.meta.get("done", False))
-            if "staleness" in reply.meta:
-                staleness[s] = int(reply.meta["staleness"])
-            compressed = reply.meta.get("pull_compression")
+            done = done or meta.done
+            if meta.staleness is not None:
+                staleness[s] = meta.staleness
+            compressed = meta.pull_compression
             for name, t in reply.tensors.items():
                 if "/" not in name:
                     values[parse_chunk_key(name)] = t
@@ -531,6 +524,6 @@ class ShardClient:
                 values.update(self._apply_deltas(s, reply, compressed))
             for idx in values:
                 self.raw_bytes_down += 4 * self.plan.chunks[idx].numel
-            if self._pull_decoder is not None:
+            if self.pull_decoder is not None:
                 self._held.update(values)
         return PullResult(versions=versions, values=values, done=done, staleness=staleness)

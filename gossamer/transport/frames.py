@@ -3,7 +3,8 @@
 A message on the wire is a list of frames:
 
 * frame 0: a msgpack map ``{"v": 1, "op", "experiment", "shard", "version", "sender",
-  "tensors": [{"name", "dtype", "shape", "codec", "meta"}, ...], "meta": {...}}``;
+  "tensors": [{"name", "dtype", "shape", "meta"}, ...], "meta": {...}}`` (a tensor entry's
+  "codec" key is reserved: absent or "none");
 * frames 1..n: the C-contiguous bytes of each tensor, in header order.
 
 This module is the only place that knows the field names, the wire version and the dtype
@@ -76,9 +77,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-_FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
-# Wire v1 carries raw tensors only; compression codecs register here when they exist.
-CODECS = frozenset({"none"})
 
 
 @dataclass(frozen=True)
@@ -88,7 +86,6 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    codec: str = "none"
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -100,11 +97,9 @@ class TensorSpec:
         return self.numel * DTYPES[self.dtype].itemsize
 
     def to_wire(self) -> dict[str, Any]:
-        # "codec" and "meta" are left out at their defaults: a compressed push carries one
-        # entry per payload tensor, and these bytes would be a tenth of its size.
+        # "meta" is left out when empty: a compressed push carries one entry per payload
+        # tensor, and these bytes would be a tenth of its size.
         wire: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-        if self.codec != "none":
-            wire["codec"] = self.codec
         if self.meta:
             wire["meta"] = self.meta
         return wire
@@ -273,12 +268,12 @@ def _parse_spec(i: int, raw: Any) -> TensorSpec:
         if not isinstance(d, int) or isinstance(d, bool) or d < 0:
             raise ProtocolError(f"tensor {name!r}: bad shape {shape!r}")
     codec = raw.get("codec", "none")
-    if not isinstance(codec, str) or codec not in CODECS:
+    if codec != "none":  # wire v1 carries raw tensors: compression is described in the message's meta
         raise ProtocolError(f"tensor {name!r}: unsupported codec {codec!r}")
     meta = raw.get("meta", {})
     if not isinstance(meta, dict):
         raise ProtocolError(f"tensor {name!r}: meta must be a map")
-    return TensorSpec(name=name, dtype=dtype, shape=tuple(shape), codec=codec, meta=meta)
+    return TensorSpec(name=name, dtype=dtype, shape=tuple(shape), meta=meta)
 
 
 def decode(

@@ -1,0 +1,87 @@
+"""Pull compression on a shard: what each worker holds of every chunk, so replies carry compressed differences."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gossamer.compression.chunk_codec import ChunkCompressor
+from gossamer.errors import ConfigError
+from gossamer.paramserver._reject import Reject
+from gossamer.paramserver.shard_plan import ShardPlan
+from gossamer.protocol import ParamsMeta, chunk_key
+
+__all__ = ["PullViews"]
+
+
+class PullViews:
+    """Per-sender views of the chunks, for the workers that asked for a pull codec.
+
+    A reply to such a worker carries the compressed difference between the current values
+    and its view; the view then advances by exactly what the worker decodes, so what a lossy
+    codec dropped stays in the next difference (error feedback through the view). Not locked:
+    the shard server calls it under its lock.
+    """
+
+    def __init__(self, plan: ShardPlan, shapes: dict[str, tuple[int, ...]]) -> None:
+        self.plan = plan
+        self.shapes = shapes
+        self._views: dict[tuple[str, int], torch.Tensor] = {}
+        self._encoders: dict[str, ChunkCompressor] = {}
+        self._pull_of: dict[bytes, tuple[str, str]] = {}  # ZMQ identity -> (sender, pull codec)
+
+    def note_codec(self, identity: bytes, sender: str, spec: str) -> None:
+        """The pull codec the connection `identity` of `sender` asked for ("none": full values)."""
+        if spec == "none":
+            self._pull_of.pop(identity, None)
+            return
+        if spec not in self._encoders:
+            try:
+                self._encoders[spec] = ChunkCompressor(spec, self.plan, error_feedback=False, shapes=self.shapes)
+            except ConfigError as e:
+                raise Reject(f"pull_codec: {e}") from None
+        if not sender:
+            raise Reject("pull compression needs a sender id")
+        self._pull_of[identity] = (sender, spec)
+
+    def restart(self, sender: str, chunks: list[int]) -> None:
+        """A PULL restarts the worker's view of `chunks`: full values follow."""
+        for idx in chunks:
+            self._views.pop((sender, idx), None)
+
+    def forget(self, sender: str) -> None:
+        """`sender` left: its views go."""
+        for key in [k for k in self._views if k[0] == sender]:
+            del self._views[key]
+
+    def clear(self) -> None:
+        """The values were rolled back: every worker starts from full values again."""
+        self._views.clear()
+
+    def reply(self, identity: bytes, chunks: list[int], params: dict[int, torch.Tensor], *, done: bool,
+              staleness: int | None = None, lead: int | None = None) -> tuple[ParamsMeta, dict[str, torch.Tensor]]:
+        """The PARAMS reply to `identity` for `chunks`: full values (clones) or compressed differences."""
+        tensors: dict[str, torch.Tensor] = {}
+        pull = self._pull_of.get(identity)
+        if pull is None:
+            # Clones: the send may be zero-copy and the next update mutates the parameters.
+            tensors = {chunk_key(idx): params[idx].clone() for idx in chunks}
+            return ParamsMeta(done=done, staleness=staleness, lead=lead), tensors
+        sender, spec = pull
+        encoder = self._encoders[spec]
+        compressed: dict[str, Any] = {}
+        for idx in chunks:
+            current = params[idx]
+            view = self._views.get((sender, idx))
+            if view is None:  # first contact: full values, and they become the view
+                tensors[chunk_key(idx)] = current.clone()
+                self._views[(sender, idx)] = current.clone()
+                continue
+            wire, cmeta = encoder.encode(idx, current - view)
+            view.add_(encoder.decode(idx, wire, cmeta))
+            tensors.update(wire)
+            compressed[str(idx)] = cmeta
+        meta = ParamsMeta(done=done, staleness=staleness, lead=lead, pull_compression=compressed or None,
+                          codec=spec if compressed else None)
+        return meta, tensors

@@ -1,0 +1,232 @@
+"""Primary/backup replication of a shard: the primary forwards every applied update, the backup replays it.
+
+A primary forwards every applied update (the dense gradient it applied, the lr factor, and
+which worker clocks it covers) to its backup, which applies the same optimizer step and so
+holds bit-identical state. A worker's PUSH is acknowledged (its reply sent) only once the
+backup has acknowledged that version: an acknowledged update survives the loss of either
+replica. A backup that does not answer for `backup_timeout_s` is detached; the primary then
+acknowledges unreplicated (counted) until a new backup is attached with a full-state SYNC.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import zmq
+
+from gossamer.errors import AuthError, ProtocolError
+from gossamer.paramserver._reject import Reject
+from gossamer.paramserver._state import ShardState
+from gossamer.protocol import ReplicateMeta, SyncMeta, chunk_key, parse_chunk_key
+from gossamer.security.curve import CurveKeyring, HandshakeMonitor
+from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
+from gossamer.transport.router import NOT_BACKUP, OUT_OF_ORDER, configure_socket
+
+__all__ = ["Replication"]
+
+logger = logging.getLogger(__name__)
+
+_RETRY_S = 1.0  # a backup that refused the CURVE handshake is dialled again this often
+
+
+class Replication:
+    """This replica's role (primary or backup) and, on a primary, the link to its backup.
+
+    The serve loop polls `socket` (the DEALER to the backup, None without one) and calls
+    `on_replies` and `check`; replies to workers go through `after_backup`.
+    """
+
+    def __init__(self, state: ShardState, limits: FrameLimits, curve: CurveKeyring | None, lock: threading.RLock,
+                 *, backup: bool) -> None:
+        self.state = state
+        self.config = state.config
+        self.limits = limits
+        self.curve = curve
+        self._lock = lock
+        self.context: zmq.Context | None = None  # the serve loop's, set when it binds
+        self.is_primary = not backup
+        self.promotions = 0
+        self.backup_endpoint = ""
+        self.socket: zmq.Socket | None = None
+        self._watch: HandshakeMonitor | None = None
+        self._retry_at = 0.0
+        self.acked = 0
+        self._synced = False
+        self._awaiting: deque[tuple[int, float, Callable[[], None]]] = deque()
+        self.bytes_out = 0
+        self.unreplicated = 0  # updates acknowledged to workers without a backup copy
+        self.replicated_updates = 0
+        self.backup_detaches = 0
+        self._name = f"shard {self.config.shard}"
+
+    @property
+    def replicated(self) -> bool:
+        """True once a backup is attached and synced (acknowledged updates are on two replicas)."""
+        return self.socket is not None and self._synced
+
+    def promote(self, reason: str) -> None:
+        """Become the primary: serve workers, take checkpoints."""
+        if self.is_primary:
+            return
+        self.is_primary = True
+        self.promotions += 1
+        logger.warning("%s: backup promoted to primary at version %d (%s)", self._name, self.state.version, reason)
+
+    # -- primary side -------------------------------------------------------------------
+    def set_backup(self, endpoint: str) -> None:
+        """Attach (or with "" detach) the backup at `endpoint`; it first gets a full SYNC."""
+        if endpoint == self.backup_endpoint and (self.socket is not None or not endpoint):
+            return
+        self.close()
+        self.backup_endpoint = endpoint
+        if not endpoint:
+            self._flush(replicated=False)
+            return
+        assert self.context is not None
+        b = self.context.socket(zmq.DEALER)
+        configure_socket(b, self.limits)
+        if self.curve is not None:
+            try:
+                self.curve.secure_client(b, endpoint)
+            except AuthError as e:
+                b.close(linger=0)
+                logger.error("%s: cannot attach backup %s: %s", self._name, endpoint, e)
+                return
+            self._watch = HandshakeMonitor(b)
+        b.connect(endpoint)
+        self.socket = b
+        self._synced = False
+        self._send_sync()
+        logger.info("%s: backup %s attached at version %d", self._name, endpoint, self.state.version)
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        if self.socket is not None:
+            self.socket.close(linger=0)
+            self.socket = None
+
+    def _send_sync(self) -> None:
+        meta, tensors = self.state.export()
+        self._send("SYNC", meta.to_meta(), tensors)
+
+    def _send(self, op: str, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> None:
+        assert self.socket is not None
+        msg = Message(op=op, experiment=self.config.experiment, shard=self.config.shard, version=self.state.version,
+                      sender=f"shard-{self.config.shard}", meta=meta, tensors=tensors)
+        frames = encode(msg)
+        self.bytes_out += frames_nbytes(frames)
+        self.socket.send_multipart(frames, copy=False)
+
+    def replicate(self, grads: dict[int, torch.Tensor], lr_factor: float, applied: list[tuple[str, int]]) -> None:
+        """Forward the update just applied (a no-op without a backup)."""
+        if self.socket is None:
+            return
+        meta = ReplicateMeta(lr_factor=lr_factor, applied=tuple(applied))
+        self._send("REPLICATE", meta.to_meta(), {chunk_key(i): g for i, g in grads.items()})
+        self.replicated_updates += 1
+
+    def on_replies(self, b: zmq.Socket) -> None:
+        """Read the backup's ACKs (and refusals) on `b`."""
+        while True:
+            try:
+                frames = b.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                reply = decode(frames, self.limits)
+            except ProtocolError as e:
+                logger.warning("%s: undecodable reply from the backup: %s", self._name, e)
+                continue
+            with self._lock:
+                if reply.op == "ACK":
+                    self._synced = True
+                    self.acked = max(self.acked, reply.version)
+                    self._flush(replicated=True)
+                elif reply.meta.get("code") == OUT_OF_ORDER:
+                    logger.warning("%s: backup out of order (%s); re-syncing", self._name, reply.meta.get("error"))
+                    self._send_sync()
+                else:
+                    logger.error("%s: backup refused replication: %s; detaching it", self._name,
+                                 reply.meta.get("error"))
+                    self._detach()
+
+    def check(self, now: float) -> None:
+        """Redial a backup that refused the handshake; detach one silent for `backup_timeout_s`."""
+        watch = self._watch
+        if watch is not None and watch.check() is not None and watch.fatal and now >= self._retry_at:
+            # libzmq gave up on this connection (the backup does not know our key yet, or
+            # not any more): try again on a new socket, with a full SYNC, once a second.
+            logger.error("%s: backup %s refused the CURVE handshake: %s; retrying", self._name,
+                         self.backup_endpoint, watch.failure)
+            self._retry_at = now + _RETRY_S
+            endpoint, self.backup_endpoint = self.backup_endpoint, ""
+            self.close()
+            self.set_backup(endpoint)
+        if self._awaiting and now - self._awaiting[0][1] > self.config.backup_timeout_s:
+            logger.error("%s: backup %s silent for %.1fs; acknowledging unreplicated until a new backup is "
+                         "attached", self._name, self.backup_endpoint, self.config.backup_timeout_s)
+            self._detach()
+
+    def _detach(self) -> None:
+        self.close()
+        self.backup_detaches += 1
+        self._flush(replicated=False)
+
+    def after_backup(self, reply: Callable[[], None]) -> None:
+        """Send `reply` now, or once the backup holds the current version."""
+        if self.socket is not None and self.state.version > self.acked:
+            self._awaiting.append((self.state.version, time.monotonic(), reply))
+        else:
+            if self.is_primary and self.socket is None and self.config.expect_backup:
+                self.unreplicated += 1
+            reply()
+
+    def _flush(self, *, replicated: bool) -> None:
+        while self._awaiting and (not replicated or self._awaiting[0][0] <= self.acked):
+            _, _, reply = self._awaiting.popleft()
+            if not replicated:
+                self.unreplicated += 1
+            reply()
+
+    # -- backup side ----------------------------------------------------------------------
+    def load(self, meta: SyncMeta, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace the state (a SYNC, a restore): everything up to its version counts as acknowledged."""
+        self.state.load(meta, tensors)
+        self.acked = self.state.version
+
+    def on_sync(self, msg: Message) -> None:
+        """A full-state SYNC from the primary."""
+        if self.is_primary:
+            raise Reject("SYNC sent to a primary", NOT_BACKUP)
+        self.load(SyncMeta.from_meta(msg.meta), msg.tensors)
+        logger.info("%s: backup synced at version %d", self._name, self.state.version)
+
+    def on_replicate(self, msg: Message) -> None:
+        """Replay one update the primary applied."""
+        if self.is_primary:
+            raise Reject("REPLICATE sent to a primary (this replica was promoted)", NOT_BACKUP)
+        if msg.version != self.state.version + 1:
+            raise Reject(f"REPLICATE of version {msg.version} but this backup is at {self.state.version}",
+                         OUT_OF_ORDER)
+        grads: dict[int, torch.Tensor] = {}
+        for name, t in msg.tensors.items():
+            idx = parse_chunk_key(name)
+            c = self.state.chunks.get(idx)
+            if c is None or t.dtype != torch.float32 or tuple(t.shape) != (c.numel,):
+                raise Reject(f"REPLICATE tensor {name!r} does not fit this shard")
+            grads[idx] = t
+        if set(grads) != set(self.state.chunks):
+            raise Reject("REPLICATE must carry every chunk of the shard")
+        try:
+            meta = ReplicateMeta.from_meta(msg.meta)
+        except ProtocolError as e:
+            raise Reject(str(e)) from None
+        self.state.step(grads, meta.lr_factor, schedule=False)
+        self.state.remember(meta.applied, latest=True)

@@ -1,0 +1,228 @@
+"""A shard's serve loop: its ROUTER, the commands posted from other threads, and the dispatch of each op."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from gossamer.errors import ProtocolError
+from gossamer.paramserver._reject import Reject
+from gossamer.paramserver._replication import Replication
+from gossamer.paramserver._replies import Replies
+from gossamer.paramserver._updates import Updates
+from gossamer.protocol import HelloMeta, PullMeta, WelcomeMeta
+from gossamer.security.curve import CurveKeyring
+from gossamer.transport.frames import FrameLimits, Message, decode, frames_nbytes
+from gossamer.transport.ratelimit import RateLimit
+from gossamer.transport.router import (
+    FAILED_PRECONDITION,
+    INTERNAL,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    UNIMPLEMENTED,
+    Router,
+)
+
+__all__ = ["ServeLoop"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 20
+_EXPIRE_EVERY_S = 0.05
+_RECV_BATCH = 256
+#: Ops only the workers send; a backup that receives one has been promoted by the coordinator.
+_WORKER_OPS = ("HELLO", "PULL", "PUSH", "LEAVE")
+
+
+class ServeLoop:
+    """Receives on the shard's ROUTER (and the backup's DEALER) and dispatches each op.
+
+    Single-threaded; every request is handled under `lock`, which other threads take too.
+    """
+
+    def __init__(self, updates: Updates, replication: Replication, replies: Replies, *, limits: FrameLimits,
+                 curve: CurveKeyring | None, rate_limit: RateLimit | None, lock: threading.RLock,
+                 stats: Callable[[], dict[str, Any]]) -> None:
+        self.updates = updates
+        self.state = updates.state
+        self.config = updates.config
+        self.replication = replication
+        self.replies = replies
+        self.limits = limits
+        self.curve = curve
+        self.rate_limit = rate_limit
+        self.lock = lock
+        self._stats = stats
+        self.refused: Counter[str] = Counter()  # by the router's gate: unroutable, not_member, rate_limit
+        self.bytes_in = 0
+        self._ctx: zmq.Context | None = None
+        self.router: Router | None = None
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._name = f"shard {self.config.shard}"
+
+    @property
+    def curve_refused(self) -> int:
+        return self.router.curve_refused if self.router is not None else 0
+
+    def bind(self, host: str, port: int) -> str:
+        self._ctx = zmq.Context()
+        self.router = Router(self._ctx, name=self._name, limits=self.limits, refusal_reply=self.replies.refusal,
+                             curve=self.curve, rate_limit=self.rate_limit, refused=self.refused)
+        endpoint = self.router.bind(host, port)
+        self.replies.socket = self.router.socket
+        self.replication.context = self._ctx
+        return endpoint
+
+    def close(self) -> None:
+        self.replication.close()
+        if self.router is not None:
+            self.router.close()
+            self.router = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the serve thread (under the lock) at the next loop iteration."""
+        self._commands.put(fn)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            with self.lock:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 — a bad command must not stop the shard
+                    logger.exception("%s: command failed", self._name)
+
+    def serve(self, stop: threading.Event) -> None:
+        """The single-threaded poll loop; returns when `stop` is set."""
+        if self.router is None:
+            raise RuntimeError("bind() before serve()")
+        sock = self.router.socket
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        polled_backup: zmq.Socket | None = None
+        next_expire = time.monotonic() + _EXPIRE_EVERY_S
+        while not stop.is_set():
+            self._run_commands()
+            if polled_backup is not self.replication.socket:
+                if polled_backup is not None and polled_backup in dict(poller.sockets):
+                    poller.unregister(polled_backup)
+                polled_backup = self.replication.socket
+                if polled_backup is not None:
+                    poller.register(polled_backup, zmq.POLLIN)
+            ready = dict(poller.poll(_POLL_MS))
+            if polled_backup is not None and polled_backup in ready:
+                self.replication.on_replies(polled_backup)
+            if sock in ready:
+                for _ in range(_RECV_BATCH):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_frames(frames)
+            now = time.monotonic()
+            if now >= next_expire:
+                next_expire = now + _EXPIRE_EVERY_S
+                with self.lock:
+                    self.updates.expire(now)
+                    self.replication.check(now)
+
+    # -- requests -------------------------------------------------------------------------
+    def _on_frames(self, frames: Sequence[zmq.Frame]) -> None:
+        assert self.router is not None
+        routable = len(frames) >= 2 and len(frames[0].buffer) > 0
+        if routable:
+            self.bytes_in += frames_nbytes(frames[1:])
+        admitted = self.router.admit(frames)
+        if admitted is None:
+            if not routable:
+                logger.warning("%s: dropped a message without a routable identity", self._name)
+            return
+        identity, payload = admitted
+        rid: Any = None
+        op = ""
+        try:
+            msg = decode(payload, self.limits)
+            rid, op = msg.meta.get("rid"), msg.op
+            with self.lock:
+                self._dispatch(identity, msg)
+        except ProtocolError as e:
+            if op == "PUSH" or not op:
+                self.updates.discarded["nonfinite" if "finite" in str(e) else "rejected"] += 1
+            self.replies.error(identity, rid, str(e), INVALID_ARGUMENT)
+        except Reject as e:
+            if op == "PUSH":
+                self.updates.discarded["nonfinite" if "not finite" in str(e) else e.cause] += 1
+            self.replies.error(identity, rid, str(e), e.code)
+        except Exception as e:  # keep serving whatever one request did
+            logger.exception("%s: internal error handling a request", self._name)
+            self.replies.error(identity, rid, f"internal error: {type(e).__name__}: {e}", INTERNAL)
+
+    def _dispatch(self, identity: bytes, msg: Message) -> None:
+        if msg.experiment != self.config.experiment:
+            raise Reject(f"experiment {msg.experiment!r} does not match this shard's {self.config.experiment!r}",
+                         FAILED_PRECONDITION)
+        if msg.shard != self.config.shard:
+            raise Reject(f"message for shard {msg.shard} reached shard {self.config.shard}")
+        now = time.monotonic()
+        rid = msg.meta.get("rid")
+        if msg.op in _WORKER_OPS and not self.replication.is_primary:
+            # Workers learn a backup's endpoint only from the coordinator's promotion.
+            self.replication.promote("a worker was directed here")
+        if msg.op == "REPLICATE":
+            self.replication.on_replicate(msg)
+            self.replies.send(identity, "ACK", {"rid": rid})
+        elif msg.op == "SYNC":
+            self.replication.on_sync(msg)
+            self.replies.send(identity, "ACK", {"rid": rid})
+        elif msg.op == "HELLO":
+            self._on_hello(identity, msg, now)
+        elif msg.op == "PULL":
+            self._on_pull(identity, msg, now)
+        elif msg.op == "PUSH":
+            self.updates.on_push(identity, msg, now)
+        elif msg.op == "STATS":
+            self.replies.send(identity, "STATS", {"rid": rid, **self._stats()})
+        elif msg.op == "LEAVE":
+            self.replies.views.forget(msg.sender)
+            self.updates.leave(msg.sender, now)
+            self.replies.send(identity, "BYE", {"rid": rid})
+        else:
+            raise Reject(f"unknown op {msg.op!r}", UNIMPLEMENTED)
+
+    def _on_hello(self, identity: bytes, msg: Message, now: float) -> None:
+        meta = HelloMeta.from_meta(msg.meta)
+        gate = self.updates.gate
+        if meta.fresh and msg.sender:
+            # A new process under this id: its clocks restart, so forget the old ones.
+            self.state.applied.pop(msg.sender, None)
+            gate.forget(msg.sender)
+        gate.join(msg.sender or identity.hex(), now)
+        welcome = WelcomeMeta(done=self.state.done, plan=self.state.plan.fingerprint())
+        self.replies.send(identity, "WELCOME", {"rid": msg.meta.get("rid"), **welcome.to_meta()})
+
+    def _on_pull(self, identity: bytes, msg: Message, now: float) -> None:
+        if msg.sender:
+            self.updates.gate.touch(msg.sender, now)
+        if msg.tensors:
+            raise Reject("PULL carries no tensors")
+        meta = PullMeta.from_meta(msg.meta)
+        chunks = sorted(self.state.chunks) if meta.chunks is None else list(meta.chunks)
+        unknown = [i for i in chunks if i not in self.state.chunks]
+        if unknown:
+            raise Reject(f"chunks {unknown[:8]} are not on shard {self.config.shard}", NOT_FOUND)
+        self.replies.views.note_codec(identity, msg.sender, meta.pull_codec)
+        self.replies.views.restart(msg.sender, chunks)
+        self.replies.params(identity, msg.meta.get("rid"), chunks)

@@ -1,0 +1,206 @@
+"""A shard's state: its chunks' values, the optimizer over them, the version; export and import for SYNC and checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gossamer.checkpoint.sharded import ShardSnapshot, restore_range, verify_step
+from gossamer.envinfo import fingerprint
+from gossamer.errors import ConfigError
+from gossamer.lr_schedule import lr_multiplier
+from gossamer.paramserver._reject import Reject
+from gossamer.paramserver.optimizer import build_optimizer, set_lr_factor
+from gossamer.paramserver.shard_config import ShardConfig
+from gossamer.paramserver.shard_plan import Chunk, ShardPlan
+from gossamer.protocol import SyncMeta, chunk_key
+
+__all__ = ["ShardState"]
+
+_ENV: dict[str, Any] = {}
+
+
+def _environment() -> dict[str, Any]:
+    """This process's environment fingerprint, stored with each shard checkpoint (computed once)."""
+    if not _ENV:
+        _ENV.update(fingerprint())
+    return _ENV
+
+
+def _clone_state(state: dict[str, Any]) -> dict[str, Any]:
+    def clone(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.clone()
+        if isinstance(x, dict):
+            return {k: clone(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clone(v) for v in x]
+        return x
+
+    return clone(state)
+
+
+class ShardState:
+    """The chunks of one shard, their optimizer and version, and which worker updates they hold.
+
+    Not locked: the shard server calls it under its lock.
+    """
+
+    def __init__(self, config: ShardConfig, plan: ShardPlan, init: dict[int, torch.Tensor],
+                 shapes: dict[str, tuple[int, ...]]) -> None:
+        if config.shard >= plan.num_shards:
+            raise ConfigError("shard", f"shard {config.shard} not in a plan of {plan.num_shards}")
+        self.config = config
+        self.plan = plan
+        self.shapes = shapes
+        self.chunks: dict[int, Chunk] = {c.index: c for c in plan.chunks_of_shard(config.shard)}
+        if not self.chunks:
+            raise ConfigError("shard", f"shard {config.shard} holds no chunks in this plan")
+        if set(init) != set(self.chunks):
+            raise ConfigError("init", f"needs exactly chunks {sorted(self.chunks)}, got {sorted(init)}")
+        self.params: dict[int, torch.Tensor] = {}
+        for idx, c in sorted(self.chunks.items()):
+            value = init[idx].detach().reshape(-1).to(torch.float32).clone()
+            if value.numel() != c.numel:
+                raise ConfigError("init", f"chunk {idx} has {value.numel()} elements, not {c.numel}")
+            self.params[idx] = value
+        self.optimizer = build_optimizer(config.optimizer, list(self.params.values()))
+        self.version = 0
+        self.updates = 0
+        self.applied: dict[str, int] = {}  # sender -> last applied clock (async) / step (sync)
+
+    @property
+    def done(self) -> bool:
+        return self.version >= self.config.total_steps
+
+    def step(self, grads: dict[int, torch.Tensor], lr_factor: float, *, schedule: bool) -> float:
+        """One optimizer step with `grads` (every chunk); returns the lr factor applied.
+
+        `schedule`: multiply in the lr schedule at this version (a primary does; its backup
+        replays the factor it is sent).
+        """
+        for idx, p in self.params.items():
+            p.grad = grads[idx]
+        if schedule:
+            lr_factor *= lr_multiplier(self.version, self.config.total_steps, self.config.lr_schedule,
+                                       self.config.warmup_steps)
+        set_lr_factor(self.optimizer, self.config.optimizer.lr, lr_factor)
+        self.optimizer.step()
+        for p in self.params.values():
+            p.grad = None
+        self.version += 1
+        self.updates += 1
+        return lr_factor
+
+    def remember(self, applied: list[tuple[str, int]] | tuple[tuple[str, int], ...], *, latest: bool) -> None:
+        """Note the worker updates a version covered (`latest`: keep the highest seen)."""
+        for sender, key in applied:
+            self.applied[sender] = max(self.applied.get(sender, -1), key) if latest else key
+
+    # -- export and import --------------------------------------------------------------
+    def export(self) -> tuple[SyncMeta, dict[str, torch.Tensor]]:
+        """Chunk values and optimizer state as tensors ("c3", "c3/momentum_buffer") + meta."""
+        tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, float] = {}
+        opt = self.optimizer.state_dict()["state"]
+        for i, idx in enumerate(sorted(self.params)):
+            tensors[chunk_key(idx)] = self.params[idx].clone()
+            for name, val in opt.get(i, {}).items():
+                if isinstance(val, torch.Tensor) and val.dim() > 0:
+                    tensors[f"{chunk_key(idx)}/{name}"] = val.detach().clone()
+                elif isinstance(val, torch.Tensor):
+                    scalars[f"{idx}/{name}"] = float(val.item())
+                elif isinstance(val, int | float):
+                    scalars[f"{idx}/{name}"] = float(val)
+        return SyncMeta(state_version=self.version, applied=dict(self.applied), scalars=scalars), tensors
+
+    def load(self, meta: SyncMeta, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace the whole state with an exported one (raises Reject if it does not fit)."""
+        for idx, c in self.chunks.items():
+            t = tensors.get(chunk_key(idx))
+            if t is None or t.numel() != c.numel:
+                raise Reject(f"state lacks chunk {idx} or has the wrong size")
+        state: dict[int, dict[str, Any]] = {}
+        for i, idx in enumerate(sorted(self.params)):
+            entry: dict[str, Any] = {}
+            prefix = f"{chunk_key(idx)}/"
+            for name, t in tensors.items():
+                if name.startswith(prefix):
+                    if t.numel() != self.chunks[idx].numel:
+                        raise Reject(f"state tensor {name} has the wrong size")
+                    entry[name[len(prefix):]] = t.detach().reshape(-1).to(torch.float32).clone()
+            for key, val in meta.scalars.items():
+                if key.startswith(f"{idx}/"):
+                    entry[key.split("/", 1)[1]] = torch.tensor(float(val))
+            if entry:
+                state[i] = entry
+        for idx, p in self.params.items():
+            p.copy_(tensors[chunk_key(idx)].reshape(-1))
+        groups = self.optimizer.state_dict()["param_groups"]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self.version = int(meta.state_version)
+        self.applied = dict(meta.applied)
+
+    # -- checkpoints --------------------------------------------------------------------
+    def snapshot(self, step: int) -> ShardSnapshot:
+        """This shard's state for a sharded checkpoint (copies)."""
+        meta, tensors = self.export()
+        pieces: dict[int, dict[str, torch.Tensor]] = {}
+        scalars: dict[int, dict[str, float]] = {}
+        for idx, c in self.chunks.items():
+            key = chunk_key(idx)
+            entry = {"param": tensors[key]}
+            entry.update({n.split("/", 1)[1]: t for n, t in tensors.items() if n.startswith(f"{key}/")})
+            pieces[c.flat_offset] = entry
+            sc = {k.split("/", 1)[1]: v for k, v in meta.scalars.items() if k.split("/", 1)[0] == str(idx)}
+            if sc:
+                scalars[c.flat_offset] = sc
+        layout = [(name, list(self.shapes.get(name, (numel,)))) for name, numel in self.plan.params]
+        return ShardSnapshot(
+            experiment=self.config.experiment, step=step, shard=self.config.shard,
+            num_shards=self.plan.num_shards, total_numel=self.plan.total_numel, version=self.version,
+            pieces=pieces, scalars=scalars, layout=layout, extra={"applied": meta.applied, "env": _environment()},
+        )
+
+    def read_checkpoint(self, step_dir: str) -> tuple[SyncMeta, dict[str, torch.Tensor]]:
+        """This shard's chunks from a sharded checkpoint (any number of shards saved it), as an export.
+
+        Raises CheckpointError if the checkpoint fails its checks.
+        """
+        manifests = verify_step(step_dir)
+        tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, float] = {}
+        versions = []
+        for idx, c in sorted(self.chunks.items()):
+            states, sc, version = restore_range(step_dir, c.flat_offset, c.numel, manifests)
+            key = chunk_key(idx)
+            tensors[key] = states.pop("param")
+            tensors.update({f"{key}/{name}": t for name, t in states.items()})
+            scalars.update({f"{idx}/{name}": v for name, v in sc.items()})
+            versions.append(version)
+        applied: dict[str, int] = {}
+        for m in manifests:
+            for sender, clock in (m.get("extra") or {}).get("applied", {}).items():
+                applied[sender] = max(applied.get(sender, -1), int(clock))
+        return SyncMeta(state_version=min(versions), applied=applied, scalars=scalars), tensors
+
+    def state_dict(self) -> dict[str, Any]:
+        """Chunk values, optimizer state and version, for checkpointing."""
+        return {
+            "experiment": self.config.experiment,
+            "shard": self.config.shard,
+            "plan_fingerprint": self.plan.fingerprint(),
+            "version": self.version,
+            "values": {idx: p.clone() for idx, p in self.params.items()},
+            "optimizer": _clone_state(self.optimizer.state_dict()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (same plan and shard)."""
+        if state.get("plan_fingerprint") != self.plan.fingerprint():
+            raise ConfigError("plan", "checkpoint was taken with a different shard plan")
+        for idx, p in self.params.items():
+            p.copy_(state["values"][idx])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])

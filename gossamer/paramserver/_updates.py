@@ -1,0 +1,354 @@
+"""A shard's apply rule: gather each worker's update from its PUSH parts, then apply it on arrival
+(async, bounded by the SSP gate) or once every current worker's is in (sync, a barrier per step)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gossamer.compression.chunk_codec import ChunkCompressor
+from gossamer.errors import ConfigError, ProtocolError
+from gossamer.faults import die_at
+from gossamer.paramserver._reject import Reject
+from gossamer.paramserver._replication import Replication
+from gossamer.paramserver._replies import Replies
+from gossamer.paramserver._state import ShardState
+from gossamer.paramserver.consistency import SSPGate
+from gossamer.protocol import PushCompression, PushMeta, parse_chunk_key
+from gossamer.transport.frames import Message, check_finite
+from gossamer.transport.router import ABORTED, FAILED_PRECONDITION, NOT_FOUND, REFORM
+
+__all__ = ["Updates"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_DECODERS = 64  # an adaptive sender changes codecs; the cache of decoders stays bounded
+
+#: What a held (SSP-waiting) reply needs: ZMQ identity, request id, chunks.
+Held = tuple[bytes, Any, list[int]]
+
+
+@dataclass
+class _Part:
+    """One PUSH message of an update (a local rank's slice)."""
+
+    identity: bytes
+    rid: Any
+    basis: int
+    grads: dict[int, torch.Tensor]
+
+
+@dataclass
+class _Update:
+    """The parts received so far of one worker's update for one clock (or step)."""
+
+    sender: str
+    key: int = 0  # the worker's clock (async) or step (sync)
+    parts: list[_Part] = field(default_factory=list)
+    covered: set[int] = field(default_factory=set)
+
+
+class Updates:
+    """Validates pushes, gathers their parts into updates and applies them (under the shard's lock)."""
+
+    def __init__(self, state: ShardState, replies: Replies, replication: Replication) -> None:
+        config = state.config
+        self.state = state
+        self.config = config
+        self.replies = replies
+        self.replication = replication
+        self.gate: SSPGate[Held] = SSPGate(
+            None if config.barrier else config.staleness,
+            lr_staleness_scaling=config.lr_staleness_scaling,
+            staleness_in_rounds=config.staleness_in_rounds,
+            worker_timeout_s=config.worker_timeout_s,
+        )
+        self._decoders: dict[tuple[str, tuple[tuple[str, str], ...]], ChunkCompressor] = {}
+        self._pending: dict[tuple[str, int], _Update] = {}
+        self._sync_step: dict[str, _Update] = {}
+        self._sync_num_workers: int | None = None
+        self.generation = 0  # of the sync barrier's membership
+        # Every update not applied, by cause (rejected, nonfinite, aborted, duplicate,
+        # partial, reform, wrong_step, rolled_back); reported to the coordinator.
+        self.discarded: Counter[str] = Counter()
+        # After a restore from a checkpoint: what each worker had applied then. A worker's first
+        # push afterwards shows how many of its updates the restore rolled back.
+        self._restored_applied: dict[str, int] | None = None
+        self._seen_since_restore: set[str] = set()
+        self.versions_lost = 0
+        self.on_snapshot: Callable[[int], None] | None = None  # called at checkpoint boundaries
+
+    @property
+    def decode_seconds(self) -> float:
+        """Time spent decompressing pushes (all codecs)."""
+        return sum(d.decode_seconds for d in self._decoders.values())
+
+    # -- applying -------------------------------------------------------------------------
+    def apply(self, grads: dict[int, torch.Tensor], lr_factor: float, applied: list[tuple[str, int]]) -> None:
+        """Apply an update covering `applied` (worker, clock or step), replicate it, checkpoint if due."""
+        factor = self.state.step(grads, lr_factor, schedule=True)
+        self.state.remember(applied, latest=False)
+        self.replication.replicate(grads, factor, applied)
+        version = self.state.version
+        die_at("after-apply", step=version, shard=self.config.shard)
+        every = self.config.checkpoint_every
+        if self.replication.is_primary and every and version % every == 0 and self.on_snapshot is not None:
+            self.on_snapshot(version)
+
+    def _linear(self, num_workers: int) -> float:
+        return 1.0 if self.config.lr_linear is None else self.config.lr_linear(num_workers)
+
+    def _reply_later(self, part: _Part, *, staleness: int = 0, lead: int | None = None) -> None:
+        self.replication.after_backup(
+            lambda: self.replies.params(part.identity, part.rid, sorted(part.grads), staleness=staleness, lead=lead)
+        )
+
+    def send_released(self, released: list[tuple[str, Held]]) -> None:
+        """Answer the pushes the SSP gate held and has now released."""
+        for _, (identity, rid, chunks) in released:
+            self.replication.after_backup(
+                lambda i=identity, r=rid, c=chunks: self.replies.params(i, r, c, staleness=0)  # type: ignore[misc]
+            )
+
+    # -- PUSH ------------------------------------------------------------------------------
+    def on_push(self, identity: bytes, msg: Message, now: float) -> None:
+        rid = msg.meta.get("rid")
+        sync = self.config.barrier
+        meta = PushMeta.from_meta(msg.meta, barrier=sync)
+        self.replies.views.note_codec(identity, msg.sender, meta.pull_codec)
+        sender = msg.sender
+        if not sender:
+            raise Reject("PUSH needs a sender id")
+        step = meta.step or 0
+        key = (sender, step if sync else meta.clock)
+        try:
+            grads = self._validate_grads(msg)
+        except (Reject, ProtocolError) as e:
+            # One bad part spoils the whole update: never apply the other parts alone.
+            self._abort(key, f"another part was rejected: {e}")
+            raise
+        self.gate.touch(sender, now)
+        if not sync:
+            self._note_restore_loss(sender, meta.clock)
+        if key[1] <= self.state.applied.get(sender, -1):
+            # A retry (after a failover) of an update this shard already applied.
+            self.discarded["duplicate"] += 1
+            self._reply_later(_Part(identity=identity, rid=rid, basis=meta.basis, grads=grads))
+            return
+        if self.state.done:
+            self.replies.params(identity, rid, sorted(grads), staleness=0)
+            return
+        if sync:
+            self._check_generation(meta.generation or 0)
+            if step != self.state.version:
+                raise Reject(f"sync push for step {step} but the shard is at step {self.state.version}",
+                             FAILED_PRECONDITION, cause="wrong_step")
+        self._gather(key, _Part(identity=identity, rid=rid, basis=meta.basis, grads=grads), meta, now)
+
+    def _note_restore_loss(self, sender: str, clock: int) -> None:
+        if self._restored_applied is None or sender in self._seen_since_restore:
+            return
+        self._seen_since_restore.add(sender)
+        lost = max(0, clock - 1 - self._restored_applied.get(sender, -1))
+        if lost:
+            logger.warning("shard %d: %d update(s) of %s were lost with the restore", self.config.shard, lost, sender)
+            self.versions_lost += lost
+
+    def _gather(self, key: tuple[str, int], part: _Part, meta: PushMeta, now: float) -> None:
+        update = self._pending.get(key)
+        if update is None:
+            update = self._pending[key] = _Update(sender=key[0], key=key[1])
+        overlap = update.covered.intersection(part.grads)
+        if overlap:
+            # A duplicated chunk means the update is inconsistent: drop all of it.
+            self._abort(key, f"chunks {sorted(overlap)[:8]} pushed twice for one update")
+            raise Reject(f"chunks {sorted(overlap)[:8]} pushed twice for one update")
+        update.parts.append(part)
+        update.covered.update(part.grads)
+        if len(update.covered) < len(self.state.chunks):
+            return
+        del self._pending[key]
+        if self.config.barrier:
+            self._on_sync_contribution(update, meta.num_workers or 1, now)
+        else:
+            self._apply_async(update, now)
+
+    def _validate_grads(self, msg: Message) -> dict[int, torch.Tensor]:
+        if not msg.tensors:
+            raise Reject("PUSH carries no gradients")
+        compression = PushCompression.from_meta(msg.meta)
+        if compression is not None:
+            return self._decompress(msg, compression)
+        grads: dict[int, torch.Tensor] = {}
+        for name, t in msg.tensors.items():
+            idx = parse_chunk_key(name)
+            c = self.state.chunks.get(idx)
+            if c is None:
+                raise Reject(f"chunk {idx} is not on shard {self.config.shard}", NOT_FOUND)
+            if t.dtype != torch.float32:
+                raise Reject(f"gradient {name!r} must be float32, got {t.dtype}")
+            if tuple(t.shape) != (c.numel,):
+                raise Reject(f"gradient {name!r} must have shape [{c.numel}], got {list(t.shape)}")
+            grads[idx] = t
+        check_finite(msg)
+        return grads
+
+    def _decoder(self, compression: PushCompression) -> ChunkCompressor:
+        key = (compression.codec, compression.overrides)
+        decoder = self._decoders.get(key)
+        if decoder is None:
+            try:
+                decoder = ChunkCompressor(compression.codec, self.state.plan, overrides=list(compression.overrides),
+                                          shapes=self.state.shapes)
+            except ConfigError as e:
+                raise Reject(f"cannot decode: {e}") from None
+            if len(self._decoders) >= _MAX_DECODERS:
+                self._decoders.pop(next(iter(self._decoders)))
+            self._decoders[key] = decoder
+        return decoder
+
+    def _decompress(self, msg: Message, compression: PushCompression) -> dict[int, torch.Tensor]:
+        decoder = self._decoder(compression)
+        grads: dict[int, torch.Tensor] = {}
+        for key, meta in compression.chunks.items():
+            if not isinstance(key, str) or not key.isdigit() or len(key) > 9:
+                raise Reject(f"compressed chunk key {key!r} is not a chunk index")
+            idx = int(key)
+            if idx not in self.state.chunks:
+                raise Reject(f"chunk {idx} is not on shard {self.config.shard}", NOT_FOUND)
+            grads[idx] = decoder.decode(idx, msg.tensors, meta)
+        stray = {n.split("/", 1)[0] for n in msg.tensors} - {f"c{i}" for i in grads}
+        if stray:
+            raise Reject(f"tensors {sorted(stray)[:4]} belong to no declared compressed chunk")
+        for idx, g in grads.items():
+            if not bool(torch.isfinite(g).all()):
+                raise Reject(f"chunk {idx}: decoded gradient is not finite")
+        return grads
+
+    # -- async: applied on arrival -----------------------------------------------------------
+    def _apply_async(self, update: _Update, now: float) -> None:
+        basis = min(p.basis for p in update.parts)
+        record = self.gate.on_apply(update.sender, version=self.state.version, basis=basis, now=now)
+        grads: dict[int, torch.Tensor] = {}
+        for part in update.parts:
+            grads.update(part.grads)
+        self.apply(grads, record.lr_factor * self._linear(1), [(update.sender, update.key)])
+        if self.gate.must_wait(update.sender, now):
+            for part in update.parts:
+                self.gate.hold(update.sender, (part.identity, part.rid, sorted(part.grads)), now)
+        else:
+            for part in update.parts:
+                self._reply_later(part, staleness=record.version_staleness, lead=record.lead)
+        self.send_released(self.gate.release(now))
+
+    # -- sync: a barrier per step --------------------------------------------------------------
+    def _on_sync_contribution(self, update: _Update, num_workers: int, now: float) -> None:
+        if self._sync_num_workers is None:
+            self._sync_num_workers = num_workers
+        if num_workers != self._sync_num_workers or update.sender in self._sync_step:
+            self.discarded["rejected"] += 1
+            reason = (
+                f"{update.sender!r} already contributed to step {self.state.version}"
+                if update.sender in self._sync_step
+                else f"num_workers {num_workers} != {self._sync_num_workers} for this step"
+            )
+            for part in update.parts:
+                self.replies.error(part.identity, part.rid, reason, FAILED_PRECONDITION)
+            return
+        self._sync_step[update.sender] = update
+        if len(self._sync_step) < num_workers:
+            return
+        contributions = [self._sync_step[s] for s in sorted(self._sync_step)]
+        self._sync_step = {}
+        self._sync_num_workers = None
+        summed: dict[int, torch.Tensor] = {}
+        for contrib in contributions:  # a fixed order (by sender) keeps the sum deterministic
+            for part in contrib.parts:
+                for idx, g in part.grads.items():
+                    if idx in summed:
+                        summed[idx].add_(g)
+                    else:
+                        summed[idx] = g.clone()
+            self.gate.on_apply(contrib.sender, version=self.state.version, basis=self.state.version, now=now)
+        self.apply(summed, self._linear(len(contributions)), [(c.sender, c.key) for c in contributions])
+        for contrib in contributions:
+            for part in contrib.parts:
+                self._reply_later(part)
+
+    def _check_generation(self, gen: int) -> None:
+        """Sync barrier membership: a newer generation re-forms it, an older one must redo."""
+        if gen < self.generation:
+            raise Reject(f"the barrier re-formed at generation {self.generation}; redo the step "
+                         "with the new membership", REFORM, cause="reform")
+        if gen > self.generation:
+            self.reform(gen)
+
+    def reform(self, gen: int) -> None:
+        """Re-form the sync barrier at generation `gen`: contributions gathered so far are redone."""
+        self.generation = gen
+        waiting = len(self._sync_step) + len(self._pending)
+        if waiting:
+            logger.info("shard %d: barrier re-forms at generation %d; %d contribution(s) to step %d "
+                        "must be redone", self.config.shard, gen, waiting, self.state.version)
+        self.void_waiting(f"the barrier re-formed at generation {gen}; redo the step with the new membership",
+                          REFORM, "reform")
+
+    # -- what is being gathered ---------------------------------------------------------------
+    def _abort(self, key: tuple[str, int], reason: str, code: str = ABORTED) -> None:
+        update = self._pending.pop(key, None)
+        if update is None:
+            return
+        if code == ABORTED:
+            self.discarded["aborted"] += 1
+        for part in update.parts:
+            self.replies.error(part.identity, part.rid, f"update aborted: {reason}", code)
+
+    def void_waiting(self, why: str, code: str, cause: str) -> None:
+        """Refuse every update still being gathered (parts, sync contributions); count each."""
+        for key in list(self._pending):
+            self.discarded[cause] += 1
+            self._abort(key, why, code)
+        for contrib in self._sync_step.values():
+            self.discarded[cause] += 1
+            for part in contrib.parts:
+                self.replies.error(part.identity, part.rid, why, code)
+        self._sync_step = {}
+        self._sync_num_workers = None
+
+    def discard_pending_of(self, worker: str) -> None:
+        for key in [k for k in self._pending if k[0] == worker]:
+            self.discarded["partial"] += 1
+            self._abort(key, f"worker {worker} left with its update incomplete")
+
+    def restored(self, applied: dict[str, int]) -> None:
+        """The state was rolled back to a checkpoint holding `applied`."""
+        self._restored_applied = dict(applied)
+        self._seen_since_restore = set()
+
+    # -- membership ---------------------------------------------------------------------------
+    def set_members(self, senders: list[str], generation: int | None, now: float) -> None:
+        if self.config.barrier and generation is not None and generation > self.generation:
+            self.reform(generation)
+        members = set(senders)
+        for worker in self.gate.active:
+            if worker not in members:
+                logger.info("shard %d: worker %s is no longer a member", self.config.shard, worker)
+                self.discard_pending_of(worker)
+                self.send_released(self.gate.leave(worker, now))
+
+    def leave(self, worker: str, now: float) -> None:
+        self.discard_pending_of(worker)
+        self.send_released(self.gate.leave(worker, now))
+
+    def expire(self, now: float) -> None:
+        """Drop workers silent for `worker_timeout_s`; release whoever waited on them."""
+        dead, released = self.gate.expire(now)
+        for worker in dead:
+            self.discard_pending_of(worker)
+        # Also whoever waited on a worker that has just turned suspect.
+        self.send_released(released + self.gate.release(now))

@@ -1,0 +1,182 @@
+"""The data-plane servers' ROUTER socket (shards, gossip peers): socket options, CURVE, limits, admission, error codes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from gossamer.security.curve import CurveKeyring, MembershipAuthenticator, peer_key
+from gossamer.transport.frames import ZERO_COPY_THRESHOLD, FrameLimits, peek_header
+from gossamer.transport.ratelimit import PeerRateLimiter, RateLimit
+
+__all__ = [
+    "ABORTED",
+    "FAILED_PRECONDITION",
+    "INTERNAL",
+    "INVALID_ARGUMENT",
+    "NOT_BACKUP",
+    "NOT_FOUND",
+    "NOT_MEMBER",
+    "OUT_OF_ORDER",
+    "OVER_RATE",
+    "PERMISSION_DENIED",
+    "RATE_LIMITED",
+    "REFORM",
+    "UNIMPLEMENTED",
+    "UNROUTABLE",
+    "RefusalReply",
+    "Router",
+    "configure_socket",
+]
+
+logger = logging.getLogger(__name__)
+
+# -- the codes of ERROR replies (their meta "code") -------------------------------------------
+#: Malformed, inconsistent or over a limit; nothing of the request was applied.
+INVALID_ARGUMENT = "INVALID_ARGUMENT"
+#: A chunk that is not on this shard.
+NOT_FOUND = "NOT_FOUND"
+#: Well-formed but not applicable now (another experiment, another step, a rollback): pull and redo.
+FAILED_PRECONDITION = "FAILED_PRECONDITION"
+#: The sender's CURVE key is not a member of the experiment (any more).
+PERMISSION_DENIED = "PERMISSION_DENIED"
+#: The sender is over its message rate (`RateLimit`).
+RATE_LIMITED = "RATE_LIMITED"
+#: An op this server does not serve.
+UNIMPLEMENTED = "UNIMPLEMENTED"
+#: The server failed handling the request (a bug); it keeps serving.
+INTERNAL = "INTERNAL"
+#: Another part of the same update was refused, so none of it is applied.
+ABORTED = "ABORTED"
+#: The sync barrier re-formed over a new membership: redo the step.
+REFORM = "REFORM"
+#: Replication (SYNC, REPLICATE) sent to a primary.
+NOT_BACKUP = "NOT_BACKUP"
+#: REPLICATE of a version the backup is not at: the primary re-syncs it.
+OUT_OF_ORDER = "OUT_OF_ORDER"
+
+#: Why the admission gate refused a message (keys of the `refused` counter).
+UNROUTABLE, NOT_MEMBER, OVER_RATE = "unroutable", "not_member", "rate_limit"
+
+_LOG_EVERY_S = 5.0  # a flood of refused messages must not flood the log too
+
+#: Answers a request refused before it was decoded: (identity, rid, code, message).
+RefusalReply = Callable[[bytes, Any, str, str], None]
+
+
+def configure_socket(sock: zmq.Socket, limits: FrameLimits) -> None:
+    """The options every data-plane socket (ROUTER or DEALER) gets."""
+    sock.copy_threshold = ZERO_COPY_THRESHOLD  # pyzmq copies below this; see frames.py
+    sock.setsockopt(zmq.LINGER, 0)
+    # Unbounded queues: a full queue would drop (ROUTER) or block (DEALER) silently.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+
+
+class Router:
+    """A server's ROUTER socket and the gate every message passes before it is decoded.
+
+    The gate drops a message without a routable identity, refuses one whose connection's
+    CURVE key is no longer a member (PERMISSION_DENIED) and one over its peer's rate
+    (RATE_LIMITED, answered at most once per `RateLimit.answer_every_s`); each is counted in
+    `refused` by `UNROUTABLE`, `NOT_MEMBER` or `OVER_RATE`. Not thread-safe: one loop owns it.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        *,
+        name: str,
+        limits: FrameLimits,
+        refusal_reply: RefusalReply,
+        curve: CurveKeyring | None = None,
+        rate_limit: RateLimit | None = None,
+        refused: Counter[str] | None = None,
+    ) -> None:
+        """`name`: how logs call the server; `refusal_reply` answers a refused request;
+        `curve`: serve with CurveZMQ, accepting only the keyring's members; `refused`: the
+        counter to count refusals in (default: a new one)."""
+        self.name = name
+        self.limits = limits
+        self.curve = curve
+        self.refused: Counter[str] = refused if refused is not None else Counter()
+        self._reply = refusal_reply
+        self._rate = PeerRateLimiter(rate_limit) if rate_limit is not None else None
+        self._logged = 0.0
+        self.socket = ctx.socket(zmq.ROUTER)
+        self._auth: MembershipAuthenticator | None = None
+        try:
+            configure_socket(self.socket, limits)
+            if curve is not None:
+                self._auth = curve.authenticator(ctx)
+                curve.secure_server(self.socket)
+        except Exception:
+            self.close()
+            raise
+
+    @property
+    def curve_refused(self) -> int:
+        """CURVE handshakes the ZAP handler refused (keys of non-members)."""
+        return self._auth.refused if self._auth is not None else 0
+
+    def bind(self, host: str, port: int = 0) -> str:
+        """Bind to `host` (a random port if 0); returns ``tcp://host:port``."""
+        if port == 0:
+            port = self.socket.bind_to_random_port(f"tcp://{host}")
+        else:
+            self.socket.bind(f"tcp://{host}:{port}")
+        return f"tcp://{host}:{port}"
+
+    def admit(self, frames: Sequence[Any]) -> tuple[bytes, Sequence[Any]] | None:
+        """The sender's identity and the message's frames, or None: refused (counted, answered)."""
+        if len(frames) < 2 or len(frames[0].buffer) == 0:
+            self.refused[UNROUTABLE] += 1
+            return None
+        identity = frames[0].bytes
+        payload = frames[1:]
+        if self.curve is not None and not self.curve.is_member(peer_key(payload[0])):
+            self.refused[NOT_MEMBER] += 1
+            self._refuse(identity, payload[0], PERMISSION_DENIED,
+                         "this node's CURVE key is not a member of the experiment (any more)")
+            return None
+        if self._rate is not None and not self._rate.allow(identity, time.monotonic()):
+            self.refused[OVER_RATE] += 1
+            if self._rate.answer(identity, time.monotonic()):
+                self._refuse(identity, payload[0], RATE_LIMITED,
+                             f"rate limit: over {self._rate.limit.messages_per_s:g} messages/s from this peer")
+            return None
+        return identity, payload
+
+    def _refuse(self, identity: bytes, head: Any, code: str, message: str) -> None:
+        """Answer a request refused before decoding, with its rid so the client can match it."""
+        now = time.monotonic()
+        if now - self._logged > _LOG_EVERY_S:
+            self._logged = now
+            logger.warning("%s: refused a request: %s (%s)", self.name, message, code)
+        header = peek_header(head, self.limits)
+        meta = header.get("meta") if header is not None else None
+        rid = meta.get("rid") if isinstance(meta, dict) else None
+        if not isinstance(rid, int | str | None) or isinstance(rid, bool):
+            rid = None
+        self._reply(identity, rid, code, message)
+
+    def close_socket(self) -> None:
+        if not self.socket.closed:
+            self.socket.close(linger=0)
+
+    def stop_auth(self) -> None:
+        """Stop the CURVE authenticator (after the socket's loop has stopped)."""
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+    def close(self) -> None:
+        """Close the socket and stop the CURVE authenticator (idempotent)."""
+        self.close_socket()
+        self.stop_auth()

@@ -36,6 +36,8 @@ from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
 from gossamer.transport.ratelimit import RateLimit
 from gossamer.transport.router import (
+    FAILED_PRECONDITION,
+    INVALID_ARGUMENT,
     NOT_MEMBER,
     OVER_RATE,
     PERMISSION_DENIED,
@@ -76,9 +78,10 @@ _SEEN_SENDERS = 1024
 #: of peers; one far above it (1e308 passed as finite) left the receiver unable to send again.
 _MAX_WEIGHT = float(1 << 20)
 _REDIAL_S = 1.0  # after a refused handshake, a neighbour's socket is opened again this often
-# A gossip peer's ERROR code is its refusal reason (the key of `PeerIO.rejected`, reported as
-# `gossip_refused_<reason>`), also for the router's admission gate.
-_REASON_OF_CODE = {PERMISSION_DENIED: NOT_MEMBER, RATE_LIMITED: OVER_RATE}
+# A gossip ERROR carries the data plane's one vocabulary of codes (transport/router.py) and,
+# as `reason`, the finer refusal reason it is counted under (`gossip_refused_<reason>`).
+_CODE_OF_REASON = {"malformed": INVALID_ARGUMENT, NOT_MEMBER: PERMISSION_DENIED, OVER_RATE: RATE_LIMITED}
+_REASON_OF_CODE = {code: reason for reason, code in _CODE_OF_REASON.items()}
 
 
 @dataclass
@@ -530,7 +533,8 @@ class PeerIO:
         if msg is not None and msg.op == MASS and hid is not None:
             self._reply(identity, NACK, {"id": hid, "error": text}, sender)
             return
-        err: dict[str, Any] = {"error": text, "code": reason}
+        err: dict[str, Any] = {"error": text, "code": _CODE_OF_REASON.get(reason, FAILED_PRECONDITION),
+                               "reason": reason}
         rid = _int(meta, "rid")
         if rid is not None:
             err["rid"] = rid
@@ -539,7 +543,7 @@ class PeerIO:
     def _refusal_reply(self, identity: bytes, rid: Any, code: str, text: str) -> None:
         """ERROR to a request the router's gate refused before decoding (counted there); no
         ACK/NACK: nothing is decided about its mass, so a CANCEL later settles it exactly."""
-        err: dict[str, Any] = {"error": text, "code": _REASON_OF_CODE.get(code, code)}
+        err: dict[str, Any] = {"error": text, "code": code, "reason": _REASON_OF_CODE.get(code, code)}
         if isinstance(rid, int) and not isinstance(rid, bool):
             err["rid"] = rid
         self._reply(identity, ERROR, err, "?")

@@ -388,7 +388,7 @@ def test_gossip_flood_gets_rate_limit_errors_and_gossip_goes_on(closing: list[Pu
         codes = []
         while len(codes) < 100 and flood.poll(1000):
             codes.append(decode(flood.recv_multipart()).meta.get("code"))
-        assert codes.count("rate_limit") >= 60 and a.rejected["rate_limit"] == codes.count("rate_limit")
+        assert codes.count("RATE_LIMITED") >= 60 and a.rejected["rate_limit"] == codes.count("RATE_LIMITED")
     finally:
         flood.close(linger=0)
         ctx.term()

@@ -275,7 +275,7 @@ def test_bad_input_is_refused_and_counted_and_the_peer_keeps_mixing(
     try:
         s.send_multipart([b"\x93garbage", b"more"])
         reply = decode(s.recv_multipart())
-        assert reply.op == "ERROR" and reply.meta["code"] == "malformed"
+        assert reply.op == "ERROR" and (reply.meta["code"], reply.meta["reason"]) == ("INVALID_ARGUMENT", "malformed")
 
         cases = [
             (mass(torch.ones(DIM - 1), hid=1), "payload"),

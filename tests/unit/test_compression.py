@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -12,32 +15,33 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gossamer.compression import (
+    CODECS,
     WIRE_DTYPES,
     ChunkCompressor,
     Codec,
+    CodecEntry,
     ErrorFeedback,
     Payload,
     QSGDCodec,
     parse_codec,
 )
+from gossamer.compression.registry import IntArg, RatioArg
 from gossamer.errors import ConfigError, ProtocolError
 from gossamer.paramserver.shard_plan import ShardPlan
 from gossamer.transport.frames import Message
 from gossamer.transport.frames import decode as decode_frames
 from gossamer.transport.frames import encode as encode_frames
 
-SPECS = [
-    "none",
-    "fp16",
-    "bf16",
-    "int8",
-    "qsgd:4",
-    "qsgd:127",
-    "topk:0.1",
-    "topk:1",
-    "powersgd:2",
-    "sign",
-]
+#: Every codec of the registry, through its example specs: a new registry line is tested here.
+SPECS = [spec for entry in CODECS for spec in entry.examples]
+
+
+def every_codec(specs: list[str], where: Callable[[CodecEntry], bool] = lambda e: True) -> list[str]:
+    """`specs`, plus the first example of every registry codec matching `where` not among them."""
+    named = {s.partition(":")[0] for s in specs}
+    return specs + [e.examples[0] for e in CODECS if where(e) and e.name not in named]
+
+
 INPUT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Half-ulp of rounding a decoded fp32 value into the output dtype: (relative, absolute).
 OUTPUT_ROUNDING = {
@@ -187,7 +191,9 @@ def test_powersgd_is_exact_on_a_matrix_of_lower_rank_and_warm_start_improves_the
 # --- error feedback -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["topk:0.05", "sign", "powersgd:1", "int8"])
+@pytest.mark.parametrize(
+    "spec", every_codec(["topk:0.05", "sign", "powersgd:1", "int8"], lambda e: e.error_feedback)
+)
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 2**31),
@@ -330,6 +336,71 @@ def test_specs_are_canonical():
     assert parse_codec(" topk:0.010 ").spec == "topk:0.01"
     for spec in SPECS:
         assert parse_codec(spec).spec == spec or spec == "topk:1"
+
+
+# --- the registry ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", CODECS, ids=lambda e: e.name)
+def test_every_registry_line_names_its_class_and_canonical_examples(entry: CodecEntry) -> None:
+    cls = entry.load()
+    assert issubclass(cls, Codec) and cls.name == entry.name
+    assert entry.examples and all(s.partition(":")[0] == entry.name for s in entry.examples)
+    for spec in entry.examples:
+        codec = parse_codec(spec)
+        assert isinstance(codec, cls) and codec.biased == entry.error_feedback
+        assert parse_codec(codec.spec).spec == codec.spec  # the canonical spec parses back
+
+
+def _arg_cases(entry: CodecEntry) -> tuple[list[str], list[str]]:
+    """(arguments the grammar accepts, arguments it refuses) for an entry that takes one."""
+    if isinstance(entry.arg, IntArg):
+        good = [str(entry.arg.lo), str(min(entry.arg.hi, 999_999_999))]
+        bad = [str(entry.arg.lo - 1), "", "-1", "1.5", "²", "٣", "0000000001", " 1", "1e3"]
+        if entry.arg.hi < 999_999_999:
+            bad.append(str(entry.arg.hi + 1))
+        return good, bad
+    assert isinstance(entry.arg, RatioArg)
+    return (["1", "1.0", "0.5", ".5", "1e-3", "5E-1", "0.25e+0"],
+            ["0", "0.0", "1.5", "1e3", "-0.5", "+0.5", "nan", "inf", "1_0", "0x1", " 0.5", "", "1" * 40])
+
+
+@pytest.mark.parametrize("entry", [e for e in CODECS if e.arg is not None], ids=lambda e: e.name)
+def test_argument_grammar_bounds_agree_with_the_codec_class(entry: CodecEntry) -> None:
+    good, bad = _arg_cases(entry)
+    for arg in good:
+        assert parse_codec(f"{entry.name}:{arg}").name == entry.name
+    for arg in bad:
+        with pytest.raises(ConfigError) as e:
+            parse_codec(f"{entry.name}:{arg}", field="pull_compression")
+        assert e.value.field == "pull_compression"
+    with pytest.raises(ConfigError):
+        parse_codec(entry.name)  # the argument is required
+    if isinstance(entry.arg, IntArg) and entry.arg.hi < 999_999_999:
+        # The class refuses beyond the grammar too, when built directly.
+        with pytest.raises(ConfigError):
+            entry.load().from_arg(entry.arg.hi + 1)
+
+
+@pytest.mark.parametrize("entry", [e for e in CODECS if e.arg is None], ids=lambda e: e.name)
+def test_codecs_without_argument_refuse_one(entry: CodecEntry) -> None:
+    with pytest.raises(ConfigError, match="takes no argument"):
+        parse_codec(f"{entry.name}:1")
+
+
+@pytest.mark.parametrize("entry", CODECS, ids=lambda e: e.name)
+def test_elementwise_codecs_share_one_payload_across_parameters(entry: CodecEntry) -> None:
+    segs = ChunkCompressor(entry.examples[0], plan(10_000), shapes=SHAPES).segments(0)
+    assert (len(segs) == 1) == entry.elementwise
+
+
+def test_registry_and_experiment_validation_import_without_torch() -> None:
+    code = (
+        "import sys, gossamer.compression.registry, gossamer.experiment, gossamer.compression; "
+        "gossamer.compression.CODECS; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 # --- malformed payloads ---------------------------------------------------------------------
@@ -774,7 +845,7 @@ def test_chunk_compressor_validates_its_configuration():
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    spec=st.sampled_from(["int8", "topk:0.1", "powersgd:2", "sign"]),
+    spec=st.sampled_from(every_codec(["int8", "topk:0.1", "powersgd:2", "sign"])),
     where=st.sampled_from(["top", "segment", "payload"]),
     key=st.sampled_from(
         [

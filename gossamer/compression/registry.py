@@ -139,6 +139,7 @@ CODECS: tuple[CodecEntry, ...] = (
     CodecEntry(name="topk", arg=RatioArg(letter="R"), cls=f"{_M}.sparsification:TopKCodec", error_feedback=True, elementwise=True, examples=("topk:0.1", "topk:1")),
     CodecEntry(name="powersgd", arg=IntArg(letter="K"), cls=f"{_M}.powersgd:PowerSGDCodec", error_feedback=True, examples=("powersgd:2",)),
     CodecEntry(name="sign", cls=f"{_M}.sign:SignCodec", error_feedback=True, examples=("sign",)),
+    CodecEntry(name="randk", arg=RatioArg(letter="R"), cls=f"{_M}.randk:RandKCodec", error_feedback=True, elementwise=True, examples=("randk:0.1", "randk:1.0")),
 )
 
 #: Codec families, in table order.

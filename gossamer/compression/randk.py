@@ -95,7 +95,9 @@ class RandKCodec(Codec):
     Error bound: a kept entry is off by its fp16 rounding (round to nearest, never more than
     its magnitude), a dropped entry by its magnitude: |x - x'| <= |x|. Error feedback
     carries what was dropped to the next step, where other positions are drawn.
-    Biased (not rescaled by numel / k): use it with error feedback (the default).
+    Biased (not rescaled by numel / k): use it with error feedback (the default). Error
+    feedback then delivers each coordinate's residual in bursts, every ~1/R steps, so keep the
+    shards' momentum at 0: with 0.9, digits diverged to chance at R = 0.1 and 0.01.
 
     Args:
         ratio: R in (0, 1].

@@ -943,7 +943,7 @@ def test_randk_positions_are_a_golden_function_of_seed_size_and_count():
     assert positions(7, 5, 5).tolist() == [0, 1, 2, 3, 4]
 
 
-@pytest.mark.parametrize(("numel", "k"), [(1, 1), (2, 1), (7, 3), (1024, 10), (1025, 512), (50_000, 49_999)])
+@pytest.mark.parametrize(("numel", "k"), [(1, 1), (2, 1), (7, 3), (1024, 10), (1025, 512), (5_000, 4_999)])
 def test_randk_positions_are_k_distinct_sorted_indices_in_range(numel, k):
     for seed in (0, 1, 2**31, 2**32 - 1):
         p = positions(seed, numel, k)
@@ -953,11 +953,11 @@ def test_randk_positions_are_k_distinct_sorted_indices_in_range(numel, k):
 
 
 def test_randk_positions_cover_every_index_about_equally_over_seeds():
-    numel, k, seeds = 40, 4, 2000
+    numel, k, seeds = 20, 4, 800
     counts = torch.zeros(numel)
     for s in range(seeds):
         counts[positions(zlib.crc32(str(s).encode()), numel, k)] += 1
-    expected = seeds * k / numel  # 200, binomial sd ~13.4
+    expected = seeds * k / numel  # 160, binomial sd ~11: the bounds are 4 sd away
     assert float(counts.min()) > 0.7 * expected and float(counts.max()) < 1.3 * expected
 
 

@@ -26,8 +26,9 @@ def parse_codec(spec: str, *, seed: int | None = None, field: str = "compression
     if not isinstance(spec, str):
         raise ConfigError(field, f"codec spec must be a string, got {type(spec).__name__}")
     entry, arg = parse_spec(spec.strip(), field=field)
+    cls: type[Codec] = entry.load()
     try:
-        return entry.load().from_arg(arg, seed=seed)
+        return cls.from_arg(arg, seed=seed)
     except ConfigError as e:  # the class refused what the grammar let through: name our field
         reason = str(e).split(": ", 1)[1]
         raise ConfigError(field, f"{spec!r}: {reason}; expected {grammar()}") from None

@@ -6,12 +6,9 @@ import importlib
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from gossamer.errors import ConfigError
-
-if TYPE_CHECKING:  # the codec classes need torch; `CodecEntry.load` imports them on demand
-    from gossamer.compression.codec import Codec
 
 __all__ = [
     "ADAPTIVE",
@@ -119,11 +116,11 @@ class CodecEntry:
         """The spec's form for docs and errors: "topk:R"."""
         return f"{self.name}:{self.arg.letter}" if self.arg is not None else self.name
 
-    def load(self) -> type[Codec]:
-        """The codec class (imports its module, and torch)."""
+    def load(self) -> Any:
+        """The codec class, a `gossamer.compression.codec.Codec` subclass (imports its module
+        and torch; the registry names no type of theirs, so that codec.py may read it)."""
         module, _, attr = self.cls.partition(":")
-        cls: type[Codec] = getattr(importlib.import_module(module), attr)
-        return cls
+        return getattr(importlib.import_module(module), attr)
 
 
 _M = "gossamer.compression"

@@ -8,37 +8,31 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gossamer.compression.registry import ADAPTIVE, CODEC_NAMES, grammar, parse_spec
 from gossamer.errors import ConfigError
 from gossamer.gossip.topology import TOPOLOGIES
 from gossamer.lr_schedule import LR_SCHEDULES
+from gossamer.modes import MODES, OUTER_STEPS, Mode, mode_of, resolve
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODES = ("sync", "async", "gossip", "diloco")
-#: Modes this release runs end to end; the others are accepted by the parser but refused at submit.
-IMPLEMENTED_MODES = ("sync", "async", "gossip", "diloco")
+#: Kept for the coordinator's check at submit: every mode of the table runs end to end.
+IMPLEMENTED_MODES = MODES
 OPTIMIZERS = ("sgd", "adamw")
-OUTER_STEPS = ("sync", "async", "gossip")
-#: Gossip exchanges parameter values: only codecs whose decode approximates the value itself.
-#: Sparse and sign codecs would need a reference both ends share (CHOCO-SGD), not built here.
-GOSSIP_CODECS = re.compile(r"^(none|fp16|bf16|int8|qsgd:\d+)$")
+#: Optimizers with a `momentum` (and `nesterov`); the others refuse it (paramserver/optimizer.py).
+_MOMENTUM_OPTIMIZERS = ("sgd",)
 PARALLELISMS = ("ddp", "fsdp", "pipeline")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCALINGS = ("none", "linear")
-# Used with fullmatch: `$` alone also matches before a trailing newline. ASCII digits, at most
-# nine, exactly what gossamer.compression.parse_codec accepts.
-_COMPRESSION = re.compile(
-    r"none|fp16|bf16|int8|sign|adaptive|qsgd:[0-9]{1,9}|topk:(0?\.[0-9]+|1(\.0*)?|[0-9]+e-[0-9]+)"
-    r"|powersgd:[0-9]{1,9}"
-)
 _CALLABLE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 #: Integers travel through TOML, SQLite and msgpack: all three stop at 64 bits.
 _INT64 = 1 << 63
@@ -62,11 +56,11 @@ class Experiment:
     model_args: dict[str, Any] = field(default_factory=dict)
     dataset_args: dict[str, Any] = field(default_factory=dict)
     mode: str = "async"
-    compression: str = "auto"  # "auto": int8 for diloco's pseudo-gradients, none otherwise
+    compression: str = "auto"  # "auto": the mode's default (int8 for diloco's pseudo-gradients, none otherwise)
     compression_overrides: dict[str, str] = field(default_factory=dict)
     pull_compression: str = "none"
     adaptive_target_share: float = 0.2
-    optimizer: str = "auto"  # "auto": adamw for diloco's inner steps, sgd otherwise
+    optimizer: str = "auto"  # "auto": the mode's default (adamw for diloco's inner steps, sgd otherwise)
     lr: float = 0.05
     lr_schedule: str = "constant"  # constant | linear | cosine (decay to 0 at total_steps)
     warmup_steps: int = 0
@@ -78,7 +72,7 @@ class Experiment:
     staleness: int | None = None
     lr_staleness_scaling: bool = True
     overlap: bool = False
-    num_ps_shards: int = 1
+    num_ps_shards: int = 1  # >= 1 with servers; ignored without (0 is accepted there and stored as 1)
     ps_backup: bool = True
     min_workers: int = 1
     max_workers: int = 16
@@ -105,130 +99,17 @@ class Experiment:
     profile_nodes: list[str] = field(default_factory=list)  # node names or ids; empty: every worker
 
     def __post_init__(self) -> None:
-        def bad(name: str, msg: str) -> ConfigError:
-            return ConfigError(name, msg)
-
-        # First, so no check below meets a value it cannot compare or convert.
-        for fld in dataclasses.fields(self):
-            problem = _wire_problem(getattr(self, fld.name), want_bool=fld.type == "bool")
-            if problem:
-                raise bad(fld.name, problem)
-        if not isinstance(self.name, str) or not self.name.strip():
-            raise bad("name", "must be a non-empty string")
-        for f in ("model", "dataset"):
-            v = getattr(self, f)
-            if not isinstance(v, str) or not _CALLABLE.fullmatch(v):
-                raise bad(f, f"must look like 'package.module:callable', got {v!r}")
-        for f in ("model_args", "dataset_args"):
-            if not isinstance(getattr(self, f), dict):
-                raise bad(f, "must be a table/dict")
-        if self.mode not in MODES:
-            raise bad("mode", f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        # Mode-dependent defaults are resolved here, so every copy (TOML, JSON, RPC) agrees.
-        if self.compression == "auto":
-            object.__setattr__(self, "compression", "int8" if self.mode == "diloco" else "none")
-        if self.optimizer == "auto":
-            object.__setattr__(self, "optimizer", "adamw" if self.mode == "diloco" else "sgd")
-        _check_codec("compression", self.compression, allow_adaptive=True)
-        _check_codec("pull_compression", self.pull_compression, allow_adaptive=False)
-        if not isinstance(self.compression_overrides, dict):
-            raise bad("compression_overrides", "must map a parameter-name pattern to a codec")
-        for pattern, spec in self.compression_overrides.items():
-            if not isinstance(pattern, str) or not pattern:
-                raise bad("compression_overrides", f"pattern {pattern!r} must be a non-empty string")
-            _check_codec("compression_overrides", spec, allow_adaptive=False)
-        if _not_number(self.adaptive_target_share) or not 0 < self.adaptive_target_share <= 10:
-            raise bad("adaptive_target_share", f"must be in (0, 10], got {self.adaptive_target_share!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise bad("optimizer", f"unknown optimizer {self.optimizer!r}; choose {', '.join(OPTIMIZERS)}")
-        for f in ("lr", "outer_lr"):
-            v = getattr(self, f)
-            if _not_number(v) or not math.isfinite(v) or v <= 0:
-                raise bad(f, f"must be a finite number > 0, got {v!r}")
-        for f in ("momentum", "outer_momentum", "weight_decay"):
-            v = getattr(self, f)
-            if _not_number(v) or not math.isfinite(v) or v < 0 or (f != "weight_decay" and v >= 1):
-                raise bad(f, f"must be in [0, 1), got {v!r}")
-        if self.nesterov and self.momentum == 0:
-            raise bad("nesterov", "needs momentum > 0")
-        for f in ("batch_size", "num_ps_shards", "min_workers", "max_workers", "total_steps",
-                  "inner_steps", "chunk_numel"):
-            if not _positive_int(getattr(self, f)):
-                raise bad(f, f"must be an integer >= 1, got {getattr(self, f)!r}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise bad("lr_schedule", f"unknown lr schedule {self.lr_schedule!r}; choose {', '.join(LR_SCHEDULES)}")
-        for f in ("eval_every", "checkpoint_every", "seed", "warmup_steps"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise bad(f, f"must be an integer >= 0, got {v!r}")
-        if not isinstance(self.ps_backup, bool):
-            raise bad("ps_backup", f"must be true or false, got {self.ps_backup!r}")
-        if self.warmup_steps >= self.total_steps:
-            raise bad("warmup_steps", f"must be < total_steps ({self.total_steps}), got {self.warmup_steps}")
-        if self.max_workers < self.min_workers:
-            raise bad("max_workers", f"must be >= min_workers ({self.min_workers})")
-        if self.global_batch_size is not None:
-            if not _positive_int(self.global_batch_size):
-                raise bad("global_batch_size", "must be an integer >= 1 or unset")
-            if self.mode != "sync":
-                raise bad("global_batch_size", "only applies to mode='sync'")
-            if self.global_batch_size < self.min_workers:
-                raise bad("global_batch_size", "must be >= min_workers (one sample per worker)")
-        if self.staleness is not None and (
-            not isinstance(self.staleness, int) or isinstance(self.staleness, bool) or self.staleness < 0
-        ):
-            raise bad("staleness", f"must be an integer >= 0 or None, got {self.staleness!r}")
-        if self.overlap and self.mode not in ("async", "gossip"):
-            raise bad("overlap", "only applies to mode='async' or 'gossip' (sync waits for every worker each step)")
-        if self.outer_step not in OUTER_STEPS:
-            raise bad("outer_step", f"unknown outer step {self.outer_step!r}; choose {', '.join(OUTER_STEPS)}")
-        if self.mode == "gossip" or (self.mode == "diloco" and self.outer_step == "gossip"):
-            for f, spec in [("compression", self.compression), ("pull_compression", self.pull_compression),
-                            *(("compression_overrides", v) for v in self.compression_overrides.values())]:
-                if not GOSSIP_CODECS.match(spec):
-                    raise bad(f, f"gossip exchanges parameter values, so {spec!r} does not apply; use "
-                                 "none|fp16|bf16|int8|qsgd:L (sparse/sign codecs need a shared reference)")
-        if self.topology not in TOPOLOGIES:
-            raise bad("topology", f"unknown topology {self.topology!r}; choose {', '.join(TOPOLOGIES)}")
-        if self.parallelism not in PARALLELISMS:
-            raise bad("parallelism", f"unknown parallelism {self.parallelism!r}; choose {', '.join(PARALLELISMS)}")
-        if self.parallelism != "ddp" and (self.mode == "gossip" or self.outer_step == "gossip"):
-            raise bad("parallelism", f"{self.parallelism} runs with the parameter servers (sync, async, diloco with "
-                                     "a sync or async outer step); gossip mixes a whole replica on every local rank "
-                                     "(use parallelism='ddp')")
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise bad("pipeline_schedule", f"unknown schedule {self.pipeline_schedule!r}; choose "
-                                           f"{', '.join(PIPELINE_SCHEDULES)}")
-        for f in ("pipeline_microbatches",):
-            if not _positive_int(getattr(self, f)):
-                raise bad(f, f"must be an integer >= 1, got {getattr(self, f)!r}")
-        if self.parallelism == "pipeline":
-            if self.batch_size % self.pipeline_microbatches:
-                raise bad("pipeline_microbatches", f"must divide batch_size ({self.batch_size}), "
-                                                   f"got {self.pipeline_microbatches}")
-            if self.global_batch_size is not None:
-                raise bad("global_batch_size", "pipeline keeps batch_size per worker; leave global_batch_size unset")
-        if self.precision not in PRECISIONS:
-            raise bad("precision", f"unknown precision {self.precision!r}; choose {', '.join(PRECISIONS)}")
-        if _not_number(self.max_grad_norm) or not math.isfinite(self.max_grad_norm) or self.max_grad_norm < 0:
-            raise bad("max_grad_norm", f"must be a finite number >= 0 (0: no clipping), got {self.max_grad_norm!r}")
-        if self.lr_scaling not in LR_SCALINGS:
-            raise bad("lr_scaling", f"unknown lr scaling {self.lr_scaling!r}; choose {', '.join(LR_SCALINGS)}")
-        if not isinstance(self.base_batch_size, int) or isinstance(self.base_batch_size, bool) \
-                or self.base_batch_size < 0:
-            raise bad("base_batch_size", f"must be an integer >= 0 (0: batch_size), got {self.base_batch_size!r}")
-        if not isinstance(self.checkpoint_dir, str):
-            raise bad("checkpoint_dir", "must be a path string")
-        for f in ("profile_steps", "profile_start"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise bad(f, f"must be an integer >= 0, got {v!r}")
-        if not isinstance(self.profile_nodes, list) or not all(isinstance(n, str) and n for n in self.profile_nodes):
-            raise bad("profile_nodes", "must be a list of node names or ids (empty: every worker)")
-        if self.profile_nodes and not self.profile_steps:
-            raise bad("profile_nodes", "needs profile_steps > 0")
-        if self.profile_steps and self.profile_start + self.profile_steps > self.total_steps:
-            raise bad("profile_steps", f"profile_start + profile_steps must be <= total_steps ({self.total_steps})")
+        # In this order: each group may rely on the fields an earlier group checked.
+        _check_wire(self)
+        _check_identity(self)
+        row = _resolve_mode(self)
+        _check_codecs(self, row)
+        _check_optimizer(self)
+        _check_counts(self, row)
+        _check_batching(self, row)
+        _check_layout(self, row)
+        _check_numerics(self)
+        _check_outputs(self)
 
     # --- conversions -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -290,7 +171,8 @@ class Experiment:
         """
         if self.lr_scaling != "linear":
             return 1.0
-        per_update = self.effective_global_batch(num_workers) if self.mode == "sync" else self.batch_size
+        # A mode whose step takes the global batch (sync) updates once per global batch.
+        per_update = self.effective_global_batch(num_workers) if mode_of(self).allows_global_batch else self.batch_size
         return per_update / (self.base_batch_size or self.batch_size)
 
     def effective_global_batch(self, num_workers: int) -> int:
@@ -298,26 +180,197 @@ class Experiment:
         return self.global_batch_size or self.batch_size * num_workers
 
 
+def _check_wire(exp: Experiment) -> None:
+    # First, so no check below meets a value it cannot compare or convert.
+    for fld in dataclasses.fields(exp):
+        problem = _wire_problem(getattr(exp, fld.name), want_bool=fld.type == "bool")
+        if problem:
+            raise ConfigError(fld.name, problem)
+
+
+def _check_identity(exp: Experiment) -> None:
+    """`name`, and what to train: `model`, `dataset` and their arguments."""
+    if not isinstance(exp.name, str) or not exp.name.strip():
+        raise ConfigError("name", "must be a non-empty string")
+    for f in ("model", "dataset"):
+        v = getattr(exp, f)
+        if not isinstance(v, str) or not _CALLABLE.fullmatch(v):
+            raise ConfigError(f, f"must look like 'package.module:callable', got {v!r}")
+    for f in ("model_args", "dataset_args"):
+        if not isinstance(getattr(exp, f), dict):
+            raise ConfigError(f, "must be a table/dict")
+
+
+def _resolve_mode(exp: Experiment) -> Mode:
+    """Check `mode` and `outer_step`, resolve the mode's defaults, and return its table row."""
+    if exp.mode not in MODES:
+        raise ConfigError("mode", f"unknown mode {exp.mode!r}; choose one of {', '.join(MODES)}")
+    if exp.outer_step not in OUTER_STEPS:
+        raise ConfigError("outer_step", f"unknown outer step {exp.outer_step!r}; choose {', '.join(OUTER_STEPS)}")
+    row = mode_of(exp)
+    # Mode-dependent defaults are resolved here, so every copy (TOML, JSON, RPC) agrees.
+    if exp.compression == "auto":
+        object.__setattr__(exp, "compression", row.default_compression)
+    if exp.optimizer == "auto":
+        object.__setattr__(exp, "optimizer", row.default_optimizer)
+    return row
+
+
+def _check_codecs(exp: Experiment, row: Mode) -> None:
+    """`compression`, `pull_compression`, `compression_overrides` (the registry's grammar)."""
+    _check_codec("compression", exp.compression, allow_adaptive=True)
+    _check_codec("pull_compression", exp.pull_compression, allow_adaptive=False)
+    if not isinstance(exp.compression_overrides, dict):
+        raise ConfigError("compression_overrides", "must map a parameter-name pattern to a codec")
+    for pattern, spec in exp.compression_overrides.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ConfigError("compression_overrides", f"pattern {pattern!r} must be a non-empty string")
+        _check_codec("compression_overrides", spec, allow_adaptive=False)
+    if _not_number(exp.adaptive_target_share) or not 0 < exp.adaptive_target_share <= 10:
+        raise ConfigError("adaptive_target_share", f"must be in (0, 10], got {exp.adaptive_target_share!r}")
+    if row.exchanges_values:
+        for f, spec in [("compression", exp.compression), ("pull_compression", exp.pull_compression),
+                        *(("compression_overrides", v) for v in exp.compression_overrides.values())]:
+            if spec == ADAPTIVE or not parse_spec(spec, field=f)[0].carries_values:
+                raise ConfigError(f, f"{row.label} exchanges parameter values, so {spec!r} does not apply; use "
+                                     f"{grammar(values_only=True)} (sparse/sign codecs need a shared reference)")
+
+
+def _check_optimizer(exp: Experiment) -> None:
+    """`optimizer` and its settings, refusing what the roles' OptimizerConfig would refuse."""
+    if exp.optimizer not in OPTIMIZERS:
+        raise ConfigError("optimizer", f"unknown optimizer {exp.optimizer!r}; choose {', '.join(OPTIMIZERS)}")
+    for f in ("lr", "outer_lr"):
+        v = getattr(exp, f)
+        if _not_number(v) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f, f"must be a finite number > 0, got {v!r}")
+    for f in ("momentum", "outer_momentum", "weight_decay"):
+        v = getattr(exp, f)
+        if _not_number(v) or not math.isfinite(v) or v < 0 or (f != "weight_decay" and v >= 1):
+            raise ConfigError(f, f"must be in [0, 1), got {v!r}")
+    if exp.nesterov and exp.momentum == 0:
+        raise ConfigError("nesterov", "needs momentum > 0")
+    # Every mode builds an OptimizerConfig of these fields (the shards' optimizer, or the
+    # workers' inner one), which refuses them at each role's start: refuse them at submit.
+    if exp.optimizer not in _MOMENTUM_OPTIMIZERS:
+        if exp.nesterov:
+            raise ConfigError("nesterov", f"only applies to optimizer='sgd', got optimizer={exp.optimizer!r}")
+        if exp.momentum:
+            raise ConfigError("momentum", f"only applies to optimizer='sgd' ({exp.optimizer} has its own betas); "
+                                          "leave momentum at 0")
+
+
+def _check_counts(exp: Experiment, row: Mode) -> None:
+    """Integer sizes and counts: batch, shards, workers, steps, chunk size."""
+    if not row.servers and type(exp.num_ps_shards) is int and exp.num_ps_shards == 0:
+        object.__setattr__(exp, "num_ps_shards", 1)  # ignored without servers; 1 is the plan's unit
+    for f in ("batch_size", "num_ps_shards", "min_workers", "max_workers", "total_steps",
+              "inner_steps", "chunk_numel"):
+        if not _positive_int(getattr(exp, f)):
+            more = "" if f != "num_ps_shards" or row.servers else f" (or 0: {row.label} runs without servers)"
+            raise ConfigError(f, f"must be an integer >= 1{more}, got {getattr(exp, f)!r}")
+    if exp.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError("lr_schedule", f"unknown lr schedule {exp.lr_schedule!r}; choose {', '.join(LR_SCHEDULES)}")
+    for f in ("eval_every", "checkpoint_every", "seed", "warmup_steps"):
+        v = getattr(exp, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f, f"must be an integer >= 0, got {v!r}")
+    if not isinstance(exp.ps_backup, bool):
+        raise ConfigError("ps_backup", f"must be true or false, got {exp.ps_backup!r}")
+    if exp.warmup_steps >= exp.total_steps:
+        raise ConfigError("warmup_steps", f"must be < total_steps ({exp.total_steps}), got {exp.warmup_steps}")
+    if exp.max_workers < exp.min_workers:
+        raise ConfigError("max_workers", f"must be >= min_workers ({exp.min_workers})")
+
+
+def _check_batching(exp: Experiment, row: Mode) -> None:
+    """`global_batch_size`, `staleness` and `overlap`, each where the mode uses it."""
+    if exp.global_batch_size is not None:
+        if not _positive_int(exp.global_batch_size):
+            raise ConfigError("global_batch_size", "must be an integer >= 1 or unset")
+        if not row.allows_global_batch:
+            raise ConfigError("global_batch_size", f"only applies to {_modes_where(lambda m: m.allows_global_batch)}")
+        if exp.global_batch_size < exp.min_workers:
+            raise ConfigError("global_batch_size", "must be >= min_workers (one sample per worker)")
+    if exp.staleness is not None and (
+        not isinstance(exp.staleness, int) or isinstance(exp.staleness, bool) or exp.staleness < 0
+    ):
+        raise ConfigError("staleness", f"must be an integer >= 0 or None, got {exp.staleness!r}")
+    if exp.overlap and not row.allows_overlap:
+        raise ConfigError("overlap", f"only applies to {_modes_where(lambda m: m.allows_overlap)} (the others "
+                                     "wait for every worker each step, or exchange once per round)")
+
+
+def _check_layout(exp: Experiment, row: Mode) -> None:
+    """`topology` and the layout inside a node: `parallelism` and the pipeline's settings."""
+    if exp.topology not in TOPOLOGIES:
+        raise ConfigError("topology", f"unknown topology {exp.topology!r}; choose {', '.join(TOPOLOGIES)}")
+    if exp.parallelism not in PARALLELISMS:
+        raise ConfigError("parallelism", f"unknown parallelism {exp.parallelism!r}; choose {', '.join(PARALLELISMS)}")
+    if exp.parallelism not in row.parallelisms:
+        raise ConfigError("parallelism", f"{exp.parallelism} runs with the parameter servers (each rank exchanges "
+                                         f"its own part with the shards), and {row.label} has none: it mixes a whole "
+                                         f"replica on every local rank (use parallelism={'|'.join(row.parallelisms)})")
+    if exp.pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError("pipeline_schedule", f"unknown schedule {exp.pipeline_schedule!r}; choose "
+                                               f"{', '.join(PIPELINE_SCHEDULES)}")
+    if not _positive_int(exp.pipeline_microbatches):
+        raise ConfigError("pipeline_microbatches", f"must be an integer >= 1, got {exp.pipeline_microbatches!r}")
+    if exp.parallelism == "pipeline":
+        if exp.batch_size % exp.pipeline_microbatches:
+            raise ConfigError("pipeline_microbatches", f"must divide batch_size ({exp.batch_size}), "
+                                                       f"got {exp.pipeline_microbatches}")
+        if exp.global_batch_size is not None:
+            raise ConfigError("global_batch_size", "pipeline keeps batch_size per worker; leave global_batch_size unset")
+
+
+def _check_numerics(exp: Experiment) -> None:
+    """`precision`, gradient clipping and lr scaling."""
+    if exp.precision not in PRECISIONS:
+        raise ConfigError("precision", f"unknown precision {exp.precision!r}; choose {', '.join(PRECISIONS)}")
+    if _not_number(exp.max_grad_norm) or not math.isfinite(exp.max_grad_norm) or exp.max_grad_norm < 0:
+        raise ConfigError("max_grad_norm", f"must be a finite number >= 0 (0: no clipping), got {exp.max_grad_norm!r}")
+    if exp.lr_scaling not in LR_SCALINGS:
+        raise ConfigError("lr_scaling", f"unknown lr scaling {exp.lr_scaling!r}; choose {', '.join(LR_SCALINGS)}")
+    if not isinstance(exp.base_batch_size, int) or isinstance(exp.base_batch_size, bool) or exp.base_batch_size < 0:
+        raise ConfigError("base_batch_size", f"must be an integer >= 0 (0: batch_size), got {exp.base_batch_size!r}")
+
+
+def _check_outputs(exp: Experiment) -> None:
+    """What a run writes besides metrics: checkpoints and profiler traces."""
+    if not isinstance(exp.checkpoint_dir, str):
+        raise ConfigError("checkpoint_dir", "must be a path string")
+    for f in ("profile_steps", "profile_start"):
+        v = getattr(exp, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f, f"must be an integer >= 0, got {v!r}")
+    if not isinstance(exp.profile_nodes, list) or not all(isinstance(n, str) and n for n in exp.profile_nodes):
+        raise ConfigError("profile_nodes", "must be a list of node names or ids (empty: every worker)")
+    if exp.profile_nodes and not exp.profile_steps:
+        raise ConfigError("profile_nodes", "needs profile_steps > 0")
+    if exp.profile_steps and exp.profile_start + exp.profile_steps > exp.total_steps:
+        raise ConfigError("profile_steps", f"profile_start + profile_steps must be <= total_steps ({exp.total_steps})")
+
+
 def _check_codec(field_name: str, spec: object, *, allow_adaptive: bool) -> None:
-    if not isinstance(spec, str) or not _COMPRESSION.fullmatch(spec):
-        raise ConfigError(
-            field_name,
-            f"unknown codec {spec!r}; none|fp16|bf16|int8|qsgd:L|topk:R|powersgd:K|sign"
-            + ("|adaptive" if allow_adaptive else ""),
-        )
-    if spec == "adaptive":
+    # Checked by the registry's grammar, without importing torch (the coordinator validates
+    # experiments too); workers and shards parse the same grammar (`parse_codec`).
+    if spec == ADAPTIVE:
         if not allow_adaptive:
             raise ConfigError(field_name, "'adaptive' is only for `compression`")
         return
-    # Checked here without importing torch (the coordinator validates experiments too); the
-    # ranges are those of gossamer.compression.parse_codec.
-    name, _, arg = spec.partition(":")
-    if name == "qsgd" and not 1 <= int(arg) <= 127:
-        raise ConfigError(field_name, f"{spec!r}: qsgd needs 1 <= L <= 127")
-    if name == "powersgd" and int(arg) < 1:
-        raise ConfigError(field_name, f"{spec!r}: powersgd needs rank K >= 1")
-    if name == "topk" and not 0 < float(arg) <= 1:
-        raise ConfigError(field_name, f"{spec!r}: topk needs 0 < R <= 1")
+    if not isinstance(spec, str) or spec.partition(":")[0] not in CODEC_NAMES:
+        raise ConfigError(field_name, f"unknown codec {spec!r}; {grammar()}" + (f"|{ADAPTIVE}" if allow_adaptive else ""))
+    parse_spec(spec, field=field_name)
+
+
+def _modes_where(pred: Callable[[Mode], bool]) -> str:
+    """ "mode='async' or mode='gossip'": the rows of the mode table that satisfy `pred`."""
+    rows = {resolve(m, o).label: resolve(m, o) for m in MODES for o in OUTER_STEPS}
+    return " or ".join(
+        f"mode={r.name!r}" + (f" with outer_step={r.outer_step!r}" if r.outer_step else "")
+        for r in rows.values() if pred(r)
+    )
 
 
 def _env_overrides() -> dict[str, Any]:

@@ -14,21 +14,13 @@ import torch
 from gossamer.compression.codec import Codec, Payload
 from gossamer.compression.codec_spec import parse_codec
 from gossamer.compression.error_feedback import ErrorFeedback
+from gossamer.compression.registry import codec_entry
 from gossamer.errors import ConfigError, ProtocolError
 
 if TYPE_CHECKING:  # the data plane imports this module: no import cycle at run time
     from gossamer.paramserver.shard_plan import ShardPlan
 
 __all__ = ["CHUNK_META_VERSION", "ChunkCompressor", "Segment"]
-
-
-def _elementwise(spec: str) -> bool:
-    """Codecs indifferent to where one parameter ends and the next begins.
-
-    Not PowerSGD (needs the matrix), nor sign and QSGD: one scale or norm for several
-    layers whose gradients differ by orders of magnitude would swamp the small ones.
-    """
-    return spec.split(":")[0] in ("none", "fp16", "bf16", "int8", "topk")
 
 
 CHUNK_META_VERSION = 1
@@ -73,9 +65,10 @@ class ChunkCompressor:
     encoder and decoder only share the constructor arguments; PowerSGD's warm-start state
     stays in the encoder, its payload being self-contained.
 
-    Adjacent segments with the same shape-agnostic codec (none, fp16, bf16, int8, topk) are
-    merged into one 1-D segment, so a chunk of many small parameters costs one payload, not
-    one each; sign, QSGD and PowerSGD keep one segment per parameter.
+    Adjacent segments with the same elementwise codec (`CodecEntry.elementwise`: none, fp16,
+    bf16, int8, topk, ...) are merged into one 1-D segment, so a chunk of many small
+    parameters costs one payload, not one each; sign, QSGD and PowerSGD keep one segment per
+    parameter.
 
     Error feedback runs per chunk (key ``c{i}``) in the encoder, on the segments whose codec
     uses it: the residual is added before encoding and what decoding lost becomes the next
@@ -157,6 +150,9 @@ class ChunkCompressor:
         codec = parse_codec(spec, seed=self._seed, field=field)
         return self._codecs.setdefault(codec.spec, codec)
 
+    def _elementwise(self, spec: str) -> bool:
+        return codec_entry(self._codecs[spec].name).elementwise
+
     def codec_of(self, param: str) -> str:
         """The canonical codec spec used for parameter `param`."""
         for pattern, spec in self.overrides:
@@ -204,7 +200,7 @@ class ChunkCompressor:
                     shape = ((b - a) // row, *full[1:])  # whole rows of a matrix stay a matrix
             seg = Segment(name, a - start, a - lo, b - a, shape, self.codec_of(name))
             prev = segs[-1] if segs else None
-            if prev is not None and prev.codec == seg.codec and _elementwise(seg.codec):
+            if prev is not None and prev.codec == seg.codec and self._elementwise(seg.codec):
                 # Elementwise codecs do not care where a parameter ends: one segment (and so
                 # one payload) for the run saves a header entry per parameter.
                 segs[-1] = Segment(

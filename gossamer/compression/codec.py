@@ -9,7 +9,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from gossamer.errors import ProtocolError
+from gossamer.compression.registry import codec_entry
+from gossamer.errors import ConfigError, ProtocolError
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -18,6 +19,8 @@ __all__ = [
     "MetaValue",
     "Payload",
     "all_finite",
+    "expect_float",
+    "expect_int",
     "fp32_slack",
     "meta_float",
     "meta_int",
@@ -122,13 +125,28 @@ class Codec(ABC):
     `ProtocolError` for a malformed payload: a sender cannot make it raise anything else or
     return a tensor of the wrong size.
 
+    A codec is listed in `gossamer.compression.registry` (its spec grammar and traits);
+    `parse_codec` builds it with `from_arg`.
+
     Attributes:
         name: the codec family ("topk"); `spec` is the full canonical spec ("topk:0.01").
-        biased: True when E[decode(encode(x))] != x, so it needs error feedback to converge.
     """
 
     name: ClassVar[str]
-    biased: ClassVar[bool]
+
+    @classmethod
+    def from_arg(cls, arg: int | float | None, *, seed: int | None = None) -> Codec:
+        """The codec of a spec whose argument the registry's grammar parsed as `arg`.
+
+        Args:
+            seed: seeds a stochastic codec's draws (ignored by deterministic ones).
+        """
+        return cls()
+
+    @property
+    def biased(self) -> bool:
+        """E[decode(encode(x))] != x, so it needs error feedback to converge (the registry's say)."""
+        return codec_entry(self.name).error_feedback
 
     @property
     def spec(self) -> str:
@@ -231,6 +249,28 @@ class Codec(ABC):
 
     @abstractmethod
     def _payload_bytes(self, shape: tuple[int, ...]) -> int: ...
+
+
+def expect_int(arg: object) -> int:
+    """`arg` as a codec's integer argument.
+
+    Raises:
+        ConfigError: it is not an int.
+    """
+    if not isinstance(arg, int) or isinstance(arg, bool):
+        raise ConfigError("codec", f"expected an integer argument, got {arg!r}")
+    return arg
+
+
+def expect_float(arg: object) -> float:
+    """`arg` as a codec's real-valued argument.
+
+    Raises:
+        ConfigError: it is not a number.
+    """
+    if not isinstance(arg, int | float) or isinstance(arg, bool):
+        raise ConfigError("codec", f"expected a number argument, got {arg!r}")
+    return float(arg)
 
 
 def fp32_slack(x: torch.Tensor) -> torch.Tensor:

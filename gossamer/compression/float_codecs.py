@@ -15,7 +15,6 @@ __all__ = ["BF16Codec", "FP16Codec", "NoneCodec"]
 class _CastCodec(Codec):
     """Send `values`, the flattened tensor cast to `wire_dtype`."""
 
-    biased: ClassVar[bool] = False
     wire_dtype: ClassVar[torch.dtype]
 
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:

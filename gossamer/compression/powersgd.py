@@ -7,7 +7,14 @@ from typing import ClassVar
 
 import torch
 
-from gossamer.compression.codec import Codec, Payload, fp32_slack, meta_int, payload_tensor
+from gossamer.compression.codec import (
+    Codec,
+    Payload,
+    expect_int,
+    fp32_slack,
+    meta_int,
+    payload_tensor,
+)
 from gossamer.compression.sparsification import fits_fp16
 from gossamer.errors import ConfigError
 
@@ -43,7 +50,6 @@ class PowerSGDCodec(Codec):
     """
 
     name: ClassVar[str] = "powersgd"
-    biased: ClassVar[bool] = True
 
     def __init__(self, rank: int, *, seed: int | None = 0) -> None:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
@@ -53,6 +59,11 @@ class PowerSGDCodec(Codec):
         if seed is not None:
             self._gen.manual_seed(seed)
         self._q: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_arg(cls, arg: int | float | None, *, seed: int | None = None) -> PowerSGDCodec:
+        """Seed None means seed 0: every encoder of a run draws the same initial Q."""
+        return cls(expect_int(arg), seed=0 if seed is None else seed)
 
     @property
     def spec(self) -> str:

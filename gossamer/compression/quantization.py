@@ -10,6 +10,7 @@ import torch
 from gossamer.compression.codec import (
     Codec,
     Payload,
+    expect_int,
     fp32_slack,
     meta_int,
     payload_tensor,
@@ -51,7 +52,6 @@ class Int8Codec(Codec):
     """
 
     name: ClassVar[str] = "int8"
-    biased: ClassVar[bool] = True
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1).float()
@@ -128,7 +128,6 @@ class QSGDCodec(Codec):
     """
 
     name: ClassVar[str] = "qsgd"
-    biased: ClassVar[bool] = False
 
     def __init__(self, levels: int, *, seed: int | None = None) -> None:
         if (
@@ -139,6 +138,10 @@ class QSGDCodec(Codec):
             raise ConfigError("codec", f"qsgd levels must be 1..{QSGD_MAX_LEVELS}, got {levels!r}")
         self.levels = levels
         self._gen = None if seed is None else torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def from_arg(cls, arg: int | float | None, *, seed: int | None = None) -> QSGDCodec:
+        return cls(expect_int(arg), seed=seed)
 
     @property
     def spec(self) -> str:

@@ -44,7 +44,6 @@ class SignCodec(Codec):
     """
 
     name: ClassVar[str] = "sign"
-    biased: ClassVar[bool] = True
 
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:
         flat = x.reshape(-1)

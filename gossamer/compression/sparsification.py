@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from gossamer.compression.codec import Codec, Payload, fp32_slack, payload_tensor
+from gossamer.compression.codec import Codec, Payload, expect_float, fp32_slack, payload_tensor
 from gossamer.errors import ConfigError, ProtocolError
 
 __all__ = ["TopKCodec", "fits_fp16", "topk_count"]
@@ -51,7 +51,6 @@ class TopKCodec(Codec):
     """
 
     name: ClassVar[str] = "topk"
-    biased: ClassVar[bool] = True
 
     def __init__(self, ratio: float) -> None:
         if (
@@ -62,6 +61,10 @@ class TopKCodec(Codec):
         ):
             raise ConfigError("codec", f"topk ratio must be in (0, 1], got {ratio!r}")
         self.ratio = float(ratio)
+
+    @classmethod
+    def from_arg(cls, arg: int | float | None, *, seed: int | None = None) -> TopKCodec:
+        return cls(expect_float(arg))
 
     @property
     def spec(self) -> str:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from gossamer.compression import Codec, parse_codec
+from gossamer.compression.codec import Codec
+from gossamer.compression.codec_spec import parse_codec
+from gossamer.compression.registry import ADAPTIVE, CODECS, grammar
 from gossamer.errors import ConfigError
 
 __all__ = ["GOSSIP_CODECS", "parse_value_codec"]
 
-#: Codec families push-sum accepts (qsgd takes its level count, "qsgd:L").
-GOSSIP_CODECS = ("none", "fp16", "bf16", "int8", "qsgd")
-_NEED_REFERENCE = ("topk", "sign", "powersgd", "adaptive")
+#: Codec families push-sum accepts (`CodecEntry.carries_values`; qsgd takes its level count, "qsgd:L").
+GOSSIP_CODECS: tuple[str, ...] = tuple(e.name for e in CODECS if e.carries_values)
+_NEED_REFERENCE = frozenset({ADAPTIVE, *(e.name for e in CODECS if not e.carries_values)})
 
 
 def parse_value_codec(spec: str, *, seed: int | None = None, field: str = "compression") -> Codec:
@@ -20,12 +22,12 @@ def parse_value_codec(spec: str, *, seed: int | None = None, field: str = "compr
     """
     name = spec.strip().partition(":")[0] if isinstance(spec, str) else ""
     if name in _NEED_REFERENCE:
+        *most, last = grammar(values_only=True).split("|")
         raise ConfigError(
             field,
             f"{spec!r} cannot be used in gossip mode: gossip exchanges parameters, not "
             "gradients, and sparse/sign/low-rank codecs would drop most of each value; they "
             "need a shared reference copy of the neighbour's parameters to send differences "
-            "against (CHOCO-SGD), which push-sum does not keep. Use none, fp16, bf16, int8 "
-            "or qsgd:L",
+            f"against (CHOCO-SGD), which push-sum does not keep. Use {', '.join(most)} or {last}",
         )
     return parse_codec(spec, seed=seed, field=field)

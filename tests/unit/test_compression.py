@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -12,32 +16,34 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gossamer.compression import (
+    CODECS,
     WIRE_DTYPES,
     ChunkCompressor,
     Codec,
+    CodecEntry,
     ErrorFeedback,
     Payload,
     QSGDCodec,
     parse_codec,
 )
+from gossamer.compression.randk import positions
+from gossamer.compression.registry import IntArg, RatioArg
 from gossamer.errors import ConfigError, ProtocolError
 from gossamer.paramserver.shard_plan import ShardPlan
 from gossamer.transport.frames import Message
 from gossamer.transport.frames import decode as decode_frames
 from gossamer.transport.frames import encode as encode_frames
 
-SPECS = [
-    "none",
-    "fp16",
-    "bf16",
-    "int8",
-    "qsgd:4",
-    "qsgd:127",
-    "topk:0.1",
-    "topk:1",
-    "powersgd:2",
-    "sign",
-]
+#: Every codec of the registry, through its example specs: a new registry line is tested here.
+SPECS = [spec for entry in CODECS for spec in entry.examples]
+
+
+def every_codec(specs: list[str], where: Callable[[CodecEntry], bool] = lambda e: True) -> list[str]:
+    """`specs`, plus the first example of every registry codec matching `where` not among them."""
+    named = {s.partition(":")[0] for s in specs}
+    return specs + [e.examples[0] for e in CODECS if where(e) and e.name not in named]
+
+
 INPUT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Half-ulp of rounding a decoded fp32 value into the output dtype: (relative, absolute).
 OUTPUT_ROUNDING = {
@@ -187,7 +193,9 @@ def test_powersgd_is_exact_on_a_matrix_of_lower_rank_and_warm_start_improves_the
 # --- error feedback -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["topk:0.05", "sign", "powersgd:1", "int8"])
+@pytest.mark.parametrize(
+    "spec", every_codec(["topk:0.05", "sign", "powersgd:1", "int8"], lambda e: e.error_feedback)
+)
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 2**31),
@@ -330,6 +338,71 @@ def test_specs_are_canonical():
     assert parse_codec(" topk:0.010 ").spec == "topk:0.01"
     for spec in SPECS:
         assert parse_codec(spec).spec == spec or spec == "topk:1"
+
+
+# --- the registry ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", CODECS, ids=lambda e: e.name)
+def test_every_registry_line_names_its_class_and_canonical_examples(entry: CodecEntry) -> None:
+    cls = entry.load()
+    assert issubclass(cls, Codec) and cls.name == entry.name
+    assert entry.examples and all(s.partition(":")[0] == entry.name for s in entry.examples)
+    for spec in entry.examples:
+        codec = parse_codec(spec)
+        assert isinstance(codec, cls) and codec.biased == entry.error_feedback
+        assert parse_codec(codec.spec).spec == codec.spec  # the canonical spec parses back
+
+
+def _arg_cases(entry: CodecEntry) -> tuple[list[str], list[str]]:
+    """(arguments the grammar accepts, arguments it refuses) for an entry that takes one."""
+    if isinstance(entry.arg, IntArg):
+        good = [str(entry.arg.lo), str(min(entry.arg.hi, 999_999_999))]
+        bad = [str(entry.arg.lo - 1), "", "-1", "1.5", "²", "٣", "0000000001", " 1", "1e3"]
+        if entry.arg.hi < 999_999_999:
+            bad.append(str(entry.arg.hi + 1))
+        return good, bad
+    assert isinstance(entry.arg, RatioArg)
+    return (["1", "1.0", "0.5", ".5", "1e-3", "5E-1", "0.25e+0"],
+            ["0", "0.0", "1.5", "1e3", "-0.5", "+0.5", "nan", "inf", "1_0", "0x1", " 0.5", "", "1" * 40])
+
+
+@pytest.mark.parametrize("entry", [e for e in CODECS if e.arg is not None], ids=lambda e: e.name)
+def test_argument_grammar_bounds_agree_with_the_codec_class(entry: CodecEntry) -> None:
+    good, bad = _arg_cases(entry)
+    for arg in good:
+        assert parse_codec(f"{entry.name}:{arg}").name == entry.name
+    for arg in bad:
+        with pytest.raises(ConfigError) as e:
+            parse_codec(f"{entry.name}:{arg}", field="pull_compression")
+        assert e.value.field == "pull_compression"
+    with pytest.raises(ConfigError):
+        parse_codec(entry.name)  # the argument is required
+    if isinstance(entry.arg, IntArg) and entry.arg.hi < 999_999_999:
+        # The class refuses beyond the grammar too, when built directly.
+        with pytest.raises(ConfigError):
+            entry.load().from_arg(entry.arg.hi + 1)
+
+
+@pytest.mark.parametrize("entry", [e for e in CODECS if e.arg is None], ids=lambda e: e.name)
+def test_codecs_without_argument_refuse_one(entry: CodecEntry) -> None:
+    with pytest.raises(ConfigError, match="takes no argument"):
+        parse_codec(f"{entry.name}:1")
+
+
+@pytest.mark.parametrize("entry", CODECS, ids=lambda e: e.name)
+def test_elementwise_codecs_share_one_payload_across_parameters(entry: CodecEntry) -> None:
+    segs = ChunkCompressor(entry.examples[0], plan(10_000), shapes=SHAPES).segments(0)
+    assert (len(segs) == 1) == entry.elementwise
+
+
+def test_registry_and_experiment_validation_import_without_torch() -> None:
+    code = (
+        "import sys, gossamer.compression.registry, gossamer.experiment, gossamer.compression; "
+        "gossamer.compression.CODECS; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 # --- malformed payloads ---------------------------------------------------------------------
@@ -481,6 +554,23 @@ MALFORMED = {
     "sign negative scale": ("sign", (13,), lambda p: _set(p, "scale", torch.tensor([-1.0]))),
     "sign inf scale": ("sign", (13,), lambda p: _set(p, "scale", torch.tensor([math.inf]))),
     "sign bits as bool": ("sign", (13,), lambda p: _set(p, "bits", p.tensors["bits"].bool())),
+    "randk negative seed": ("randk:0.1", (50,), lambda p: _with_meta(p, seed=-1)),
+    "randk seed beyond 32 bits": ("randk:0.1", (50,), lambda p: _with_meta(p, seed=2**32)),
+    "randk float seed": ("randk:0.1", (50,), lambda p: _with_meta(p, seed=1.0)),
+    "randk bool seed": ("randk:0.1", (50,), lambda p: _with_meta(p, seed=True)),
+    "randk missing seed": ("randk:0.1", (50,), lambda p: Payload(dict(p.tensors), {})),
+    "randk indices sent": ("randk:0.1", (50,), lambda p: _set(p, "indices", torch.arange(5))),
+    "randk wrong count": ("randk:0.1", (50,), lambda p: _set(p, "values", p.tensors["values"][:-1])),
+    "randk nan value": (
+        "randk:0.1",
+        (50,),
+        lambda p: _set(p, "values", _edit(p.tensors["values"], 0, math.nan)),
+    ),
+    "randk int values": (
+        "randk:0.1",
+        (50,),
+        lambda p: _set(p, "values", p.tensors["values"].to(torch.int16)),
+    ),
     "fp16 sent as fp32": ("fp16", (10,), lambda p: _set(p, "values", p.tensors["values"].float())),
     "none inf value": (
         "none",
@@ -575,7 +665,9 @@ def mutations(draw: st.DrawFn, p: Payload) -> Payload:
         elif kind == "meta_drop" and meta:
             del meta[draw(st.sampled_from(sorted(meta)))]
         elif kind == "meta_add":
-            meta[draw(st.sampled_from(["rank", "block", "levels", "extra"]))] = draw(_junk_meta)
+            meta[draw(st.sampled_from(["rank", "block", "levels", "seed", "extra"]))] = draw(
+                _junk_meta
+            )
     return Payload(tensors, meta)
 
 
@@ -774,7 +866,7 @@ def test_chunk_compressor_validates_its_configuration():
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    spec=st.sampled_from(["int8", "topk:0.1", "powersgd:2", "sign"]),
+    spec=st.sampled_from(every_codec(["int8", "topk:0.1", "powersgd:2", "sign"])),
     where=st.sampled_from(["top", "segment", "payload"]),
     key=st.sampled_from(
         [
@@ -788,6 +880,7 @@ def test_chunk_compressor_validates_its_configuration():
             "meta",
             "block",
             "rank",
+            "seed",
             "x",
         ]
     ),
@@ -821,3 +914,88 @@ def test_topk_payload_size_does_not_depend_on_tiny_values(spec):
     assert codec.nominal_ratio(1000, (1000,)) == pytest.approx(4 * 1000 / p.nbytes)
     err = (codec.decode(p, (1000,), torch.float32) - x).abs()
     assert bool((err <= codec.error_bound(x)).all())
+
+
+@pytest.mark.parametrize("spec", every_codec(["topk:0.05"], lambda e: e.error_feedback and e.elementwise))
+def test_chunk_error_feedback_accumulates_what_every_biased_codec_dropped(spec):
+    pl = plan(10_000)
+    enc, dec = ChunkCompressor(spec, pl, seed=4), ChunkCompressor(spec, pl)
+    g = torch.Generator().manual_seed(1)
+    sent = torch.zeros(pl.total_numel, dtype=torch.float64)
+    total = torch.zeros(pl.total_numel, dtype=torch.float64)
+    for _ in range(5):
+        grad = torch.randn(pl.total_numel, generator=g)
+        sent += dec.decode(0, *enc.encode(0, grad)).double()
+        total += grad.double()
+    residual = enc.feedback.residual("c0").reshape(-1)
+    assert torch.allclose(sent + residual.double(), total, atol=1e-4)
+
+
+# --- randk ----------------------------------------------------------------------------------
+
+
+def test_randk_positions_are_a_golden_function_of_seed_size_and_count():
+    """The receiver rebuilds the sender's positions: any change to `positions` is a wire change."""
+    assert positions(12345, 20, 5).tolist() == [2, 15, 17, 18, 19]
+    assert positions(12346, 20, 5).tolist() == [1, 7, 8, 11, 15]
+    assert positions(0, 1000, 6).tolist() == [369, 585, 638, 787, 934, 976]
+    assert positions(2**32 - 1, 3, 2).tolist() == [1, 2]
+    assert positions(7, 5, 5).tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(("numel", "k"), [(1, 1), (2, 1), (7, 3), (1024, 10), (1025, 512), (5_000, 4_999)])
+def test_randk_positions_are_k_distinct_sorted_indices_in_range(numel, k):
+    for seed in (0, 1, 2**31, 2**32 - 1):
+        p = positions(seed, numel, k)
+        assert p.dtype == torch.int64 and p.numel() == k
+        assert int(p.min()) >= 0 and int(p.max()) < numel
+        assert k == 1 or bool((p[1:] > p[:-1]).all())
+
+
+def test_randk_positions_cover_every_index_about_equally_over_seeds():
+    numel, k, seeds = 20, 4, 800
+    counts = torch.zeros(numel)
+    for s in range(seeds):
+        counts[positions(zlib.crc32(str(s).encode()), numel, k)] += 1
+    expected = seeds * k / numel  # 160, binomial sd ~11: the bounds are 4 sd away
+    assert float(counts.min()) > 0.7 * expected and float(counts.max()) < 1.3 * expected
+
+
+def test_randk_refuses_tensors_beyond_32_bit_positions():
+    with pytest.raises(ValueError):
+        positions(0, 2**32 + 1, 3)
+
+
+def test_randk_payload_holds_only_values_and_a_seed_and_another_instance_decodes_it():
+    x = torch.randn(10_000)
+    enc = parse_codec("randk:0.01", seed=5)
+    p = enc.encode(x, key="w")
+    assert set(p.tensors) == {"values"} and p.tensors["values"].dtype == torch.float16
+    assert p.tensors["values"].numel() == 100 and p.nbytes == 200
+    assert set(p.meta) == {"seed"} and 0 <= p.meta["seed"] < 2**32
+    y = parse_codec("randk:0.01").decode(p, (10_000,), torch.float32)  # no seed of its own
+    kept = positions(p.meta["seed"], 10_000, 100)
+    assert torch.equal(y.nonzero().reshape(-1), kept)
+    assert torch.equal(y[kept], x[kept].half().float())
+
+
+def test_randk_draws_new_positions_per_step_and_per_tensor_reproducibly():
+    x = torch.randn(1000)
+    a = parse_codec("randk:0.05", seed=1)
+    seeds = [a.encode(x, key="w").meta["seed"] for _ in range(3)] + [a.encode(x, key="b").meta["seed"]]
+    assert len(set(seeds)) == 4
+    again = parse_codec("randk:0.05", seed=1)
+    assert [again.encode(x, key="w").meta["seed"] for _ in range(3)] == seeds[:3]
+    assert parse_codec("randk:0.05", seed=2).encode(x, key="w").meta["seed"] != seeds[0]
+
+
+def test_error_feedback_lets_randk_eventually_send_every_coordinate():
+    codec, ef = parse_codec("randk:0.1"), ErrorFeedback()
+    grad = torch.linspace(1, 2, 50)
+    touched = torch.zeros(50, dtype=torch.bool)
+    for _ in range(60):
+        comp = ef.compensate("k", grad)
+        decoded = codec.decode(codec.encode(comp, key="k"), (50,), torch.float32)
+        ef.update("k", comp, decoded)
+        touched |= decoded != 0
+    assert bool(touched.all())

@@ -10,6 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gossamer import ConfigError, Experiment
+from gossamer.compression import CODECS, CodecEntry
+from gossamer.compression.registry import codec_entry
+from gossamer.modes import mode_of
+from gossamer.paramserver.optimizer import OptimizerConfig
+from gossamer.paramserver.shard import ShardConfig
 
 BASE = {"name": "x", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data"}
 
@@ -138,3 +143,80 @@ def test_every_example_file_is_a_valid_experiment() -> None:
     assert len(files) >= 4
     for f in files:
         Experiment.from_toml(f)
+
+
+# --- codecs: the registry's grammar ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", [s for e in CODECS for s in e.examples])
+def test_every_registry_codec_is_accepted_where_it_applies(spec: str) -> None:
+    Experiment(**BASE, mode="async", compression=spec, pull_compression=spec, compression_overrides={"*.bias": spec})
+    if codec_entry(spec.partition(":")[0]).carries_values:
+        Experiment(**BASE, mode="gossip", compression=spec)
+    else:
+        with pytest.raises(ConfigError, match="exchanges parameter values") as e:
+            Experiment(**BASE, mode="gossip", compression=spec)
+        assert e.value.field == "compression"
+
+
+@pytest.mark.parametrize("field", ["compression", "pull_compression", "compression_overrides"])
+@pytest.mark.parametrize("entry", [e for e in CODECS if e.arg is not None], ids=lambda e: e.name)
+def test_a_codec_argument_outside_its_grammar_is_refused_naming_the_field(field: str, entry: CodecEntry) -> None:
+    for spec in (f"{entry.name}:0", entry.name, f"{entry.name}:x"):
+        value: object = {"*": spec} if field == "compression_overrides" else spec
+        with pytest.raises(ConfigError) as e:
+            Experiment(**{**BASE, field: value})
+        assert e.value.field == field
+
+
+# --- what the roles would refuse, refused at submit -----------------------------------------
+
+
+def test_diloco_with_adamw_and_momentum_is_refused_at_submit_naming_momentum() -> None:
+    for kw in ({"optimizer": "adamw"}, {}):  # "auto" is adamw in diloco
+        with pytest.raises(ConfigError, match="only applies to optimizer='sgd'") as e:
+            Experiment(**BASE, mode="diloco", momentum=0.9, **kw)
+        assert e.value.field == "momentum"
+    with pytest.raises(ConfigError) as e:
+        Experiment(**BASE, mode="async", optimizer="adamw", momentum=0.9, nesterov=True)
+    assert e.value.field == "nesterov"
+    Experiment(**BASE, mode="diloco", optimizer="sgd", momentum=0.9, nesterov=True)
+
+
+@pytest.mark.parametrize("mode", [("sync", "sync"), ("async", "sync"), ("gossip", "sync"), ("diloco", "sync"),
+                                  ("diloco", "async"), ("diloco", "gossip")], ids="/".join)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize(("momentum", "nesterov"), [(0.0, False), (0.9, False), (0.9, True), (0.0, True)])
+def test_experiment_refuses_exactly_what_the_roles_optimizer_config_refuses(
+    mode: tuple[str, str], optimizer: str, momentum: float, nesterov: bool
+) -> None:
+    kw = {"optimizer": optimizer, "lr": 0.01, "momentum": momentum, "nesterov": nesterov, "weight_decay": 0.01}
+    try:
+        # What a shard (sync, async) or a worker's inner optimizer (gossip, diloco) builds.
+        OptimizerConfig(name=optimizer, lr=0.01, momentum=momentum, nesterov=nesterov, weight_decay=0.01)
+    except ConfigError as role:
+        with pytest.raises(ConfigError) as e:
+            Experiment(**BASE, mode=mode[0], outer_step=mode[1], **kw)
+        assert e.value.field == role.field
+    else:
+        exp = Experiment(**BASE, mode=mode[0], outer_step=mode[1], **kw)
+        if mode_of(exp).servers:
+            ShardConfig.for_experiment(exp, "e1", 0)
+
+
+@pytest.mark.parametrize("mode", [("gossip", "sync"), ("diloco", "gossip")], ids="/".join)
+def test_serverless_modes_accept_zero_parameter_servers(mode: tuple[str, str]) -> None:
+    exp = Experiment(**BASE, mode=mode[0], outer_step=mode[1], num_ps_shards=0)
+    assert not mode_of(exp).servers
+    assert Experiment.from_json(exp.to_json()) == exp
+
+
+@pytest.mark.parametrize("mode", [("sync", "sync"), ("async", "sync"), ("diloco", "sync"), ("diloco", "async")],
+                         ids="/".join)
+def test_modes_with_servers_need_at_least_one(mode: tuple[str, str]) -> None:
+    with pytest.raises(ConfigError, match=">= 1") as e:
+        Experiment(**BASE, mode=mode[0], outer_step=mode[1], num_ps_shards=0)
+    assert e.value.field == "num_ps_shards"
+    with pytest.raises(ConfigError) as e:
+        Experiment(**BASE, mode="gossip", num_ps_shards=-1)
+    assert e.value.field == "num_ps_shards"

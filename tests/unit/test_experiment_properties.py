@@ -17,6 +17,9 @@ from hypothesis import strategies as st
 from gossamer import ConfigError, Experiment
 from gossamer.compression import parse_codec
 from gossamer.experiment import MODES, OPTIMIZERS, OUTER_STEPS, PARALLELISMS, TOPOLOGIES
+from gossamer.modes import mode_of
+from gossamer.paramserver.optimizer import OptimizerConfig
+from gossamer.paramserver.shard import ShardConfig
 
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BASE = {"name": "x", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data"}
@@ -302,3 +305,42 @@ def test_codec_parser_refuses_digits_int_cannot_read(spec: str) -> None:
     """Regression: str.isdigit() holds for superscripts, and int() then raised ValueError."""
     with pytest.raises(ConfigError, match="positive integer"):
         parse_codec(spec)
+
+
+# -- what the validator accepts, every role accepts ---------------------------------------------
+
+# Mostly valid values, so that most drawn experiments are accepted and reach the roles' checks.
+_ROLE_VALUES: dict[str, st.SearchStrategy[Any]] = {
+    "mode": st.sampled_from(MODES),
+    "outer_step": st.sampled_from(OUTER_STEPS),
+    "optimizer": st.sampled_from([*OPTIMIZERS, "auto"]),
+    "lr": st.sampled_from([1e-4, 0.05, 1.0, 3.0]),
+    "momentum": st.sampled_from([0.0, 0.5, 0.9]),
+    "nesterov": st.booleans(),
+    "weight_decay": st.sampled_from([0.0, 0.01, 2.0]),
+    "outer_lr": st.sampled_from([0.1, 0.7, 1.5]),
+    "outer_momentum": st.sampled_from([0.0, 0.6, 0.9]),
+    "staleness": st.one_of(st.none(), st.integers(0, 8)),
+    "total_steps": st.integers(1, 100),
+    "inner_steps": st.integers(1, 30),
+    "lr_schedule": st.sampled_from(["constant", "linear", "cosine"]),
+    "warmup_steps": st.integers(0, 10),
+    "checkpoint_every": st.integers(0, 50),
+    "lr_scaling": st.sampled_from(["none", "linear"]),
+    "num_ps_shards": st.integers(0, 4),
+}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.fixed_dictionaries({}, optional=_ROLE_VALUES))
+def test_an_accepted_experiment_builds_every_roles_config(data: dict[str, Any]) -> None:
+    try:
+        exp = Experiment.from_dict({**BASE, **data})
+    except ConfigError:
+        return
+    # The workers' inner optimizer (gossip, diloco) and the shards' (sync, async) ...
+    OptimizerConfig(name=exp.optimizer, lr=exp.lr, momentum=exp.momentum, nesterov=exp.nesterov,
+                    weight_decay=exp.weight_decay)
+    # ... and each shard's settings, where the mode has shards.
+    if mode_of(exp).servers:
+        ShardConfig.for_experiment(exp, "e1", 0)

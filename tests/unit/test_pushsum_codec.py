@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gossamer.compression import CODECS, parse_codec
+from gossamer.compression.registry import codec_entry
 from gossamer.errors import ConfigError
 from gossamer.gossip import parse_value_codec
 
@@ -23,3 +25,12 @@ def test_sparse_sign_and_low_rank_codecs_are_refused_with_the_reason(spec: str) 
 def test_unknown_codec_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="unknown codec"):
         parse_value_codec("zip")
+
+
+@pytest.mark.parametrize("spec", [s for e in CODECS for s in e.examples])
+def test_gossip_takes_exactly_the_registry_codecs_that_carry_values(spec: str) -> None:
+    if codec_entry(spec.partition(":")[0]).carries_values:
+        assert parse_value_codec(spec).spec == parse_codec(spec).spec
+    else:
+        with pytest.raises(ConfigError, match="CHOCO"):
+            parse_value_codec(spec)

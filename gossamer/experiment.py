@@ -24,8 +24,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-#: Kept for the coordinator's check at submit: every mode of the table runs end to end.
-IMPLEMENTED_MODES = MODES
 OPTIMIZERS = ("sgd", "adamw")
 #: Optimizers with a `momentum` (and `nesterov`); the others refuse it (paramserver/optimizer.py).
 _MOMENTUM_OPTIMIZERS = ("sgd",)

@@ -17,7 +17,7 @@ from gossamer.coordinator.records import ExpRec, NodeRec, RoleRec
 from gossamer.coordinator.store import Store
 from gossamer.coordinator.stragglers import StepRates, worker_speeds
 from gossamer.errors import ConfigError, NotFoundError
-from gossamer.experiment import IMPLEMENTED_MODES, Experiment
+from gossamer.experiment import Experiment
 from gossamer.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -390,8 +390,6 @@ class Coordinator:
     # --- experiments -----------------------------------------------------------------------
     async def submit(self, experiment_json: str) -> str:
         exp = Experiment.from_json(experiment_json)
-        if exp.mode not in IMPLEMENTED_MODES:
-            raise ConfigError("mode", f"mode {exp.mode!r} is not available in this release")
         if self.config.check_imports:
             await self._check_imports(exp)
         self._seq += 1

@@ -6,6 +6,7 @@ from multiprocessing.connection import Connection
 
 from gossamer.protocol import RoleSpec
 from gossamer.worker._role_process import setup, stop_on_signals
+from gossamer.worker.process_group import exit_process
 from gossamer.worker.server_role import ServerRole
 from gossamer.worker.worker_role import WorkerRankRole
 
@@ -21,4 +22,9 @@ def run_server(spec: RoleSpec, conn: Connection | None = None) -> None:
 def run_worker_rank(spec: RoleSpec, conn: Connection | None = None) -> None:
     """Run local rank `spec.local_rank` of a worker role."""
     setup(spec)
-    WorkerRankRole(spec, conn, stop_on_signals()).run()
+    role = WorkerRankRole(spec, conn, stop_on_signals())
+    code = role.run()
+    if role.ran_process_group:
+        exit_process(code)  # torch may still hold the destroyed group's threads: see exit_process
+    if code:
+        raise SystemExit(code)

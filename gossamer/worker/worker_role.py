@@ -10,7 +10,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from gossamer._import_check import resolve
 from gossamer.envinfo import fingerprint
@@ -27,6 +26,7 @@ from gossamer.worker._role_process import (
     refresh_keyring,
 )
 from gossamer.worker.node_metrics import MetricsFeed
+from gossamer.worker.process_group import end_process_group, start_process_group
 from gossamer.worker.rank import RankContext
 from gossamer.worker.rank_trainer import RankTrainer
 from gossamer.worker.reporter import Reporter
@@ -60,10 +60,12 @@ class WorkerRankRole:
         self.keyring = keyring_of(spec)
         install_keyring(self.keyring)
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Train; returns the exit code of the process (1: failed, reported to the coordinator)."""
         clean = False
         try:
-            self._init_process_group()
+            start_process_group(rank=self.rank, world=self.world, port=self.spec.master_port,
+                                cuda=self.device.type == "cuda")
             self._train()
             clean = True
         except Exception as e:  # noqa: BLE001
@@ -71,36 +73,16 @@ class WorkerRankRole:
             if not self.stop.is_set():
                 self.reporter.role(self.spec.node_id, pb.ROLE_WORKER, self.index, pb.ROLE_STATE_FAILED,
                                    message=f"{type(e).__name__}: {e}", retry_s=10)
-            self.reporter.close()
-            raise SystemExit(1) from None
         finally:
-            self._destroy_process_group(clean)
-        self.reporter.close()
+            # A stopped rank may have left its loop while another is inside a collective.
+            end_process_group(finished_together=clean and not self.stop.is_set())
+            self.reporter.close()  # joins its thread
+        return 0 if clean else 1
 
-    # --- the node's process group ------------------------------------------------------------
-    def _init_process_group(self) -> None:
-        if self.world > 1 and not dist.is_initialized():
-            dist.init_process_group(
-                backend="nccl" if self.device.type == "cuda" else "gloo",
-                init_method=f"tcp://127.0.0.1:{self.spec.master_port}",
-                rank=self.rank,
-                world_size=self.world,
-            )
-
-    def _destroy_process_group(self, clean: bool) -> None:
-        """Tear the process group down before the interpreter exits (its threads must not outlive it).
-
-        After a clean run every local rank reaches this point, so a last barrier lets none close its
-        connections while another still talks on them; after a failure the others may be gone.
-        """
-        if not dist.is_initialized():
-            return
-        if clean:
-            try:
-                dist.barrier()
-            except RuntimeError as e:  # a local rank died meanwhile: tear down all the same
-                log.warning("worker %d rank %d: final barrier failed (%s)", self.index, self.rank, e)
-        dist.destroy_process_group()
+    @property
+    def ran_process_group(self) -> bool:
+        """This rank was part of a process group (the node runs several local ranks)."""
+        return self.world > 1
 
     # --- training ----------------------------------------------------------------------------
     def _context(self) -> RankContext:

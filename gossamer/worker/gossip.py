@@ -160,6 +160,7 @@ class GossipTrainer(RankTrainer):
                     self._eval_average(self.clock)
         self.profiler.close(self.clock)
         self._finish_or_serve()
+        self.finished = self.clock >= self.exp.total_steps  # the node's ranks share the clock
         log.info("worker %s rank %d finished after %d steps (%.1f s)", self.me, self.ctx.local_rank,
                  self.stats.steps, time.monotonic() - t0)
 

@@ -272,6 +272,7 @@ class ParameterServerTrainer(RankTrainer):
                 self.finish()
         self.client.leave()
         self.client.close()
+        self.finished = done
         log.info("worker %d rank %d finished after %d steps (%.1f s)", self.ctx.worker_index,
                  self.ctx.local_rank, self.stats.steps, time.monotonic() - t0)
 

@@ -74,6 +74,8 @@ class RankTrainer:
         self._last_eval = 0
         self.final_path = ""
         self.final_metrics: dict[str, float] = {}
+        #: The run reached its end (as every local rank agreed), not a stop: all ranks are past their collectives.
+        self.finished = False
         self.profiler = StepProfiler(self.exp, experiment_id=ctx.experiment_id, node_id=ctx.node_id,
                                      node_name=ctx.node_name, local_rank=ctx.local_rank, device=ctx.device,
                                      checkpoint_dir=ctx.checkpoint_dir, on_metrics=lambda s, v: self.on_metrics(s, v))

@@ -62,11 +62,11 @@ class WorkerRankRole:
 
     def run(self) -> int:
         """Train; returns the exit code of the process (1: failed, reported to the coordinator)."""
-        clean = False
+        clean, finished = False, False
         try:
             start_process_group(rank=self.rank, world=self.world, port=self.spec.master_port,
                                 cuda=self.device.type == "cuda")
-            self._train()
+            finished = self._train()
             clean = True
         except Exception as e:  # noqa: BLE001
             log.error("worker %d rank %d failed:\n%s", self.index, self.rank, traceback.format_exc())
@@ -75,7 +75,7 @@ class WorkerRankRole:
                                    message=f"{type(e).__name__}: {e}", retry_s=10)
         finally:
             # A stopped rank may have left its loop while another is inside a collective.
-            end_process_group(finished_together=clean and not self.stop.is_set())
+            end_process_group(finished_together=finished)
             self.reporter.close()  # joins its thread
         return 0 if clean else 1
 
@@ -114,7 +114,8 @@ class WorkerRankRole:
             refresh_keyring(self.keyring, latest)
         return latest
 
-    def _train(self) -> None:
+    def _train(self) -> bool:
+        """Run the trainer of the experiment's mode; whether it reached the end with every local rank."""
         ctx = self._context()
         trainer_class = resolve(mode_of(ctx.experiment).trainer)
         assert isinstance(trainer_class, type) and issubclass(trainer_class, RankTrainer)
@@ -130,6 +131,7 @@ class WorkerRankRole:
         self.reporter.flush()
         if self.rank == 0 and trainer.final_path:
             self.reporter.complete(self.spec.node_id, trainer.final_metrics, trainer.final_path)
+        return trainer.finished
 
     def _record_environment(self) -> None:
         """Write this node's environment fingerprint next to the experiment's checkpoints.

@@ -6,22 +6,28 @@ from multiprocessing.connection import Connection
 
 from gossamer.protocol import RoleSpec
 from gossamer.worker._role_process import setup, stop_on_signals
-from gossamer.worker.process_group import exit_process
-from gossamer.worker.server_role import ServerRole
-from gossamer.worker.worker_role import WorkerRankRole
 
 __all__ = ["run_server", "run_worker_rank"]
+
+# The node agent imports this module for the spawn targets: the roles themselves (and torch)
+# are imported in the role process only, or the agent's event loop would stall for seconds
+# (heartbeats missed, the node's lease lost) the first time it starts a role.
 
 
 def run_server(spec: RoleSpec, conn: Connection | None = None) -> None:
     """Host parameter-server shard `spec.index` (primary or backup) until SIGTERM or the end."""
     setup(spec)
+    from gossamer.worker.server_role import ServerRole
+
     ServerRole(spec, conn, stop_on_signals()).run()
 
 
 def run_worker_rank(spec: RoleSpec, conn: Connection | None = None) -> None:
     """Run local rank `spec.local_rank` of a worker role."""
     setup(spec)
+    from gossamer.worker.process_group import exit_process
+    from gossamer.worker.worker_role import WorkerRankRole
+
     role = WorkerRankRole(spec, conn, stop_on_signals())
     code = role.run()
     if role.ran_process_group:

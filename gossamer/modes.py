@@ -67,7 +67,7 @@ class Mode:
         return ("ddp", "fsdp", "pipeline") if self.servers else ("ddp",)
 
 
-_PS_TRAINER = "gossamer.worker.trainer:Trainer"
+_PS_TRAINER = "gossamer.worker.ps_trainer:ParameterServerTrainer"
 _GOSSIP_TRAINER = "gossamer.worker.gossip:GossipTrainer"
 _DILOCO_TRAINER = "gossamer.worker.diloco:DilocoTrainer"
 

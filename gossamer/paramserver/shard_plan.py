@@ -15,11 +15,24 @@ import torch
 
 from gossamer.errors import ConfigError
 
-__all__ = ["Chunk", "ShardPlan", "flatten_grads", "flatten_params", "unflatten_into"]
+__all__ = ["FSDP_MAX_LOCAL_RANKS", "Chunk", "ShardPlan", "fsdp_row_cuts", "flatten_grads", "flatten_params", "unflatten_into"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_NUMEL = 1 << 20
+
+# The parameter-server plan of an fsdp experiment is cut wherever FSDP2 cuts a parameter for
+# any local world size up to this, so every rank of any node exchanges whole chunks.
+FSDP_MAX_LOCAL_RANKS = 8
+
+
+def fsdp_row_cuts(rows: int, max_world: int = FSDP_MAX_LOCAL_RANKS) -> set[int]:
+    """Row indices where FSDP2's dim-0 split (torch.chunk) cuts `rows` rows for worlds 2..max_world."""
+    cuts: set[int] = set()
+    for world in range(2, max_world + 1):
+        step = -(-rows // world)
+        cuts.update(range(step, rows, step))
+    return cuts
 
 
 @dataclass(frozen=True)
@@ -206,8 +219,6 @@ class ShardPlan:
             raise ConfigError("align", f"unknown plan alignment {align!r}; choose pack, param or fsdp")
         cuts: set[int] = set()
         if align == "fsdp":
-            from gossamer.worker.layout import fsdp_row_cuts
-
             offset = 0
             for _, p in module.named_parameters():
                 if p.dim() >= 1 and p.shape[0] > 1:

@@ -13,12 +13,12 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import grpc
 
 from gossamer.errors import AuthError, ConfigError, UnavailableError
+from gossamer.protocol import AssignmentUpdate, RoleSpec
 from gossamer.security.channel import ChannelSecurity, explain_rpc_error, open_aio_channel
 from gossamer.security.curve import CurveKeyPair
 from gossamer.v1 import coordinator_pb2 as pb
@@ -310,35 +310,29 @@ class NodeAgent:
                 self._start(a)
         self.finished &= set(wanted)
 
-    def _spec(self, a: pb.Assignment) -> dict[str, Any]:
-        return {
-            "coordinator": self.config.coordinator, "node_id": self.node_id, "address": self.address,
-            "experiment_id": a.experiment_id, "index": a.index, "num_workers": a.num_workers,
-            "experiment_json": a.experiment_json, "shard_endpoints": dict(a.shard_endpoints),
-            "checkpoint_dir": a.checkpoint_dir, "lead": a.lead, "threads": self.config.threads_per_role,
-            "metrics_socket": self.metrics.socket_path if self.metrics else "",
-            "log_level": self.config.log_level, "log_format": self.config.log_format, "node_name": self.name,
-            **self._update_of(a),
-            "security": self.config.security.spec() if self.config.security else None,
-            **self._curve_spec(),
-        }
+    def _spec(self, a: pb.Assignment) -> RoleSpec:
+        keys = self.curve_keys if self.curve else None  # none: the data plane is plaintext
+        return RoleSpec(
+            coordinator=self.config.coordinator, node_id=self.node_id, address=self.address,
+            experiment_id=a.experiment_id, index=a.index, experiment_json=a.experiment_json,
+            checkpoint_dir=a.checkpoint_dir, node_name=self.name, threads=self.config.threads_per_role,
+            metrics_socket=self.metrics.socket_path if self.metrics else "",
+            log_level=self.config.log_level, log_format=self.config.log_format,
+            security=self.config.security.spec() if self.config.security else None,
+            curve_public=keys.public if keys else "", curve_secret=keys.secret if keys else "",
+            assignment=self._update_of(a),
+        )
 
     @staticmethod
-    def _update_of(a: pb.Assignment) -> dict[str, Any]:
+    def _update_of(a: pb.Assignment) -> AssignmentUpdate:
         """What a running role process learns of a changed assignment."""
-        return {
-            "lead": a.lead, "num_workers": a.num_workers, "endpoints": dict(a.shard_endpoints),
-            "generation": a.generation, "worker_rank": a.worker_rank, "replica": a.replica,
-            "backup_endpoint": a.backup_endpoint, "workers": list(a.workers), "restore_epoch": a.restore_epoch,
-            "peers": {int(k): v for k, v in a.peer_endpoints.items()},
-            "curve_server_keys": dict(a.curve_server_keys), "curve_members": list(a.curve_members),
-        }
-
-    def _curve_spec(self) -> dict[str, str]:
-        """The node's CURVE key pair for a role process (nothing when the data plane is plaintext)."""
-        if not self.curve or self.curve_keys is None:
-            return {}
-        return {"curve_public": self.curve_keys.public, "curve_secret": self.curve_keys.secret}
+        return AssignmentUpdate(
+            lead=a.lead, num_workers=a.num_workers, endpoints={int(k): v for k, v in a.shard_endpoints.items()},
+            generation=a.generation, worker_rank=a.worker_rank, replica=a.replica,
+            backup_endpoint=a.backup_endpoint, workers=tuple(a.workers), restore_epoch=a.restore_epoch,
+            peers={int(k): v for k, v in a.peer_endpoints.items()},
+            curve_server_keys=dict(a.curve_server_keys), curve_members=tuple(a.curve_members),
+        )
 
     def _start(self, a: pb.Assignment) -> None:
         from gossamer.worker import roles
@@ -347,7 +341,7 @@ class NodeAgent:
         procs: list[RoleProcess] = []
         pipes: list[RolePipe] = []
         if a.role == pb.ROLE_PARAMETER_SERVER:
-            spec["label"] = f"ps{a.index}" + ("b" if a.replica else "")
+            spec = replace(spec, label=f"ps{a.index}" + ("b" if a.replica else ""))
             recv, send = _SPAWN.Pipe(duplex=False)
             procs.append(_SPAWN.Process(target=roles.run_server, args=(spec, recv), name=f"gossamer-ps{a.index}"))
             pipes.append(send)
@@ -355,8 +349,7 @@ class NodeAgent:
             nproc = self.config.nproc_per_node
             port = _free_port()
             for rank in range(nproc):
-                rspec = {**spec, "local_rank": rank, "nproc": nproc, "master_port": port,
-                         "label": f"w{a.index}.{rank}"}
+                rspec = replace(spec, local_rank=rank, nproc=nproc, master_port=port, label=f"w{a.index}.{rank}")
                 if rank > 0 and self.attached is not None:  # runs in the launcher's process of that local rank
                     proc, pipe = self.attached.remote(rank, rspec)
                     procs.append(proc)

@@ -33,7 +33,8 @@ from typing import Any, Protocol
 
 import msgpack
 
-from gossamer.errors import ConfigError, UnavailableError
+from gossamer.errors import ConfigError, ProtocolError, UnavailableError
+from gossamer.protocol import AssignmentUpdate, RoleSpec
 from gossamer.worker.launcher import Launch
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class RoleProcess(Protocol):
 class RolePipe(Protocol):
     """Where the agent sends a running role its assignment updates."""
 
-    def send(self, obj: Any) -> None: ...
+    def send(self, obj: AssignmentUpdate) -> None: ...
 
     def close(self) -> None: ...
 
@@ -99,7 +100,7 @@ class _Rank:
 class RemoteRank:
     """A worker rank that runs as a child of an attached local rank, seen as a process by the agent."""
 
-    def __init__(self, peer: _Rank, seq: int, spec: dict[str, Any]) -> None:
+    def __init__(self, peer: _Rank, seq: int, spec: RoleSpec) -> None:
         self._peer, self._seq, self._spec = peer, seq, spec
         self._exitcode: int | None = None
 
@@ -120,7 +121,7 @@ class RemoteRank:
             self._exitcode = 1
             return
         self._peer.children[self._seq] = self
-        self._peer.send({"op": "start", "seq": self._seq, "spec": self._spec})
+        self._peer.send({"op": "start", "seq": self._seq, "spec": self._spec.to_dict()})
 
     def terminate(self) -> None:
         self._peer.send({"op": "stop", "seq": self._seq})
@@ -142,8 +143,8 @@ class RemotePipe:
     def __init__(self, peer: _Rank, seq: int) -> None:
         self._peer, self._seq = peer, seq
 
-    def send(self, obj: Any) -> None:
-        self._peer.send({"op": "update", "seq": self._seq, "update": obj})
+    def send(self, obj: AssignmentUpdate) -> None:
+        self._peer.send({"op": "update", "seq": self._seq, "update": obj.to_dict()})
 
     def close(self) -> None:
         pass
@@ -191,7 +192,7 @@ class AttachedRanks:
     def missing(self) -> list[int]:
         return sorted(self.expected - set(self.ranks))
 
-    def remote(self, rank: int, spec: dict[str, Any]) -> tuple[RemoteRank, RemotePipe]:
+    def remote(self, rank: int, spec: RoleSpec) -> tuple[RemoteRank, RemotePipe]:
         """Local rank `rank`'s worker process for one assignment (started by its `start()`)."""
         peer = self.ranks[rank]
         self._seq += 1
@@ -332,19 +333,19 @@ class _Children:
     def __init__(self) -> None:
         self.procs: dict[int, tuple[BaseProcess, Connection]] = {}
 
-    def start(self, seq: int, spec: dict[str, Any]) -> None:
+    def start(self, seq: int, spec: RoleSpec) -> None:
         from gossamer.worker import roles
 
         recv, send = _SPAWN.Pipe(duplex=False)
         proc = _SPAWN.Process(target=roles.run_worker_rank, args=(spec, recv),
-                              name=f"gossamer-{spec.get('label', 'worker')}")
+                              name=f"gossamer-{spec.label}")
         proc.start()
         recv.close()
         self.procs[seq] = (proc, send)
-        log.info("started worker %s rank %s for the node agent (pid %s)", spec.get("index"), spec.get("local_rank"),
+        log.info("started worker %s rank %s for the node agent (pid %s)", spec.index, spec.local_rank,
                  proc.pid)
 
-    def update(self, seq: int, update: Any) -> None:
+    def update(self, seq: int, update: AssignmentUpdate) -> None:
         if seq in self.procs:
             with contextlib.suppress(BrokenPipeError, OSError):
                 self.procs[seq][1].send(update)
@@ -427,9 +428,9 @@ def run_attached_rank(launch: Launch, path: str, *, timeout_s: float = 120.0) ->
                     log.info("local rank %d of %s attached to the node agent at %s", launch.local_rank,
                              launch.source, path)
                 elif op == "start":
-                    children.start(int(msg["seq"]), msg["spec"])
+                    children.start(int(msg["seq"]), RoleSpec.from_dict(msg["spec"]))
                 elif op == "update":
-                    children.update(int(msg["seq"]), msg["update"])
+                    children.update(int(msg["seq"]), AssignmentUpdate.from_dict(msg["update"]))
                 elif op in ("stop", "kill"):
                     children.signal(int(msg["seq"]), kill=op == "kill")
             for seq, code in children.reap():
@@ -440,7 +441,7 @@ def run_attached_rank(launch: Launch, path: str, *, timeout_s: float = 120.0) ->
             if deadline and time.monotonic() > deadline:
                 log.error("no bye from the node agent %.0f s after a signal: exiting", grace_s + 30.0)
                 return 0
-    except (ConnectionError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+    except (ConnectionError, ValueError, KeyError, TypeError, ProtocolError, msgpack.UnpackException) as e:
         log.error("lost the node agent at %s: %s", path, e)
         return 1
     finally:

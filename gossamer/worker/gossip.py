@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gossamer.gossip import PushSumPeer, Snapshot, out_peer
-from gossamer.worker.diloco import inner_optimizer, schedule_lr
-from gossamer.worker.trainer import Hook, RankContext, RankTrainer
+from gossamer.protocol import AssignmentUpdate
+from gossamer.worker.optimizer import inner_optimizer, schedule_lr
+from gossamer.worker.rank import Hook, RankContext
+from gossamer.worker.rank_trainer import OnSaved, RankTrainer
 
 log = logging.getLogger(__name__)
 
@@ -43,38 +44,37 @@ class GossipTrainer(RankTrainer):
     """
 
     def __init__(self, ctx: RankContext, *, on_metrics: Hook | None = None,
-                 updates: Callable[[], dict[str, Any] | None] | None = None,
-                 should_stop: Callable[[], bool] | None = None, host: str = "127.0.0.1",
-                 peers: dict[int, str] | None = None) -> None:
-        super().__init__(ctx, on_metrics=on_metrics, updates=updates, should_stop=should_stop)
+                 updates: Callable[[], AssignmentUpdate | None] | None = None,
+                 should_stop: Callable[[], bool] | None = None, on_saved: OnSaved | None = None) -> None:
+        super().__init__(ctx, on_metrics=on_metrics, updates=updates, should_stop=should_stop, on_saved=on_saved)
         self.opt = inner_optimizer(self.exp, self.model.parameters())
         self.outer: torch.optim.Optimizer | None = None
         self.theta0: torch.Tensor | None = None
         self.rounds = 0
         self.skipped_sends = 0
-        if self.exp.mode == "diloco":  # decentralized: outer_step == "gossip"
+        if self.mode.rounds:  # decentralized DiLoCo: an outer step on each node every `inner_steps`
             self.theta0 = self.flat.detach().clone().requires_grad_(True)
             self.outer = torch.optim.SGD([self.theta0], lr=self.exp.outer_lr, momentum=self.exp.outer_momentum,
                                          nesterov=self.exp.outer_momentum > 0)
         self.me = str(ctx.worker_index)
         self.peer: PushSumPeer | None = None
         if ctx.local_rank == 0:
-            self.peer = PushSumPeer(experiment=ctx.experiment_id, peer_id=self.me, host=host,
+            self.peer = PushSumPeer(experiment=ctx.experiment_id, peer_id=self.me, host=ctx.host,
                                     codec=self.exp.compression, numel=self.flat.numel())
         self.endpoint = self.peer.endpoint if self.peer is not None else ""
-        self.profiler.watch(getattr(self.peer, "_codec", None), "encode", "decode")  # the sender's codec
+        self.profiler.watch(self.peer.codec if self.peer is not None else None, "encode", "decode")  # the sender's codec
         self.members: dict[str, str] = {}
-        if self.peer is not None and peers:  # the members the assignment named at start
-            self.members = {str(k): v for k, v in peers.items() if str(k) != self.me}
+        if self.peer is not None and ctx.peers:  # the members the assignment named at start
+            self.members = {str(k): v for k, v in ctx.peers.items() if str(k) != self.me}
             self.peer.set_membership(dict(self.members), ctx.generation)
         self.consensus = float("nan")
         self.copied_from = ""
 
     # --- membership ----------------------------------------------------------------------
-    def _apply_updates(self) -> dict[str, Any] | None:
+    def _apply_updates(self) -> AssignmentUpdate | None:
         upd = super()._apply_updates()
-        if upd is not None and self.peer is not None and "peers" in upd:
-            self.members = {str(k): v for k, v in upd["peers"].items() if str(k) != self.me}
+        if upd is not None and self.peer is not None:
+            self.members = {str(k): v for k, v in upd.peers.items() if str(k) != self.me}
             self.peer.set_membership(dict(self.members), self.ctx.generation)
         return upd
 
@@ -160,6 +160,7 @@ class GossipTrainer(RankTrainer):
                     self._eval_average(self.clock)
         self.profiler.close(self.clock)
         self._finish_or_serve()
+        self.finished = self.clock >= self.exp.total_steps  # the node's ranks share the clock
         log.info("worker %s rank %d finished after %d steps (%.1f s)", self.me, self.ctx.local_rank,
                  self.stats.steps, time.monotonic() - t0)
 

@@ -16,23 +16,23 @@ from torch import nn
 
 from gossamer.errors import ConfigError
 from gossamer.experiment import Experiment
+from gossamer.paramserver import Chunk, ShardPlan, flatten_grads, flatten_params, unflatten_into
+from gossamer.paramserver.shard_plan import FSDP_MAX_LOCAL_RANKS, fsdp_row_cuts
+from gossamer.worker.sampler import even_split
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FSDP_MAX_LOCAL_RANKS", "NodeLayout", "Region", "fsdp_row_cuts", "make_layout", "pipeline_split"]
-
-# The parameter-server plan of an fsdp experiment is cut wherever FSDP2 cuts a parameter for
-# any local world size up to this, so every rank of any node exchanges whole chunks.
-FSDP_MAX_LOCAL_RANKS = 8
-
-
-def fsdp_row_cuts(rows: int, max_world: int = FSDP_MAX_LOCAL_RANKS) -> set[int]:
-    """Row indices where FSDP2's dim-0 split (torch.chunk) cuts `rows` rows for worlds 2..max_world."""
-    cuts: set[int] = set()
-    for world in range(2, max_world + 1):
-        step = -(-rows // world)
-        cuts.update(range(step, rows, step))
-    return cuts
+__all__ = [
+    "FSDP_MAX_LOCAL_RANKS",
+    "NodeLayout",
+    "Region",
+    "ReplicatedLayout",
+    "fsdp_row_cuts",
+    "make_layout",
+    "pipeline_split",
+    "rank_layout",
+    "shards_model",
+]
 
 
 @dataclass(frozen=True)
@@ -115,13 +115,14 @@ def loss_sum(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 class NodeLayout:
-    """Replicated (ddp): every local rank holds the whole model and all-reduces its gradient.
+    """How the model lies over a node's local ranks; the base holds what sharded layouts share.
 
-    Subclasses shard or stage the model. Every layout exposes the same four things: which
-    pieces of the full flat parameter vector this rank holds (`regions`, what it exchanges
-    with other nodes and what it checkpoints), one forward/backward over a node batch,
-    the node-wide gradient norm, and evaluation. All methods that communicate must be
-    called by every local rank, in the same order.
+    Every layout exposes the same things: which pieces of the full flat parameter vector this
+    rank holds (`regions`, what it checkpoints), one forward/backward over a node batch, the
+    node-wide gradient (unscale, finite check, clipping by its global norm), evaluation, and
+    for a training rank the plan chunks it exchanges with other nodes (`chunks`,
+    `chunk_grads`, `write_chunks`). All methods that communicate must be called by every
+    local rank, in the same order.
     """
 
     kind = "ddp"
@@ -133,6 +134,10 @@ class NodeLayout:
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         self.module = self._wrap(model)
         self.regions = self._regions()
+        #: The whole model as one flat fp32 vector where a rank holds it all (else empty).
+        self.flat = torch.zeros(0)
+        self._plan: ShardPlan | None = None
+        self._slots: dict[int, tuple[Region, int]] | None = None
 
     # --- construction ------------------------------------------------------------------
     def _wrap(self, model: nn.Module) -> nn.Module:
@@ -147,6 +152,8 @@ class NodeLayout:
 
     @property
     def holds_full_model(self) -> bool:
+        """Every local rank holds the whole model: it evaluates, checkpoints and gives a step up on
+        its own. Otherwise the node's ranks decide those together (collectively)."""
         return True
 
     # --- one step ----------------------------------------------------------------------
@@ -212,6 +219,129 @@ class NodeLayout:
         if self.world > 1:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok[0] > 0)
+
+    # --- a training rank's node gradient ---------------------------------------------------
+    #: Each rank computes its own samples, so the node's sample count and loss are summed.
+    splits_batch = True
+
+    def rank_share(self, idx: torch.Tensor) -> torch.Tensor:
+        """This rank's samples of the node batch `idx`."""
+        return even_split(idx, self.world, self.rank)
+
+    def node_gradient(self, x: torch.Tensor, y: torch.Tensor, denom: int, samples: int, loss_scale: float,
+                      before_reduce: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Backprop this rank's samples; each rank ends with the node gradient of its own regions.
+
+        Returns the node's flat gradient where a rank holds it whole (empty here), and the
+        node's [samples, summed loss per sample]. `before_reduce` runs before the first collective.
+        """
+        self.zero_grad()
+        per_sample = max(1, y[0].numel()) if y.dim() > 1 else 1
+        before_reduce()
+        total, _ = self.forward_backward(x, y, denom * per_sample, loss_scale)
+        node_samples = torch.tensor([float(samples), total / per_sample])
+        if self.splits_batch:  # each rank had its own samples; a pipeline stage saw them all
+            dist.all_reduce(node_samples)
+        return torch.zeros(0), node_samples
+
+    def unscale(self, scale: float) -> None:
+        """Divide the node gradient by the fp16 loss scale."""
+        for r in self.regions:
+            g = r.grad()
+            if g is not None:
+                g.div_(scale)
+
+    def gradient_finite(self) -> bool:
+        """Whether the node gradient is finite everywhere (agreed by every rank)."""
+        return self.all_finite()
+
+    def clip_node_gradient(self, max_norm: float) -> float:
+        """Clip the node gradient to `max_norm` by its global L2 norm; returns the norm before."""
+        return self.clip_gradients(max_norm)
+
+    def gradient_ready(self) -> None:
+        """The node gradient is final: make the parameters' `.grad` hold it (the optimizer reads them)."""
+
+    # --- the plan chunks a training rank exchanges ------------------------------------------
+    def use_plan(self, plan: ShardPlan) -> None:
+        """The parameter-server plan whose chunks this rank exchanges (made from the whole model)."""
+        self._plan, self._slots = plan, None
+
+    @property
+    def plan(self) -> ShardPlan:
+        assert self._plan is not None, "use_plan() first"
+        return self._plan
+
+    def _chunk_slots(self) -> dict[int, tuple[Region, int]]:
+        """Which plan chunk lies where in this rank's regions: chunk index -> (region, offset in it).
+
+        Raises:
+            ConfigError: a region is not made of whole chunks (the plan was cut for another layout).
+        """
+        if self._slots is not None:
+            return self._slots
+        by_start = {c.flat_offset: c for c in self.plan.chunks}
+        slots: dict[int, tuple[Region, int]] = {}
+        for r in self.regions:
+            pos, end = r.flat_offset, r.flat_offset + r.numel
+            while pos < end:
+                c = by_start.get(pos)
+                if c is None or pos + c.numel > end:
+                    raise ConfigError("parallelism", f"{self.kind} rank {self.rank} of {self.world} holds {r.name} "
+                                      f"[{r.flat_offset}, {end}) of the flat vector, which is not made of whole "
+                                      "chunks of the parameter-server plan")
+                slots[c.index] = (r, pos - r.flat_offset)
+                pos += c.numel
+        self._slots = slots
+        return slots
+
+    def chunks(self) -> list[Chunk]:
+        """The plan chunks this rank exchanges: exactly those of its own regions."""
+        return [self.plan.chunks[i] for i in sorted(self._chunk_slots())]
+
+    def chunk_grads(self) -> dict[int, torch.Tensor]:
+        """This rank's node gradient by chunk index (on CPU)."""
+        out: dict[int, torch.Tensor] = {}
+        for idx, (r, start) in self._chunk_slots().items():
+            n = self.plan.chunks[idx].numel
+            g = r.grad()
+            out[idx] = g[start : start + n].cpu() if g is not None else torch.zeros(n)
+        return out
+
+    def chunk_values(self) -> dict[int, torch.Tensor]:
+        """Copies of the current values of this rank's chunks (on CPU), by chunk index."""
+        out: dict[int, torch.Tensor] = {}
+        for idx, (r, start) in self._chunk_slots().items():
+            out[idx] = r.local()[start : start + self.plan.chunks[idx].numel].detach().cpu().clone()
+        return out
+
+    def write_chunks(self, values: dict[int, torch.Tensor], done: bool) -> bool:
+        """Write fresh values of this rank's chunks into its parameters; returns `done` as the ranks
+        agreed on it (sharded layouts agree elsewhere, with their progress)."""
+        slots = self._chunk_slots()
+        for idx, v in values.items():
+            r, start = slots[idx]
+            r.local()[start : start + v.numel()].copy_(v.reshape(-1).to(self.device))
+        return done
+
+    def snapshot(self) -> Any:
+        """The values an inner round starts from (DiLoCo), to take its pseudo-gradient against."""
+        return self.chunk_values()
+
+    def restore(self, snapshot: Any) -> None:
+        """Go back to a `snapshot` (a round given up); only a rank holding the whole model does so alone."""
+        raise NotImplementedError(f"{self.kind} ranks never give a round up alone")
+
+    def chunk_delta(self, snapshot: Any) -> dict[int, torch.Tensor]:
+        """`snapshot` minus the current values, by chunk index (DiLoCo's pseudo-gradient)."""
+        now = self.chunk_values()
+        return {idx: snapshot[idx].sub_(now[idx]) for idx in snapshot}
+
+    def params_changed(self) -> None:
+        """`flat` was written: copy it into the parameters where they are not views of it."""
+
+    def params_stepped(self) -> None:
+        """An optimizer stepped the parameters: bring `flat` up to date where it is not their storage."""
 
     # --- evaluation --------------------------------------------------------------------
     @torch.no_grad()
@@ -341,8 +471,6 @@ class FsdpLayout(NodeLayout):
     def _eval_batches(self, ds: Any, idx: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # Every rank must run the same number of forwards (each gathers layers collectively):
         # each takes an equal slice of the batch, and a rank with an empty slice still runs one.
-        from gossamer.worker.sampler import even_split
-
         mine = even_split(idx, self.world, self.rank)
         x, y = stack_batch(ds, mine if mine.numel() else idx[:1])
         out = self.module(x.to(self.device)).float()
@@ -359,6 +487,10 @@ class PipelineLayout(NodeLayout):
     """
 
     kind = "pipeline"
+    splits_batch = False  # every stage sees the whole node batch
+
+    def rank_share(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         groups = pipeline_split(model, self.world)
@@ -450,8 +582,137 @@ class PipelineLayout(NodeLayout):
 
 
 class ReplicatedLayout(NodeLayout):
-    """ddp, for node checkpoints: every rank holds everything, each saves an even slice of it."""
+    """ddp: every local rank holds the whole model and all-reduces its gradient.
 
+    Parameters and gradients are views of two flat fp32 buffers (`flat`, `flat_grad`), as DDP
+    buckets are, so exchanging the whole model or a slice of it with other nodes needs no
+    copies. A node checkpoint has each rank save an even slice of the model.
+    """
+
+    def __init__(self, model: nn.Module, exp: Experiment, rank: int, world: int, device: torch.device) -> None:
+        super().__init__(model, exp, rank, world, device)
+        self.flat = flatten_params(self.module).to(device)
+        self.flat_grad: torch.Tensor | None = None
+        self._grad = torch.zeros(0)  # the node gradient of the last step (`flat_grad` or a copy)
+        self._grad_copied = False  # `_grad` is a copy that was changed: `.grad` must be given it
+        self._views_checked = False
+        self._bind_flat()
+
+    def _bind_flat(self) -> None:
+        """Make parameters and gradients views of two flat fp32 buffers (as DDP buckets do).
+
+        Fresh values are then written straight into the parameters and the gradient is
+        already flat after backward: no per-step flatten/unflatten copies.
+        """
+        params = [p for _, p in self.module.named_parameters()]
+        if not params or any(p.dtype != torch.float32 for p in params):
+            return  # mixed dtypes: keep the copying path
+        self.flat_grad = torch.zeros_like(self.flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.data = self.flat[offset : offset + n].view_as(p)
+            p.grad = self.flat_grad[offset : offset + n].view_as(p)
+            offset += n
+
+    def _grads_are_views(self) -> bool:
+        if self.flat_grad is None:
+            return False
+        base = self.flat_grad.untyped_storage().data_ptr()
+        return all(
+            p.grad is not None and p.grad.untyped_storage().data_ptr() == base for p in self.module.parameters()
+        )
+
+    # --- a training rank's node gradient ---------------------------------------------------
+    def node_gradient(self, x: torch.Tensor, y: torch.Tensor, denom: int, samples: int, loss_scale: float,
+                      before_reduce: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.module.zero_grad(set_to_none=False)
+        with self.autocast():
+            out = self.module(x)
+        total, predictions = loss_sum(out.float(), y)
+        per_sample = max(1, predictions // max(1, y.shape[0]))  # 1 for classifiers, T for sequences
+        (total * (loss_scale / (denom * per_sample))).backward()
+        if not self._views_checked and self.flat_grad is not None and not self._grads_are_views():
+            # Checked once: autograd accumulates in place into an existing .grad, so if the
+            # first backward kept the views, later ones do too.
+            self.flat_grad = None  # autograd replaced a .grad: fall back to copying
+            unflatten_into(self.module, self.flat)
+        self._views_checked = True
+        grad = self.flat_grad if self.flat_grad is not None else flatten_grads(self.module)
+        node_samples = torch.tensor([float(samples), total.item() / per_sample])
+        self._grad, self._grad_copied = grad, False
+        if self.world > 1:
+            before_reduce()
+            dist.all_reduce(grad)
+            dist.all_reduce(node_samples)
+            self._grad_copied = True
+        return grad, node_samples
+
+    def unscale(self, scale: float) -> None:
+        self._grad.div_(scale)
+        self._grad_copied = True
+
+    def gradient_finite(self) -> bool:
+        return bool(torch.isfinite(self._grad).all())  # every rank holds the same node gradient
+
+    def clip_node_gradient(self, max_norm: float) -> float:
+        norm = float(self._grad.double().norm())
+        if norm > max_norm:
+            self._grad.mul_(max_norm / (norm + 1e-6))
+            self._grad_copied = True
+        return norm
+
+    def gradient_ready(self) -> None:
+        if self.flat_grad is None and self._grad_copied:
+            offset = 0
+            for p in self.module.parameters():
+                n = p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(self._grad[offset : offset + n].view_as(p.grad))
+                offset += n
+
+    # --- the plan chunks a training rank exchanges ------------------------------------------
+    def chunks(self) -> list[Chunk]:
+        """A balanced share of every chunk: the node's ranks split the exchange between them."""
+        return self.plan.chunks_of_rank(self.rank, self.world)
+
+    def chunk_grads(self) -> dict[int, torch.Tensor]:
+        return {c.index: self._grad[c.flat_offset : c.flat_offset + c.numel].cpu() for c in self.chunks()}
+
+    def write_chunks(self, values: dict[int, torch.Tensor], done: bool) -> bool:
+        """Every rank wrote its own chunks: one all-reduce gathers them, and the end flag with them."""
+        if self.world == 1:
+            self.plan.scatter(self.flat, values)
+        else:
+            buf = torch.zeros(self.flat.numel() + 1, dtype=self.flat.dtype, device=self.flat.device)
+            self.plan.scatter(buf[:-1], {k: v.to(buf.device) for k, v in values.items()})
+            buf[-1] = float(done)
+            dist.all_reduce(buf)  # chunks are disjoint across ranks: the sum is a gather
+            self.flat.copy_(buf[:-1])
+            done = bool(buf[-1].item() > 0)
+        self.params_changed()
+        return done
+
+    def snapshot(self) -> Any:
+        return self.flat.clone()
+
+    def restore(self, snapshot: Any) -> None:
+        self.flat.copy_(snapshot)
+        self.params_changed()
+
+    def chunk_delta(self, snapshot: Any) -> dict[int, torch.Tensor]:
+        delta = snapshot.sub_(self.flat)
+        return {c.index: delta[c.flat_offset : c.flat_offset + c.numel] for c in self.chunks()}
+
+    def params_changed(self) -> None:
+        if self.flat_grad is None:
+            unflatten_into(self.module, self.flat)
+
+    def params_stepped(self) -> None:
+        if self.flat_grad is None:
+            self.flat.copy_(flatten_params(self.module))
+
+    # --- node checkpoints ----------------------------------------------------------------------
     def owned_regions(self) -> list[Region]:
         if self.world == 1:
             return self.regions
@@ -479,3 +740,15 @@ def make_layout(model: nn.Module, exp: Experiment, rank: int, world: int, device
         "ddp": ReplicatedLayout, "fsdp": FsdpLayout, "pipeline": PipelineLayout,
     }[exp.parallelism]
     return cls(model, exp, rank, world, device)
+
+
+def shards_model(exp: Experiment, world: int) -> bool:
+    """Whether a training rank holds only part of the model (fsdp or pipeline over several local ranks)."""
+    return exp.parallelism != "ddp" and world > 1
+
+
+def rank_layout(model: nn.Module, exp: Experiment, rank: int, world: int, device: torch.device) -> NodeLayout:
+    """The layout a training rank runs: sharded or staged over several local ranks, else replicated."""
+    if shards_model(exp, world):
+        return make_layout(model, exp, rank, world, device)
+    return ReplicatedLayout(model, exp, rank, world, device)

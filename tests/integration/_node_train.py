@@ -18,6 +18,7 @@ from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer
 from gossamer.worker import sampler
 from gossamer.worker.layout import make_layout, stack_batch
 from gossamer.worker.precision import LossScaler, check_precision
+from gossamer.worker.process_group import end_process_group, exit_process
 
 
 def run_rank(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
@@ -27,6 +28,7 @@ def run_rank(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     if backend == "nccl":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    finished = False
     try:
         exp = Experiment(name="node", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
                          parallelism=cfg["parallelism"], pipeline_schedule=cfg.get("schedule", "1f1b"),
@@ -74,8 +76,10 @@ def run_rank(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
         if rank == 0:
             (out / "losses.json").write_text(json.dumps({"start": start, "losses": losses, "skipped": skipped,
                                                          "device": str(device)}))
+        finished = True
     finally:
-        dist.destroy_process_group()
+        end_process_group(finished_together=finished)
+    exit_process(0)  # as a worker rank does: torch may still hold the destroyed group's threads
 
 
 def _free_port() -> int:

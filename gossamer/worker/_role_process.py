@@ -1,0 +1,83 @@
+"""What every role process does at start: logging, threads, signals, its CURVE keyring, the agent's pipe, injected faults."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from gossamer.errors import ProtocolError
+from gossamer.protocol import AssignmentUpdate, RoleSpec
+from gossamer.security.curve import CurveKeyPair, CurveKeyring
+
+log = logging.getLogger(__name__)
+
+
+def setup(spec: RoleSpec) -> None:
+    from gossamer.logs import configure
+
+    configure(spec.log_level, spec.log_format, role=spec.label, node=spec.node_name, experiment=spec.experiment_id)
+    import torch
+
+    # Role processes share the machine with each other: one intra-op thread each unless told.
+    torch.set_num_threads(int(os.environ.get("GOSSAMER_THREADS", spec.threads)))
+
+
+def stop_on_signals() -> threading.Event:
+    """An event SIGTERM or SIGINT sets: the process ends its work and exits cleanly."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    return stop
+
+
+def keyring_of(spec: RoleSpec) -> CurveKeyring | None:
+    """The node's CURVE keyring for a role process (None: plaintext data plane)."""
+    if not spec.curve_public or not spec.curve_secret:
+        return None
+    return CurveKeyring(CurveKeyPair(public=spec.curve_public, secret=spec.curve_secret),
+                        server_keys=spec.assignment.curve_server_keys, members=spec.assignment.curve_members)
+
+
+def refresh_keyring(keyring: CurveKeyring | None, update: AssignmentUpdate) -> None:
+    if keyring is not None:
+        keyring.update(server_keys=update.curve_server_keys, members=update.curve_members)
+
+
+def fault_bandwidth() -> Any:
+    """GOSSAMER_FAULT=bandwidth:rate=10mbit caps this node's pushes (a token bucket)."""
+    from gossamer.transport.throttle import TokenBucket, parse_bandwidth
+
+    for fault in filter(None, os.environ.get("GOSSAMER_FAULT", "").split(",")):
+        kind, *kvs = fault.split(":")
+        args = dict(kv.split("=", 1) for kv in kvs if "=" in kv)
+        if kind == "bandwidth" and "rate" in args:
+            return TokenBucket(parse_bandwidth(args["rate"]), burst_bytes=int(args.get("burst", 16384)))
+    return None
+
+
+def fault_delay(worker_index: int) -> float:
+    """GOSSAMER_FAULT=delay:seconds=S[:worker=I] slows worker I (any worker of this node) by S s per step."""
+    spec = os.environ.get("GOSSAMER_FAULT", "")
+    for fault in filter(None, spec.split(",")):
+        kind, *kvs = fault.split(":")
+        args = dict(kv.split("=", 1) for kv in kvs if "=" in kv)
+        if kind == "delay" and int(args.get("worker", worker_index)) == worker_index:
+            return float(args.get("seconds", 0.0))
+    return 0.0
+
+
+def drain(conn: Connection | None) -> AssignmentUpdate | None:
+    """The newest assignment update waiting on the agent's pipe (None if none)."""
+    latest = None
+    try:
+        while conn is not None and conn.poll():
+            latest = conn.recv()
+    except (EOFError, OSError):
+        pass
+    if latest is not None and not isinstance(latest, AssignmentUpdate):
+        raise ProtocolError(f"update: expected an AssignmentUpdate, got {type(latest).__name__}")
+    return latest

@@ -1,0 +1,196 @@
+"""A parameter-server shard's role process: serves the shard, follows its assignment, checkpoints, reports."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gossamer.checkpoint.sharded import AsyncCheckpointer, latest_good
+from gossamer.experiment import Experiment
+from gossamer.metric_families import staleness_buckets
+from gossamer.paramserver import ShardConfig, ShardPlan, ShardServer, flatten_params
+from gossamer.protocol import AssignmentUpdate, RoleSpec
+from gossamer.v1 import coordinator_pb2 as pb
+from gossamer.worker._role_process import drain, keyring_of, refresh_keyring
+from gossamer.worker.model import build
+from gossamer.worker.node_metrics import MetricsFeed
+from gossamer.worker.reporter import Reporter
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ServerRole"]
+
+
+def _staleness(histogram: dict[str, int]) -> dict[str, float]:
+    """Mean and max versions behind of the updates a shard applied (its histogram, over the run)."""
+    n = sum(histogram.values())
+    if not n:
+        return {}
+    return {"staleness_mean": sum(int(k) * v for k, v in histogram.items()) / n,
+            "staleness_max": float(max(int(k) for k in histogram))}
+
+
+class ServerRole:
+    """Hosts parameter-server shard `spec.index` (primary or backup) until `stop` or the end.
+
+    The serve loop runs on its own thread; this one drains the agent's assignment updates
+    (applied on the serve thread), tells the coordinator what changed, and feeds metrics.
+    """
+
+    def __init__(self, spec: RoleSpec, conn: Connection | None, stop: threading.Event) -> None:
+        self.spec, self.conn, self.stop = spec, conn, stop
+        self.shard = spec.index
+        self.exp = Experiment.from_json(spec.experiment_json)
+        self.feed = MetricsFeed(spec.metrics_socket, {"experiment": spec.experiment_id, "role": "ps",
+                                                      "shard": self.shard})  # this node's /metrics
+        self.reporter = Reporter(spec.coordinator, spec.experiment_id, f"{spec.node_id}/ps{self.shard}",
+                                 security=spec.security)
+        self.root = Path(spec.checkpoint_dir) / spec.experiment_id / "shards"
+        self.checkpointer: AsyncCheckpointer | None = None
+        self.keyring = keyring_of(spec)  # None: plaintext data plane
+        self.snapshot_s = 0.0
+        self.restored_epoch = 0
+        self.restored_path = ""  # a restore the coordinator has not heard of yet
+        self.endpoint = ""
+        self._sent: tuple[bool | None, bool | None] = (None, None)  # (replicated, primary) the coordinator knows
+        self.server: ShardServer
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._start()
+            self._serve()
+        except Exception as e:  # noqa: BLE001 — report any failure to the coordinator, then exit non-zero
+            log.exception("shard %d failed", self.shard)
+            self.reporter.role(self.spec.node_id, pb.ROLE_PARAMETER_SERVER, self.shard, pb.ROLE_STATE_FAILED,
+                               message=f"{type(e).__name__}: {e}", retry_s=10)
+            self.reporter.close()
+            raise SystemExit(1) from None
+        finally:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        self.reporter.flush()
+        self.reporter.close()
+
+    def _start(self) -> None:
+        """Build the shard from the seeded model, restore it if asked, bind, report SERVING."""
+        model, _, _ = build(self.exp, torch.device("cpu"))
+        plan = ShardPlan.for_experiment(model, self.exp)
+        flat = flatten_params(model)
+        init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks_of_shard(self.shard)}
+        config = ShardConfig.for_experiment(self.exp, self.spec.experiment_id, self.shard)
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        self.server = ShardServer(config, plan, init, shapes=shapes, backup=self.spec.assignment.replica == 1,
+                                  curve=self.keyring)
+        if self.exp.checkpoint_every:
+            self.checkpointer = AsyncCheckpointer(self.root, on_saved=self._saved, keep=3)
+            self.server.on_snapshot = self._take_snapshot
+        assignment = self.spec.assignment
+        early = drain(self.conn)  # the assignment may have changed while this process started
+        if early is not None:
+            assignment = early
+            self.spec = replace(self.spec, assignment=early)
+            refresh_keyring(self.keyring, early)
+            if early.replica == 0:
+                self.server.promote("assigned as primary before it served")
+        if assignment.restore_epoch:
+            self._restore(assignment.restore_epoch)
+        self.endpoint = self.server.bind(host=self.spec.address, port=0)
+        log.info("shard %d (%s) of %s serving %d parameters on %s%s", self.shard,
+                 "primary" if self.server.is_primary else "backup", self.spec.experiment_id,
+                 plan.shard_numel(self.shard), self.endpoint,
+                 f" over CurveZMQ ({len(self.keyring.members)} member keys)" if self.keyring is not None else "")
+        self._apply(replace(assignment, restore_epoch=0))
+        self._report()
+
+    def _serve(self) -> None:
+        thread = threading.Thread(target=self.server.serve, args=(self.stop,), daemon=True)
+        thread.start()
+        next_metrics = time.monotonic()
+        while not self.stop.wait(0.1):
+            update = drain(self.conn)
+            if update is not None:
+                refresh_keyring(self.keyring, update)  # members and server keys: read by the ZAP thread as well
+                self.server.post(lambda u=update: self._apply(u))  # type: ignore[misc]
+            if (self.server.replicated, self.server.is_primary) != self._sent or self.restored_path:
+                self._report()
+            if time.monotonic() >= next_metrics:
+                next_metrics += 1.0
+                self._metrics()
+        thread.join(timeout=5)
+        self.server.close()
+
+    # --- assignment ------------------------------------------------------------------------
+    def _apply(self, update: AssignmentUpdate) -> None:
+        """Take in a changed assignment (on the serve thread)."""
+        self.server.set_members(list(update.workers), update.generation)
+        if update.restore_epoch > self.restored_epoch:
+            self._restore(update.restore_epoch)
+        if update.replica == 0:
+            self.server.promote()
+        if self.server.is_primary:
+            self.server.set_backup(update.backup_endpoint)
+
+    def _restore(self, epoch: int) -> None:
+        """Load the newest good checkpoint (a corrupt one is refused, the previous used)."""
+        self.restored_epoch = epoch
+        path, refused = latest_good(self.root)
+        for bad, why in refused:
+            log.error("checkpoint %s refused: %s", bad, why)
+        if path is None:
+            log.error("no good checkpoint under %s: shard %d starts over from its initial values", self.root, self.shard)
+            self.restored_path = "(none: initial values)"
+            return
+        self.server.restore(str(path))
+        self.restored_path = str(path)
+
+    def _report(self, state: pb.RoleState.ValueType = pb.ROLE_STATE_SERVING) -> None:
+        replicated, primary = self.server.replicated, self.server.is_primary
+        self.reporter.role(self.spec.node_id, pb.ROLE_PARAMETER_SERVER, self.shard, state, endpoint=self.endpoint,
+                           replica=0 if primary else 1, replicated=replicated,
+                           version=self.server.version, restored_from=self.restored_path)
+        self._sent = (replicated, primary)
+        self.restored_path = ""
+
+    # --- checkpoints and metrics -----------------------------------------------------------
+    def _take_snapshot(self, version: int) -> None:
+        t0 = time.perf_counter()
+        snap = self.server.snapshot(version)
+        self.snapshot_s += time.perf_counter() - t0
+        assert self.checkpointer is not None
+        self.checkpointer.submit(snap)
+
+    def _saved(self, path: Path, snap: Any, seconds: float) -> None:
+        self.reporter.checkpoint(snap.step, str(path), "shard")
+
+    def _metrics(self) -> None:
+        st = self.server.stats()
+        values = {
+            "ps_updates": float(st.get("updates", 0)),
+            "ps_bytes_in": float(st.get("bytes_in", 0)),
+            "ps_bytes_out": float(st.get("bytes_out", 0)),
+            "ps_errors": float(st.get("errors", 0)),
+            "ps_decode_s": self.server.decode_seconds,
+            "ps_unreplicated": float(st.get("unreplicated", 0)),
+            "versions_lost": float(st.get("versions_lost", 0)),
+            "ps_rate_limited": float(st.get("rate_limited", 0)),
+            "ps_refused_not_member": float(st.get("not_member", 0)),
+            "ps_refused_handshakes": float(st.get("curve_refused", 0)),
+            "ckpt_snapshot_s": self.snapshot_s,
+        }
+        values.update({f"discarded_{k}": float(v) for k, v in st.get("discarded", {}).items()})
+        values.update(staleness_buckets(st.get("version_staleness", {})))
+        values.update(_staleness(st.get("version_staleness", {})))
+        if self.checkpointer is not None:
+            ck = self.checkpointer
+            values.update(ckpt_saved=float(ck.saved), ckpt_skipped=float(ck.skipped),
+                          ckpt_failed=float(ck.failed), ckpt_write_s=ck.last_seconds)
+        self.reporter.metric(int(st.get("version", 0)), values)
+        self.feed.send(int(st.get("version", 0)), {**values, "primary": float(self.server.is_primary)})

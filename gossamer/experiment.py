@@ -70,7 +70,7 @@ class Experiment:
     staleness: int | None = None
     lr_staleness_scaling: bool = True
     overlap: bool = False
-    num_ps_shards: int = 1  # >= 1 with servers; ignored without (0 is accepted there and stored as 1)
+    num_ps_shards: int = 1  # >= 1 with servers; 0 or ignored without
     ps_backup: bool = True
     min_workers: int = 1
     max_workers: int = 16
@@ -260,9 +260,8 @@ def _check_optimizer(exp: Experiment) -> None:
 
 def _check_counts(exp: Experiment, row: Mode) -> None:
     """Integer sizes and counts: batch, shards, workers, steps, chunk size."""
-    if not row.servers and type(exp.num_ps_shards) is int and exp.num_ps_shards == 0:
-        object.__setattr__(exp, "num_ps_shards", 1)  # ignored without servers; 1 is the plan's unit
-    for f in ("batch_size", "num_ps_shards", "min_workers", "max_workers", "total_steps",
+    serverless_zero = not row.servers and type(exp.num_ps_shards) is int and exp.num_ps_shards == 0
+    for f in ("batch_size", *(() if serverless_zero else ("num_ps_shards",)), "min_workers", "max_workers", "total_steps",
               "inner_steps", "chunk_numel"):
         if not _positive_int(getattr(exp, f)):
             more = "" if f != "num_ps_shards" or row.servers else f" (or 0: {row.label} runs without servers)"

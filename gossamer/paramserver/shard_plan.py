@@ -231,7 +231,8 @@ class ShardPlan:
     def for_experiment(cls, module: torch.nn.Module, exp: Any) -> ShardPlan:
         """The plan every process of experiment `exp` agrees on (its parallelism picks `align`)."""
         align = {"fsdp": "fsdp", "pipeline": "param"}.get(exp.parallelism, "pack")
-        return cls.for_module(module, exp.num_ps_shards, exp.chunk_numel, align=align)
+        # Without servers (gossip may say num_ps_shards = 0) the plan is only the flat layout: one shard.
+        return cls.for_module(module, max(1, exp.num_ps_shards), exp.chunk_numel, align=align)
 
     @property
     def total_numel(self) -> int:

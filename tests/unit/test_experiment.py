@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +16,7 @@ from gossamer.compression.registry import codec_entry
 from gossamer.modes import mode_of
 from gossamer.paramserver.optimizer import OptimizerConfig
 from gossamer.paramserver.shard import ShardConfig
+from gossamer.paramserver.shard_plan import ShardPlan
 
 BASE = {"name": "x", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data"}
 
@@ -209,6 +211,8 @@ def test_serverless_modes_accept_zero_parameter_servers(mode: tuple[str, str]) -
     exp = Experiment(**BASE, mode=mode[0], outer_step=mode[1], num_ps_shards=0)
     assert not mode_of(exp).servers
     assert Experiment.from_json(exp.to_json()) == exp
+    assert exp.num_ps_shards == 0  # kept as the user wrote it; the workers' flat layout is one plan shard
+    assert ShardPlan.for_experiment(torch.nn.Linear(3, 2), exp).num_shards == 1
 
 
 @pytest.mark.parametrize("mode", [("sync", "sync"), ("async", "sync"), ("diloco", "sync"), ("diloco", "async")],

@@ -42,6 +42,7 @@ class LocalCluster:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
+        self._started: list[subprocess.Popen[bytes]] = []  # every process, stopped or not, for close()
         self.secure = None if secure is None else Path(secure).resolve()
         self.coordinator_args = [*(["--secure", str(self.secure)] if self.secure else []), *(coordinator_args or [])]
         self.node_args = [*(["--secure", str(self.secure / "client")] if self.secure else []), *(node_args or [])]
@@ -74,12 +75,14 @@ class LocalCluster:
     def _spawn(self, args: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / log_name, "ab")
         try:
-            return subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-m", "gossamer.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                 env={**self.env, **(env or {})}, start_new_session=True,
             )
         finally:
             log.close()
+        self._started.append(proc)  # its own session: its PID is its process group's id
+        return proc
 
     def start_coordinator(self, port: int | None = None, timeout: float = 30.0) -> str:
         """Start (or restart, on the same state dir and port) the coordinator; returns HOST:PORT."""
@@ -136,23 +139,27 @@ class LocalCluster:
                 proc.wait()
         return proc.returncode
 
-    def close(self) -> None:
-        for name in list(self.nodes):
-            self.stop_node(name, timeout=15.0)
+    def close(self, timeout: float = 15.0) -> None:
+        """Stop every process this cluster started, by PID: SIGTERM to every node at once, then to
+        the coordinator; what has not exited `timeout` s later (10 s for the coordinator), and
+        anything left in the process group of any process it ever started (role processes of a
+        node stopped or killed earlier), is SIGKILLed and reaped."""
+        nodes, self.nodes = list(self.nodes.values()), {}
+        for proc in nodes:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in nodes:
+            _wait(proc, deadline - time.monotonic())
         if self.coordinator is not None and self.coordinator.poll() is None:
             self.coordinator.send_signal(signal.SIGTERM)
+            _wait(self.coordinator, 10.0)
+        for proc in self._started:
             try:
-                self.coordinator.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.coordinator.kill()
-                self.coordinator.wait()
-        # Anything a node's process group still holds (role processes) goes too.
-        for proc in [self.coordinator, *self.nodes.values()]:
-            if proc is not None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            _wait(proc, 10.0)
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -161,3 +168,12 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait up to `timeout` s (at least a moment) for `proc` to exit; SIGKILL it if it has not."""
+    try:
+        proc.wait(timeout=max(timeout, 0.1))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

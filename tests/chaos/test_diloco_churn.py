@@ -13,7 +13,7 @@ import pytest
 
 from gossamer import Client
 from gossamer.local_cluster import LocalCluster
-from tests.chaos._wait import wait_for
+from tests.chaos._wait import assert_running, wait_for, wait_steps
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -37,10 +37,12 @@ def test_diloco_completes_with_workers_killed_and_restarted(tmp_path: Path, oute
         wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 4, 60, "nodes")
         job = client.submit(spec)
         quarter = spec["total_steps"] // 4  # type: ignore[operator]
-        wait_for(lambda: job.status()["steps"] >= quarter, 120, "a quarter of the run")
+        wait_steps(job, quarter, 120, "a quarter of the run")
         cluster.kill_node("w1")
-        wait_for(lambda: job.status()["steps"] >= 2 * quarter, 120, "steps after the kill")
+        assert_running(job, "the kill of w1")
+        wait_steps(job, 2 * quarter, 120, "steps after the kill")
         cluster.add_node("w1-again", spot=True, env=slow)  # the machine comes back
+        assert_running(job, "the join of w1-again")
         result = job.wait(timeout=240)
         events = job.events()
     text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)

@@ -19,6 +19,7 @@ from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, Shar
 from gossamer.security.curve import CurveKeyPair, CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import MIN_MESSAGE_BYTES, FrameLimits, Message, decode, encode
 from gossamer.transport.ratelimit import RateLimit
+from tests._fixtures import InProcessCoordinator, StartCoordinator
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -413,19 +414,19 @@ def _latest(stream: Any, want: Any, timeout: float = 20.0) -> Any:
     raise AssertionError("stream ended")
 
 
-def test_coordinator_hands_out_member_and_server_keys_and_drops_a_leaver(tmp_path: Path) -> None:
+def test_coordinator_hands_out_member_and_server_keys_and_drops_a_leaver(
+        tmp_path: Path, start_coordinator: StartCoordinator) -> None:
     import json
 
     import grpc
 
     from gossamer.v1 import coordinator_pb2 as pb
     from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
-    from tests.conftest import InProcessCoordinator
 
     def stub(c: InProcessCoordinator) -> Any:
         return pb_grpc.NodeServiceStub(grpc.insecure_channel(c.address))
 
-    coord = InProcessCoordinator(tmp_path / "s", heartbeat_interval_s=0.2, lease_timeout_s=30.0, curve=True)
+    coord = start_coordinator(tmp_path / "s", lease_timeout_s=30.0, curve=True)
     ps_keys, wk_keys, ep = CurveKeyPair.generate(), CurveKeyPair.generate(), "tcp://127.0.0.1:5555"
     try:
         nodes = stub(coord)
@@ -457,7 +458,7 @@ def test_coordinator_hands_out_member_and_server_keys_and_drops_a_leaver(tmp_pat
     finally:
         coord.close()
     # The keys survive a coordinator restart: the running shard re-attaches with the same one.
-    again = InProcessCoordinator(tmp_path / "s", heartbeat_interval_s=0.2, lease_timeout_s=30.0, curve=True)
+    again = start_coordinator(tmp_path / "s", lease_timeout_s=30.0, curve=True)
     try:
         nodes = stub(again)
         assert nodes.Join(pb.JoinRequest(node_id=ps.node_id, name="ps", curve_public_key=ps_keys.public),
@@ -470,14 +471,13 @@ def test_coordinator_hands_out_member_and_server_keys_and_drops_a_leaver(tmp_pat
         again.close()
 
 
-def test_a_plaintext_coordinator_hands_out_no_keys(tmp_path: Path) -> None:
+def test_a_plaintext_coordinator_hands_out_no_keys(tmp_path: Path, start_coordinator: StartCoordinator) -> None:
     import grpc
 
     from gossamer.v1 import coordinator_pb2 as pb
     from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
-    from tests.conftest import InProcessCoordinator
 
-    coord = InProcessCoordinator(tmp_path / "s", heartbeat_interval_s=0.2, lease_timeout_s=30.0)
+    coord = start_coordinator(tmp_path / "s", lease_timeout_s=30.0)
     try:
         assert not coord.config.data_plane_curve
         nodes = pb_grpc.NodeServiceStub(grpc.insecure_channel(coord.address))

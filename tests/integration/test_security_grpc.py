@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from gossamer.security.channel import ChannelSecurity, open_channel
 from gossamer.security.tls import TLSConfig
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import InProcessCoordinator
+from tests._fixtures import InProcessCoordinator, StartCoordinator
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
@@ -75,19 +75,9 @@ Start = Callable[..., InProcessCoordinator]
 
 
 @pytest.fixture
-def start(tmp_path: Path) -> Iterator[Start]:
+def start(start_coordinator: StartCoordinator) -> Start:
     """Start an in-process coordinator with extra CoordinatorConfig fields; all are closed after the test."""
-    started: list[InProcessCoordinator] = []
-
-    def _start(**kw: object) -> InProcessCoordinator:
-        c = InProcessCoordinator(tmp_path / f"state{len(started)}", heartbeat_interval_s=0.2, lease_timeout_s=2.0,
-                                 **kw)
-        started.append(c)
-        return c
-
-    yield _start
-    for c in started:
-        c.close()
+    return lambda **kw: start_coordinator(lease_timeout_s=2.0, **kw)
 
 
 # --- the token --------------------------------------------------------------------------------

@@ -25,18 +25,21 @@ class LocalCluster:
     TLS and a token, created in DIR if missing) and every node with `--secure DIR/client`.
     `coordinator_args` and `node_args` add any other flags (e.g. `--tls-cert ... --token-file ...`);
     `client_args` are the flags a CLI client then needs, and `client()` a matching `Client`.
+    `stop_grace_s`: how long `close()` lets the nodes leave gracefully (0: SIGKILL at once, as
+    tests do once they have what they assert on).
     """
 
     def __init__(self, state_dir: str | os.PathLike[str] | None = None, *, heartbeat_interval: float = 0.5,
                  lease_timeout: float = 5.0, log_dir: str | os.PathLike[str] | None = None,
                  env: dict[str, str] | None = None, secure: str | os.PathLike[str] | None = None,
                  coordinator_args: list[str] | None = None, node_args: list[str] | None = None,
-                 client_args: list[str] | None = None) -> None:
+                 client_args: list[str] | None = None, stop_grace_s: float = 15.0) -> None:
         self._tmp = None if state_dir else tempfile.TemporaryDirectory(prefix="gossamer-")
         self.state_dir = Path(state_dir or self._tmp.name)  # type: ignore[union-attr]
         self.log_dir = Path(log_dir or self.state_dir / "logs")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.heartbeat_interval = heartbeat_interval
+        self.stop_grace_s = stop_grace_s
         self.lease_timeout = lease_timeout
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.coordinator: subprocess.Popen[bytes] | None = None
@@ -116,10 +119,7 @@ class LocalCluster:
     def kill_node(self, name: str) -> None:
         """SIGKILL a node's agent and every role process it started (a vanished spot machine)."""
         proc = self.nodes.pop(name)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(proc)
         proc.wait(timeout=10)
 
     def kill_coordinator(self) -> None:
@@ -135,39 +135,51 @@ class LocalCluster:
             try:
                 return proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _kill_group(proc)
                 proc.wait()
         return proc.returncode
 
-    def close(self, timeout: float = 15.0) -> None:
-        """Stop every process this cluster started, by PID: SIGTERM to every node at once, then to
-        the coordinator; what has not exited `timeout` s later (10 s for the coordinator), and
-        anything left in the process group of any process it ever started (role processes of a
-        node stopped or killed earlier), is SIGKILLed and reaped."""
+    def close(self) -> None:
+        """Stop every process this cluster started, by PID; may be called more than once.
+
+        SIGTERM to every node at once (none if `stop_grace_s` is 0), then to the coordinator;
+        what has not exited `stop_grace_s` s later (10 s for the coordinator), and anything left
+        in the process group of any process it ever started (role processes of a node stopped
+        or killed earlier), is SIGKILLed and reaped.
+        """
         nodes, self.nodes = list(self.nodes.values()), {}
         for proc in nodes:
-            if proc.poll() is None:
+            if self.stop_grace_s <= 0:
+                _kill_group(proc)
+            elif proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + self.stop_grace_s
         for proc in nodes:
             _wait(proc, deadline - time.monotonic())
         if self.coordinator is not None and self.coordinator.poll() is None:
             self.coordinator.send_signal(signal.SIGTERM)
             _wait(self.coordinator, 10.0)
-        for proc in self._started:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        started, self._started = self._started, []
+        for proc in started:
+            _kill_group(proc)
             _wait(proc, 10.0)
         if self._tmp is not None:
             self._tmp.cleanup()
+            self._tmp = None
 
     def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL `proc`'s process group (it was started in its own session: its PID is the group's id)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _wait(proc: subprocess.Popen[bytes], timeout: float) -> None:

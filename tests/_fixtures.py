@@ -19,8 +19,10 @@ T = TypeVar("T")
 
 #: The model and dataset of nearly every test run: the digits MLP.
 DIGITS: dict[str, Any] = {"model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data"}
-#: LocalCluster keyword arguments of the `cluster` fixture, unless a test's `cluster` marker says otherwise.
-CLUSTER_DEFAULTS: dict[str, Any] = {"heartbeat_interval": 0.5, "lease_timeout": 5.0}
+#: LocalCluster keyword arguments of `make_cluster` and `cluster`, unless a test's own (or its `cluster` marker's)
+#: say otherwise. Nodes are SIGKILLed at teardown: a graceful leave took 3-7 s per node (they
+#: were stopped one after the other), and a test that checks one stops the node itself.
+CLUSTER_DEFAULTS: dict[str, Any] = {"heartbeat_interval": 0.5, "lease_timeout": 5.0, "stop_grace_s": 0.0}
 
 
 def experiment(*bases: Mapping[str, Any], **overrides: Any) -> Experiment:

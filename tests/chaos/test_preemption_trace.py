@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from tests._fixtures import MakeCluster
 from tests.chaos._wait import assert_running, wait_event, wait_for, wait_steps
 
 pytestmark = pytest.mark.timeout(420)
@@ -33,8 +33,8 @@ def _seen(action: str, node: str) -> Callable[[dict[str, Any]], bool]:
     return lambda e: e["kind"] == kind and says in e["message"]
 
 
-def test_preemption_trace_digits_still_reaches_95_percent(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+def test_preemption_trace_digits_still_reaches_95_percent(tmp_path, make_cluster: MakeCluster) -> None:  # type: ignore[no-untyped-def]
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
         address = cluster.start_coordinator(port=0)
         client = Client(address)
         cluster.add_node("ps-a")  # on-demand, joined first: the primary

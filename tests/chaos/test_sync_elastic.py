@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from gossamer import Client, Experiment, load_checkpoint
-from gossamer.local_cluster import LocalCluster
 from gossamer.paramserver import flatten_params
 from gossamer.worker.trainer import build
+from tests._fixtures import MakeCluster
 from tests.chaos._wait import assert_running, wait_for, wait_steps
 from tests.integration._ps_harness import reference_sync
 
@@ -22,13 +22,13 @@ pytestmark = pytest.mark.timeout(420)
 
 
 
-def test_sync_barrier_reforms_grows_and_survives_a_primary_handover(tmp_path: Path) -> None:
+def test_sync_barrier_reforms_grows_and_survives_a_primary_handover(tmp_path: Path, make_cluster: MakeCluster) -> None:
     spec = {
         "name": "sync-elastic", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
         "mode": "sync", "lr": 0.1, "momentum": 0.9, "global_batch_size": 96, "num_ps_shards": 1,
         "min_workers": 2, "max_workers": 3, "total_steps": 700, "eval_every": 0, "checkpoint_every": 0,
     }
-    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))
         cluster.add_node("ps-a")
         wait_for(lambda: len(client.nodes()) == 1, 60, "ps-a")

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from tests._fixtures import MakeCluster
 from tests.chaos._wait import assert_running, wait_for, wait_steps
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_sync_shard_loss_rolls_all_shards_back_together(tmp_path: Path) -> None:
-    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+def test_sync_shard_loss_rolls_all_shards_back_together(tmp_path: Path, make_cluster: MakeCluster) -> None:
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))
         cluster.add_node("ps0")
         wait_for(lambda: len(client.nodes()) == 1, 60, "ps0")

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gossamer import Client, ConfigError, Experiment, UnavailableError
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
-from tests._fixtures import StartCoordinator
+from tests._fixtures import MakeCluster, StartCoordinator
 
 pytestmark = pytest.mark.timeout(120)
 BASE = {"name": "t", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data"}
@@ -164,15 +164,14 @@ def test_unknown_experiment_is_not_found(coordinator) -> None:  # type: ignore[n
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_token_file_is_enforced_rather_than_silently_ignored(tmp_path: Path) -> None:
+def test_token_file_is_enforced_rather_than_silently_ignored(tmp_path: Path, make_cluster: MakeCluster) -> None:
     """--token-file was refused until tokens were checked; now it is enforced (tests/integration/test_security_grpc.py)."""
     from gossamer.errors import AuthError
-    from gossamer.local_cluster import LocalCluster
 
     token, wrong = tmp_path / "token", tmp_path / "wrong"
     token.write_text("secret-token-0123456789\n")
     wrong.write_text("wrong-token-0123456789\n")
-    with LocalCluster(tmp_path / "c", coordinator_args=["--token-file", str(token)]) as cluster:
+    with make_cluster(state_dir=tmp_path / "c", coordinator_args=["--token-file", str(token)]) as cluster:
         address = cluster.start_coordinator(port=0)
         with pytest.raises(AuthError, match="refused the token"):
             Client(address).nodes()

@@ -19,13 +19,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gossamer import Client
 from gossamer.errors import AuthError
-from gossamer.local_cluster import LocalCluster
 from gossamer.security import certs
 from gossamer.security.channel import ChannelSecurity, open_channel
 from gossamer.security.tls import TLSConfig
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
-from tests._fixtures import InProcessCoordinator, StartCoordinator
+from tests._fixtures import InProcessCoordinator, MakeCluster, StartCoordinator
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
@@ -242,12 +241,12 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_secure_cluster_trains_digits_end_to_end(tmp_path: Path) -> None:
+def test_secure_cluster_trains_digits_end_to_end(tmp_path: Path, make_cluster: MakeCluster) -> None:
     """`coordinator serve --secure DIR` (mTLS + token, created on the spot), nodes join with
     `--secure DIR/client`, the CLI submits with the same flag, roles report through it."""
     secure = tmp_path / "secure"
     # --no-import-check: on a loaded machine the submit-time import check alone can outlast the RPC deadline
-    with LocalCluster(tmp_path / "cluster", heartbeat_interval=0.5, lease_timeout=5.0, secure=secure,
+    with make_cluster(state_dir=tmp_path / "cluster", secure=secure,
                       coordinator_args=["--no-import-check"]) as cluster:
         address = cluster.start_coordinator(port=0)
         assert (secure / "client" / "client.crt").is_file()

@@ -43,12 +43,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from gossamer import Experiment
 from gossamer.compression import ChunkCompressor
 from gossamer.errors import ProtocolError
-from gossamer.local_cluster import LocalCluster
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
 from gossamer.transport.frames import DTYPES, Message, decode, encode
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
-from tests._fixtures import InProcessCoordinator, StartCoordinator, experiment
+from tests._fixtures import InProcessCoordinator, MakeCluster, StartCoordinator, experiment
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -465,18 +464,14 @@ class CoordinatorProcess:
     to read off the server object now comes over /metrics and the process's log.
     """
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, make_cluster: MakeCluster, state_dir: Path) -> None:
         # --rate-limit 0: every fuzzed call must reach the servicers, not the per-host limiter.
         # --no-import-check: mutated model paths would each import in a subprocess.
-        self.cluster = LocalCluster(
-            state_dir, heartbeat_interval=0.2, lease_timeout=1.0, env={"PYTHONFAULTHANDLER": "1"},
+        self.cluster = make_cluster(
+            state_dir=state_dir, heartbeat_interval=0.2, lease_timeout=1.0, env={"PYTHONFAULTHANDLER": "1"},
             coordinator_args=["--http-port", "0", "--no-import-check", "--rate-limit", "0", "--log-format", "json"])
-        try:
-            self.address = self.cluster.start_coordinator(port=0)
-            self.http = f"http://127.0.0.1:{int((state_dir / 'http.port').read_text())}"
-        except BaseException:
-            self.cluster.close()
-            raise
+        self.address = self.cluster.start_coordinator(port=0)
+        self.http = f"http://127.0.0.1:{int((state_dir / 'http.port').read_text())}"
         assert self.cluster.coordinator is not None
         self.proc = self.cluster.coordinator
         self.port = self.cluster.port
@@ -536,12 +531,8 @@ class CoordinatorProcess:
 
 
 @pytest.fixture
-def coordinator_process(tmp_path: Path) -> Iterator[CoordinatorProcess]:
-    c = CoordinatorProcess(tmp_path / "coordinator")
-    try:
-        yield c
-    finally:
-        c.cluster.close()
+def coordinator_process(tmp_path: Path, make_cluster: MakeCluster) -> CoordinatorProcess:
+    return CoordinatorProcess(make_cluster, tmp_path / "coordinator")
 
 
 class ErrorLog(logging.Handler):

@@ -116,6 +116,22 @@ class LocalCluster:
         self.nodes[name] = proc
         return proc
 
+    def wait_joined(self, *names: str, timeout: float = 60.0) -> None:
+        """Wait until the coordinator lists a node by each of `names` (UnavailableError after `timeout` s)."""
+        client = self.client()
+        try:
+            deadline = time.monotonic() + timeout
+            while not set(names) <= {n["name"] for n in client.nodes()}:
+                for name in names:
+                    proc = self.nodes.get(name)
+                    if proc is not None and proc.poll() is not None:
+                        raise UnavailableError(f"node {name} exited ({proc.returncode}); see {self.log_dir / name}.log")
+                if time.monotonic() > deadline:
+                    raise UnavailableError(f"nodes {sorted(names)} did not join within {timeout} s")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
     def kill_node(self, name: str) -> None:
         """SIGKILL a node's agent and every role process it started (a vanished spot machine)."""
         proc = self.nodes.pop(name)

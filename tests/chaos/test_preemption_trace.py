@@ -48,7 +48,7 @@ def test_preemption_trace_digits_still_reaches_95_percent(tmp_path, make_cluster
             "mode": "async", "lr": 0.05, "momentum": 0.5, "num_ps_shards": 1, "min_workers": 2,
             "max_workers": 2, "total_steps": 6000, "eval_every": 500, "checkpoint_every": 1000,
         })
-        wait_for(lambda: job.status()["steps"] >= 300, 120, "training to start")
+        wait_steps(job, 300, 120, "training to start")
         roles = job.status()["roles"]
         primary = next(r["node"] for r in roles if r["role"] == "ps" and r["replica"] == 0)
         backup = next(r["node"] for r in roles if r["role"] == "ps" and r["replica"] == 1)

@@ -25,23 +25,27 @@ class LocalCluster:
     TLS and a token, created in DIR if missing) and every node with `--secure DIR/client`.
     `coordinator_args` and `node_args` add any other flags (e.g. `--tls-cert ... --token-file ...`);
     `client_args` are the flags a CLI client then needs, and `client()` a matching `Client`.
+    `stop_grace_s`: how long `close()` lets the nodes leave gracefully (0: SIGKILL at once, as
+    tests do once they have what they assert on).
     """
 
     def __init__(self, state_dir: str | os.PathLike[str] | None = None, *, heartbeat_interval: float = 0.5,
                  lease_timeout: float = 5.0, log_dir: str | os.PathLike[str] | None = None,
                  env: dict[str, str] | None = None, secure: str | os.PathLike[str] | None = None,
                  coordinator_args: list[str] | None = None, node_args: list[str] | None = None,
-                 client_args: list[str] | None = None) -> None:
+                 client_args: list[str] | None = None, stop_grace_s: float = 15.0) -> None:
         self._tmp = None if state_dir else tempfile.TemporaryDirectory(prefix="gossamer-")
         self.state_dir = Path(state_dir or self._tmp.name)  # type: ignore[union-attr]
         self.log_dir = Path(log_dir or self.state_dir / "logs")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.heartbeat_interval = heartbeat_interval
+        self.stop_grace_s = stop_grace_s
         self.lease_timeout = lease_timeout
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
+        self._started: list[subprocess.Popen[bytes]] = []  # every process, stopped or not, for close()
         self.secure = None if secure is None else Path(secure).resolve()
         self.coordinator_args = [*(["--secure", str(self.secure)] if self.secure else []), *(coordinator_args or [])]
         self.node_args = [*(["--secure", str(self.secure / "client")] if self.secure else []), *(node_args or [])]
@@ -74,12 +78,14 @@ class LocalCluster:
     def _spawn(self, args: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / log_name, "ab")
         try:
-            return subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-m", "gossamer.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                 env={**self.env, **(env or {})}, start_new_session=True,
             )
         finally:
             log.close()
+        self._started.append(proc)  # its own session: its PID is its process group's id
+        return proc
 
     def start_coordinator(self, port: int | None = None, timeout: float = 30.0) -> str:
         """Start (or restart, on the same state dir and port) the coordinator; returns HOST:PORT."""
@@ -110,13 +116,26 @@ class LocalCluster:
         self.nodes[name] = proc
         return proc
 
+    def wait_joined(self, *names: str, timeout: float = 60.0) -> None:
+        """Wait until the coordinator lists a node by each of `names` (UnavailableError after `timeout` s)."""
+        client = self.client()
+        try:
+            deadline = time.monotonic() + timeout
+            while not set(names) <= {n["name"] for n in client.nodes()}:
+                for name in names:
+                    proc = self.nodes.get(name)
+                    if proc is not None and proc.poll() is not None:
+                        raise UnavailableError(f"node {name} exited ({proc.returncode}); see {self.log_dir / name}.log")
+                if time.monotonic() > deadline:
+                    raise UnavailableError(f"nodes {sorted(names)} did not join within {timeout} s")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
     def kill_node(self, name: str) -> None:
         """SIGKILL a node's agent and every role process it started (a vanished spot machine)."""
         proc = self.nodes.pop(name)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(proc)
         proc.wait(timeout=10)
 
     def kill_coordinator(self) -> None:
@@ -132,32 +151,57 @@ class LocalCluster:
             try:
                 return proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _kill_group(proc)
                 proc.wait()
         return proc.returncode
 
     def close(self) -> None:
-        for name in list(self.nodes):
-            self.stop_node(name, timeout=15.0)
+        """Stop every process this cluster started, by PID; may be called more than once.
+
+        SIGTERM to every node at once (none if `stop_grace_s` is 0), then to the coordinator;
+        what has not exited `stop_grace_s` s later (10 s for the coordinator), and anything left
+        in the process group of any process it ever started (role processes of a node stopped
+        or killed earlier), is SIGKILLed and reaped.
+        """
+        nodes, self.nodes = list(self.nodes.values()), {}
+        for proc in nodes:
+            if self.stop_grace_s <= 0:
+                _kill_group(proc)
+            elif proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_s
+        for proc in nodes:
+            _wait(proc, deadline - time.monotonic())
         if self.coordinator is not None and self.coordinator.poll() is None:
             self.coordinator.send_signal(signal.SIGTERM)
-            try:
-                self.coordinator.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.coordinator.kill()
-                self.coordinator.wait()
-        # Anything a node's process group still holds (role processes) goes too.
-        for proc in [self.coordinator, *self.nodes.values()]:
-            if proc is not None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            _wait(self.coordinator, 10.0)
+        started, self._started = self._started, []
+        for proc in started:
+            _kill_group(proc)
+            _wait(proc, 10.0)
         if self._tmp is not None:
             self._tmp.cleanup()
+            self._tmp = None
 
     def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL `proc`'s process group (it was started in its own session: its PID is the group's id)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait up to `timeout` s (at least a moment) for `proc` to exit; SIGKILL it if it has not."""
+    try:
+        proc.wait(timeout=max(timeout, 0.1))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,52 +1,81 @@
-"""Shared fixtures: an in-process coordinator on port 0, and a local cluster of real processes."""
+"""Shared fixtures: in-process coordinators on free ports, a cluster of real processes, the experiment builder."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from gossamer.coordinator import CoordinatorConfig, CoordinatorServer
+from gossamer.experiment import Experiment
 from gossamer.local_cluster import LocalCluster
+from tests._fixtures import (
+    CLUSTER_DEFAULTS,
+    InProcessCoordinator,
+    MakeCluster,
+    StartCoordinator,
+    experiment,
+)
 
 
-class InProcessCoordinator:
-    """A real grpc.aio coordinator on its own event loop thread, bound to a free port."""
-
-    def __init__(self, state_dir: Path, **kw: object) -> None:
-        self.config = CoordinatorConfig(host="127.0.0.1", port=0, state_dir=str(state_dir), **kw)  # type: ignore[arg-type]
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = CoordinatorServer(self.config)
-        self.port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def call(self, coro):  # type: ignore[no-untyped-def]
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cluster(**kw): LocalCluster keyword arguments of the `cluster` fixture")
 
 
 @pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[InProcessCoordinator]:
-    c = InProcessCoordinator(tmp_path / "state", heartbeat_interval_s=0.2, lease_timeout_s=1.0)
-    try:
-        yield c
-    finally:
+def start_coordinator(tmp_path: Path) -> Iterator[StartCoordinator]:
+    """Start an in-process coordinator: `(state_dir=None, *, http=False, **CoordinatorConfig fields)`.
+
+    Heartbeats every 0.2 s and 1 s leases unless told; a fresh state dir unless one is given
+    (give the same one to restart on it). Every one started is closed after the test.
+    """
+    started: list[InProcessCoordinator] = []
+
+    def start(state_dir: Path | None = None, **kw: Any) -> InProcessCoordinator:
+        c = InProcessCoordinator(state_dir or tmp_path / f"state{len(started) or ''}",
+                                 **{"heartbeat_interval_s": 0.2, "lease_timeout_s": 1.0, **kw})
+        started.append(c)
+        return c
+
+    yield start
+    for c in reversed(started):
         c.close()
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path / "cluster", heartbeat_interval=0.5, lease_timeout=5.0) as c:
-        yield c
+def coordinator(start_coordinator: StartCoordinator) -> InProcessCoordinator:
+    """An in-process coordinator with the defaults of `start_coordinator`."""
+    return start_coordinator()
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
+    """A LocalCluster of real processes: `(**LocalCluster keywords)` over CLUSTER_DEFAULTS.
+
+    Nothing is started until the test starts it; after the test every process each cluster
+    started is stopped, then killed by process group, with timeouts (LocalCluster.close).
+    """
+    made: list[LocalCluster] = []
+
+    def make(**kw: Any) -> LocalCluster:
+        c = LocalCluster(kw.pop("state_dir", None) or tmp_path / f"cluster{len(made) or ''}", **{**CLUSTER_DEFAULTS, **kw})
+        made.append(c)
+        return c
+
+    yield make
+    for c in reversed(made):
+        c.close()
+
+
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest, make_cluster: MakeCluster) -> LocalCluster:
+    """A LocalCluster; a test (or module) marked `@pytest.mark.cluster(**kw)` gets those LocalCluster keywords."""
+    marker = request.node.get_closest_marker("cluster")
+    return make_cluster(**(marker.kwargs if marker else {}))
+
+
+@pytest.fixture
+def make_experiment() -> Callable[..., Experiment]:
+    """The experiment builder (tests._fixtures.experiment) as a fixture: `(*bases, **overrides)`."""
+    return experiment

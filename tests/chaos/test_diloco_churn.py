@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
-from tests.chaos._wait import wait_for
+from tests._fixtures import MakeCluster
+from tests.chaos._wait import assert_running, wait_for, wait_steps
 
 pytestmark = pytest.mark.timeout(420)
 
 
 @pytest.mark.parametrize("outer_step", ["sync"])  # async: passes too (run by hand, 160 s); the barrier is the hard case
-def test_diloco_completes_with_workers_killed_and_restarted(tmp_path: Path, outer_step: str) -> None:
+def test_diloco_completes_with_workers_killed_and_restarted(tmp_path: Path, outer_step: str, make_cluster: MakeCluster) -> None:
     spec = {
         "name": f"diloco-churn-{outer_step}", "model": "gossamer.examples.digits:mlp",
         "dataset": "gossamer.examples.digits:data", "mode": "diloco", "outer_step": outer_step,
@@ -27,7 +27,7 @@ def test_diloco_completes_with_workers_killed_and_restarted(tmp_path: Path, oute
         "min_workers": 2, "max_workers": 3, "total_steps": 500 if outer_step == "sync" else 1500,
         "eval_every": 0,
     }
-    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))
         cluster.add_node("ps")
         wait_for(lambda: len(client.nodes()) == 1, 60, "ps")
@@ -37,10 +37,12 @@ def test_diloco_completes_with_workers_killed_and_restarted(tmp_path: Path, oute
         wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 4, 60, "nodes")
         job = client.submit(spec)
         quarter = spec["total_steps"] // 4  # type: ignore[operator]
-        wait_for(lambda: job.status()["steps"] >= quarter, 120, "a quarter of the run")
+        wait_steps(job, quarter, 120, "a quarter of the run")
         cluster.kill_node("w1")
-        wait_for(lambda: job.status()["steps"] >= 2 * quarter, 120, "steps after the kill")
+        assert_running(job, "the kill of w1")
+        wait_steps(job, 2 * quarter, 120, "steps after the kill")
         cluster.add_node("w1-again", spot=True, env=slow)  # the machine comes back
+        assert_running(job, "the join of w1-again")
         result = job.wait(timeout=240)
         events = job.events()
     text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)

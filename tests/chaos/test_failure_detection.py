@@ -9,7 +9,7 @@ import time
 import pytest
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from tests._fixtures import MakeCluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,9 +26,9 @@ def _wait_state(client: Client, name: str, state: str, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def test_kill9_is_detected_fast_and_a_frozen_node_by_its_lease(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_kill9_is_detected_fast_and_a_frozen_node_by_its_lease(tmp_path, make_cluster: MakeCluster) -> None:  # type: ignore[no-untyped-def]
     lease = 4.0
-    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=lease) as cluster:
+    with make_cluster(state_dir=tmp_path / "state", heartbeat_interval=0.5, lease_timeout=lease) as cluster:
         client = Client(cluster.start_coordinator(port=0))
         cluster.add_node("dies")
         frozen = cluster.add_node("freezes")

@@ -8,21 +8,21 @@ from __future__ import annotations
 import pytest
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from tests._fixtures import MakeCluster
 from tests.chaos._wait import wait_for
 
 pytestmark = pytest.mark.timeout(420)
 
 
 
-def test_kills_mid_exchange_never_crash_or_hang_a_survivor(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_kills_mid_exchange_never_crash_or_hang_a_survivor(tmp_path, make_cluster: MakeCluster) -> None:  # type: ignore[no-untyped-def]
     once = tmp_path / "once"
     once.mkdir()
 
     def fault(spec: str, name: str, extra: str = "") -> dict[str, str]:
         return {"GOSSAMER_FAULT": f"{spec}:once={once / name}{extra}"}
 
-    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))
         # The primary dies while writing its second checkpoint (files written, not yet renamed).
         cluster.add_node("ps-a", env=fault("die:at=mid-checkpoint:step=200", "ckpt"))

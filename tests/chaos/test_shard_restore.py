@@ -8,8 +8,8 @@ import pytest
 
 from gossamer import Client
 from gossamer.checkpoint.sharded import complete_steps
-from gossamer.local_cluster import LocalCluster
-from tests.chaos._wait import wait_for
+from tests._fixtures import MakeCluster
+from tests.chaos._wait import assert_running, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,8 +23,8 @@ def _flip_a_bit(step: Path) -> Path:
     return data
 
 
-def test_unreplicated_shard_lost_restores_from_previous_good_checkpoint(tmp_path: Path) -> None:
-    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+def test_unreplicated_shard_lost_restores_from_previous_good_checkpoint(tmp_path: Path, make_cluster: MakeCluster) -> None:
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))
         cluster.add_node("ps")
         wait_for(lambda: len(client.nodes()) == 1, 60, "ps")
@@ -39,6 +39,7 @@ def test_unreplicated_shard_lost_restores_from_previous_good_checkpoint(tmp_path
         root = tmp_path / "state" / "checkpoints" / job.id / "shards"
         wait_for(lambda: root.exists() and len(complete_steps(root)) >= 2, 120, "two checkpoints")
         cluster.kill_node("ps")
+        assert_running(job, "the kill of ps")
         newest, previous = complete_steps(root)[:2]
         _flip_a_bit(newest)  # on disk, after the fact: only the checksum can tell
         result = job.wait(timeout=240)

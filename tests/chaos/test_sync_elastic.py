@@ -12,23 +12,23 @@ import pytest
 import torch
 
 from gossamer import Client, Experiment, load_checkpoint
-from gossamer.local_cluster import LocalCluster
 from gossamer.paramserver import flatten_params
 from gossamer.worker.trainer import build
-from tests.chaos._wait import wait_for
+from tests._fixtures import MakeCluster
+from tests.chaos._wait import assert_running, wait_for, wait_steps
 from tests.integration._ps_harness import reference_sync
 
 pytestmark = pytest.mark.timeout(420)
 
 
 
-def test_sync_barrier_reforms_grows_and_survives_a_primary_handover(tmp_path: Path) -> None:
+def test_sync_barrier_reforms_grows_and_survives_a_primary_handover(tmp_path: Path, make_cluster: MakeCluster) -> None:
     spec = {
         "name": "sync-elastic", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
         "mode": "sync", "lr": 0.1, "momentum": 0.9, "global_batch_size": 96, "num_ps_shards": 1,
         "min_workers": 2, "max_workers": 3, "total_steps": 700, "eval_every": 0, "checkpoint_every": 0,
     }
-    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))
         cluster.add_node("ps-a")
         wait_for(lambda: len(client.nodes()) == 1, 60, "ps-a")
@@ -38,13 +38,16 @@ def test_sync_barrier_reforms_grows_and_survives_a_primary_handover(tmp_path: Pa
             cluster.add_node(name, spot=True, env=slow)
         wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 5, 60, "nodes")
         job = client.submit(spec)
-        wait_for(lambda: job.status()["steps"] >= 100, 120, "100 steps")
+        wait_steps(job, 100, 120, "100 steps")
         cluster.kill_node("w1")  # mid-step, surely: the survivors wait on its contribution
-        wait_for(lambda: job.status()["steps"] >= 250, 120, "steps after the kill")
+        assert_running(job, "the kill of w1")
+        wait_steps(job, 250, 120, "steps after the kill")
         cluster.add_node("w3", spot=True, env=slow)  # joins the barrier at the next step
+        assert_running(job, "the join of w3")
         wait_for(lambda: any(e["kind"] == "ready" and "on w3" in e["message"] for e in job.events()), 120, "w3")
-        wait_for(lambda: job.status()["steps"] >= 450, 120, "steps after the join")
+        wait_steps(job, 450, 120, "steps after the join")
         assert cluster.stop_node("ps-a", timeout=30) == 0  # spot notice on the primary's machine
+        assert_running(job, "the SIGTERM of ps-a")
         result = job.wait(timeout=240)
         events = job.events()
     text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)

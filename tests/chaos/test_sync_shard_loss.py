@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
-from tests.chaos._wait import wait_for
+from tests._fixtures import MakeCluster
+from tests.chaos._wait import assert_running, wait_for, wait_steps
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_sync_shard_loss_rolls_all_shards_back_together(tmp_path: Path) -> None:
-    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+def test_sync_shard_loss_rolls_all_shards_back_together(tmp_path: Path, make_cluster: MakeCluster) -> None:
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))
         cluster.add_node("ps0")
         wait_for(lambda: len(client.nodes()) == 1, 60, "ps0")
@@ -30,8 +30,9 @@ def test_sync_shard_loss_rolls_all_shards_back_together(tmp_path: Path) -> None:
             "ps_backup": False, "min_workers": 2, "max_workers": 2, "total_steps": 600, "eval_every": 0,
             "checkpoint_every": 100,
         })
-        wait_for(lambda: job.status()["steps"] >= 250, 120, "250 steps")
+        wait_steps(job, 250, 120, "250 steps")
         cluster.kill_node("ps1")
+        assert_running(job, "the kill of ps1")
         result = job.wait(timeout=240)
         events = job.events()
     text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gossamer import Client
 from gossamer.local_cluster import LocalCluster
+from tests._fixtures import DIGITS
 
 #: Every process of the cluster: the coordinator serves the status page and /metrics, each node
 #: its own /metrics, all on free ports.
@@ -74,8 +75,7 @@ def wait_ready(client: Client, n: int, timeout: float = 90.0) -> None:
 
 def digits(name: str, workers: int, **kw: Any) -> dict[str, Any]:
     """An async digits experiment that runs until cancelled (unless total_steps is given)."""
-    return {"name": name, "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
-            "mode": "async", "num_ps_shards": 1, "min_workers": workers, "max_workers": workers,
+    return {"name": name, **DIGITS, "mode": "async", "num_ps_shards": 1, "min_workers": workers, "max_workers": workers,
             "total_steps": 1_000_000, "eval_every": 100, **kw}
 
 

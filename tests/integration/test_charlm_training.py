@@ -39,7 +39,7 @@ def _spec(**kw: Any) -> dict[str, Any]:
 def _train(cluster: LocalCluster, spec: dict[str, Any]) -> tuple[dict[str, float], str]:
     address = cluster.start_coordinator(port=0)
     cluster.add_node("ps")
-    time.sleep(0.3)  # the on-demand node first, so the shard lands on it
+    cluster.wait_joined("ps")  # the on-demand node first, so the shard lands on it
     for i in range(2):
         cluster.add_node(f"w{i}", spot=True)
     client = Client(address)

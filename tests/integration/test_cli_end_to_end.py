@@ -112,7 +112,7 @@ def test_cancel_stops_roles_and_frees_nodes(cluster: LocalCluster) -> None:
 def test_compressed_experiment_through_real_processes_reports_its_savings(cluster: LocalCluster) -> None:
     address = cluster.start_coordinator(port=0)
     cluster.add_node("ps")
-    time.sleep(0.3)
+    cluster.wait_joined("ps")
     for i in range(2):
         cluster.add_node(f"w{i}", spot=True)
     client = Client(address)
@@ -136,7 +136,7 @@ def test_worker_node_with_two_local_ranks_trains_through_the_agent(cluster: Loca
     """`worker join --nproc-per-node 2`: two spawned ranks in one gloo group, each with its own chunks."""
     address = cluster.start_coordinator(port=0)
     cluster.add_node("ps")
-    time.sleep(0.3)
+    cluster.wait_joined("ps")
     cluster.add_node("w2", spot=True, nproc_per_node=2)
     client = Client(address)
     _wait_ready(client, 2)

@@ -8,32 +8,29 @@ sample is 0.28 points), which is the size of the bounds under test.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from gossamer.experiment import Experiment
+from tests._fixtures import experiment
 from tests.integration._ps_harness import run_async
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def _exp(compression: str, **kw: object) -> Experiment:
-    base: dict[str, object] = dict(
-        name="c", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
-        mode="async", lr=0.05, momentum=0.9, num_ps_shards=2, total_steps=1500, eval_every=0,
-        compression=compression,
-    )
-    base.update(kw)
-    return Experiment(**base)  # type: ignore[arg-type]
+#: The digits experiment of these tests (its codec and overrides per test).
+COMPRESSED: dict[str, Any] = dict(name="c", mode="async", lr=0.05, momentum=0.9, num_ps_shards=2, total_steps=1500,
+                                  eval_every=0)
 
 
 @pytest.fixture(scope="module")
 def small_baseline() -> dict[str, object]:
-    return run_async(_exp("none"), workers=1)
+    return run_async(experiment(COMPRESSED, compression="none"), workers=1)
 
 
 @pytest.mark.parametrize(("codec", "max_drop", "min_ratio"), [("topk:0.01", 0.010, 50.0), ("int8", 0.003, 3.9)])
 def test_codec_keeps_accuracy_while_pushing_far_fewer_bytes(small_baseline, codec, max_drop, min_ratio) -> None:  # type: ignore[no-untyped-def]
-    got = run_async(_exp(codec), workers=1)
+    got = run_async(experiment(COMPRESSED, compression=codec), workers=1)
     ratio = small_baseline["bytes_up"] / got["bytes_up"]
     print(f"{codec}: accuracy {got['accuracy']:.4f} vs {small_baseline['accuracy']:.4f}, {ratio:.1f}x fewer bytes")
     assert ratio >= min_ratio, f"{codec}: only {ratio:.1f}x fewer bytes pushed"
@@ -44,8 +41,8 @@ def test_powersgd_4_keeps_accuracy_at_50x_fewer_bytes() -> None:
     # PowerSGD compresses matrices; on the 26k-parameter default MLP its factors are as big
     # as the layers, so it is measured on a wider MLP (1.1M parameters).
     wide = {"model_args": {"hidden": 1024}}
-    base = run_async(_exp("none", **wide), workers=1)
-    got = run_async(_exp("powersgd:4", **wide), workers=1)
+    base = run_async(experiment(COMPRESSED, compression="none", **wide), workers=1)
+    got = run_async(experiment(COMPRESSED, compression="powersgd:4", **wide), workers=1)
     ratio = base["bytes_up"] / got["bytes_up"]
     print(f"powersgd:4: accuracy {got['accuracy']:.4f} vs {base['accuracy']:.4f}, {ratio:.1f}x fewer bytes")
     assert ratio >= 50, f"only {ratio:.1f}x fewer bytes pushed"
@@ -53,12 +50,12 @@ def test_powersgd_4_keeps_accuracy_at_50x_fewer_bytes() -> None:
 
 
 def test_compressed_training_with_three_async_workers_still_converges() -> None:
-    got = run_async(_exp("topk:0.01", pull_compression="int8"), workers=3)
+    got = run_async(experiment(COMPRESSED, compression="topk:0.01", pull_compression="int8"), workers=3)
     assert got["accuracy"] >= 0.95
 
 
 def test_pull_compression_sends_compressed_differences_and_still_trains(small_baseline) -> None:  # type: ignore[no-untyped-def]
-    got = run_async(_exp("none", pull_compression="int8"), workers=1)
+    got = run_async(experiment(COMPRESSED, compression="none", pull_compression="int8"), workers=1)
     assert small_baseline["bytes_down"] / got["bytes_down"] >= 3.5
     assert got["accuracy"] >= small_baseline["accuracy"] - 0.01
 

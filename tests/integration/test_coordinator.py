@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gossamer import Client, ConfigError, Experiment, UnavailableError
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+from tests._fixtures import MakeCluster, StartCoordinator
 
 pytestmark = pytest.mark.timeout(120)
 BASE = {"name": "t", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data"}
@@ -132,10 +133,8 @@ def test_assignments_stream_servers_first_then_workers_with_endpoints(coordinato
     stop.set()
 
 
-def test_state_survives_a_restart(tmp_path: Path) -> None:
-    from tests.conftest import InProcessCoordinator
-
-    first = InProcessCoordinator(tmp_path / "s", heartbeat_interval_s=0.2, lease_timeout_s=5.0)
+def test_state_survives_a_restart(tmp_path: Path, start_coordinator: StartCoordinator) -> None:
+    first = start_coordinator(tmp_path / "s", lease_timeout_s=5.0)
     nodes, exps = _stubs(first.address)
     # Submit first: its import check can outlast the 5 s lease on a loaded machine, and a
     # node already lost before the restart is (rightly) not re-attached.
@@ -145,7 +144,7 @@ def test_state_survives_a_restart(tmp_path: Path) -> None:
     exps.ReportMetrics(pb.ReportMetricsRequest(experiment_id=exp_id, points=[
         pb.MetricPoint(time_unix=time.time(), step=3, source="x/0", values={"samples": 96.0})]))
     first.close()
-    second = InProcessCoordinator(tmp_path / "s", heartbeat_interval_s=0.2, lease_timeout_s=5.0)
+    second = start_coordinator(tmp_path / "s", lease_timeout_s=5.0)
     try:
         nodes, exps = _stubs(second.address)
         assert nodes.Heartbeat(pb.HeartbeatRequest(node_id=node_id), timeout=5).known  # re-attaches
@@ -165,15 +164,14 @@ def test_unknown_experiment_is_not_found(coordinator) -> None:  # type: ignore[n
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_token_file_is_enforced_rather_than_silently_ignored(tmp_path: Path) -> None:
+def test_token_file_is_enforced_rather_than_silently_ignored(tmp_path: Path, make_cluster: MakeCluster) -> None:
     """--token-file was refused until tokens were checked; now it is enforced (tests/integration/test_security_grpc.py)."""
     from gossamer.errors import AuthError
-    from gossamer.local_cluster import LocalCluster
 
     token, wrong = tmp_path / "token", tmp_path / "wrong"
     token.write_text("secret-token-0123456789\n")
     wrong.write_text("wrong-token-0123456789\n")
-    with LocalCluster(tmp_path / "c", coordinator_args=["--token-file", str(token)]) as cluster:
+    with make_cluster(state_dir=tmp_path / "c", coordinator_args=["--token-file", str(token)]) as cluster:
         address = cluster.start_coordinator(port=0)
         with pytest.raises(AuthError, match="refused the token"):
             Client(address).nodes()

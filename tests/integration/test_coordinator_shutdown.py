@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 
 from gossamer import Experiment, Job
-from gossamer.local_cluster import LocalCluster
+from tests._fixtures import MakeCluster
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_sigterm_with_open_streams_exits_cleanly(tmp_path: Path) -> None:
+def test_sigterm_with_open_streams_exits_cleanly(tmp_path: Path, make_cluster: MakeCluster) -> None:
     """Each round: two node agents (WatchAssignments streams) and a client following a queued
     experiment (Watch stream), then SIGTERM. The coordinator used a Condition for change
     notification; cancelled at shutdown it raised "Lock is not acquired" in the stream
     handlers and the process stayed alive (seen in 2 of 4 Slurm runs)."""
-    with LocalCluster(tmp_path / "c", heartbeat_interval=0.2, lease_timeout=30.0) as cluster:
+    with make_cluster(state_dir=tmp_path / "c", heartbeat_interval=0.2, lease_timeout=30.0) as cluster:
         exp = Experiment(name="queued", model="gossamer.examples.digits:mlp",
                          dataset="gossamer.examples.digits:data", min_workers=8, max_workers=8)
         for rnd in range(3):

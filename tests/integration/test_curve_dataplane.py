@@ -14,11 +14,11 @@ import zmq
 
 from gossamer.errors import ShardError, UnavailableError
 from gossamer.gossip import PushSumPeer
-from gossamer.local_cluster import LocalCluster
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
 from gossamer.security.curve import CurveKeyPair, CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import MIN_MESSAGE_BYTES, FrameLimits, Message, decode, encode
 from gossamer.transport.ratelimit import RateLimit
+from tests._fixtures import InProcessCoordinator, MakeCluster, StartCoordinator
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -413,19 +413,19 @@ def _latest(stream: Any, want: Any, timeout: float = 20.0) -> Any:
     raise AssertionError("stream ended")
 
 
-def test_coordinator_hands_out_member_and_server_keys_and_drops_a_leaver(tmp_path: Path) -> None:
+def test_coordinator_hands_out_member_and_server_keys_and_drops_a_leaver(
+        tmp_path: Path, start_coordinator: StartCoordinator) -> None:
     import json
 
     import grpc
 
     from gossamer.v1 import coordinator_pb2 as pb
     from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
-    from tests.conftest import InProcessCoordinator
 
     def stub(c: InProcessCoordinator) -> Any:
         return pb_grpc.NodeServiceStub(grpc.insecure_channel(c.address))
 
-    coord = InProcessCoordinator(tmp_path / "s", heartbeat_interval_s=0.2, lease_timeout_s=30.0, curve=True)
+    coord = start_coordinator(tmp_path / "s", lease_timeout_s=30.0, curve=True)
     ps_keys, wk_keys, ep = CurveKeyPair.generate(), CurveKeyPair.generate(), "tcp://127.0.0.1:5555"
     try:
         nodes = stub(coord)
@@ -457,7 +457,7 @@ def test_coordinator_hands_out_member_and_server_keys_and_drops_a_leaver(tmp_pat
     finally:
         coord.close()
     # The keys survive a coordinator restart: the running shard re-attaches with the same one.
-    again = InProcessCoordinator(tmp_path / "s", heartbeat_interval_s=0.2, lease_timeout_s=30.0, curve=True)
+    again = start_coordinator(tmp_path / "s", lease_timeout_s=30.0, curve=True)
     try:
         nodes = stub(again)
         assert nodes.Join(pb.JoinRequest(node_id=ps.node_id, name="ps", curve_public_key=ps_keys.public),
@@ -470,14 +470,13 @@ def test_coordinator_hands_out_member_and_server_keys_and_drops_a_leaver(tmp_pat
         again.close()
 
 
-def test_a_plaintext_coordinator_hands_out_no_keys(tmp_path: Path) -> None:
+def test_a_plaintext_coordinator_hands_out_no_keys(tmp_path: Path, start_coordinator: StartCoordinator) -> None:
     import grpc
 
     from gossamer.v1 import coordinator_pb2 as pb
     from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
-    from tests.conftest import InProcessCoordinator
 
-    coord = InProcessCoordinator(tmp_path / "s", heartbeat_interval_s=0.2, lease_timeout_s=30.0)
+    coord = start_coordinator(tmp_path / "s", lease_timeout_s=30.0)
     try:
         assert not coord.config.data_plane_curve
         nodes = pb_grpc.NodeServiceStub(grpc.insecure_channel(coord.address))
@@ -491,7 +490,7 @@ def test_a_plaintext_coordinator_hands_out_no_keys(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_secured_cluster_runs_curve_and_refuses_strangers_end_to_end(tmp_path: Path) -> None:
+def test_secured_cluster_runs_curve_and_refuses_strangers_end_to_end(tmp_path: Path, make_cluster: MakeCluster) -> None:
     """TLS + token via LocalCluster(secure=...): CURVE is on by default; a digits run completes,
     and while it runs a plaintext socket and a stranger's key are refused by its shard."""
     from gossamer.examples.digits import mlp
@@ -502,7 +501,7 @@ def test_secured_cluster_runs_curve_and_refuses_strangers_end_to_end(tmp_path: P
         "mode": "async", "lr": 0.05, "momentum": 0.9, "num_ps_shards": 1, "min_workers": 2, "max_workers": 2,
         "total_steps": 600, "eval_every": 300, "staleness": 4,
     }
-    with LocalCluster(tmp_path / "state", secure=tmp_path / "secure") as cluster:
+    with make_cluster(state_dir=tmp_path / "state", secure=tmp_path / "secure") as cluster:
         cluster.start_coordinator(port=0)
         client = cluster.client()
         for i in range(4):  # a shard, its backup and two workers
@@ -547,7 +546,7 @@ def test_secured_cluster_runs_curve_and_refuses_strangers_end_to_end(tmp_path: P
 
 
 @pytest.mark.timeout(420)
-def test_gossip_over_curve_through_real_processes_with_the_explicit_flag(tmp_path: Path) -> None:
+def test_gossip_over_curve_through_real_processes_with_the_explicit_flag(tmp_path: Path, make_cluster: MakeCluster) -> None:
     """`--curve` on a plaintext coordinator: gossip workers find each other through the keys
     their assignments carry, train to completion, and none refuses a member.
 
@@ -559,7 +558,7 @@ def test_gossip_over_curve_through_real_processes_with_the_explicit_flag(tmp_pat
         "mode": "gossip", "lr": 0.05, "momentum": 0.9, "min_workers": 3, "max_workers": 3,
         "total_steps": 300, "eval_every": 0,
     }
-    with LocalCluster(tmp_path / "state", coordinator_args=["--curve"]) as cluster:
+    with make_cluster(state_dir=tmp_path / "state", coordinator_args=["--curve"]) as cluster:
         cluster.start_coordinator(port=0)
         client = cluster.client()
         for i in range(3):

@@ -7,38 +7,35 @@ with 0.9 the Nesterov step overshoots at the end (measured: same accuracy band, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from gossamer.experiment import Experiment
 from gossamer.paramserver.shard import ShardConfig
+from tests._fixtures import experiment
 from tests.integration._ps_harness import run_async
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def _exp(mode: str, **kw: object) -> Experiment:
-    base: dict[str, object] = dict(
-        name="d", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
-        mode=mode, num_ps_shards=2, total_steps=400, eval_every=0, ps_backup=False, seed=1,
-    )
-    base.update(kw)
-    return Experiment(**base)  # type: ignore[arg-type]
+#: The digits experiment of these tests (its mode and overrides per test).
+DILOCO: dict[str, Any] = dict(name="d", num_ps_shards=2, total_steps=400, eval_every=0, ps_backup=False, seed=1)
 
 
 def test_diloco_defaults_follow_the_paper() -> None:
-    exp = _exp("diloco")
+    exp = experiment(DILOCO, mode="diloco")
     assert (exp.optimizer, exp.compression, exp.inner_steps, exp.outer_lr, exp.outer_momentum) == \
         ("adamw", "int8", 20, 0.7, 0.9)
     cfg = ShardConfig.for_experiment(exp, "e", 0)
     assert cfg.optimizer.name == "sgd" and cfg.optimizer.nesterov and cfg.optimizer.lr == 0.7
     assert cfg.mode == "sync" and cfg.total_steps == 20  # 400 inner steps = 20 outer rounds
-    asynchronous = ShardConfig.for_experiment(_exp("diloco", outer_step="async"), "e", 0)
+    asynchronous = ShardConfig.for_experiment(experiment(DILOCO, mode="diloco", outer_step="async"), "e", 0)
     assert asynchronous.staleness_in_rounds and asynchronous.optimizer.momentum == 0
 
 
 def test_diloco_h20_matches_sync_accuracy_with_15x_fewer_bytes() -> None:
-    sync = run_async(_exp("sync", lr=0.05, momentum=0.9), workers=4)
-    dl = run_async(_exp("diloco", lr=0.003, inner_steps=20, outer_momentum=0.6), workers=4)
+    sync = run_async(experiment(DILOCO, mode="sync", lr=0.05, momentum=0.9), workers=4)
+    dl = run_async(experiment(DILOCO, mode="diloco", lr=0.003, inner_steps=20, outer_momentum=0.6), workers=4)
     sync_bytes = sync["bytes_up"] + sync["bytes_down"]  # type: ignore[operator]
     dl_bytes = dl["bytes_up"] + dl["bytes_down"]  # type: ignore[operator]
     print(f"sync {sync['accuracy']:.4f} {sync_bytes} B; diloco {dl['accuracy']:.4f} {dl_bytes} B "
@@ -54,7 +51,7 @@ def test_diloco_h20_matches_sync_accuracy_with_15x_fewer_bytes() -> None:
 def test_diloco_async_outer_step_trains() -> None:
     # Async outer step: total_steps counts every worker's inner steps (as async mode counts
     # every worker's updates): 4 workers x 400 steps.
-    got = run_async(_exp("diloco", lr=0.003, inner_steps=20, outer_momentum=0.6, outer_step="async",
-                         total_steps=1600), workers=4)
+    got = run_async(experiment(DILOCO, mode="diloco", lr=0.003, inner_steps=20, outer_momentum=0.6,
+                               outer_step="async", total_steps=1600), workers=4)
     print(f"diloco async: {got['accuracy']:.4f}")
     assert got["accuracy"] >= 0.95

@@ -42,14 +42,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gossamer import Experiment
 from gossamer.compression import ChunkCompressor
-from gossamer.coordinator import CoordinatorConfig, CoordinatorServer
-from gossamer.coordinator.http import HttpConfig
 from gossamer.errors import ProtocolError
-from gossamer.local_cluster import LocalCluster
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
 from gossamer.transport.frames import DTYPES, Message, decode, encode
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+from tests._fixtures import InProcessCoordinator, MakeCluster, StartCoordinator, experiment
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -442,34 +440,12 @@ def storm_shard(srv: ShardServer, endpoint: str, recorded: list[list[bytes]], rn
 # -- the coordinator ------------------------------------------------------------------------
 
 
-class LiveCoordinator:
-    """The real grpc.aio coordinator and its HTTP side on their own event loop thread, on free ports."""
-
-    def __init__(self, state_dir: Path) -> None:
-        # rate_limit=0: every fuzzed call must reach the servicers, not the per-host limiter.
-        # check_imports=False: mutated model paths would each import in a subprocess.
-        self.config = CoordinatorConfig(host="127.0.0.1", port=0, state_dir=str(state_dir), heartbeat_interval_s=0.2,
-                                        lease_timeout_s=1.0, check_imports=False, rate_limit=0)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = CoordinatorServer(self.config, HttpConfig(host="127.0.0.1", port=0))
-        self.port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
-        self.address = f"127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture
-def live_coordinator(tmp_path: Path) -> Iterator[LiveCoordinator]:
-    c = LiveCoordinator(tmp_path / "state")
-    try:
-        yield c
-    finally:
-        c.close()
+def live_coordinator(start_coordinator: StartCoordinator) -> InProcessCoordinator:
+    """The real grpc.aio coordinator and its HTTP side on their own event loop thread, on free ports."""
+    # rate_limit=0: every fuzzed call must reach the servicers, not the per-host limiter.
+    # check_imports=False: mutated model paths would each import in a subprocess.
+    return start_coordinator(http=True, check_imports=False, rate_limit=0)
 
 
 def scrape(http: str) -> dict[str, float]:
@@ -488,18 +464,14 @@ class CoordinatorProcess:
     to read off the server object now comes over /metrics and the process's log.
     """
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, make_cluster: MakeCluster, state_dir: Path) -> None:
         # --rate-limit 0: every fuzzed call must reach the servicers, not the per-host limiter.
         # --no-import-check: mutated model paths would each import in a subprocess.
-        self.cluster = LocalCluster(
-            state_dir, heartbeat_interval=0.2, lease_timeout=1.0, env={"PYTHONFAULTHANDLER": "1"},
+        self.cluster = make_cluster(
+            state_dir=state_dir, heartbeat_interval=0.2, lease_timeout=1.0, env={"PYTHONFAULTHANDLER": "1"},
             coordinator_args=["--http-port", "0", "--no-import-check", "--rate-limit", "0", "--log-format", "json"])
-        try:
-            self.address = self.cluster.start_coordinator(port=0)
-            self.http = f"http://127.0.0.1:{int((state_dir / 'http.port').read_text())}"
-        except BaseException:
-            self.cluster.close()
-            raise
+        self.address = self.cluster.start_coordinator(port=0)
+        self.http = f"http://127.0.0.1:{int((state_dir / 'http.port').read_text())}"
         assert self.cluster.coordinator is not None
         self.proc = self.cluster.coordinator
         self.port = self.cluster.port
@@ -559,12 +531,8 @@ class CoordinatorProcess:
 
 
 @pytest.fixture
-def coordinator_process(tmp_path: Path) -> Iterator[CoordinatorProcess]:
-    c = CoordinatorProcess(tmp_path / "coordinator")
-    try:
-        yield c
-    finally:
-        c.cluster.close()
+def coordinator_process(tmp_path: Path, make_cluster: MakeCluster) -> CoordinatorProcess:
+    return CoordinatorProcess(make_cluster, tmp_path / "coordinator")
 
 
 class ErrorLog(logging.Handler):
@@ -598,9 +566,9 @@ class ErrorLog(logging.Handler):
         self.records.append(text[:500])
 
 
-def _experiment(name: str) -> Experiment:
-    return Experiment(name=name, model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
-                      mode="async", num_ps_shards=1, ps_backup=False, min_workers=1, max_workers=2, total_steps=100)
+#: The experiment every fuzz test submits (under its own name).
+FUZZED = {"mode": "async", "num_ps_shards": 1, "ps_backup": False, "min_workers": 1, "max_workers": 2,
+          "total_steps": 100}
 
 
 def real_requests(stub: Any, exps: Any, heartbeat_ids: list[str]) -> dict[str, list[Proto]]:
@@ -608,8 +576,8 @@ def real_requests(stub: Any, exps: Any, heartbeat_ids: list[str]) -> dict[str, l
     nodes = [stub.Join(pb.JoinRequest(name=f"n{i}", address="127.0.0.1", hostname="h", cpus=4, nproc_per_node=1,
                                       labels={"zone": "a"}), timeout=10).node_id for i in range(3)]
     heartbeat_ids.extend(nodes)
-    eid = exps.Submit(pb.SubmitRequest(experiment_json=_experiment("setup").to_json()), timeout=10).experiment_id
-    other = exps.Submit(pb.SubmitRequest(experiment_json=_experiment("queued").to_json()), timeout=10).experiment_id
+    eid = exps.Submit(pb.SubmitRequest(experiment_json=experiment(FUZZED, name="setup").to_json()), timeout=10).experiment_id
+    other = exps.Submit(pb.SubmitRequest(experiment_json=experiment(FUZZED, name="queued").to_json()), timeout=10).experiment_id
     roles = list(exps.Get(pb.GetExperimentRequest(experiment_id=eid), timeout=10).roles)
     assert roles, "the setup experiment was not scheduled"
     report = [pb.ReportRoleRequest(experiment_id=eid, node_id=r.node_id, role=r.role, index=r.index,
@@ -629,7 +597,7 @@ def real_requests(stub: Any, exps: Any, heartbeat_ids: list[str]) -> dict[str, l
         "/gossamer.v1.NodeService/WatchAssignments": [pb.WatchAssignmentsRequest(node_id=n) for n in nodes],
         "/gossamer.v1.NodeService/ReportRole": report,
         "/gossamer.v1.NodeService/ListNodes": [pb.ListNodesRequest()],
-        "/gossamer.v1.ExperimentService/Submit": [pb.SubmitRequest(experiment_json=_experiment("m").to_json())],
+        "/gossamer.v1.ExperimentService/Submit": [pb.SubmitRequest(experiment_json=experiment(FUZZED, name="m").to_json())],
         "/gossamer.v1.ExperimentService/Get": [pb.GetExperimentRequest(experiment_id=eid)],
         "/gossamer.v1.ExperimentService/List": [pb.ListExperimentsRequest()],
         "/gossamer.v1.ExperimentService/Watch": [pb.WatchExperimentRequest(experiment_id=eid)],
@@ -727,7 +695,7 @@ def fuzz_body(rng: random.Random, examples: list[Proto], known: list[str]) -> by
 
 def submit_json_body(rng: random.Random) -> bytes:
     """A SubmitRequest whose experiment JSON has one hostile field (the validator's property, through RPC)."""
-    data = _experiment("fz").to_dict()
+    data = experiment(FUZZED, name="fz").to_dict()
     key = rng.choice([*data, "unknown_field"])
     data[key] = rng.choice(NASTY[:-8] + [10**30, "\ud800", {"k": [1, {"x": None}]}])
     text = json.dumps(data, default=lambda o: o.decode("latin-1") if isinstance(o, bytes) else str(o))
@@ -973,11 +941,11 @@ def test_10000_random_and_mutated_frames_leave_shard_and_coordinator_serving_cor
                                  request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                                  response_deserializer=health_pb2.HealthCheckResponse.FromString)
     assert health(health_pb2.HealthCheckRequest(service=""), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
-    sid = exps.Submit(pb.SubmitRequest(experiment_json=_experiment("after-the-storm").to_json()),
+    sid = exps.Submit(pb.SubmitRequest(experiment_json=experiment(FUZZED, name="after-the-storm").to_json()),
                       timeout=10).experiment_id
     status = exps.Get(pb.GetExperimentRequest(experiment_id=sid), timeout=10)
     assert (status.id, status.name) == (sid, "after-the-storm")
-    assert Experiment.from_json(status.experiment_json) == _experiment("after-the-storm")
+    assert Experiment.from_json(status.experiment_json) == experiment(FUZZED, name="after-the-storm")
     assert sid in [e.id for e in exps.List(pb.ListExperimentsRequest(), timeout=10).experiments]
     joined = nodes.Join(pb.JoinRequest(name="late", address="127.0.0.1"), timeout=10).node_id
     assert nodes.Heartbeat(pb.HeartbeatRequest(node_id=joined), timeout=10).known
@@ -996,7 +964,7 @@ def test_10000_random_and_mutated_frames_leave_shard_and_coordinator_serving_cor
 
 
 @pytest.fixture
-def stubs(live_coordinator: LiveCoordinator) -> Iterator[tuple[Any, Any, grpc.Channel]]:
+def stubs(live_coordinator: InProcessCoordinator) -> Iterator[tuple[Any, Any, grpc.Channel]]:
     channel = grpc.insecure_channel(live_coordinator.address)
     yield pb_grpc.NodeServiceStub(channel), pb_grpc.ExperimentServiceStub(channel), channel
     channel.close()
@@ -1016,7 +984,7 @@ def test_a_request_with_a_non_utf8_path_does_not_take_the_coordinator_down(
     assert coordinator.restarts() == 0
     with grpc.insecure_channel(coordinator.address) as channel:
         exps = pb_grpc.ExperimentServiceStub(channel)
-        sid = exps.Submit(pb.SubmitRequest(experiment_json=_experiment("kept").to_json()), timeout=10).experiment_id
+        sid = exps.Submit(pb.SubmitRequest(experiment_json=experiment(FUZZED, name="kept").to_json()), timeout=10).experiment_id
         frames = grpc_over_h2(b"/gossamer.v1.\xd6/List", b"")  # 0xd6 alone is not UTF-8
         raw_tcp(coordinator.port, [PREFACE, *frames], read=True)
         deadline = time.monotonic() + 10
@@ -1032,7 +1000,7 @@ def test_a_request_with_a_non_utf8_path_does_not_take_the_coordinator_down(
 
 
 def test_an_unparsable_body_is_invalid_argument_on_every_method(
-    live_coordinator: LiveCoordinator, stubs: tuple[Any, Any, grpc.Channel]
+    live_coordinator: InProcessCoordinator, stubs: tuple[Any, Any, grpc.Channel]
 ) -> None:
     """It was UNKNOWN ("Unexpected DecodeError raised by servicer") with an ERROR traceback each time."""
     _, _, channel = stubs
@@ -1061,7 +1029,7 @@ def test_complete_with_an_impossible_step_count_is_refused_and_list_still_works(
 ) -> None:
     """int(1e300) was stored as the experiment's steps, and every List/Get after failed to encode it."""
     _, exps, _ = stubs
-    sid = exps.Submit(pb.SubmitRequest(experiment_json=_experiment("c").to_json()), timeout=10).experiment_id
+    sid = exps.Submit(pb.SubmitRequest(experiment_json=experiment(FUZZED, name="c").to_json()), timeout=10).experiment_id
     req = pb.CompleteExperimentRequest(experiment_id=sid, final_metrics={"steps": steps})
     assert _code(exps.Complete, req) == grpc.StatusCode.INVALID_ARGUMENT
     assert exps.Get(pb.GetExperimentRequest(experiment_id=sid), timeout=10).state == pb.EXPERIMENT_STATE_QUEUED
@@ -1069,12 +1037,12 @@ def test_complete_with_an_impossible_step_count_is_refused_and_list_still_works(
 
 
 def test_a_metric_point_without_a_finite_time_is_refused_and_later_writes_still_land(
-    live_coordinator: LiveCoordinator, stubs: tuple[Any, Any, grpc.Channel]
+    live_coordinator: InProcessCoordinator, stubs: tuple[Any, Any, grpc.Channel]
 ) -> None:
     """A NaN time failed the metrics table's NOT NULL inside an open transaction that was never
     rolled back: every later metrics write failed, and every other write stayed uncommitted."""
     _, exps, _ = stubs
-    sid = exps.Submit(pb.SubmitRequest(experiment_json=_experiment("m").to_json()), timeout=10).experiment_id
+    sid = exps.Submit(pb.SubmitRequest(experiment_json=experiment(FUZZED, name="m").to_json()), timeout=10).experiment_id
     bad = pb.ReportMetricsRequest(experiment_id=sid, points=[pb.MetricPoint(time_unix=math.nan, step=1, source="a")])
     assert _code(exps.ReportMetrics, bad) == grpc.StatusCode.INVALID_ARGUMENT
     good = pb.ReportMetricsRequest(experiment_id=sid, points=[pb.MetricPoint(time_unix=time.time(), step=2, source="a",
@@ -1121,7 +1089,7 @@ def test_an_error_about_a_huge_id_stays_a_clear_not_found(stubs: tuple[Any, Any,
 def test_an_experiment_name_protobuf_cannot_carry_is_refused_at_submit(stubs: tuple[Any, Any, grpc.Channel]) -> None:
     """A lone surrogate (valid JSON escape) was accepted; every List after failed to encode the name."""
     _, exps, _ = stubs
-    text = _experiment("x").to_json().replace('"name": "x"', '"name": "\\ud800"')
+    text = experiment(FUZZED, name="x").to_json().replace('"name": "x"', '"name": "\\ud800"')
     assert _code(exps.Submit, pb.SubmitRequest(experiment_json=text)) == grpc.StatusCode.INVALID_ARGUMENT
     assert list(exps.List(pb.ListExperimentsRequest(), timeout=10).experiments) == []
 

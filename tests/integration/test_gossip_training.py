@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gossamer import Client, Experiment, load_checkpoint
-from gossamer.local_cluster import LocalCluster
 from gossamer.worker.gossip import consensus_distance
 from gossamer.worker.trainer import build, evaluate
+from tests._fixtures import MakeCluster
 from tests.chaos._wait import wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,13 +25,13 @@ def test_consensus_distance_of_identical_models_is_zero_and_average_is_weighted(
     assert d == pytest.approx((2 * 0.75**2 + 2 * 0.25**2) / 2)
 
 
-def test_gossip_four_workers_reach_95_percent_on_digits(tmp_path: Path) -> None:
+def test_gossip_four_workers_reach_95_percent_on_digits(tmp_path: Path, make_cluster: MakeCluster) -> None:
     spec = {
         "name": "gossip", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
         "mode": "gossip", "lr": 0.05, "momentum": 0.9, "min_workers": 4, "max_workers": 4,
         "total_steps": 500, "eval_every": 250,
     }
-    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))
         for i in range(4):
             cluster.add_node(f"w{i}")
@@ -71,13 +71,13 @@ def test_gossip_four_workers_reach_95_percent_on_digits(tmp_path: Path) -> None:
     assert acc == pytest.approx(result.metrics["eval_accuracy"])
 
 
-def test_decentralized_diloco_averages_by_gossip_once_per_round(tmp_path: Path) -> None:
+def test_decentralized_diloco_averages_by_gossip_once_per_round(tmp_path: Path, make_cluster: MakeCluster) -> None:
     spec = {
         "name": "diloco-gossip", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
         "mode": "diloco", "outer_step": "gossip", "lr": 0.003, "outer_momentum": 0.6, "inner_steps": 20,
         "min_workers": 4, "max_workers": 4, "total_steps": 400, "eval_every": 0,
     }
-    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))
         for i in range(4):
             cluster.add_node(f"w{i}")

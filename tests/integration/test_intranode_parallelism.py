@@ -29,7 +29,7 @@ def test_two_nodes_of_two_local_ranks_train_digits_async(cluster: LocalCluster, 
                                                          parallelism: str) -> None:
     address = cluster.start_coordinator(port=0)
     cluster.add_node("ps")
-    time.sleep(0.3)
+    cluster.wait_joined("ps")
     for i in range(2):
         cluster.add_node(f"w{i}", spot=True, nproc_per_node=2)
     client = Client(address)
@@ -74,7 +74,7 @@ def test_sigterm_stops_a_sharded_node_together(cluster: LocalCluster, parallelis
     """SIGTERM reaches the local ranks at slightly different steps: they agree to stop, none hangs."""
     address = cluster.start_coordinator(port=0)
     cluster.add_node("ps")
-    time.sleep(0.3)
+    cluster.wait_joined("ps")
     cluster.add_node("w0", spot=True, nproc_per_node=2)
     client = Client(address)
     _wait_ready(client, 2)
@@ -100,7 +100,7 @@ def test_diloco_with_fsdp_nodes_trains_digits(cluster: LocalCluster) -> None:
     """DiLoCo's inner AdamW steps each rank's own FSDP shard; the pseudo-gradient leaves per rank."""
     address = cluster.start_coordinator(port=0)
     cluster.add_node("ps")
-    time.sleep(0.3)
+    cluster.wait_joined("ps")
     for i in range(2):
         cluster.add_node(f"w{i}", spot=True, nproc_per_node=2)
     client = Client(address)

@@ -17,6 +17,7 @@ import pytest
 
 from gossamer import Client
 from gossamer.local_cluster import LocalCluster
+from tests._fixtures import MakeCluster
 
 pytestmark = pytest.mark.timeout(300)
 _LAUNCHER_VARS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -110,8 +111,8 @@ def _train_on_two_local_ranks(client: Client, node: str) -> None:
 
 
 @pytest.fixture
-def cluster_with_shard_host(tmp_path: Path) -> Iterator[tuple[LocalCluster, Client]]:
-    with LocalCluster(tmp_path / "cluster", heartbeat_interval=0.5, lease_timeout=5.0, env=_clean_env()) as cluster:
+def cluster_with_shard_host(tmp_path: Path, make_cluster: MakeCluster) -> Iterator[tuple[LocalCluster, Client]]:
+    with make_cluster(state_dir=tmp_path / "cluster", env=_clean_env()) as cluster:
         cluster.start_coordinator(port=0)
         cluster.add_node("ps")
         client = Client(cluster.address)
@@ -191,8 +192,8 @@ def test_srun_tasks_on_one_node_make_one_node_with_two_local_ranks(
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def test_a_dead_attached_rank_makes_the_agent_leave_with_an_error(tmp_path: Path) -> None:
-    with LocalCluster(tmp_path / "cluster", heartbeat_interval=0.5, lease_timeout=5.0, env=_clean_env()) as cluster:
+def test_a_dead_attached_rank_makes_the_agent_leave_with_an_error(tmp_path: Path, make_cluster: MakeCluster) -> None:
+    with make_cluster(state_dir=tmp_path / "cluster", env=_clean_env()) as cluster:
         cluster.start_coordinator(port=0)
         client = Client(cluster.address)
         job_id = str(uuid.uuid4().int % 10**6)

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
-import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from gossamer import Client
-from gossamer.coordinator import CoordinatorConfig, CoordinatorServer
-from gossamer.coordinator.http import HttpConfig
 from gossamer.local_cluster import LocalCluster
+from tests._fixtures import InProcessCoordinator, StartCoordinator
 from tests.integration._observability import (
     HTTP_ENV,
     digits,
@@ -28,13 +23,7 @@ from tests.integration._observability import (
     wait_steps,
 )
 
-pytestmark = pytest.mark.timeout(420)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path / "cluster", heartbeat_interval=0.5, lease_timeout=5.0, env=HTTP_ENV) as c:
-        yield c
+pytestmark = [pytest.mark.timeout(420), pytest.mark.cluster(env=HTTP_ENV)]
 
 
 def test_metrics_scraped_during_a_run_show_steps_rising_and_bytes_counted(cluster: LocalCluster) -> None:
@@ -98,31 +87,10 @@ def test_metrics_scraped_during_a_run_show_steps_rising_and_bytes_counted(cluste
     assert value(ps, "gossamer_agent_bad_reports_total", node="ps") == 0
 
 
-class _Coordinator:
-    """An in-process coordinator serving its HTTP side on a free port."""
-
-    def __init__(self, state_dir: Path) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        config = CoordinatorConfig(host="127.0.0.1", port=0, state_dir=str(state_dir))
-        self.server = CoordinatorServer(config, HttpConfig(host="127.0.0.1", port=0))
-        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
-        self.base = f"http://127.0.0.1:{self.server.http_port}"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[_Coordinator]:
-    c = _Coordinator(tmp_path / "state")
-    try:
-        yield c
-    finally:
-        c.close()
+def served(start_coordinator: StartCoordinator) -> InProcessCoordinator:
+    """An in-process coordinator serving its HTTP side on a free port (default leases)."""
+    return start_coordinator(http=True, heartbeat_interval_s=1.0, lease_timeout_s=10.0)
 
 
 def _raw(port: int, data: bytes) -> bytes:
@@ -135,7 +103,7 @@ def _raw(port: int, data: bytes) -> bytes:
         return b"".join(chunks)
 
 
-def test_http_side_refuses_bad_requests_with_a_clear_status_and_keeps_serving(served: _Coordinator) -> None:
+def test_http_side_refuses_bad_requests_with_a_clear_status_and_keeps_serving(served: InProcessCoordinator) -> None:
     port = served.server.http_port
     assert _raw(port, b"garbage\r\n\r\n").startswith(b"HTTP/1.1 400 ")
     assert _raw(port, b"GET /metrics HTTP/1.1\r\nno colon here\r\n\r\n").startswith(b"HTTP/1.1 400 ")

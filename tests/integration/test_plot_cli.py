@@ -20,6 +20,7 @@ import pytest
 from gossamer import Client, Experiment
 from gossamer.local_cluster import LocalCluster
 from gossamer.plot import render
+from tests._fixtures import CLUSTER_DEFAULTS
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -40,7 +41,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    with LocalCluster(tmp_path_factory.mktemp("plot"), heartbeat_interval=0.5, lease_timeout=5.0,
+    with LocalCluster(tmp_path_factory.mktemp("plot"), **CLUSTER_DEFAULTS,
                       env={"GOSSAMER_LOG_FORMAT": "json"}) as cluster:
         address = cluster.start_coordinator(port=0)
         cluster.add_node("od0")

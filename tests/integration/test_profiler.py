@@ -13,6 +13,7 @@ import pytest
 
 from gossamer import Client, Experiment
 from gossamer.local_cluster import LocalCluster
+from tests._fixtures import MakeCluster
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -49,11 +50,11 @@ def _check_profile(root: Path, exp_id: str, node: str, steps: int) -> dict[str, 
     return fractions
 
 
-def test_async_run_profiles_five_steps_of_its_worker(tmp_path: Path) -> None:
+def test_async_run_profiles_five_steps_of_its_worker(tmp_path: Path, make_cluster: MakeCluster) -> None:
     exp = Experiment(name="prof", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
                      mode="async", num_ps_shards=1, ps_backup=False, min_workers=1, max_workers=1,
                      total_steps=200, eval_every=0, compression="int8", profile_steps=5, profile_start=10)
-    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
         client, exp_id = _run(cluster, exp, ["od0", "w0"])
         fractions = _check_profile(cluster.state_dir, exp_id, "w0", 5)
         assert fractions["compression"] > 0  # int8 encode of the pushed gradient
@@ -67,11 +68,11 @@ def test_async_run_profiles_five_steps_of_its_worker(tmp_path: Path) -> None:
         client.close()
 
 
-def test_gossip_run_profiles_only_the_named_node(tmp_path: Path) -> None:
+def test_gossip_run_profiles_only_the_named_node(tmp_path: Path, make_cluster: MakeCluster) -> None:
     exp = Experiment(name="prof-g", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
                      mode="gossip", min_workers=2, max_workers=2, total_steps=60, eval_every=0,
                      compression="int8", profile_steps=5, profile_start=5, profile_nodes=["w1"])
-    with LocalCluster(tmp_path / "state", heartbeat_interval=0.5, lease_timeout=5.0) as cluster:
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
         client, exp_id = _run(cluster, exp, ["w0", "w1"])
         _check_profile(cluster.state_dir, exp_id, "w1", 5)
         assert not (cluster.state_dir / "checkpoints" / exp_id / "profile" / "w0").exists()

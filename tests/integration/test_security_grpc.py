@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,13 +19,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gossamer import Client
 from gossamer.errors import AuthError
-from gossamer.local_cluster import LocalCluster
 from gossamer.security import certs
 from gossamer.security.channel import ChannelSecurity, open_channel
 from gossamer.security.tls import TLSConfig
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import InProcessCoordinator
+from tests._fixtures import InProcessCoordinator, MakeCluster, StartCoordinator
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
@@ -75,19 +74,9 @@ Start = Callable[..., InProcessCoordinator]
 
 
 @pytest.fixture
-def start(tmp_path: Path) -> Iterator[Start]:
+def start(start_coordinator: StartCoordinator) -> Start:
     """Start an in-process coordinator with extra CoordinatorConfig fields; all are closed after the test."""
-    started: list[InProcessCoordinator] = []
-
-    def _start(**kw: object) -> InProcessCoordinator:
-        c = InProcessCoordinator(tmp_path / f"state{len(started)}", heartbeat_interval_s=0.2, lease_timeout_s=2.0,
-                                 **kw)
-        started.append(c)
-        return c
-
-    yield _start
-    for c in started:
-        c.close()
+    return lambda **kw: start_coordinator(lease_timeout_s=2.0, **kw)
 
 
 # --- the token --------------------------------------------------------------------------------
@@ -252,12 +241,12 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_secure_cluster_trains_digits_end_to_end(tmp_path: Path) -> None:
+def test_secure_cluster_trains_digits_end_to_end(tmp_path: Path, make_cluster: MakeCluster) -> None:
     """`coordinator serve --secure DIR` (mTLS + token, created on the spot), nodes join with
     `--secure DIR/client`, the CLI submits with the same flag, roles report through it."""
     secure = tmp_path / "secure"
     # --no-import-check: on a loaded machine the submit-time import check alone can outlast the RPC deadline
-    with LocalCluster(tmp_path / "cluster", heartbeat_interval=0.5, lease_timeout=5.0, secure=secure,
+    with make_cluster(state_dir=tmp_path / "cluster", secure=secure,
                       coordinator_args=["--no-import-check"]) as cluster:
         address = cluster.start_coordinator(port=0)
         assert (secure / "client" / "client.crt").is_file()

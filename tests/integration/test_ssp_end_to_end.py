@@ -49,7 +49,7 @@ def _run(cluster: LocalCluster, staleness: int | None) -> dict:  # type: ignore[
 def test_ssp_staleness_2_with_a_slow_worker_never_applies_staler_updates(cluster: LocalCluster) -> None:
     cluster.start_coordinator(port=0)
     cluster.add_node("ps")
-    time.sleep(0.3)
+    cluster.wait_joined("ps")
     for i in range(2):
         cluster.add_node(f"fast{i}", spot=True)
     cluster.add_node("slow", spot=True, env=SLOW)
@@ -63,7 +63,7 @@ def test_ssp_staleness_2_with_a_slow_worker_never_applies_staler_updates(cluster
 def test_fully_async_fast_workers_never_wait(cluster: LocalCluster) -> None:
     cluster.start_coordinator(port=0)
     cluster.add_node("ps")
-    time.sleep(0.3)
+    cluster.wait_joined("ps")
     for i in range(2):
         cluster.add_node(f"fast{i}", spot=True)
     cluster.add_node("slow", spot=True, env=SLOW)

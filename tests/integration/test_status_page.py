@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,10 @@ from tests.integration._observability import HTTP_ENV, SLOW, digits, http_port, 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = [
     pytest.mark.timeout(420),
+    pytest.mark.cluster(env=HTTP_ENV),
     pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK),
                        reason=f"{CHROMIUM} is missing: apt-get install chromium (Debian) to check the status page"),
 ]
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path / "cluster", heartbeat_interval=0.5, lease_timeout=5.0, env=HTTP_ENV) as c:
-        yield c
 
 
 def _chromium(tmp: Path, url: str, *extra: str, timeout: float = 120.0) -> str:

@@ -6,8 +6,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -24,13 +22,7 @@ from tests.integration._observability import (
     wait_ready,
 )
 
-pytestmark = pytest.mark.timeout(420)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path / "cluster", heartbeat_interval=0.5, lease_timeout=5.0, env=HTTP_ENV) as c:
-        yield c
+pytestmark = [pytest.mark.timeout(420), pytest.mark.cluster(env=HTTP_ENV)]
 
 
 def _gossamer(*args: str) -> str:

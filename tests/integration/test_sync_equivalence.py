@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,18 +12,15 @@ import torch.multiprocessing as tmp
 
 from gossamer.experiment import Experiment
 from gossamer.worker.trainer import RankContext, Trainer
+from tests._fixtures import experiment
 from tests.integration._ps_harness import Shards, reference_sync
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _exp(**kw: object) -> Experiment:
-    base: dict[str, object] = dict(
-        name="sync", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
-        mode="sync", optimizer="sgd", lr=0.05, momentum=0.9, num_ps_shards=2, total_steps=50, eval_every=0,
-    )
-    base.update(kw)
-    return Experiment(**base)  # type: ignore[arg-type]
+#: The digits experiment of these tests (overrides per test).
+SYNC: dict[str, Any] = dict(name="sync", mode="sync", optimizer="sgd", lr=0.05, momentum=0.9, num_ps_shards=2,
+                            total_steps=50, eval_every=0)
 
 
 def _run_workers(exp: Experiment, shards: Shards, workers: int, ckpt: Path) -> None:
@@ -46,7 +44,7 @@ def _run_workers(exp: Experiment, shards: Shards, workers: int, ckpt: Path) -> N
 
 def test_sync_two_workers_of_16_equal_single_process_batch_32(tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    exp = _exp(batch_size=16)
+    exp = experiment(SYNC, batch_size=16)
     shards = Shards(exp)
     try:
         _run_workers(exp, shards, workers=2, ckpt=tmp_path)
@@ -59,7 +57,7 @@ def test_sync_two_workers_of_16_equal_single_process_batch_32(tmp_path: Path) ->
 
 def test_sync_global_batch_gives_same_parameters_for_1_2_3_workers(tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    exp = _exp(global_batch_size=48, total_steps=30)
+    exp = experiment(SYNC, global_batch_size=48, total_steps=30)
     results = []
     for workers in (1, 2, 3):
         shards = Shards(exp)
@@ -120,7 +118,7 @@ def _two_ranks(tmp_path: Path, backend: str, atol: float = 1e-5, parallelism: st
                schedule: str = "gpipe") -> None:
     import socket
 
-    exp = _exp(batch_size=32, total_steps=20, chunk_numel=2048, parallelism=parallelism, pipeline_schedule=schedule)
+    exp = experiment(SYNC, batch_size=32, total_steps=20, chunk_numel=2048, parallelism=parallelism, pipeline_schedule=schedule)
     shards = Shards(exp)
     try:
         with socket.socket() as s:

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
 from gossamer.errors import ConfigError
 from gossamer.examples.digits import mlp
-from gossamer.experiment import Experiment
 from gossamer.paramserver import ShardPlan
 from gossamer.worker.layout import FSDP_MAX_LOCAL_RANKS, fsdp_row_cuts, pipeline_split
 from gossamer.worker.precision import LossScaler, check_precision
+from tests._fixtures import experiment
 
-
-def _exp(**kw: object) -> Experiment:
-    base: dict[str, object] = dict(name="x", model="gossamer.examples.digits:mlp",
-                                   dataset="gossamer.examples.digits:data")
-    base.update(kw)
-    return Experiment(**base)  # type: ignore[arg-type]
+#: The digits experiment of these tests (overrides per test).
+NAMED: dict[str, Any] = dict(name="x")
 
 
 def _fsdp_regions(shape: tuple[int, ...], world: int) -> list[tuple[int, int]]:
@@ -69,9 +67,9 @@ def test_param_plan_never_spans_two_parameters_and_pack_does() -> None:
 
 def test_plan_for_experiment_follows_parallelism() -> None:
     model = mlp()
-    assert ShardPlan.for_experiment(model, _exp()) == ShardPlan.for_module(model, 1)
-    assert ShardPlan.for_experiment(model, _exp(parallelism="fsdp")) == ShardPlan.for_module(model, 1, align="fsdp")
-    assert ShardPlan.for_experiment(model, _exp(parallelism="pipeline")) == \
+    assert ShardPlan.for_experiment(model, experiment(NAMED)) == ShardPlan.for_module(model, 1)
+    assert ShardPlan.for_experiment(model, experiment(NAMED, parallelism="fsdp")) == ShardPlan.for_module(model, 1, align="fsdp")
+    assert ShardPlan.for_experiment(model, experiment(NAMED, parallelism="pipeline")) == \
         ShardPlan.for_module(model, 1, align="param")
 
 
@@ -103,29 +101,29 @@ def test_bad_intranode_settings_name_the_field(field: str, value: object, messag
     if field == "parallelism":
         kw["mode"] = "gossip"
     with pytest.raises(ConfigError, match=message) as e:
-        _exp(**kw)
+        experiment(NAMED, **kw)
     assert e.value.field == field
 
 
 def test_pipeline_needs_microbatches_that_divide_the_batch() -> None:
     with pytest.raises(ConfigError, match="must divide batch_size"):
-        _exp(parallelism="pipeline", batch_size=30, pipeline_microbatches=4)
-    assert _exp(parallelism="pipeline", batch_size=32, pipeline_microbatches=8).pipeline_microbatches == 8
+        experiment(NAMED, parallelism="pipeline", batch_size=30, pipeline_microbatches=4)
+    assert experiment(NAMED, parallelism="pipeline", batch_size=32, pipeline_microbatches=8).pipeline_microbatches == 8
 
 
 def test_linear_scaling_rule() -> None:
-    assert _exp(batch_size=64).linear_lr_factor() == 1.0  # off by default
-    assert _exp(batch_size=64, lr_scaling="linear", base_batch_size=32).linear_lr_factor() == 2.0
-    sync = _exp(mode="sync", batch_size=32, lr_scaling="linear", base_batch_size=32)
+    assert experiment(NAMED, batch_size=64).linear_lr_factor() == 1.0  # off by default
+    assert experiment(NAMED, batch_size=64, lr_scaling="linear", base_batch_size=32).linear_lr_factor() == 2.0
+    sync = experiment(NAMED, mode="sync", batch_size=32, lr_scaling="linear", base_batch_size=32)
     assert sync.linear_lr_factor(4) == 4.0  # the global batch grows with the workers
-    fixed = _exp(mode="sync", global_batch_size=256, lr_scaling="linear", base_batch_size=128)
+    fixed = experiment(NAMED, mode="sync", global_batch_size=256, lr_scaling="linear", base_batch_size=128)
     assert fixed.linear_lr_factor(3) == fixed.linear_lr_factor(8) == 2.0
 
 
 def test_fp16_is_refused_off_cuda_and_bf16_is_not() -> None:
     with pytest.raises(ConfigError, match="bf16"):
-        check_precision(_exp(precision="fp16"), torch.device("cpu"))
-    check_precision(_exp(precision="bf16"), torch.device("cpu"))
+        check_precision(experiment(NAMED, precision="fp16"), torch.device("cpu"))
+    check_precision(experiment(NAMED, precision="bf16"), torch.device("cpu"))
 
 
 def test_loss_scaler_backs_off_on_overflow_and_grows_after_clean_steps() -> None:

@@ -64,7 +64,7 @@ def test_randk_trains_through_the_data_plane_sending_only_values(small_baseline)
     # Without server momentum: rand-k's error feedback delivers each coordinate's residual in
     # bursts (every ~1/R steps), which momentum 0.9 amplified until training diverged (digits,
     # randk:0.1 and 0.01: 0.08-0.10 accuracy, where topk:0.01 reaches 0.98). Measured 0.958.
-    got = run_async(_exp("randk:0.1", momentum=0.0), workers=1)
+    got = run_async(experiment(COMPRESSED, compression="randk:0.1", momentum=0.0), workers=1)
     ratio = small_baseline["bytes_up"] / got["bytes_up"]
     print(f"randk:0.1: accuracy {got['accuracy']:.4f}, {ratio:.1f}x fewer bytes")
     assert ratio >= 15, f"only {ratio:.1f}x fewer bytes pushed"  # 10x fewer values, 2 bytes each

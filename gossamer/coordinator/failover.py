@@ -13,7 +13,8 @@ def lease_verdict(node: NodeRec, *, now: float, lease_timeout_s: float,
                   heartbeat_interval_s: float) -> tuple[str, float] | None:
     """(why, seconds silent) if `node` is lost at `now`, else None.
 
-    Lost: its lease expired, or its assignment stream dropped and no heartbeat came since.
+    Lost: its lease expired, or its assignment stream dropped and neither a heartbeat nor a
+    reconnection came for two heartbeat intervals.
     A process that dies (kill -9, OOM, crash) closes its TCP connections at once, so its
     stream ends; a live node reconnects it or heartbeats within one interval. Two quiet
     intervals after the drop are enough evidence; a machine that vanishes without closing
@@ -25,7 +26,9 @@ def lease_verdict(node: NodeRec, *, now: float, lease_timeout_s: float,
     if silent > lease_timeout_s:
         return f"lease expired ({silent:.1f}s without heartbeat)", silent
     fast = 2.0 * heartbeat_interval_s
-    if node.stream_lost_at and now - node.stream_lost_at > fast and node.last_seen < node.stream_lost_at:
+    # Quiet since the later of the drop and the last heartbeat: a heartbeat the node sent just
+    # before it died may be handled after the drop on a busy loop; it postpones, never cancels.
+    if node.stream_lost_at and now - max(node.stream_lost_at, node.last_seen) > fast:
         return f"connection closed and no heartbeat for {silent:.1f}s", silent
     return None
 

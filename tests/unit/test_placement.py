@@ -105,6 +105,15 @@ def test_a_dropped_stream_with_two_quiet_heartbeat_intervals_is_a_loss_but_a_hea
     assert lease_verdict(node, now=102.6, lease_timeout_s=30.0, heartbeat_interval_s=1.0) is None
 
 
+def test_a_heartbeat_handled_after_the_drop_postpones_the_loss_but_does_not_cancel_it() -> None:
+    # kill -9 right after a heartbeat: on a busy coordinator the heartbeat may be handled after
+    # the stream's end. Two quiet intervals after it, the node is lost (not a lease later).
+    node = _node(0, last_seen=100.7, stream_lost_at=100.5)
+    assert lease_verdict(node, now=102.6, lease_timeout_s=30.0, heartbeat_interval_s=1.0) is None
+    verdict = lease_verdict(node, now=102.8, lease_timeout_s=30.0, heartbeat_interval_s=1.0)
+    assert verdict is not None and verdict[0].startswith("connection closed")
+
+
 def test_a_node_already_gone_is_not_lost_again() -> None:
     node = _node(0, last_seen=0.0, state=pb.NODE_STATE_LEFT)
     assert lease_verdict(node, now=1000.0, lease_timeout_s=5.0, heartbeat_interval_s=1.0) is None

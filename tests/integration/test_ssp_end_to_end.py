@@ -35,8 +35,12 @@ def _run(cluster: LocalCluster, staleness: int | None) -> dict:  # type: ignore[
         "dataset": "gossamer.examples.digits:data", "mode": "async", "staleness": staleness,
         "num_ps_shards": 1, "min_workers": 3, "max_workers": 3, "total_steps": 100_000, "eval_every": 0,
     })
+    # Measured once the slow worker has been stepping too (its step rate is reported): on a
+    # loaded machine its process may start after the fast ones already made 400 steps, and
+    # then the shard would have seen none of its (stale) updates.
     deadline = time.monotonic() + 120
-    while (st := job.status())["steps"] < 400:
+    while (st := job.status())["steps"] < 400 or not any(
+            r["node"] == "slow" and r["step_rate"] > 0 for r in st["roles"]):
         assert time.monotonic() < deadline, st
         time.sleep(0.2)
     endpoint = next(r["endpoint"] for r in st["roles"] if r["role"] == "ps")

@@ -24,7 +24,8 @@ from _report import RESULTS, write_report  # noqa: E402
 from gossamer.compression import ChunkCompressor  # noqa: E402
 from gossamer.experiment import Experiment  # noqa: E402
 from gossamer.paramserver.local import LocalShards  # noqa: E402
-from gossamer.worker.trainer import RankContext, Trainer  # noqa: E402
+from gossamer.worker.ps_trainer import ParameterServerTrainer  # noqa: E402
+from gossamer.worker.rank import RankContext  # noqa: E402
 
 CODECS = ["none", "fp16", "bf16", "int8", "qsgd:16", "topk:0.01", "powersgd:4", "sign"]
 MODELS = {
@@ -33,7 +34,7 @@ MODELS = {
 }
 
 
-def codec_ms_per_step(exp: Experiment, trainer: Trainer, reps: int = 30) -> float:
+def codec_ms_per_step(exp: Experiment, trainer: ParameterServerTrainer, reps: int = 30) -> float:
     """Encode + decode of one whole gradient, alone on one thread (in training, threads share the GIL)."""
     if exp.compression == "none":
         return 0.0
@@ -64,7 +65,7 @@ def run(model: str, codec: str, steps: int, workers: int) -> dict[str, Any]:
 
     with TemporaryDirectory() as ckpt:
         trainers = [
-            Trainer(RankContext(experiment_id="e", experiment=exp, node_id=f"n{w}", worker_index=w,
+            ParameterServerTrainer(RankContext(experiment_id="e", experiment=exp, node_id=f"n{w}", worker_index=w,
                                 num_workers=workers, endpoints=shards.endpoints, checkpoint_dir=ckpt, lead=w == 0),
                     on_metrics=on_metrics if w == 0 else None)
             for w in range(workers)

@@ -22,7 +22,9 @@ from _report import write_report  # noqa: E402
 
 from gossamer.experiment import Experiment  # noqa: E402
 from gossamer.worker import sampler  # noqa: E402
-from gossamer.worker.trainer import RankContext, Trainer, build  # noqa: E402
+from gossamer.worker.model import build  # noqa: E402
+from gossamer.worker.ps_trainer import ParameterServerTrainer  # noqa: E402
+from gossamer.worker.rank import RankContext  # noqa: E402
 
 
 def _exp(steps: int, batch: int, mode: str) -> Experiment:
@@ -83,7 +85,7 @@ def gossamer_loop(exp: Experiment) -> tuple[float, int]:
     proc.start()
     try:
         endpoint = q.get(timeout=60)
-        trainer = Trainer(RankContext(experiment_id="bench", experiment=exp, node_id="n", worker_index=0,
+        trainer = ParameterServerTrainer(RankContext(experiment_id="bench", experiment=exp, node_id="n", worker_index=0,
                                       num_workers=1, endpoints={0: endpoint}, checkpoint_dir="/tmp"))
         t0 = time.perf_counter()
         trainer.run()

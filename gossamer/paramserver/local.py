@@ -14,7 +14,7 @@ class LocalShards:
     """`exp.num_ps_shards` ShardServers in background threads, initialised like the PS role does."""
 
     def __init__(self, exp: Experiment, experiment_id: str = "e") -> None:
-        from gossamer.worker.trainer import build  # the worker package imports this one
+        from gossamer.worker.model import build  # the worker package imports this one
 
         model, _, _ = build(exp, torch.device("cpu"))
         self.plan = ShardPlan.for_experiment(model, exp)

@@ -13,7 +13,7 @@ import torch
 
 from gossamer import Client, Experiment, load_checkpoint
 from gossamer.paramserver import flatten_params
-from gossamer.worker.trainer import build
+from gossamer.worker.model import build
 from tests._fixtures import MakeCluster
 from tests.chaos._wait import assert_running, wait_for, wait_steps
 from tests.integration._ps_harness import reference_sync

@@ -9,7 +9,7 @@ from gossamer.experiment import Experiment
 from gossamer.paramserver.local import LocalShards
 from gossamer.paramserver.shard_plan import flatten_params
 from gossamer.worker import sampler
-from gossamer.worker.trainer import build
+from gossamer.worker.model import build
 
 Shards = LocalShards
 
@@ -33,16 +33,18 @@ def reference_sync(exp: Experiment, global_batch: int) -> torch.Tensor:
 
 
 def run_async(exp: Experiment, workers: int = 3, throttle_at: dict[int, object] | None = None) -> dict[str, object]:
-    """Train `exp` with `workers` Trainer threads against real shards; final metrics and trainers."""
+    """Train `exp` with `workers` ParameterServerTrainer threads against real shards; final metrics and trainers."""
     import threading
 
     from gossamer.paramserver import unflatten_into
     from gossamer.worker.diloco import DilocoTrainer
-    from gossamer.worker.trainer import RankContext, Trainer, evaluate
+    from gossamer.worker.model import evaluate
+    from gossamer.worker.ps_trainer import ParameterServerTrainer
+    from gossamer.worker.rank import RankContext
 
     torch.set_num_threads(1)
     shards = Shards(exp)
-    cls = DilocoTrainer if exp.mode == "diloco" else Trainer
+    cls = DilocoTrainer if exp.mode == "diloco" else ParameterServerTrainer
     trainers = [
         cls(RankContext(experiment_id="e", experiment=exp, node_id=f"node{w}", worker_index=w,
                             num_workers=workers, endpoints=shards.endpoints, checkpoint_dir="/tmp"))
@@ -50,7 +52,7 @@ def run_async(exp: Experiment, workers: int = 3, throttle_at: dict[int, object] 
     ]
     errors: list[BaseException] = []
 
-    def run(t: Trainer) -> None:
+    def run(t: ParameterServerTrainer) -> None:
         try:
             t.run()
         except BaseException as e:  # noqa: BLE001

@@ -10,7 +10,8 @@ import torch
 
 from gossamer.experiment import Experiment
 from gossamer.transport.throttle import TokenBucket
-from gossamer.worker.trainer import RankContext, Trainer
+from gossamer.worker.ps_trainer import ParameterServerTrainer
+from gossamer.worker.rank import RankContext
 from tests.integration._ps_harness import Shards
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,7 +24,7 @@ def test_adaptive_follows_the_link_bandwidth_down_and_back_up(tmp_path) -> None:
                      compression="adaptive")
     shards = Shards(exp)
     throttle = TokenBucket(rate_bps=None, burst_bytes=8 * 1024)
-    trainer = Trainer(RankContext(experiment_id="e", experiment=exp, node_id="n", worker_index=0, num_workers=1,
+    trainer = ParameterServerTrainer(RankContext(experiment_id="e", experiment=exp, node_id="n", worker_index=0, num_workers=1,
                                   endpoints=shards.endpoints, checkpoint_dir=str(tmp_path), throttle=throttle))
     assert trainer.adaptive is not None
     stop = threading.Event()

@@ -9,7 +9,7 @@ import torch
 
 from gossamer import Client, Experiment, load_checkpoint
 from gossamer.worker.gossip import consensus_distance
-from gossamer.worker.trainer import build, evaluate
+from gossamer.worker.model import build, evaluate
 from tests._fixtures import MakeCluster
 from tests.chaos._wait import wait_for
 

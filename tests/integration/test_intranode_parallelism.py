@@ -12,7 +12,7 @@ import torch
 from gossamer import Client, load_checkpoint
 from gossamer.examples.digits import data, mlp
 from gossamer.local_cluster import LocalCluster
-from gossamer.worker.trainer import evaluate
+from gossamer.worker.model import evaluate
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -11,7 +11,8 @@ import torch
 import torch.multiprocessing as tmp
 
 from gossamer.experiment import Experiment
-from gossamer.worker.trainer import RankContext, Trainer
+from gossamer.worker.ps_trainer import ParameterServerTrainer
+from gossamer.worker.rank import RankContext
 from tests._fixtures import experiment
 from tests.integration._ps_harness import Shards, reference_sync
 
@@ -30,7 +31,7 @@ def _run_workers(exp: Experiment, shards: Shards, workers: int, ckpt: Path) -> N
         try:
             ctx = RankContext(experiment_id="e", experiment=exp, node_id=f"node{w}", worker_index=w,
                               num_workers=workers, endpoints=shards.endpoints, checkpoint_dir=str(ckpt))
-            Trainer(ctx).run()
+            ParameterServerTrainer(ctx).run()
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -84,7 +85,7 @@ def _rank_main(rank: int, world: int, port: int, exp_json: str, endpoints: dict[
         ctx = RankContext(experiment_id="e", experiment=Experiment.from_json(exp_json), node_id="node0",
                           worker_index=0, num_workers=1, endpoints=endpoints, checkpoint_dir=ckpt,
                           local_rank=rank, local_world=world, device=device)
-        Trainer(ctx).run()
+        ParameterServerTrainer(ctx).run()
     finally:
         dist.destroy_process_group()
 

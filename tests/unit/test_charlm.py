@@ -12,7 +12,8 @@ import torch
 
 from gossamer.examples import charlm
 from gossamer.experiment import Experiment
-from gossamer.worker.trainer import evaluate, loss_sum
+from gossamer.worker.layout import loss_sum
+from gossamer.worker.model import evaluate
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"seq_len": 32, "max_chars": 100_000}

@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import torch
 
-from gossamer.faults import die_at
 from gossamer.protocol import AssignmentUpdate
 from gossamer.worker.optimizer import inner_optimizer, schedule_lr
 from gossamer.worker.ps_trainer import ParameterServerTrainer
@@ -52,21 +51,10 @@ class DilocoTrainer(ParameterServerTrainer):
             self._pseudo = (start, self._inner_round())
         scale = 1.0 / self.ctx.num_workers
         grads = {idx: (d * scale).cpu() for idx, d in self._pseudo[1].items()}
-        die_at("mid-push", step=self.clock, **self.client.fault_ctx)
-        self.client.fault_step = self.clock
-        with self.profiler.region("communication"):
-            res = self.client.push_pull(
-                grads,
-                clock=self.clock,
-                basis=self.versions,
-                step=start if self.barrier else None,
-                num_workers=self.ctx.num_workers if self.barrier else None,
-                generation=self.ctx.generation if self.barrier else None,
-            )
+        done = self._push_pull(grads, step=start)
         self._pseudo = None
         self.rounds += 1
-        self._note_versions(res.versions)
-        return self._assemble(res.values, res.done)
+        return done
 
     def _inner_round(self) -> dict[int, torch.Tensor]:
         """H inner steps from the current (global) parameters; returns theta_0 - theta_H by chunk index.

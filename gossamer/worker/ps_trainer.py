@@ -189,25 +189,33 @@ class ParameterServerTrainer(RankTrainer):
         if self.exp.overlap:
             done = self._exchange_overlapped(grads, compute_s)
         else:
-            sync = self.barrier
             sent0, t_exchange = self.client.bytes_up, time.perf_counter()
-            die_at("mid-push", step=self.clock, **self.client.fault_ctx)
-            self.client.fault_step = self.clock
-            with self.profiler.region("communication"):
-                res = self.client.push_pull(
-                    grads,
-                    clock=self.clock,
-                    basis=self.versions,
-                    step=self.version if sync else None,
-                    num_workers=self.ctx.num_workers if sync else None,
-                    generation=self.ctx.generation if sync else None,
-                )
-            self._note_versions(res.versions)
-            done = self._assemble(res.values, res.done)
+            done = self._push_pull(grads, step=self.version)
             if self.adaptive is not None:
                 self.adaptive.after_step(compute_s, self.client.bytes_up - sent0, time.perf_counter() - t_exchange)
         self._count(node_samples)
         return done
+
+    def _push_pull(self, grads: dict[int, torch.Tensor], *, step: int) -> bool:
+        """Push `grads` computed at shard version `step`, write the values of the reply; True at the end.
+
+        Under a barrier the push names its step, the membership size and generation, so the
+        shards can hold it for the others' and refuse it after a re-form.
+        """
+        die_at("mid-push", step=self.clock, **self.client.fault_ctx)
+        self.client.fault_step = self.clock
+        barrier = self.barrier
+        with self.profiler.region("communication"):
+            res = self.client.push_pull(
+                grads,
+                clock=self.clock,
+                basis=self.versions,
+                step=step if barrier else None,
+                num_workers=self.ctx.num_workers if barrier else None,
+                generation=self.ctx.generation if barrier else None,
+            )
+        self._note_versions(res.versions)
+        return self._assemble(res.values, res.done)
 
     def _exchange_overlapped(self, grads: dict[int, torch.Tensor], compute_s: float) -> bool:
         """Async with `overlap`: this step's gradient leaves while the next one is computed.

@@ -52,6 +52,8 @@ class GossipTrainer(RankTrainer):
         self.theta0: torch.Tensor | None = None
         self.rounds = 0
         self.skipped_sends = 0
+        self.sends = 0  # steps whose share left for a peer
+        self.lone_steps = 0  # steps with no peer known (a share has nowhere to go)
         if self.mode.rounds:  # decentralized DiLoCo: an outer step on each node every `inner_steps`
             self.theta0 = self.flat.detach().clone().requires_grad_(True)
             self.outer = torch.optim.SGD([self.theta0], lr=self.exp.outer_lr, momentum=self.exp.outer_momentum,
@@ -170,7 +172,10 @@ class GossipTrainer(RankTrainer):
         if self.outer is not None:
             self._outer_step()
         to = self._target()
-        if self.peer is None or to is None:
+        if self.peer is None:
+            return
+        if to is None:
+            self.lone_steps += 1
             return
         if self.peer.pending(to) >= 2 or self.peer.weight < _MIN_WEIGHT:
             # That neighbour answers nothing (dead, not yet removed): every hold keeps a
@@ -181,6 +186,7 @@ class GossipTrainer(RankTrainer):
             return
         with self.profiler.region("communication"):
             self.peer.send(self.flat, to, self.clock)
+            self.sends += 1
             if not self.exp.overlap:
                 self._wait_settled(limit_s=1.0)
 
@@ -275,6 +281,7 @@ class GossipTrainer(RankTrainer):
                 "bytes_up": float(self.peer.bytes_up), "bytes_down": float(self.peer.bytes_down),
                 "raw_bytes_up": float(self.peer.raw_bytes_up), "gossip_weight": self.peer.weight,
                 "gossip_pending": float(self.peer.pending()), "gossip_skipped_sends": float(self.skipped_sends),
+                "gossip_sends": float(self.sends), "gossip_lone_steps": float(self.lone_steps),
             }
             if self.outer is not None:
                 values["outer_rounds"] = float(self.rounds)

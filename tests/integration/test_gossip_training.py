@@ -56,8 +56,17 @@ def test_gossip_four_workers_reach_95_percent_on_digits(tmp_path: Path, make_clu
     # snapshots the lead gathers.
     model_bytes = 4 * sum(p.numel() for p in build(Experiment.from_dict(spec), torch.device("cpu"))[0].parameters())
     steps = result.metrics["updates"]
-    # (a worker alone, before it hears of its peers, sends nothing)
-    assert 0.9 * steps * model_bytes <= result.metrics["bytes_up"] <= (steps + 20) * model_bytes * 1.1, result.metrics
+    # Every step either sent a share, found no peer yet (a worker alone sends nothing), or held
+    # its mass because that neighbour had two shares unanswered (a busy machine answers late).
+    final: dict[str, dict[str, float]] = {}
+    for p in history:
+        if "gossip_sends" in p:
+            final[p["source"]] = p
+    sends = sum(p["gossip_sends"] for p in final.values())
+    held = sum(p["gossip_skipped_sends"] + p["gossip_lone_steps"] for p in final.values())
+    assert len(final) == 4 and sends + held == steps, (sends, held, steps)
+    print(f"{sends:.0f} of {steps:.0f} steps sent a share")
+    assert 0.9 * sends * model_bytes <= result.metrics["bytes_up"] <= (sends + 20) * model_bytes * 1.1, result.metrics
     # The lead reported the consensus distance at the mid-run evaluation and at the end.
     distances = [p for p in history if "consensus_distance" in p]
     assert [p["step"] for p in distances] == [250, 500], distances

@@ -130,8 +130,13 @@ def cmd_worker_join(args: argparse.Namespace) -> int:
         coordinator=args.coordinator, name=args.name, address=args.address, security=_client_security(args),
         nproc_per_node=nproc, spot=args.spot, labels=parse_labels(args.labels),
         grace_s=args.grace, threads_per_role=args.threads, log_level=args.log_level.upper(), log_format=args.log_format,
-        launch=launch, run_dir=args.run_dir, attach_timeout_s=args.attach_timeout,
+        launch=launch, run_dir=args.run_dir, attach_timeout_s=args.attach_timeout, warm_roles=args.warm_roles,
+        preload=tuple(args.preload),
     )
+    if config.warm_roles:
+        from gossamer.worker.warm import check_preload
+
+        check_preload(config.preload)
     if args.metrics_port is not None:
         import dataclasses
 
@@ -390,6 +395,12 @@ def _worker_parser(sub: Any) -> None:
                         "rank 0's agent (default $TMPDIR/gossamer-UID; env GOSSAMER_RUN_DIR)")
     j.add_argument("--attach-timeout", type=float, default=_env("ATTACH_TIMEOUT", 120.0),
                    help="under torchrun/srun: seconds local ranks wait for each other before giving up")
+    j.add_argument("--warm-roles", action=argparse.BooleanOptionalAction, default=_env("WARM_ROLES", True),
+                   help="start role processes from a fork server that imports torch while the node waits, so a "
+                        "role starts in milliseconds (default on; env GOSSAMER_WARM_ROLES)")
+    j.add_argument("--preload", nargs="*", metavar="MODULE", default=[m for m in _env("PRELOAD", "").split(",") if m],
+                   help="modules the fork server imports once for every role, e.g. transformers or your model's "
+                        "module (env GOSSAMER_PRELOAD, comma-separated)")
     j.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", None),
                    help="serve this node's Prometheus /metrics on this port (0 picks a free one, logged); off unless "
                         "given (env GOSSAMER_METRICS_PORT)")

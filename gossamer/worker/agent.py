@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -26,9 +25,9 @@ from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
 from gossamer.worker.launcher import Launch, visible_cuda_devices
 from gossamer.worker.node_metrics import NodeMetrics
+from gossamer.worker.warm import role_context, warm_up
 
 log = logging.getLogger(__name__)
-_SPAWN = mp.get_context("spawn")  # never fork: gRPC state does not survive it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +54,11 @@ class AgentConfig:
     launch: Launch = field(default_factory=Launch)
     run_dir: str = ""  # where the attach socket lives; default `launcher.default_run_dir()`
     attach_timeout_s: float = 120.0  # how long the other local ranks have to attach before the join
+    #: Fork role processes from a server that imported torch and the role code while the node
+    #: waited (`gossamer.worker.warm`); False: a fresh interpreter per role, seconds slower.
+    warm_roles: bool = True
+    #: Modules the fork server imports too (the user's model code, `transformers`): once, not per role.
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if ":" not in self.coordinator:
@@ -127,6 +131,8 @@ class NodeAgent:
         self.exit_code = 0  # of `gossamer worker join`: 1 when an attached local rank was lost
         self._reason = "signal"
         self._leaving = False  # Leave sent: an unknown-node heartbeat answer is expected, not a cue to rejoin
+        self._roles = role_context(warm=False)  # until the fork server is warm (`_warm_up`)
+        self._warm: asyncio.Task[None] | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
@@ -166,6 +172,7 @@ class NodeAgent:
     async def _run(self) -> None:
         self._channel = open_aio_channel(self.config.coordinator, self.config.security)
         self._stub = pb_grpc.NodeServiceStub(self._channel)
+        self._warm = asyncio.create_task(self._warm_up())  # beside the join: a node is warm by its first role
         await self._join()
         if self.config.metrics_port is not None:
             await self._serve_metrics()
@@ -177,6 +184,18 @@ class NodeAgent:
         # Heartbeats go on while the roles stop, so a slow graceful exit never looks like a loss.
         await self.shutdown(self._reason)
         beats.cancel()
+
+    async def _warm_up(self) -> None:
+        if not self.config.warm_roles:
+            return
+        try:
+            took = await asyncio.to_thread(warm_up, self.config.preload)
+        except Exception as e:  # noqa: BLE001 (a preloaded module that fails): start roles cold, just slower
+            log.warning("role processes start cold (a fresh interpreter each): fork server failed: %s", e)
+            return
+        self._roles = role_context(warm=True)
+        log.info("role processes start warm (torch, the role code%s imported in %.1f s)",
+                 "".join(f", {m}" for m in self.config.preload), took)
 
     async def _serve_metrics(self) -> None:
         """This node's Prometheus /metrics (`--metrics-port`), fed by its role processes."""
@@ -280,6 +299,8 @@ class NodeAgent:
 
     async def _watch(self) -> None:
         assert self._stub is not None
+        if self._warm is not None:
+            await self._warm  # assignments wait in the stream meanwhile
         while True:
             try:
                 stream = self._stub.WatchAssignments(pb.WatchAssignmentsRequest(node_id=self.node_id))
@@ -342,8 +363,8 @@ class NodeAgent:
         pipes: list[RolePipe] = []
         if a.role == pb.ROLE_PARAMETER_SERVER:
             spec = replace(spec, label=f"ps{a.index}" + ("b" if a.replica else ""))
-            recv, send = _SPAWN.Pipe(duplex=False)
-            procs.append(_SPAWN.Process(target=roles.run_server, args=(spec, recv), name=f"gossamer-ps{a.index}"))
+            recv, send = self._roles.Pipe(duplex=False)
+            procs.append(self._roles.Process(target=roles.run_server, args=(spec, recv), name=f"gossamer-ps{a.index}"))
             pipes.append(send)
         else:
             nproc = self.config.nproc_per_node
@@ -355,8 +376,8 @@ class NodeAgent:
                     procs.append(proc)
                     pipes.append(pipe)
                     continue
-                recv, send = _SPAWN.Pipe(duplex=False)
-                procs.append(_SPAWN.Process(target=roles.run_worker_rank, args=(rspec, recv),
+                recv, send = self._roles.Pipe(duplex=False)
+                procs.append(self._roles.Process(target=roles.run_worker_rank, args=(rspec, recv),
                                             name=f"gossamer-w{a.index}.{rank}"))
                 pipes.append(send)
         for p in procs:

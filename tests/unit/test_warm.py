@@ -1,0 +1,75 @@
+"""Warm role starts: a role process forked from the fork server has torch and the role code loaded already."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+
+import pytest
+
+from gossamer.errors import ConfigError
+from gossamer.worker.warm import ROLE_MODULES, check_preload, role_context, warm_up
+
+
+def _report_modules(conn: Connection) -> None:
+    conn.send([m for m in ROLE_MODULES if m in sys.modules])
+    conn.close()
+
+
+def _loaded_at_start(warm: bool) -> list[str]:
+    ctx = role_context(warm)
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_report_modules, args=(send,))
+    p.start()
+    send.close()
+    try:
+        assert recv.poll(120), "the role process did not report"
+        return list(recv.recv())
+    finally:
+        p.join(30)
+        assert p.exitcode == 0
+
+
+def test_a_warm_role_starts_with_torch_and_the_role_code_imported() -> None:
+    assert warm_up() >= 0.0
+    assert _loaded_at_start(warm=True) == list(ROLE_MODULES)
+
+
+def test_a_cold_role_imports_them_itself() -> None:
+    assert "torch" not in _loaded_at_start(warm=False)
+
+
+def test_preload_imports_the_users_modules_in_the_fork_server() -> None:
+    # A fresh interpreter: the fork server is one per process and this one's may be running already.
+    script = (
+        "import sys\n"
+        "from tests.unit.test_warm import _loaded_by_role\n"
+        "from gossamer.worker.warm import warm_up\n"
+        "warm_up(('xml.dom.minidom',))\n"
+        "print(_loaded_by_role('xml.dom.minidom'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "True"
+
+
+def _has_module(name: str, conn: Connection) -> None:
+    conn.send(name in sys.modules)
+    conn.close()
+
+
+def _loaded_by_role(name: str) -> bool:
+    ctx = role_context(warm=True)
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_has_module, args=(name, send))
+    p.start()
+    send.close()
+    loaded = bool(recv.recv())
+    p.join(30)
+    return loaded
+
+
+def test_a_module_that_is_not_there_is_refused_before_the_node_joins() -> None:
+    with pytest.raises(ConfigError, match="preload.*'transfomers'"):
+        check_preload(("json", "transfomers"))
+    check_preload(("json", "xml.dom.minidom"))

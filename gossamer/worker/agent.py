@@ -25,7 +25,7 @@ from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
 from gossamer.worker.launcher import Launch, visible_cuda_devices
 from gossamer.worker.node_metrics import NodeMetrics
-from gossamer.worker.warm import role_context, warm_up
+from gossamer.worker.warm import role_context, warm_up_in_background
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class NodeAgent:
         if not self.config.warm_roles:
             return
         try:
-            took = await asyncio.to_thread(warm_up, self.config.preload)
+            took = await asyncio.wrap_future(warm_up_in_background(self.config.preload))
         except Exception as e:  # noqa: BLE001 (a preloaded module that fails): start roles cold, just slower
             log.warning("role processes start cold (a fresh interpreter each): fork server failed: %s", e)
             return

@@ -186,7 +186,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     exp = Experiment.from_toml(args.file, overrides=_parse_set(args.set))
     client = _client(args)
     job = client.submit(exp)
-    print(job.id)
+    print(job.id, flush=True)
     st = job.status()
     if st["state"] == "queued" and st["message"]:
         # At once, not after minutes of silence: the cluster is too small or busy (README "Use it on a cluster").
@@ -213,7 +213,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         console.print(f"[bold]{st['name']}[/] ({st['id']}): {st['state']}  step {st['steps']}/{st['total_steps']}"
                       f"  generation {st['generation']}")
         if st["message"]:
-            console.print(f"  {st['message']}")
+            console.print(f"  {st['message']}", soft_wrap=True, markup=False)  # one line, for grep
         for k in ("loss", "eval_accuracy", "eval_loss", "samples", "samples_per_s", "bytes_up", "bytes_down"):
             if k in m:
                 console.print(f"  {k:14s} {m[k]:.6g}")

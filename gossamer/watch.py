@@ -306,7 +306,7 @@ def follow(job: Any, quiet: bool = False) -> int:
             final = st
             if st["state"] in ("queued", "starting") and st["message"] and st["message"] != said:
                 said = st["message"]  # what it waits for, each time that changes (also with --quiet)
-                console.print(f"{job.id} {st['state']}: {said}", style="yellow")
+                console.print(f"{job.id} {st['state']}: {said}", style="yellow", soft_wrap=True)
             m = st["metrics"]
             info = [st["state"]]
             if "loss" in m:

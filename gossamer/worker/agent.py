@@ -284,7 +284,7 @@ class NodeAgent:
                 if waited >= next_note:  # keep saying so: a wrong address must not look like a quiet success
                     log.warning("waiting for the coordinator at %s for %.0f s (%s)%s", self.config.coordinator,
                                 waited, e.code().name, "; Ctrl-C stops" if not limit else f"; giving up at {limit:g} s")
-                    next_note = waited + 10.0
+                    next_note = waited + 5.0
                 await asyncio.sleep(min(delay, limit - waited) if limit else delay)
                 delay = min(5.0, delay * 2)
 

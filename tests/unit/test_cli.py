@@ -187,3 +187,14 @@ def test_the_readme_says_how_many_nodes_each_example_needs() -> None:
         spec = exp.to_dict()
         need = nodes_needed(spec, resolve(spec["mode"], spec.get("outer_step", "sync")))
         assert need == (int(shards), int(workers)) and sum(need) == int(total), (file, need)
+
+
+# --- item 7: local up/down refuse bad input before starting anything -------------------------------
+def test_local_up_checks_its_counts_and_down_without_a_cluster_says_so(tmp_path: Path) -> None:
+    out = _cli("local", "up", "--nodes", "2", "--spot", "3", "--dir", str(tmp_path))
+    assert out.returncode == 2 and "spot: must be between 0 and --nodes (2), got 3" in out.stderr, out.stderr
+    assert not (tmp_path / "cluster.json").exists()
+    out = _cli("local", "down", "--dir", str(tmp_path))
+    assert out.returncode == 0 and f"no local cluster in {tmp_path}" in out.stdout, out.stdout
+    out = _cli("status", "--local", "--local-dir", str(tmp_path))
+    assert out.returncode == 2 and "start one with `gossamer local up`" in out.stderr, out.stderr

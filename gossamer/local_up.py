@@ -77,7 +77,7 @@ def up(directory: str | os.PathLike[str], *, nodes: int, spot: int, gpus_per_nod
             if gpus_per_node:
                 env = {"CUDA_VISIBLE_DEVICES": ",".join(str(i * gpus_per_node + g) for g in range(gpus_per_node))}
             cluster.add_node(name, spot=name.startswith("spot"), nproc_per_node=max(1, gpus_per_node), env=env)
-        cluster.wait_joined(*names, timeout=timeout_s)
+        _wait_ready(cluster, names, timeout_s)
         port = (cluster.state_dir / "http.port").read_text().strip()
         assert cluster.coordinator is not None
         info = LocalInfo(address=address, status_page=f"http://127.0.0.1:{port}/", state_dir=str(cluster.state_dir),
@@ -89,6 +89,22 @@ def up(directory: str | os.PathLike[str], *, nodes: int, spot: int, gpus_per_nod
         cluster.close()
         raise
     return info
+
+
+def _wait_ready(cluster: LocalCluster, names: list[str], timeout_s: float) -> None:
+    """Wait until a node of each name is ready (records of an earlier `local up` on this state dir have left)."""
+    client = cluster.client()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not set(names) <= {n["name"] for n in client.nodes() if n["state"] == "ready"}:
+            for name, proc in cluster.nodes.items():
+                if proc.poll() is not None:
+                    raise UnavailableError(f"node {name} exited ({proc.returncode}); see {cluster.log_dir / name}.log")
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"the nodes did not join within {timeout_s:g} s; see the logs in {cluster.log_dir}")
+            time.sleep(0.1)
+    finally:
+        client.close()
 
 
 def _ours(pid: int) -> bool:
@@ -130,11 +146,12 @@ def down(directory: str | os.PathLike[str], grace_s: float = 15.0) -> tuple[Loca
     if info is None:
         return None, 0
     coordinator = info.pids.get("coordinator")
-    nodes = [pid for name, pid in info.pids.items() if name != "coordinator" and _ours(pid)]
-    _signal_all(nodes, signal.SIGTERM)
+    nodes = [pid for name, pid in info.pids.items() if name != "coordinator"]
+    _signal_all([pid for pid in nodes if _ours(pid)], signal.SIGTERM)
     _wait_gone(nodes, grace_s)
-    if coordinator is not None and _ours(coordinator):
-        _signal_all([coordinator], signal.SIGTERM)
+    if coordinator is not None:
+        if _ours(coordinator):
+            _signal_all([coordinator], signal.SIGTERM)
         _wait_gone([coordinator], 10.0)
     killed = 0
     for pgid in info.pids.values():  # role processes of the nodes, and anything that did not stop
@@ -160,16 +177,8 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def _wait_gone(pids: list[int], timeout_s: float) -> None:
-    """Wait until none of `pids` runs (their parent is gone, so each is reaped by init), at most `timeout_s`."""
+def _wait_gone(pgids: list[int], timeout_s: float) -> None:
+    """Wait until nothing runs in the process groups `pgids` (the agents' fork servers included), at most `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+    while time.monotonic() < deadline and any(group_members(pgid) for pgid in pgids):
         time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"

@@ -198,3 +198,12 @@ def test_local_up_checks_its_counts_and_down_without_a_cluster_says_so(tmp_path:
     assert out.returncode == 0 and f"no local cluster in {tmp_path}" in out.stdout, out.stdout
     out = _cli("status", "--local", "--local-dir", str(tmp_path))
     assert out.returncode == 2 and "start one with `gossamer local up`" in out.stderr, out.stderr
+
+
+def test_the_quickstart_installs_as_the_makefile_does() -> None:
+    """Its install block is not run (network); it must not drift from the install CI runs."""
+    (install,) = [b for b in blocks(ROOT / "docs" / "quickstart.md") if b.mode == "skip"]
+    makefile = (ROOT / "Makefile").read_text()
+    pins = re.findall(r"pip install -q (torch==[\d.]+)", makefile)
+    assert pins and all(p in install.text for p in pins), (pins, install.text)
+    assert "pip install -e ." in install.text and "pip install -q -e '.[dev]'" in makefile

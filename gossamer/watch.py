@@ -215,9 +215,10 @@ def detached_note(status: dict[str, Any]) -> str:
 
 
 def outcome_line(status: dict[str, Any]) -> str:
-    """"STATE: message (step N/TOTAL)": how far a finished run got, whichever way it ended."""
+    """"STATE: message", and "(step N/TOTAL)" for a run that did not complete: how far it got."""
     steps, total = int(status.get("steps") or 0), int(status.get("total_steps") or 0)
-    return f"{status.get('state')}: {status.get('message', '')} (step {steps}/{total})"
+    reached = "" if status.get("state") == "completed" else f" (step {steps}/{total})"
+    return f"{status.get('state')}: {status.get('message', '')}{reached}"
 
 
 @contextlib.contextmanager

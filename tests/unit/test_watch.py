@@ -75,6 +75,8 @@ def test_what_watch_says_on_detaching_depends_on_the_state() -> None:
 def test_a_cancelled_or_failed_run_reports_the_steps_it_reached() -> None:
     st = _status(state="cancelled", message="cancelled by user", steps=640)
     assert outcome_line(st) == "cancelled: cancelled by user (step 640/1500)"
+    done = _status(state="completed", message="completed 1500 steps, eval accuracy 0.9700", steps=1500)
+    assert outcome_line(done) == "completed: completed 1500 steps, eval accuracy 0.9700"  # said once
     view = WatchView()
     view.update(st)
     assert "640/1500" in _text(view.summary())

@@ -16,6 +16,7 @@ __all__ = ["ROLE_MODULES", "check_preload", "role_context", "warm_up"]
 ROLE_MODULES = (
     "torch",
     "torch.distributed",
+    "torch._dynamo",  # torch.optim.Optimizer() imports it on first use: 1.7 s per role otherwise
     "gossamer.worker.roles",
     "gossamer.worker.server_role",
     "gossamer.worker.worker_role",

@@ -93,6 +93,10 @@ class ExpRec:
     shard_versions: dict[str, int] = field(default_factory=dict)  # highest version seen per shard
     failures: int = 0  # role processes that crashed (a budget against crash loops)
     restore_epoch: int = 0
+    starting_unix: float = 0.0  # when it entered STARTING (its start deadline counts from there)
+    waiting_unix: float = 0.0  # running, left without nodes since then (0: not waiting)
+    progress_unix: float = 0.0  # when its step count last grew (or it began running)
+    stalled: bool = False  # its status says it makes no progress
     latest: dict[str, dict[str, float]] = field(default_factory=dict)
     roles: list[RoleRec] = field(default_factory=list)
 
@@ -118,6 +122,18 @@ class ExpRec:
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    def add_recovery(self, add: dict[str, float], now: float) -> tuple[float, int, str, dict[str, float]]:
+        """Count coordinator-side recovery figures (counts add up; detect_s keeps last and max); the metric row."""
+        cur = self.latest.setdefault("coordinator", {})
+        for k, v in add.items():
+            if k == "detect_s":
+                cur["detect_s_last"] = v
+                cur["detect_s_max"] = max(cur.get("detect_s_max", 0.0), v)
+            else:
+                cur[k] = cur.get(k, 0.0) + v
+        cur["time_unix"] = now
+        return now, self.steps, "coordinator", {k: v for k, v in cur.items() if k != "time_unix"}
 
     def roles_of(self, role: pb.Role.ValueType) -> list[RoleRec]:
         return sorted((r for r in self.roles if r.role == role), key=lambda r: r.index)

@@ -245,6 +245,7 @@ class CoordinatorServer:
             await asyncio.sleep(min(0.5, self.config.heartbeat_interval_s))
             try:
                 await self.coord.reap_leases()
+                await self.coord.check_deadlines()
             except Exception:  # noqa: BLE001 — the reaper must survive anything
                 log.exception("lease reaper")
 

@@ -559,6 +559,8 @@ class Coordinator:
                 "exact count follows as workers return)",
                 experiment_id=exp.id, node_id=req.node_id,
             )
+            if lost and not req.version:  # never silently from initial values
+                await self._finish(exp, pb.EXPERIMENT_STATE_FAILED, _no_source(exp, req.index, lost))
         role.version = int(req.version)
 
     async def report_metrics(self, req: pb.ReportMetricsRequest) -> bool:
@@ -639,6 +641,13 @@ def _curve_key(req: pb.JoinRequest, curve: bool) -> str:
     from gossamer.security.curve import check_public_key
 
     return check_public_key(req.curve_public_key)
+
+
+def _no_source(exp: ExpRec, index: int, lost: int) -> str:
+    every = exp.spec["checkpoint_every"]
+    return (f"shard {index} lost every replica and no checkpoint was found to restore it from (checkpoint_every "
+            f"{every}{': none written yet' if every else ': none taken'}); going on from its initial values would "
+            f"lose {lost} version(s): set checkpoint_every and keep ps_backup on to survive this")
 
 
 def _stall_message(exp: ExpRec, now: float) -> str:

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from gossamer.experiment import Experiment
 from gossamer.modes import Mode, resolve
 from gossamer.v1 import coordinator_pb2 as pb
 
@@ -27,6 +28,8 @@ COUNTERS = ("samples", "bytes_up", "bytes_down", "raw_bytes_up", "raw_bytes_down
 COUNTER_PREFIXES = ("discarded_",)
 #: Rates summed over sources.
 RATES = ("samples_per_s",)
+#: Experiment fields' defaults: a spec stored before a field existed reads as that default.
+_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Experiment) if f.default is not dataclasses.MISSING}
 
 
 @dataclass
@@ -111,7 +114,7 @@ class ExpRec:
 
     @property
     def spec(self) -> dict[str, Any]:
-        return json.loads(self.spec_json)
+        return {**_SPEC_DEFAULTS, **json.loads(self.spec_json)}
 
     @property
     def mode(self) -> Mode:
@@ -162,6 +165,9 @@ class ExpRec:
         for k, v in self.latest.get("coordinator", {}).items():  # recovery figures, already totals
             if k != "time_unix":
                 out[k] = v
+        # The shards count lost updates as workers return; never fewer than the restore events said.
+        if "versions_lost_min" in out:
+            out["versions_lost"] = max(out.get("versions_lost", 0.0), out["versions_lost_min"])
         out.update(self.final_metrics)
         if out.get("bytes_up") and "raw_bytes_up" in out:
             out["compression_ratio"] = out["raw_bytes_up"] / out["bytes_up"]

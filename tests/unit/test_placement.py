@@ -195,3 +195,12 @@ def test_a_late_start_runs_without_unsynced_backups_or_fails_naming_the_shards_n
     down = start_overdue([_shard("a", 0), _shard("b", 1, serving=False)], 3, since=100.0, now=200.0, timeout_s=60.0)
     assert down is not None and down.backups == ()
     assert down.reason == "did not start within 60 s (start_timeout_s): shards 1, 2 not serving"
+
+
+def test_a_spec_stored_before_the_deadline_fields_existed_reads_their_defaults() -> None:
+    from gossamer.coordinator.records import ExpRec
+    from gossamer.experiment import Experiment
+
+    old = ExpRec(id="e", seq=1, name="e", spec_json='{"mode": "async", "num_ps_shards": 2}')
+    assert old.spec["num_ps_shards"] == 2
+    assert old.spec["node_wait_timeout_s"] == Experiment.__dataclass_fields__["node_wait_timeout_s"].default

@@ -62,6 +62,7 @@ class Coordinator:
 
             if not zmq.has("curve"):
                 raise ConfigError("curve", "this pyzmq/libzmq was built without CURVE support")
+        self._source_steps: dict[tuple[str, str], int] = {}  # (experiment, metric source) -> last step reported
         self.step_rates = StepRates()  # per-node step rates from workers' reports (stragglers)
         if nodes or exps:
             log.info("resumed state: %d nodes, %d experiments", len(nodes), len(exps))
@@ -224,11 +225,7 @@ class Coordinator:
         await self._place_backup(exp, r.index)
 
     async def _restore_shard(self, exp: ExpRec, index: int, where: str, stale: tuple[RoleRec, ...]) -> None:
-        """Every usable replica of shard `index` is gone: a new primary loads the checkpoint.
-
-        With no node to host it the shard stays unplaced: the experiment waits for nodes
-        (`reconcile`), up to its `node_wait_timeout_s`.
-        """
+        """Every usable replica of shard `index` is gone: a new primary loads the checkpoint (no host: it waits, `_resume`)."""
         exp.roles = [x for x in exp.roles if x not in stale]  # an unsynced backup cannot serve
         for x in stale:
             await self._release_if_idle(exp, x.node_id)
@@ -422,6 +419,7 @@ class Coordinator:
         exp.message = message
         exp.finished_unix = time.time()
         self.step_rates.forget(exp.id)
+        self._source_steps = {k: v for k, v in self._source_steps.items() if k[0] != exp.id}
         for r in exp.roles:
             node = self.nodes.get(r.node_id)
             if node is not None and node.experiment_id == exp.id:
@@ -586,8 +584,10 @@ class Coordinator:
             if shard.isdigit():
                 key = shard
                 exp.shard_versions[key] = max(exp.shard_versions.get(key, 0), int(p.step))
-            if exp.active and p.step > exp.steps:
-                exp.steps, exp.progress_unix = p.step, time.time()
+            # Progress: a source's step moved (after a roll-back the run's own count grows only once redone).
+            if exp.active and p.step != self._source_steps.get((exp.id, p.source), -1):
+                self._source_steps[(exp.id, p.source)] = p.step
+                exp.steps, exp.progress_unix = max(exp.steps, p.step), time.time()
                 if exp.stalled:
                     exp.stalled, exp.message = False, ""
                     await self.store.add_event("progress", f"steps again: step {p.step}", experiment_id=exp.id)
@@ -630,6 +630,7 @@ class Coordinator:
 
     def node_info(self, n: NodeRec) -> pb.NodeInfo:
         return views.node_info(n, self.exps.get(n.experiment_id), time.time())
+
 
 def _curve_key(req: pb.JoinRequest, curve: bool) -> str:
     """The joining node's public CURVE key ("" when the data plane runs without CURVE)."""

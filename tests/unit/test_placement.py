@@ -18,13 +18,18 @@ from gossamer.coordinator.failover import (
     roll_back_together,
 )
 from gossamer.coordinator.placement import (
+    StartOverdue,
     cluster_too_small,
     free_nodes,
     lead_node,
+    missing_shards,
+    overdue,
     place_experiment,
     shard_host,
     shards_ready,
+    start_overdue,
     wait_reason,
+    waiting_for,
 )
 from gossamer.coordinator.records import NodeRec, RoleRec
 from gossamer.modes import resolve
@@ -206,3 +211,40 @@ def test_the_reason_is_empty_exactly_when_the_placer_places(mode: str, count: in
     if not placed:
         need = 2 + (2 if mode != "gossip" else 0)
         assert reason.startswith(f"waiting for {need} nodes"), reason
+
+
+# --- deadlines ---------------------------------------------------------------------------------
+def test_an_experiment_left_without_nodes_says_it_waits_for_shard_hosts_and_a_worker() -> None:
+    worker = RoleRec(node_id="w", role=WORKER, index=3)
+    assert missing_shards([_shard("a", 1), worker], 3) == [0, 2]
+    assert waiting_for([_shard("a", 0), _shard("a", 1), worker], 2) == ""
+    assert waiting_for([_shard("a", 1), worker], 2) == "a node to host shard 0 (restored from the newest checkpoint)"
+    assert waiting_for([], 2) == ("a node to host shards 0, 1 (restored from the newest checkpoint) and a node to "
+                                  "run a worker")
+    assert waiting_for([], 0) == "a node to run a worker"  # gossip: no shards to host
+
+
+def test_a_wait_is_overdue_only_once_it_has_lasted_its_timeout_and_none_is_never_overdue() -> None:
+    assert not overdue(0.0, now=1e9, timeout_s=1.0)
+    assert not overdue(100.0, now=109.9, timeout_s=10.0)
+    assert overdue(100.0, now=110.0, timeout_s=10.0)
+
+
+def test_a_late_start_runs_without_unsynced_backups_or_fails_naming_the_shards_not_serving() -> None:
+    synced = [_shard("a", 0, replicated=True), _shard("b", 0, 1)]
+    unsynced = [_shard("a", 1), _shard("c", 1, 1, serving=False)]
+    assert start_overdue(synced + unsynced, 2, since=100.0, now=150.0, timeout_s=60.0) is None
+    late = start_overdue(synced + unsynced, 2, since=100.0, now=160.0, timeout_s=60.0)
+    assert late == StartOverdue(backups=(unsynced[1],))  # shard 0's backup synced: it stays
+    down = start_overdue([_shard("a", 0), _shard("b", 1, serving=False)], 3, since=100.0, now=200.0, timeout_s=60.0)
+    assert down is not None and down.backups == ()
+    assert down.reason == "did not start within 60 s (start_timeout_s): shards 1, 2 not serving"
+
+
+def test_a_spec_stored_before_the_deadline_fields_existed_reads_their_defaults() -> None:
+    from gossamer.coordinator.records import ExpRec
+    from gossamer.experiment import Experiment
+
+    old = ExpRec(id="e", seq=1, name="e", spec_json='{"mode": "async", "num_ps_shards": 2}')
+    assert old.spec["num_ps_shards"] == 2
+    assert old.spec["node_wait_timeout_s"] == Experiment.__dataclass_fields__["node_wait_timeout_s"].default

@@ -91,13 +91,13 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval, lease_timeout_s=args.lease_timeout,
         check_imports=not args.no_import_check,
         max_message_bytes=int(args.max_message_mb * (1 << 20)), rate_limit=args.rate_limit,
-        rate_burst=args.rate_burst, curve=_curve_flag(args), **_server_security(args),
+        rate_burst=args.rate_burst, curve=_curve_flag(args), **_server_security(args), **_retention_config(args),
     )
     http = None
     if args.http_port is not None:
         from gossamer.coordinator.http import HttpConfig
 
-        http = HttpConfig(host=args.http_host or args.host, port=args.http_port)
+        http = HttpConfig(host=args.http_host, port=args.http_port)
     asyncio.run(serve(config, ready_file=args.ready_file, http=http))
     return 0
 
@@ -203,6 +203,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 console.print(f"  {k:14s} {m[k]:.6g}")
         if st["checkpoint"]:
             console.print(f"  checkpoint     {st['checkpoint']}")
+        if m.get("ckpt_failed"):
+            console.print(f"  [bold red]checkpoint writes failed: {int(m['ckpt_failed'])}[/] "
+                          f"(`gossamer events {st['id']}` says why)")
         _print_profiles(console, m)
         slow = [r for r in st["roles"] if r.get("straggler")]
         if slow:
@@ -349,6 +352,33 @@ def _add_security_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
     g.add_argument("--token-file", default=_env("TOKEN_FILE", None), help="file with the coordinator's token")
 
 
+_RETENTION_FLAGS = (  # flag, config field, default, help
+    ("--metrics-retention", "metrics_retention_s", 6 * 3600.0,
+     "seconds metric points are kept as reported; older ones are merged per --metrics-bucket"),
+    ("--metrics-bucket", "metrics_bucket_s", 60.0, "seconds per merged point of old metrics (min/max/mean kept)"),
+    ("--event-retention", "event_retention_s", 14 * 86400.0, "seconds events are kept"),
+    ("--finished-retention", "finished_retention_s", 7 * 86400.0,
+     "seconds a finished experiment (its record, metrics, events) is kept; checkpoint files stay"),
+    ("--lost-node-retention", "lost_node_retention_s", 86400.0, "seconds a lost or departed node is listed"),
+)
+
+
+def _add_retention_flags(p: argparse.ArgumentParser) -> None:
+    """How long the coordinator keeps state (docs/reliability.md); 0 keeps it for ever."""
+    g = p.add_argument_group("retention (0: keep for ever; env GOSSAMER_<FLAG>, e.g. GOSSAMER_EVENT_RETENTION)")
+    for flag, _, default, text in _RETENTION_FLAGS:
+        env = flag.removeprefix("--").replace("-", "_").upper()
+        g.add_argument(flag, type=float, default=_env(env, default), help=f"{text} (default {default:.0f})")
+    g.add_argument("--import-check-concurrency", type=int, default=_env("IMPORT_CHECK_CONCURRENCY", 2),
+                   help="submit-time import checks (child processes running the user's code) at once (default 2)")
+
+
+def _retention_config(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {field: getattr(args, flag.removeprefix("--").replace("-", "_"))
+                           for flag, field, _, _ in _RETENTION_FLAGS}
+    return {**out, "import_check_concurrency": args.import_check_concurrency}
+
+
 def _coordinator_parser(sub: Any) -> None:
     co = sub.add_parser("coordinator", help="run the coordinator")
     cosub = co.add_subparsers(dest="action", required=True)
@@ -364,7 +394,10 @@ def _coordinator_parser(sub: Any) -> None:
     s.add_argument("--http-port", type=int, default=_env("HTTP_PORT", None),
                    help="serve the status page and Prometheus /metrics on this port (0 picks a free one, written to "
                         "STATE_DIR/http.port); off unless given (env GOSSAMER_HTTP_PORT)")
-    s.add_argument("--http-host", default=_env("HTTP_HOST", ""), help="address the HTTP side binds (default: --host)")
+    s.add_argument("--http-host", default=_env("HTTP_HOST", "127.0.0.1"),
+                   help="address the HTTP side binds (default 127.0.0.1, whatever --host is; with a token it asks "
+                        "for it: docs/security.md) (env GOSSAMER_HTTP_HOST)")
+    _add_retention_flags(s)
     _add_security_flags(s, server=True)
     s.add_argument("--curve", action=argparse.BooleanOptionalAction, default=None,
                    help="CurveZMQ on the data plane: shards and gossip peers accept only the experiment's members' "

@@ -33,7 +33,7 @@ def test_checkpoint_write_failure_is_an_event_and_shows_in_status(tmp_path: Path
         })
         event = wait_event(job, lambda e: e["kind"] == "warning" and "checkpoint write failed" in e["message"],
                            180, "the checkpoint failure event")
-        assert "ps 0" in event["message"] and "a-file" in event["message"], event
+        assert "parameter_server 0" in event["message"] and "NotADirectoryError" in event["message"], event
         wait_for(lambda: job.status()["metrics"].get("ckpt_failed", 0) >= 1, 60, "ckpt_failed in the status")
         env = {**os.environ, "COLUMNS": "200"}
         out = subprocess.run([sys.executable, "-m", "gossamer.cli", "status", job.id, "-c", address],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -124,7 +125,8 @@ class Experiment:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known, key=str)
         if unknown:
-            raise ConfigError(str(unknown[0]), "unknown field")
+            close = difflib.get_close_matches(str(unknown[0]), sorted(known), n=1, cutoff=0.6)
+            raise ConfigError(str(unknown[0]), "unknown field" + (f"; did you mean {close[0]!r}?" if close else ""))
         for required in ("name", "model", "dataset"):
             if required not in data:
                 raise ConfigError(required, "is required")

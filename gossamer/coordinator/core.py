@@ -297,16 +297,20 @@ class Coordinator:
     # --- scheduling ------------------------------------------------------------------------
     async def reconcile(self) -> None:
         """Start queued experiments and grow running async ones with free nodes."""
+        head = ""  # the first queued experiment that could not start: later ones wait behind it (FIFO)
         for exp in sorted(self.exps.values(), key=lambda e: e.seq):
             if not exp.active:
                 continue
             free = placement.free_nodes(self.nodes.values())
             if exp.state == pb.EXPERIMENT_STATE_QUEUED:
-                plan = placement.place_experiment(free, exp.spec, exp.mode)
+                plan = None if head else placement.place_experiment(free, exp.spec, exp.mode)
                 if plan is None:
-                    break  # FIFO: later experiments wait behind the head of the queue
+                    await self._say_why_queued(exp, head)
+                    head = head or exp.id
+                    continue
+                exp.message = ""
                 await self._start(exp, plan)
-            elif exp.state == pb.EXPERIMENT_STATE_RUNNING and free:
+            elif exp.state == pb.EXPERIMENT_STATE_RUNNING and free and not head:
                 await self._grow(exp, free)
             else:
                 continue
@@ -314,6 +318,15 @@ class Coordinator:
             for r in exp.roles:
                 await self.store.save_node(self.nodes[r.node_id])
         await self._notify()
+
+    async def _say_why_queued(self, exp: ExpRec, head: str) -> None:
+        """Set a queued experiment's message to what it waits for (saved only when it changes)."""
+        why = placement.wait_reason(self.nodes.values(), exp.spec, exp.mode)
+        if head:
+            why = f"queued behind {head}" + (f"; {why}" if why else ", which waits for nodes")
+        if why != exp.message:
+            exp.message = why
+            await self.store.save_experiment(exp)
 
     async def _start(self, exp: ExpRec, plan: placement.Placement) -> None:
         """Bind a queued experiment's roles as `plan` says; it runs once every shard serves."""

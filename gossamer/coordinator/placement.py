@@ -46,8 +46,47 @@ def place(
 
 def place_experiment(free: list[NodeRec], spec: dict[str, Any], mode: Mode) -> Placement | None:
     """Where a queued experiment starts: its shards (none in a mode without servers) and workers."""
-    return place(free, num_servers=spec["num_ps_shards"] if mode.servers else 0,
-                 min_workers=spec["min_workers"], max_workers=spec["max_workers"])
+    shards, workers = nodes_needed(spec, mode)
+    return place(free, num_servers=shards, min_workers=workers, max_workers=spec["max_workers"])
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def nodes_needed(spec: dict[str, Any], mode: Mode) -> tuple[int, int]:
+    """(shards, workers): the nodes an experiment needs before it can start (`place_experiment`'s rule)."""
+    return (spec["num_ps_shards"] if mode.servers else 0), spec["min_workers"]
+
+
+def wait_reason(nodes: Iterable[NodeRec], spec: dict[str, Any], mode: Mode) -> str:
+    """Why a queued experiment cannot start on `nodes` now, in words; "" when `place_experiment` would place it.
+
+    Derived from the placer itself, so the message never disagrees with it: e.g. "waiting for 5
+    nodes (2 for shards, on-demand preferred; 3 for workers); 3 free (1 on-demand, 2 spot); the
+    cluster has 3 live nodes: 2 more must join".
+    """
+    live = [n for n in nodes if n.alive]
+    free = free_nodes(live)
+    if place_experiment(free, spec, mode) is not None:
+        return ""
+    shards, workers = nodes_needed(spec, mode)
+    need = shards + workers
+    spot = sum(n.spot for n in free)
+    wants = (f"{shards} for shards, on-demand preferred; " if shards else "") + f"{workers} for workers"
+    have = f"{len(free)} free ({len(free) - spot} on-demand, {spot} spot)"
+    busy = len(live) - len(free)
+    if busy:
+        have += f", {busy} busy with other experiments"
+    text = f"waiting for {_count(need, 'node')} ({wants}); {have}"
+    if len(live) < need:
+        text += f"; the cluster has {_count(len(live), 'live node')}: {need - len(live)} more must join"
+    return text
+
+
+def cluster_too_small(nodes: Iterable[NodeRec], spec: dict[str, Any], mode: Mode) -> bool:
+    """Fewer live nodes than the experiment needs, busy or not: it cannot start until more join."""
+    return sum(n.alive for n in nodes) < sum(nodes_needed(spec, mode))
 
 
 def grow(free: list[NodeRec], *, current_workers: int, max_workers: int) -> list[NodeRec]:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gossamer.cli_parser import env_flag, parse_args
+from gossamer.cli_parser import RETENTION_FLAGS, env_flag, parse_args
 from gossamer.errors import ConfigError, GossamerError
 
 
@@ -58,6 +58,13 @@ def cmd_security_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _retention_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The retention and import-check fields of CoordinatorConfig from `coordinator serve` flags."""
+    out: dict[str, Any] = {field: getattr(args, flag.removeprefix("--").replace("-", "_"))
+                           for flag, field, _, _ in RETENTION_FLAGS}
+    return {**out, "import_check_concurrency": args.import_check_concurrency}
+
+
 def _curve_flag(args: argparse.Namespace) -> bool | None:
     """--curve/--no-curve, else GOSSAMER_CURVE, else None (the coordinator: on with TLS)."""
     if args.curve is not None:
@@ -78,13 +85,13 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval, lease_timeout_s=args.lease_timeout,
         check_imports=not args.no_import_check,
         max_message_bytes=int(args.max_message_mb * (1 << 20)), rate_limit=args.rate_limit,
-        rate_burst=args.rate_burst, curve=_curve_flag(args), **_server_security(args),
+        rate_burst=args.rate_burst, curve=_curve_flag(args), **_server_security(args), **_retention_config(args),
     )
     http = None
     if args.http_port is not None:
         from gossamer.coordinator.http import HttpConfig
 
-        http = HttpConfig(host=args.http_host or args.host, port=args.http_port)
+        http = HttpConfig(host=args.http_host, port=args.http_port)
     asyncio.run(serve(config, ready_file=args.ready_file, http=http))
     return 0
 
@@ -219,6 +226,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 console.print(f"  {k:14s} {m[k]:.6g}")
         if st["checkpoint"]:
             console.print(f"  checkpoint     {st['checkpoint']}")
+        if m.get("ckpt_failed"):
+            console.print(f"  [bold red]checkpoint writes failed: {int(m['ckpt_failed'])}[/] "
+                          f"(`gossamer events {st['id']}` says why)")
         _print_profiles(console, m)
         slow = [r for r in st["roles"] if r.get("straggler")]
         if slow:

@@ -157,6 +157,29 @@ def _add_log_flags(p: argparse.ArgumentParser) -> None:
 
 
 # --- coordinator and worker ------------------------------------------------------------------------
+#: `coordinator serve` retention flags: (flag, CoordinatorConfig field, default, help).
+RETENTION_FLAGS = (
+    ("--metrics-retention", "metrics_retention_s", 6 * 3600.0,
+     "seconds metric points are kept as reported; older ones are merged per --metrics-bucket"),
+    ("--metrics-bucket", "metrics_bucket_s", 60.0, "seconds per merged point of old metrics (min/max/mean kept)"),
+    ("--event-retention", "event_retention_s", 14 * 86400.0, "seconds events are kept"),
+    ("--finished-retention", "finished_retention_s", 7 * 86400.0,
+     "seconds a finished experiment (its record, metrics, events) is kept; checkpoint files stay"),
+    ("--lost-node-retention", "lost_node_retention_s", 86400.0, "seconds a lost or departed node is listed"),
+)
+
+
+def _add_retention_flags(p: argparse.ArgumentParser) -> None:
+    """How long the coordinator keeps state (docs/reliability.md); 0 keeps it for ever."""
+    g = p.add_argument_group("retention (0: keep for ever; env GOSSAMER_<FLAG>, e.g. GOSSAMER_EVENT_RETENTION)")
+    for flag, _, default, text in RETENTION_FLAGS:
+        env = flag.removeprefix("--").replace("-", "_").upper()
+        g.add_argument(flag, type=float, default=_env(env, default), help=text)
+    g.add_argument("--import-check-concurrency", type=int, default=_env("IMPORT_CHECK_CONCURRENCY", 2),
+                   help="submit-time import checks (child processes running the user's code) at once "
+                        "(env GOSSAMER_IMPORT_CHECK_CONCURRENCY)")
+
+
 def _coordinator_parser(sub: Any) -> None:
     co = sub.add_parser("coordinator", help="run the coordinator (`gossamer coordinator` = `coordinator serve`)")
     cosub = co.add_subparsers(dest="action", required=True)
@@ -173,7 +196,10 @@ def _coordinator_parser(sub: Any) -> None:
     s.add_argument("--http-port", type=int, default=_env("HTTP_PORT", None),
                    help="serve the status page and Prometheus /metrics on this port (0 picks a free one, written to "
                         "STATE_DIR/http.port); off unless given (env GOSSAMER_HTTP_PORT)")
-    s.add_argument("--http-host", default=_env("HTTP_HOST", ""), help="address the HTTP side binds (default: --host)")
+    s.add_argument("--http-host", default=_env("HTTP_HOST", "127.0.0.1"),
+                   help="address the HTTP side binds, whatever --host is; with a token it asks for it "
+                        "(docs/security.md) (env GOSSAMER_HTTP_HOST)")
+    _add_retention_flags(s)
     _add_security_flags(s, server=True)
     s.add_argument("--curve", action=argparse.BooleanOptionalAction, default=None,
                    help="CurveZMQ on the data plane: shards and gossip peers accept only the experiment's members' "

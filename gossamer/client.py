@@ -88,12 +88,26 @@ class Job:
         """State, steps done, generation, roles, message and current totals."""
         return status_dict(self._client._call(self._client._exp.Get, pb.GetExperimentRequest(experiment_id=self.id)))
 
-    def metrics(self, since_unix: float = 0.0) -> list[dict[str, Any]]:
-        """The time series: one dict per reported point (time_unix, step, source, values...)."""
-        resp = self._client._call(
-            self._client._exp.GetMetrics, pb.GetMetricsRequest(experiment_id=self.id, since_unix=since_unix)
-        )
-        return [{"time_unix": p.time_unix, "step": p.step, "source": p.source, **dict(p.values)} for p in resp.points]
+    def metrics(self, since_unix: float = 0.0, max_points: int = 0) -> list[dict[str, Any]]:
+        """The time series: one dict per point (time_unix, step, source, values...), oldest first.
+
+        A range holding more than `max_points` points (0: the coordinator's default, 5000)
+        comes merged per source into time buckets: each value is the bucket's mean, and
+        "count", "min" and "max" (dicts by key) say what it stands for.
+        """
+        out: list[dict[str, Any]] = []
+        token = ""
+        while True:
+            resp = self._client._call(self._client._exp.GetMetrics, pb.GetMetricsRequest(
+                experiment_id=self.id, since_unix=since_unix, max_points=max_points, page_token=token))
+            for p in resp.points:
+                point: dict[str, Any] = {"time_unix": p.time_unix, "step": p.step, "source": p.source, **dict(p.values)}
+                if p.count > 1:
+                    point.update(count=p.count, min=dict(p.min_values), max=dict(p.max_values))
+                out.append(point)
+            token = resp.next_page_token
+            if not token:
+                return out
 
     def events(self, since_unix: float = 0.0) -> list[dict[str, Any]]:
         """The coordinator's event log for this experiment: failures, detections, promotions,

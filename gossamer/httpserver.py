@@ -17,7 +17,7 @@ READ_TIMEOUT_S = 10.0
 #: Connections served at once; more are answered 503 at once.
 MAX_CONNECTIONS = 64
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+_REASONS = {200: "OK", 303: "See Other", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
             408: "Request Timeout", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
             503: "Service Unavailable"}
 
@@ -35,6 +35,7 @@ class Response:
     body: bytes = b""
     status: int = 200
     content_type: str = "text/plain; charset=utf-8"
+    headers: tuple[tuple[str, str], ...] = ()  # more response headers (Location, Set-Cookie, ...)
 
     @classmethod
     def text(cls, text: str, status: int = 200) -> Response:
@@ -114,7 +115,8 @@ class HttpServer:
         head = (
             f"HTTP/1.1 {resp.status} {_REASONS.get(resp.status, 'Unknown')}\r\n"
             f"Content-Type: {resp.content_type}\r\nContent-Length: {len(resp.body)}\r\n"
-            "Cache-Control: no-store\r\nConnection: close\r\n\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in resp.headers if "\r" not in v and "\n" not in v)
+            + "Cache-Control: no-store\r\nConnection: close\r\n\r\n"
         )
         writer.write(head.encode("latin-1") + (resp.body if method != "HEAD" else b""))
         await writer.drain()

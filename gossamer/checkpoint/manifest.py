@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gossamer.errors import CheckpointError
+from gossamer.faults import die_at
 
 MANIFEST = "manifest.json"
 FORMAT = "gossamer-checkpoint/1"
@@ -50,19 +51,62 @@ def write_atomic_dir(dest: str | os.PathLike[str], files: dict[str, bytes], meta
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-        fsync_dir(dest.parent)
+        replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
 
 
+def _aside_dirs(dest: Path) -> list[Path]:
+    """Directories `replace_dir` moved `dest` aside to, newest first."""
+    if not dest.parent.is_dir():
+        return []
+    prefix = f".{dest.name}.old-"
+    found = [p for p in dest.parent.iterdir() if p.name.startswith(prefix) and p.is_dir()]
+    return sorted(found, key=lambda p: p.name.rsplit("-", 1)[-1], reverse=True)
+
+
+def replace_dir(tmp: Path, dest: Path) -> None:
+    """Put the complete directory `tmp` in place of `dest`, never deleting `dest` first.
+
+    An existing `dest` is renamed aside (fsynced), `tmp` renamed into place (fsynced), and
+    only then the old copy deleted. A crash between the two renames leaves no `dest` but
+    the aside copy, which `recover_dir` (called by every loader) renames back; a crash
+    after them leaves the new `dest` and a stale aside copy, which is deleted next time.
+    """
+    parent = dest.parent
+    old: Path | None = None
+    if dest.exists():
+        old = parent / f".{dest.name}.old-{os.getpid()}-{time.time_ns()}"
+        os.replace(dest, old)
+        fsync_dir(parent)
+        die_at("replace-aside", step=0)
+    os.replace(tmp, dest)
+    fsync_dir(parent)
+    die_at("replace-swapped", step=0)
+    for stale in _aside_dirs(dest):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def recover_dir(dest: str | os.PathLike[str]) -> Path:
+    """`dest`, renamed back from its aside copy if a replacement crashed between its renames."""
+    dest = Path(dest)
+    if not dest.exists():
+        for aside in _aside_dirs(dest):
+            if (aside / MANIFEST).is_file():
+                try:
+                    os.replace(aside, dest)
+                except FileNotFoundError:
+                    continue  # another loader renamed it back first
+                fsync_dir(dest.parent)
+                break
+    return dest
+
+
 def read_manifest(path: str | os.PathLike[str], verify: bool = True) -> dict[str, Any]:
     """Read and (by default) verify a checkpoint's manifest; CheckpointError if anything is off."""
-    path = Path(path)
+    path = recover_dir(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError as e:

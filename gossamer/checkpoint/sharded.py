@@ -10,6 +10,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import threading
 import time
 import warnings
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from gossamer.checkpoint.manifest import MANIFEST, fsync_dir
+from gossamer.checkpoint.manifest import MANIFEST, fsync_dir, recover_dir, replace_dir
 from gossamer.errors import CheckpointError
 from gossamer.faults import die_at
 
@@ -171,17 +172,6 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def _replace_dir(tmp: Path, dest: Path) -> None:
-    """Rename `tmp` to `dest`; an existing `dest` is moved aside first (rename needs it gone)."""
-    if not dest.exists():
-        os.replace(tmp, dest)
-        return
-    old = dest.parent / f".{dest.name}.old-{os.getpid()}-{time.time_ns()}"
-    os.replace(dest, old)
-    os.replace(tmp, dest)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def save_shard(root: str | os.PathLike[str], snap: ShardSnapshot) -> Path:
     """Write `root/step-NNNNNNNN/shard-SSS/` atomically: DCP files plus a sha256 manifest.
 
@@ -209,8 +199,7 @@ def save_shard(root: str | os.PathLike[str], snap: ShardSnapshot) -> Path:
         die_at("mid-checkpoint", step=snap.step, shard=snap.shard)
         _write_json(tmp / MANIFEST, _manifest(snap, _seal_files(tmp)))
         fsync_dir(tmp)
-        _replace_dir(tmp, parent / name)
-        fsync_dir(parent)
+        replace_dir(tmp, parent / name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -232,6 +221,7 @@ def _step_dirs(root: str | os.PathLike[str]) -> list[Path]:
 
 
 def _read_shard_manifest(shard_dir: Path) -> dict[str, Any]:
+    recover_dir(shard_dir)
     try:
         m = json.loads((shard_dir / MANIFEST).read_text())
     except FileNotFoundError as e:
@@ -258,7 +248,7 @@ def _incomplete_reason(step: Path) -> str | None:
         n = _declared_shards(step)
     except CheckpointError as e:
         return f"incomplete: {e}"
-    missing = [_shard_name(s) for s in range(n) if not (step / _shard_name(s) / MANIFEST).is_file()]
+    missing = [_shard_name(s) for s in range(n) if not (recover_dir(step / _shard_name(s)) / MANIFEST).is_file()]
     return f"{step}: incomplete, {', '.join(missing)} missing" if missing else None
 
 
@@ -272,8 +262,8 @@ def _verify_files(shard_dir: Path, files: dict[str, Any]) -> None:
         path = shard_dir / name
         if "/" in name or name in ("", ".", "..", MANIFEST):
             raise CheckpointError(f"{shard_dir / MANIFEST}: bad file name {name!r}")
-        if not path.is_file():
-            raise CheckpointError(f"{path}: listed in the manifest but missing")
+        if not _regular_file(path):
+            raise CheckpointError(f"{path}: listed in the manifest but missing or not a regular file")
         digest, size = _hash_file(path)
         if digest != entry["sha256"]:
             raise CheckpointError(
@@ -391,24 +381,68 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _SafeReader(FileSystemReader):
-    """A FileSystemReader whose metadata cannot run code (DCP itself uses plain pickle.load)."""
+    """A FileSystemReader whose metadata cannot run code or name files outside the shard.
+
+    DCP itself uses plain pickle.load, and opens whatever relative path the metadata gives
+    (an absolute path, `..`, a FIFO would be read as named). Here every storage entry must
+    name a bare file name listed in the shard's manifest (so sha256-verified) that is a
+    regular file.
+    """
+
+    def __init__(self, path: Path, listed: set[str]) -> None:
+        super().__init__(path)
+        self.listed = listed
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(Path(self.path) / ".metadata", "rb") as f:
+        path = Path(self.path) / ".metadata"
+        if ".metadata" not in self.listed or not _regular_file(path):
+            raise CheckpointError(f"{path}: not a regular file listed in the manifest")
+        with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"{self.path}/.metadata holds no DCP Metadata")
+        _check_storage(Path(self.path), metadata, self.listed)
         meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         meta.load_id = self.load_id
         metadata.storage_meta = meta
         return metadata
 
 
-def _load_pieces(shard_dir: Path, pieces: Pieces) -> dict[str, torch.Tensor]:
+def _regular_file(path: Path) -> bool:
+    """Whether `path` is a plain file itself (a symlink, FIFO or device is not)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _check_storage(shard_dir: Path, metadata: Metadata, listed: set[str]) -> None:
+    """CheckpointError unless every storage entry of `metadata` names a listed regular file."""
+    where = shard_dir / ".metadata"
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..", MANIFEST, ".metadata") \
+                or any(c in name for c in "/\\\0"):
+            raise CheckpointError(f"{where}: refused, it names {name!r}; only bare file names listed in "
+                                  "the manifest are allowed")
+        if name not in listed:
+            raise CheckpointError(f"{where}: refused, it names {name!r}, which the manifest does not list")
+        if not _regular_file(shard_dir / name):
+            raise CheckpointError(f"{where}: refused, {name!r} is not a regular file")
+
+
+def _load_pieces(shard_dir: Path, pieces: Pieces, listed: set[str]) -> dict[str, torch.Tensor]:
     """DCP-load the named pieces of one shard into tensors of their saved shape."""
     state = {f"{k}/{off}": torch.empty(n) for off, n, names in pieces for k in names}
+    reader = _SafeReader(shard_dir, listed)
     try:
-        dcp.load(state, storage_reader=_SafeReader(shard_dir), no_dist=True)
+        reader.read_metadata()  # refused here with its own message, not inside DCP's wrapping
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 — a damaged or crafted pickle raises anything
+        raise CheckpointError(f"{shard_dir}: DCP load failed: {type(e).__name__}: {e}") from e
+    try:
+        dcp.load(state, storage_reader=reader, no_dist=True)
     except (CheckpointException, Exception) as e:
         raise CheckpointError(f"{shard_dir}: DCP load failed: {_dcp_cause(e)}") from e
     return state
@@ -449,7 +483,7 @@ def restore_range(
         if not pieces:
             continue
         versions.append(int(m["version"]))
-        loaded = _load_pieces(step / _shard_name(m["shard"]), pieces)
+        loaded = _load_pieces(step / _shard_name(m["shard"]), pieces, set(m["files"]))
         for off, n, names in pieces:
             lo, hi = max(off, start), min(off + n, end)
             for k in names:

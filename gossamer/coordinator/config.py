@@ -36,6 +36,18 @@ class CoordinatorConfig:
     #: CurveZMQ on the data plane (shards, gossip): None means on exactly when serving TLS
     #: (docs/security.md, "Data plane").
     curve: bool | None = None
+    #: Import checks (child processes running user code) at once; more wait (docs/security.md).
+    import_check_concurrency: int = 2
+    #: Metric points older than this are downsampled to one per source per `metrics_bucket_s`.
+    metrics_retention_s: float = 6 * 3600.0
+    metrics_bucket_s: float = 60.0
+    #: Events older than this are deleted (0: kept for ever).
+    event_retention_s: float = 14 * 86400.0
+    #: Finished experiments (with their metrics, events, checkpoint records) deleted this long
+    #: after they finished (0: kept for ever). The checkpoint files stay on disk.
+    finished_retention_s: float = 7 * 86400.0
+    #: Nodes lost or gone this long are forgotten (0: kept for ever).
+    lost_node_retention_s: float = 86400.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -57,6 +69,14 @@ class CoordinatorConfig:
             raise ConfigError("rate_limit", "must be >= 0 (0: no limit)")
         if self.rate_limit and self.rate_burst < 1:
             raise ConfigError("rate_burst", "must be >= 1")
+        if self.import_check_concurrency < 1:
+            raise ConfigError("import_check_concurrency", f"must be >= 1, got {self.import_check_concurrency}")
+        if not self.metrics_bucket_s > 0:
+            raise ConfigError("metrics_bucket_s", f"must be > 0, got {self.metrics_bucket_s}")
+        for name in ("metrics_retention_s", "event_retention_s", "finished_retention_s", "lost_node_retention_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and value != float("inf")):
+                raise ConfigError(name, f"must be a number of seconds >= 0 (0: keep for ever), got {value}")
 
     @property
     def data_plane_curve(self) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Protocol
 
 from gossamer.coordinator import failover, placement, views
 from gossamer.coordinator.config import CoordinatorConfig
+from gossamer.coordinator.import_checks import ImportChecker
 from gossamer.coordinator.records import ExpRec, NodeRec, RoleRec
 from gossamer.coordinator.store import Store
 from gossamer.coordinator.stragglers import StepRates, worker_speeds
@@ -55,7 +55,7 @@ class Coordinator:
             e.progress_unix = now  # the time the coordinator was down is not the run's to account for
         self._seq = max((e.seq for e in exps), default=0)
         self._changed = asyncio.Event()  # replaced by a fresh one at every change
-        self._import_checks: set[tuple[str, str]] = set()
+        self.import_checker = ImportChecker(config.import_check_concurrency)
         self.curve = config.data_plane_curve
         if self.curve:
             import zmq  # not at import time: a plaintext coordinator never loads ZMQ
@@ -460,23 +460,7 @@ class Coordinator:
 
     async def _check_imports(self, exp: Experiment) -> None:
         """Import the model and dataset callables in a child interpreter (never torch in here)."""
-        key = (exp.model, exp.dataset)
-        if key in self._import_checks:
-            return
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gossamer._import_check", exp.model, exp.dataset,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        )
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), timeout=120)
-        except asyncio.TimeoutError:
-            proc.kill()
-            raise ConfigError("model", "importing the model/dataset took over 120 s") from None
-        verdict = out.decode().strip()
-        if verdict != "ok":  # only successes are cached: a fixed module is checked again
-            field, _, msg = verdict.partition(": ")
-            raise ConfigError(field if field in ("model", "dataset") else "model", msg or verdict)
-        self._import_checks.add(key)
+        await self.import_checker.check(exp)
 
     def get(self, exp_id: str) -> ExpRec:
         exp = self.exps.get(exp_id)
@@ -524,6 +508,9 @@ class Coordinator:
             await self._drop_role(exp, role, f"{what} failed: {req.message}")
             await self.reconcile()
             return
+        if req.state == pb.ROLE_STATE_SERVING and req.message:  # e.g. a shard's checkpoint write failed
+            await self.store.add_event("warning", f"{what}: {req.message}", experiment_id=exp.id,
+                                       node_id=req.node_id)
         if req.role == pb.ROLE_WORKER and req.state == pb.ROLE_STATE_SERVING:
             await self.store.add_event("ready", f"{what} ready (model built, parameters pulled next)",
                                        experiment_id=exp.id, node_id=req.node_id)

@@ -11,18 +11,22 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gossamer.coordinator._status_page import PAGE
+from gossamer.coordinator.http_auth import TokenGate
 from gossamer.coordinator.metrics import node_state_label, render, role_label, state_label
 from gossamer.coordinator.stragglers import STRAGGLER_FRACTION, worker_speeds
 from gossamer.errors import ConfigError
-from gossamer.httpserver import HttpServer, Request, Response
+from gossamer.httpserver import Handler, HttpServer, Request, Response
+from gossamer.security.token import load_token
 from gossamer.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
     from gossamer.coordinator.core import Coordinator
     from gossamer.coordinator.records import ExpRec
 
-#: Points per chart series; longer runs are averaged into this many time buckets.
+#: Points per chart series (?max_points= asks for another number, up to MAX_POINTS_CAP); longer
+#: runs are averaged into this many time buckets.
 MAX_POINTS = 300
+MAX_POINTS_CAP = 2000
 #: A source's value counts towards a bucket for this long after it was reported.
 CARRY_S = 3.0
 
@@ -48,11 +52,13 @@ class StatusHttp:
         self.c = coord
         self.config = config
         self.serving = True
-        self.server = HttpServer(
-            {"/": self._page, "/index.html": self._page, "/metrics": self._metrics, "/healthz": self._healthz,
-             "/api/status": self._status, "/api/series": self._series},
-            host=config.host, port=config.port,
-        )
+        routes: dict[str, Handler] = {"/": self._page, "/index.html": self._page, "/metrics": self._metrics, "/healthz": self._healthz,
+                  "/api/status": self._status, "/api/series": self._series}
+        self.gate: TokenGate | None = None
+        if coord.config.token_file:  # the same token as the gRPC side
+            self.gate = TokenGate(load_token(coord.config.token_file))
+            routes = {path: self.gate.guard(path, handler) for path, handler in routes.items()}
+        self.server = HttpServer(routes, host=config.host, port=config.port)
 
     async def start(self) -> int:
         return await self.server.start()
@@ -78,9 +84,16 @@ class StatusHttp:
         exp = self.c.exps.get(exp_id)
         if exp is None:
             return _json({"error": f"experiment {exp_id!r} does not exist"}, 404)
-        rows = await self.c.store.metrics(exp.id)
-        return _json({"experiment": exp.id, "start_unix": exp.started_unix or exp.created_unix,
-                      **series(rows, exp.started_unix or exp.created_unix)})
+        try:
+            limit = int(req.query.get("max_points", MAX_POINTS))
+        except ValueError:
+            return _json({"error": "max_points must be an integer"}, 400)
+        limit = min(max(limit, 10), MAX_POINTS_CAP)
+        # Merged in SQL to about `limit` points per source, then into `limit` buckets here.
+        rows, merged_s = await self.c.store.metric_rows(exp.id, max_points=limit, per_source=True)
+        start = exp.started_unix or exp.created_unix
+        return _json({"experiment": exp.id, "start_unix": start,
+                      **series(rows, start, limit, carry_s=max(CARRY_S, 1.5 * merged_s))})
 
 
 def status_snapshot(coord: Coordinator, now: float | None = None) -> dict[str, Any]:
@@ -136,11 +149,12 @@ def _median(xs: list[float]) -> float | None:
 
 
 def series(rows: list[tuple[float, int, str, dict[str, Any]]], start: float,
-           max_points: int = MAX_POINTS) -> dict[str, list[list[float]]]:
+           max_points: int = MAX_POINTS, carry_s: float = CARRY_S) -> dict[str, list[list[float]]]:
     """Chart series from stored metric points, at most `max_points` each, time in s since `start`.
 
     loss: the mean over workers of each one's latest loss; samples_per_s: the sum over
-    workers; steps: the global step; eval_accuracy: every evaluation.
+    workers; steps: the global step; eval_accuracy: every evaluation. A source's value counts
+    towards a bucket for `carry_s` after its time (longer for rows already merged in SQL).
     """
     rows = sorted(rows, key=lambda r: r[0])
     out: dict[str, list[list[float]]] = {"loss": [], "samples_per_s": [], "steps": [], "eval_accuracy": []}
@@ -148,6 +162,7 @@ def series(rows: list[tuple[float, int, str, dict[str, Any]]], start: float,
         return out
     t0, t1 = rows[0][0], rows[-1][0]
     width = max(1.0, (t1 - t0) / max_points)
+    carry = carry_s
     loss: dict[str, tuple[float, float]] = {}
     speed: dict[str, tuple[float, float]] = {}
     steps = 0
@@ -169,21 +184,21 @@ def series(rows: list[tuple[float, int, str, dict[str, Any]]], start: float,
                 out["eval_accuracy"].append([round(t - start, 3), float(acc)])
             i += 1
             continue
-        _bucket(out, edge - start, edge, loss, speed, steps)
+        _bucket(out, edge - start, edge, loss, speed, steps, carry)
         edge += width
         if t > edge:  # skip an empty stretch in one go
             edge = t0 + math.ceil((t - t0) / width) * width
-    _bucket(out, min(edge, t1) - start, edge, loss, speed, steps)
+    _bucket(out, min(edge, t1) - start, edge, loss, speed, steps, carry)
     return out
 
 
 def _bucket(out: dict[str, list[list[float]]], x: float, edge: float, loss: dict[str, tuple[float, float]],
-            speed: dict[str, tuple[float, float]], steps: int) -> None:
+            speed: dict[str, tuple[float, float]], steps: int, carry: float = CARRY_S) -> None:
     x = round(x, 3)
-    fresh_loss = [v for t, v in loss.values() if edge - t <= CARRY_S]
+    fresh_loss = [v for t, v in loss.values() if edge - t <= carry]
     if fresh_loss:
         out["loss"].append([x, sum(fresh_loss) / len(fresh_loss)])
-    fresh_speed = [v for t, v in speed.values() if edge - t <= CARRY_S]
+    fresh_speed = [v for t, v in speed.values() if edge - t <= carry]
     if fresh_speed:
         out["samples_per_s"].append([x, sum(fresh_speed)])
     out["steps"].append([x, float(steps)])

@@ -23,7 +23,7 @@ FINISHED_STATES = (
 )
 #: Cumulative per-source counters that are summed over sources for experiment totals.
 COUNTERS = ("samples", "bytes_up", "bytes_down", "raw_bytes_up", "raw_bytes_down", "updates", "encode_s",
-            "ps_decode_s", "versions_lost", "redone_steps", "resent", "ps_unreplicated")
+            "ps_decode_s", "versions_lost", "redone_steps", "resent", "ps_unreplicated", "ckpt_failed")
 #: Counter prefixes summed over sources: updates not applied, by cause (see ShardServer).
 COUNTER_PREFIXES = ("discarded_",)
 #: Rates summed over sources.

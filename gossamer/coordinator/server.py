@@ -18,9 +18,10 @@ from gossamer.coordinator._malformed import MalformedRequestInterceptor
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.core import Coordinator
 from gossamer.coordinator.http import HttpConfig, StatusHttp
+from gossamer.coordinator.retention import keep_bounded
 from gossamer.errors import ConfigError, NotFoundError
 from gossamer.rpc_errors import ErrorStatusInterceptor
-from gossamer.security.serving import describe_security, server_interceptors
+from gossamer.security.serving import describe_security, server_interceptors, warn_if_open
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -107,13 +108,12 @@ class ExperimentServicer(pb_grpc.ExperimentServiceServicer):
 
     async def GetMetrics(self, request, context):  # type: ignore[no-untyped-def]
         self.c.get(request.experiment_id)
-        rows = await self.c.store.metrics(request.experiment_id, request.since_unix)
+        page = await self.c.store.metric_page(request.experiment_id, request.since_unix, request.max_points,
+                                              request.page_token)
         return pb.GetMetricsResponse(
-            points=[
-                pb.MetricPoint(time_unix=t, step=s, source=src,
-                               values={k: float(v) for k, v in vals.items() if isinstance(v, (int, float))})
-                for t, s, src, vals in rows
-            ]
+            points=[pb.MetricPoint(time_unix=p.time, step=p.step, source=p.source, values=p.values, count=p.count,
+                                   min_values=p.lo, max_values=p.hi) for p in page.points],
+            next_page_token=page.next_token, bucket_s=page.bucket_s,
         )
 
     async def Complete(self, request, context):  # type: ignore[no-untyped-def]
@@ -163,6 +163,7 @@ class CoordinatorServer:
         self.port = 0
         self._reaper: asyncio.Task[None] | None = None
         self._keeper: asyncio.Task[None] | None = None
+        self._retention: asyncio.Task[None] | None = None
         self._stopping = False
         self.restarts = 0  # gRPC servers brought back after a malformed request stopped one
         self.malformed = MalformedRequestInterceptor()  # .refused: requests whose body did not parse
@@ -180,11 +181,15 @@ class CoordinatorServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap())
         self._keeper = asyncio.create_task(self._keep_serving())
+        self._retention = asyncio.create_task(keep_bounded(self.coord))
         await self.coord.reconcile()
         if self.http_config is not None:
             self.http = StatusHttp(self.coord, self.http_config)
             self.http_port = await self.http.start()
-            log.info("status page and /metrics on http://%s:%d/", self.http_config.host, self.http_port)
+            log.info("status page and /metrics on http://%s:%d/%s", self.http_config.host, self.http_port,
+                     " (token required)" if self.config.token_file else "")
+            warn_if_open("HTTP side (status page, /api, /metrics)", self.http_config.host, self.config,
+                         tls_applies=False)  # plain HTTP: only the token guards it
         log.info("coordinator serving on %s:%d (state in %s; %s)", self.config.host, self.port, self.config.state_dir,
                  describe_security(self.config))
         return self.port
@@ -259,6 +264,8 @@ class CoordinatorServer:
             await self.http.stop()
         if self._reaper is not None:
             self._reaper.cancel()
+        if self._retention is not None:
+            self._retention.cancel()
         if self.server is not None:
             await self.server.stop(self.config.grace_s)
         if self.coord is not None:

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gossamer.coordinator import metric_query
 from gossamer.coordinator.records import ExpRec, NodeRec
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ CREATE TABLE IF NOT EXISTS metrics (
   id INTEGER PRIMARY KEY AUTOINCREMENT, experiment_id TEXT NOT NULL, time REAL NOT NULL,
   step INTEGER NOT NULL, source TEXT NOT NULL, data TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS metrics_by_exp ON metrics (experiment_id, time);
+CREATE INDEX IF NOT EXISTS metrics_by_time ON metrics (time);
 CREATE TABLE IF NOT EXISTS checkpoints (
   experiment_id TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, kind TEXT NOT NULL,
   time REAL NOT NULL);
@@ -49,6 +51,7 @@ class Store:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)
+        metric_query.migrate(db)
         self._db = db
 
     async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
@@ -112,16 +115,58 @@ class Store:
 
         await self.run(_ins)
 
-    async def metrics(self, exp_id: str, since: float = 0.0) -> list[tuple[float, int, str, dict[str, Any]]]:
-        def _q(db: sqlite3.Connection) -> list[tuple[float, int, str, dict[str, Any]]]:
-            cur = db.execute(
-                "SELECT time, step, source, data FROM metrics WHERE experiment_id=? AND time>? "
-                "ORDER BY time, id",
-                (exp_id, since),
-            )
-            return [(t, s, src, json.loads(d)) for t, s, src, d in cur]
+    async def metrics(self, exp_id: str, since: float = 0.0, max_points: int = 0,
+                      per_source: bool = False) -> list[tuple[float, int, str, dict[str, Any]]]:
+        """Every page of `exp_id`'s points after `since`, merged to about `max_points` (0: the
+        default; per source with `per_source`)."""
+        return (await self.metric_rows(exp_id, since, max_points, per_source))[0]
 
-        return await self.run(_q)
+    async def metric_rows(self, exp_id: str, since: float = 0.0, max_points: int = 0, per_source: bool = False,
+                          ) -> tuple[list[tuple[float, int, str, dict[str, Any]]], float]:
+        """`metrics`, and the width of the buckets points were merged into (0: as reported)."""
+        rows: list[tuple[float, int, str, dict[str, Any]]] = []
+        token = ""
+        while True:
+            page = await self.run(lambda db, t=token: metric_query.read_page(  # type: ignore[misc]
+                db, exp_id, since, max_points, t, per_source))
+            rows.extend((p.time, p.step, p.source, p.values) for p in page.points)
+            token = page.next_token
+            if not token:
+                return rows, page.bucket_s
+
+    async def metric_page(self, exp_id: str, since: float, max_points: int, token: str) -> metric_query.Page:
+        """One page of points (see metric_query.read_page)."""
+        return await self.run(lambda db: metric_query.read_page(db, exp_id, since, max_points, token))
+
+    async def downsample_metrics(self, before: float, bucket_s: float) -> int:
+        """Merge points reported before `before` into `bucket_s` buckets; rows merged (all of them)."""
+        total = 0
+        while merged := await self.run(lambda db: metric_query.downsample(db, before, bucket_s)):
+            total += merged
+        return total
+
+    async def prune(self, events_before: float, experiments: list[str], nodes: list[str]) -> None:
+        """Delete events older than `events_before`, and everything of `experiments` and `nodes`."""
+        def _prune(db: sqlite3.Connection) -> None:
+            db.execute("BEGIN")
+            try:
+                db.execute("DELETE FROM events WHERE time < ?", (events_before,))
+                for table in ("experiments", "metrics", "checkpoints", "events"):
+                    key = "id" if table == "experiments" else "experiment_id"
+                    db.executemany(f"DELETE FROM {table} WHERE {key}=?", [(e,) for e in experiments])
+                db.executemany("DELETE FROM nodes WHERE id=?", [(n,) for n in nodes])
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+        await self.run(_prune)
+
+    async def count(self, table: str) -> int:
+        """Rows in `table` (tests and /metrics)."""
+        if table not in ("nodes", "experiments", "metrics", "checkpoints", "events"):
+            raise ValueError(f"no table {table!r}")
+        return int(await self.run(lambda db: db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]))  # noqa: S608
 
     async def add_event(self, kind: str, message: str, experiment_id: str = "", node_id: str = "") -> None:
         log.info("event %s: %s", kind, message)

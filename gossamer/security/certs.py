@@ -9,6 +9,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from gossamer.errors import ConfigError
 from gossamer.security.token import generate_token
 
 # One secure directory, as `gossamer security init DIR` writes it. The coordinator reads the
@@ -171,7 +172,7 @@ def init_secure_dir(directory: str | os.PathLike[str], sans: list[str] | tuple[s
 
     Everything is written owner-only (files 0600, directories 0700). An existing complete set
     is kept as it is (a restarted coordinator keeps its keys), so this is safe to call on
-    every start.
+    every start. A new set is issued only into an empty or missing directory.
 
     Args:
         directory: created if missing.
@@ -180,6 +181,9 @@ def init_secure_dir(directory: str | os.PathLike[str], sans: list[str] | tuple[s
 
     Returns:
         The directory's layout; `client_dir` is what to copy to workers and users.
+
+    Raises:
+        ConfigError: `directory` holds some files but not the complete set (named).
     """
     root = Path(directory).expanduser().resolve()
     client = root / CLIENT_DIR
@@ -187,6 +191,12 @@ def init_secure_dir(directory: str | os.PathLike[str], sans: list[str] | tuple[s
              [client / f for f in (CA_CERT, CLIENT_CERT, CLIENT_KEY, TOKEN)]
     if all(p.is_file() for p in wanted):
         return SecureDir(root, False, cert_names((root / SERVER_CERT).read_bytes()))
+    if root.exists() and any(root.iterdir()):
+        # A new CA and token would lock out every worker holding the old ones: never silently.
+        missing = [str(p) for p in wanted if not p.is_file()]
+        raise ConfigError("secure", f"{root} holds part of a secure set-up but lacks {', '.join(missing)}; "
+                                    "restore the missing file(s) from a backup, or move the directory away to "
+                                    "issue a new CA and token (every worker then needs the new client files)")
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     client.mkdir(exist_ok=True, mode=0o700)
     os.chmod(root, 0o700)

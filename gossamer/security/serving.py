@@ -28,13 +28,30 @@ def server_interceptors(config: CoordinatorConfig) -> list[grpc.aio.ServerInterc
     return out
 
 
+def reachable_from_others(host: str) -> bool:
+    """Whether a server bound to `host` can be reached from other machines."""
+    return host not in _LOOPBACK and not host.startswith("127.")
+
+
+def warn_if_open(what: str, host: str, config: CoordinatorConfig, *, tls_applies: bool = True) -> bool:
+    """Warn loudly when `what`, bound to `host`, is reachable from other hosts with neither a token
+    nor mutual TLS (that covers `what` when `tls_applies`); True when it warned."""
+    tls = config.tls if tls_applies else None
+    if not reachable_from_others(host) or config.token_file or (tls is not None and tls.mutual):
+        return False
+    log.warning("%s\nUNPROTECTED: the coordinator's %s is bound to %s with neither a token nor mutual TLS: "
+                "anyone who can reach it can join nodes, read every experiment and submit code that runs on "
+                "the workers and (import check) on this host. Use --secure DIR, or --token-file with "
+                "--tls-cert/--tls-key/--tls-ca (docs/security.md).\n%s", "!" * 78, what, host, "!" * 78)
+    return True
+
+
 def describe_security(config: CoordinatorConfig) -> str:
     """One line for the start-up log; warns when an open port is neither encrypted nor authenticated."""
     tls = config.tls
-    if tls is None and config.host not in _LOOPBACK:
-        log.warning("serving plaintext on %s: anyone who can reach the port can read and send control-plane "
-                    "traffic%s (see docs/security.md: --secure DIR)", config.host,
-                    "" if config.token_file else " and join without a token")
+    if not warn_if_open("gRPC port", config.host, config) and tls is None and reachable_from_others(config.host):
+        log.warning("serving plaintext on %s: anyone who can reach the port can read control-plane traffic "
+                    "(see docs/security.md: --secure DIR)", config.host)
     return ", ".join(["mutual TLS" if tls and tls.mutual else "TLS" if tls else "plaintext",
                       "token required" if config.token_file else "no token"])
 

@@ -1097,22 +1097,75 @@ class MetricPoint(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class MinValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class MaxValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TIME_UNIX_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     VALUES_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    MIN_VALUES_FIELD_NUMBER: _builtins.int
+    MAX_VALUES_FIELD_NUMBER: _builtins.int
     time_unix: _builtins.float
     """When it was measured."""
     step: _builtins.int
     """Global step (parameter version) it refers to."""
     source: _builtins.str
     """Source: "node_id/rank"; empty in replies for coordinator-made points."""
+    count: _builtins.int
+    """Points this one stands for: 0 or 1 for a point as reported; more for a downsampled
+    one, whose time_unix and step are the newest of them and whose values are their means.
+    """
     @_builtins.property
     def values(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Values: loss, samples, bytes_up, bytes_down, eval_accuracy, ... Counters are
         cumulative per source (a node's local rank).
         """
 
+    @_builtins.property
+    def min_values(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Downsampled points: the smallest and largest value of each key over the points merged."""
+
+    @_builtins.property
+    def max_values(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     def __init__(
         self,
         *,
@@ -1120,10 +1173,13 @@ class MetricPoint(_message.Message):
         step: _builtins.int = ...,
         values: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         source: _builtins.str = ...,
+        count: _builtins.int = ...,
+        min_values: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        max_values: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["source", b"source", "step", b"step", "time_unix", b"time_unix", "values", b"values"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "max_values", b"max_values", "min_values", b"min_values", "source", b"source", "step", b"step", "time_unix", b"time_unix", "values", b"values"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1187,19 +1243,29 @@ class GetMetricsRequest(_message.Message):
 
     EXPERIMENT_ID_FIELD_NUMBER: _builtins.int
     SINCE_UNIX_FIELD_NUMBER: _builtins.int
+    MAX_POINTS_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     experiment_id: _builtins.str
     """Experiment id."""
     since_unix: _builtins.float
     """Only points with time_unix greater than this."""
+    max_points: _builtins.int
+    """At most this many points over all pages (0: the server's default, 5000); when the
+    range holds more, they are merged per source into equal time buckets (min/max/mean).
+    """
+    page_token: _builtins.str
+    """next_page_token of the previous answer; empty for the first page."""
     def __init__(
         self,
         *,
         experiment_id: _builtins.str = ...,
         since_unix: _builtins.float = ...,
+        max_points: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["experiment_id", b"experiment_id", "since_unix", b"since_unix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["experiment_id", b"experiment_id", "max_points", b"max_points", "page_token", b"page_token", "since_unix", b"since_unix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1207,11 +1273,17 @@ Global___GetMetricsRequest: _TypeAlias = GetMetricsRequest  # noqa: Y015
 
 @_typing.final
 class GetMetricsResponse(_message.Message):
-    """Time series, oldest first."""
+    """Time series, oldest first; one page of it (a page stays far below the 4 MiB limit)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     POINTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    BUCKET_S_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Ask again with this token for the next page; empty on the last page."""
+    bucket_s: _builtins.float
+    """Width of the time buckets points were merged into (0: points as reported)."""
     @_builtins.property
     def points(self) -> _containers.RepeatedCompositeFieldContainer[Global___MetricPoint]:
         """Points."""
@@ -1220,10 +1292,12 @@ class GetMetricsResponse(_message.Message):
         self,
         *,
         points: _abc.Iterable[Global___MetricPoint] | None = ...,
+        next_page_token: _builtins.str = ...,
+        bucket_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["points", b"points"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_s", b"bucket_s", "next_page_token", b"next_page_token", "points", b"points"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -60,6 +60,7 @@ class ServerRole:
         self.restored_path = ""  # a restore the coordinator has not heard of yet
         self.endpoint = ""
         self._sent: tuple[bool | None, bool | None] = (None, None)  # (replicated, primary) the coordinator knows
+        self._ckpt_failures_sent = 0  # checkpoint write failures the coordinator was told of
         self.server: ShardServer
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -121,6 +122,7 @@ class ServerRole:
                 self.server.post(lambda u=update: self._apply(u))  # type: ignore[misc]
             if (self.server.replicated, self.server.is_primary) != self._sent or self.restored_path:
                 self._report()
+            self._report_checkpoint_failures()
             if time.monotonic() >= next_metrics:
                 next_metrics += 1.0
                 self._metrics()
@@ -151,9 +153,18 @@ class ServerRole:
         self.server.restore(str(path))
         self.restored_path = str(path)
 
-    def _report(self, state: pb.RoleState.ValueType = pb.ROLE_STATE_SERVING) -> None:
+    def _report_checkpoint_failures(self) -> None:
+        """A failed checkpoint write reaches the coordinator as a warning event, with its error."""
+        ck = self.checkpointer
+        if ck is None or ck.failed <= self._ckpt_failures_sent:
+            return
+        self._ckpt_failures_sent = ck.failed
+        self._report(message=f"checkpoint write failed ({ck.failed} so far): {ck.last_error}")
+
+    def _report(self, state: pb.RoleState.ValueType = pb.ROLE_STATE_SERVING, message: str = "") -> None:
         replicated, primary = self.server.replicated, self.server.is_primary
         self.reporter.role(self.spec.node_id, pb.ROLE_PARAMETER_SERVER, self.shard, state, endpoint=self.endpoint,
+                           message=message,
                            replica=0 if primary else 1, replicated=replicated,
                            version=self.server.version, restored_from=self.restored_path)
         self._sent = (replicated, primary)

@@ -384,6 +384,8 @@ def test_coordinator_ports_match_its_flags_and_the_service() -> None:
     assert c.port("grpc") == c.args.port == 7070
     if "http_port" in ports:
         assert c.port("http") == ports["http_port"]
+        # The HTTP side binds loopback unless asked: a declared http port must ask for all addresses.
+        assert c.args.http_host == "0.0.0.0", "the HTTP side binds loopback: the Service could not reach it"
     declared = {p["containerPort"] for p in c.spec["ports"]}
     assert declared == set(ports.values()), f"containerPorts {declared} vs ports the flags bind {ports}"
     (svc,) = [d for _, d in k8s_docs() if d["kind"] == "Service"]

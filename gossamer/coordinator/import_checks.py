@@ -1,0 +1,91 @@
+"""Submit-time import checks of an experiment's code paths: one child process per distinct set, cached, capped."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from gossamer.errors import ConfigError, UnavailableError
+from gossamer.experiment import Experiment
+
+#: How long a failed check's verdict is reused (a fixed module is checked again after this).
+FAILURE_TTL_S = 30.0
+#: Seconds one check may take before it is killed and the submit refused.
+TIMEOUT_S = 120.0
+
+Key = tuple[tuple[str, str], ...]
+
+
+class TooManyChecks(UnavailableError):
+    """More distinct import checks are waiting than the coordinator queues (UNAVAILABLE: retry later)."""
+
+
+def import_paths(exp: Experiment) -> Key:
+    """Every "module:callable" path of `exp` that a worker imports, as (field, path) pairs."""
+    return (("model", exp.model), ("dataset", exp.dataset))
+
+
+class ImportChecker:
+    """Runs `gossamer._import_check` in a child interpreter, which imports (runs) user code.
+
+    At most `concurrency` children run at once and at most `max_waiting` checks wait for
+    one; identical submits in flight share one child; a success is cached for good and a
+    failure for FAILURE_TTL_S. So a flood of submits costs at most `concurrency` processes.
+    """
+
+    def __init__(self, concurrency: int = 2, max_waiting: int = 64) -> None:
+        self.concurrency = concurrency
+        self.max_waiting = max_waiting
+        self._slots = asyncio.Semaphore(concurrency)
+        self._ok: set[Key] = set()
+        self._failed: dict[Key, tuple[float, ConfigError]] = {}
+        self._inflight: dict[Key, asyncio.Future[None]] = {}
+        self.spawned = 0  # child processes started (for tests and /metrics)
+
+    async def check(self, exp: Experiment) -> None:
+        """Return if every import path of `exp` imports; else ConfigError naming the field."""
+        key = import_paths(exp)
+        if key in self._ok:
+            return
+        failed = self._failed.get(key)
+        if failed is not None and time.monotonic() - failed[0] < FAILURE_TTL_S:
+            raise failed[1]
+        pending = self._inflight.get(key)
+        if pending is None:
+            if len(self._inflight) >= self.concurrency + self.max_waiting:
+                raise TooManyChecks(f"{len(self._inflight)} import checks are queued; submit again later")
+            pending = asyncio.ensure_future(self._run(key))
+            self._inflight[key] = pending
+            pending.add_done_callback(lambda _f, k=key: self._inflight.pop(k, None))  # type: ignore[misc]
+        await asyncio.shield(pending)
+
+    async def _run(self, key: Key) -> None:
+        async with self._slots:
+            self.spawned += 1
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gossamer._import_check", *(path for _, path in key),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+            )
+            try:
+                out, _ = await asyncio.wait_for(proc.communicate(), timeout=TIMEOUT_S)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+                self._fail(key, ConfigError(key[0][0], f"importing {key[0][1]!r} and the rest took over "
+                                                       f"{TIMEOUT_S:.0f} s"))
+                return
+        verdict = out.decode().strip()
+        if verdict == "ok":
+            self._ok.add(key)
+            return
+        field, _, msg = verdict.partition(": ")
+        fields = [f for f, _ in key]
+        self._fail(key, ConfigError(field if field in fields else fields[0], msg or verdict))
+
+    def _fail(self, key: Key, error: ConfigError) -> None:
+        self._failed[key] = (time.monotonic(), error)
+        if len(self._failed) > 1024:  # bounded: forget the oldest verdicts
+            for k in sorted(self._failed, key=lambda k: self._failed[k][0])[:512]:
+                del self._failed[k]
+        raise error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -68,6 +69,7 @@ class ShardState:
         self.optimizer = build_optimizer(config.optimizer, list(self.params.values()))
         self.version = 0
         self.updates = 0
+        self.apply_s = 0.0  # seconds in optimizer steps
         self.applied: dict[str, int] = {}  # sender -> last applied clock (async) / step (sync)
 
     @property
@@ -80,6 +82,7 @@ class ShardState:
         `schedule`: multiply in the lr schedule at this version (a primary does; its backup
         replays the factor it is sent).
         """
+        t0 = time.perf_counter()
         for idx, p in self.params.items():
             p.grad = grads[idx]
         if schedule:
@@ -91,6 +94,7 @@ class ShardState:
             p.grad = None
         self.version += 1
         self.updates += 1
+        self.apply_s += time.perf_counter() - t0
         return lr_factor
 
     def remember(self, applied: list[tuple[str, int]] | tuple[tuple[str, int], ...], *, latest: bool) -> None:

@@ -236,6 +236,7 @@ class ShardServer:
             "version": self.version,
             "done": self.done,
             "updates": self.updates,
+            "apply_s": self._state.apply_s,
             "staleness": hist["staleness"],
             "version_staleness": hist["version_staleness"],
             "waits": hist["waits"],

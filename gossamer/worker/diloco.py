@@ -69,7 +69,8 @@ class DilocoTrainer(ParameterServerTrainer):
                 self.layout.restore(theta0)  # nothing of the round leaves this worker
                 raise StepAbandoned
             with self.profiler.region("compute"):
-                _, node_samples, _ = self._local_grad(self.client.fault_ctx)
+                _, node_samples, compute_s = self._local_grad(self.client.fault_ctx)
+            self.compute_s += compute_s
             schedule_lr(self.inner, self.exp, self.progress + i)
             if not self.step_ok:  # fp16 overflow: this inner step is skipped
                 self.skipped_steps += 1

@@ -178,6 +178,7 @@ class ServerRole:
             "ps_bytes_out": float(st.get("bytes_out", 0)),
             "ps_errors": float(st.get("errors", 0)),
             "ps_decode_s": self.server.decode_seconds,
+            "ps_apply_s": float(st.get("apply_s", 0.0)),
             "ps_unreplicated": float(st.get("unreplicated", 0)),
             "versions_lost": float(st.get("versions_lost", 0)),
             "ps_rate_limited": float(st.get("rate_limited", 0)),

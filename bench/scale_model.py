@@ -56,9 +56,9 @@ BASE: dict[str, Any] = {
     "num_ps_shards": 2, "ps_backup": True, "min_workers": 2, "max_workers": 2, "eval_every": 0,
 }
 MODES: dict[str, dict[str, Any]] = {
-    "async": {"mode": "async", "total_steps": 40, "checkpoint_every": 10},
-    "sync": {"mode": "sync", "total_steps": 20},
-    "diloco": {"mode": "diloco", "inner_steps": 4, "total_steps": 32},
+    "async": {"mode": "async", "total_steps": 24, "checkpoint_every": 8},
+    "sync": {"mode": "sync", "total_steps": 12},
+    "diloco": {"mode": "diloco", "inner_steps": 4, "total_steps": 16, "momentum": 0.0},
 }
 
 
@@ -291,6 +291,10 @@ def run_mode(mode: str, steps: int | None, plan: ShardPlan, model_bytes: int, la
 def memory_rows(run: dict[str, Any], plan: ShardPlan, model_bytes: int, torch_mb: float) -> list[dict[str, Any]]:
     """One row per process: its role, peak RSS, and above the fork server's (its torch baseline)."""
     procs, agents = run["procs"], run["agents"]
+    spec = run["spec"]
+    # A shard's state: its values and the optimizer's per-value buffers (SGD momentum: one).
+    momentum = spec.get("outer_momentum", 0.9) if spec["mode"] == "diloco" else spec.get("momentum", 0.0)
+    factor = 2 if momentum else 1
     port_role = {int(r["endpoint"].rsplit(":", 1)[1]): r for r in run["roles"] if r["role"] == "ps" and r["endpoint"]}
     forkservers = {pid: rec for pid, rec in procs.items() if b"forkserver" in rec["cmd"] and rec["ppid"] in agents}
     rows: list[dict[str, Any]] = []
@@ -317,7 +321,7 @@ def memory_rows(run: dict[str, Any], plan: ShardPlan, model_bytes: int, torch_mb
                 held = plan.shard_numel(ps["index"]) * 4
                 row["role"] = f"ps{ps['index']} {'primary' if ps['replica'] == 0 else 'backup'}"
                 row.update(peak_mb=peak, above_torch_mb=peak - base, held_mb=held / MB,
-                           x_held=(peak - base) * MB / held)
+                           x_held=(peak - base) * MB / held, x_state=(peak - base) * MB / (held * factor))
                 host_sum.setdefault(node, [0.0, 0.0, 0.0])
                 host_sum[node][0] += peak - base
                 host_sum[node][1] += held / MB
@@ -335,15 +339,22 @@ def memory_rows(run: dict[str, Any], plan: ShardPlan, model_bytes: int, torch_mb
         rows.append(row)
     for node, (above, held, peak) in sorted(host_sum.items()):
         rows.append({"label": run["label"], "mode": run["mode"], "node": node, "role": "shard host (its ps roles)",
-                     "peak_mb": peak, "above_torch_mb": above, "held_mb": held, "x_held": above / held})
+                     "peak_mb": peak, "above_torch_mb": above, "held_mb": held, "x_held": above / held,
+                     "x_state": above / (held * factor)})
     return rows
 
 
 def step_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
     """Per worker and shard: the step's parts per update, from the cumulative timers they report."""
     last = _last_values(run["metrics"])
+    names = {r["node_id"]: r["node"] for r in run["roles"]}
+    replica = {(r["node_id"], f"ps{r['index']}"): "primary" if r["replica"] == 0 else "backup"
+               for r in run["roles"] if r["role"] == "ps"}
     rows = []
-    for src, v in sorted(last.items()):
+    for key, v in sorted(last.items()):
+        node_id, _, tail = key.partition("/")
+        src = f"{names.get(node_id, node_id)}/{tail}" + (f" {replica[node_id, tail]}" if (node_id, tail) in replica
+                                                          else "")
         if "step_compute_s" in v:
             n = max(1.0, v.get("updates", 0) or 0)
             rows.append({
@@ -396,59 +407,52 @@ def _raw_echo(port_q: Any, stop: Any, max_bytes: int) -> None:
     ctx.term()
 
 
-def push_pull_vs_raw(plan: ShardPlan, rounds: int = 6) -> dict[str, Any]:
+def push_pull_vs_raw(plan: ShardPlan, rounds: int = 8) -> dict[str, Any]:
+    """Median round trips, alternating gossamer and raw ZMQ round by round (the machine's load hits both alike)."""
     spec = {**BASE, **MODES["async"], "name": "pp", "checkpoint_every": 0}
     ctx = mp.get_context("spawn")
     mine = [c.index for c in plan.chunks_of_shard(0)]
     numel = plan.shard_numel(0)
     grads = {i: torch.full((plan.chunks[i].numel,), 1e-6) for i in mine}
-    out: dict[str, Any] = {"bytes_each_way_mb": numel * 4 / MB}
-
-    q, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_shard_server, args=(q, stop, spec))
-    proc.start()
-    endpoint = q.get(timeout=120)
-    client = ShardClient(experiment="pp", sender="bench:0", plan=plan, endpoints={0: endpoint}, chunks=mine,
-                         limits=FrameLimits.for_values(numel))
+    q_ps, stop_ps, q_raw, stop_raw = ctx.Queue(), ctx.Event(), ctx.Queue(), ctx.Event()
+    ps = ctx.Process(target=_shard_server, args=(q_ps, stop_ps, spec))
+    raw = ctx.Process(target=_raw_echo, args=(q_raw, stop_raw, FrameLimits.for_values(numel).max_message_bytes))
+    ps.start()
+    raw.start()
+    client = ShardClient(experiment="pp", sender="bench:0", plan=plan, endpoints={0: q_ps.get(timeout=120)},
+                         chunks=mine)
     client.hello(fresh=True)
     client.pull()
-    times = []
+    # The same frames (header + one per chunk) through a DEALER to a ROUTER that echoes them.
+    frames = encode(Message(op="PUSH", experiment="pp", shard=0, sender="bench:0", meta={"rid": 1},
+                            tensors={f"c{i}": g for i, g in grads.items()}))
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.DEALER)
+    sock.connect(q_raw.get(timeout=120))
+    ours, theirs = [], []
     for clock in range(rounds + 1):
         t0 = time.perf_counter()
         client.push_pull(grads, clock=clock, basis={0: clock})
-        times.append(time.perf_counter() - t0)
-    client.leave()
-    client.close()
-    stop.set()
-    apply_s = q.get(timeout=60)
-    proc.join(timeout=30)
-    out["gossamer_s"] = statistics.median(times[1:])
-    out["gossamer_apply_s"] = apply_s / (rounds + 1)
-    out["gossamer_encode_s"] = client.encode_s / (rounds + 1)
-    out["gossamer_decode_s"] = client.decode_s / (rounds + 1)
-
-    # The same frames (header + one per chunk) through a DEALER to a ROUTER that echoes them.
-    msg = Message(op="PUSH", experiment="pp", shard=0, sender="bench:0", meta={"rid": 1},
-                  tensors={f"c{i}": g for i, g in grads.items()})
-    frames = encode(msg)
-    q, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_raw_echo, args=(q, stop, FrameLimits.for_values(numel).max_message_bytes))
-    proc.start()
-    endpoint = q.get(timeout=120)
-    zctx = zmq.Context()
-    sock = zctx.socket(zmq.DEALER)
-    sock.connect(endpoint)
-    times = []
-    for _ in range(rounds + 1):
+        ours.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         sock.send_multipart(frames, copy=False)
         sock.recv_multipart(copy=False)
-        times.append(time.perf_counter() - t0)
+        theirs.append(time.perf_counter() - t0)
     sock.close(linger=0)
     zctx.term()
-    stop.set()
-    proc.join(timeout=30)
-    out["raw_zmq_s"] = statistics.median(times[1:])
+    client.leave()
+    client.close()
+    stop_ps.set()
+    stop_raw.set()
+    apply_s = q_ps.get(timeout=60)
+    ps.join(timeout=30)
+    raw.join(timeout=30)
+    out: dict[str, Any] = {"bytes_each_way_mb": numel * 4 / MB, "rounds": rounds}
+    out["gossamer_s"] = statistics.median(ours[1:])
+    out["gossamer_apply_s"] = apply_s / (rounds + 1)
+    out["gossamer_encode_s"] = client.encode_s / (rounds + 1)
+    out["gossamer_decode_s"] = client.decode_s / (rounds + 1)
+    out["raw_zmq_s"] = statistics.median(theirs[1:])
     out["ratio"] = out["raw_zmq_s"] / out["gossamer_s"]
     out["ratio_without_apply"] = out["raw_zmq_s"] / max(1e-9, out["gossamer_s"] - out["gossamer_apply_s"])
     return out
@@ -483,35 +487,32 @@ def main() -> None:
     baselines = torch_baseline_mb()
     say(f"baselines: {baselines}")
     torch_mb = baselines["import torch + role code"]
-    mem: list[dict[str, Any]] = []
-    steps: list[dict[str, Any]] = []
-    ckpt: list[dict[str, Any]] = []
-    for mode in args.modes.split(","):
+    head = {"model_numel": numel, "model_mb": model_bytes / MB, "baselines_mb": baselines}
+    for mode in filter(None, args.modes.split(",")):
         run = run_mode(mode, args.steps or None, plan, model_bytes, args.label)
-        mem += memory_rows(run, plan, model_bytes, torch_mb)
-        steps += step_rows(run)
-        ckpt.append(checkpoint_row(run))
+        mem = memory_rows(run, plan, model_bytes, torch_mb)
         for r in mem:
-            if r["mode"] == mode and "x_held" in r:
+            if "x_held" in r:
                 say(f"  {r['node']:5s} {r['role']:28s} peak {r['peak_mb']:7.0f} MB, above torch "
                     f"{r['above_torch_mb']:7.0f} MB = {r['x_held']:.2f}x of {r['held_mb']:.0f} MB")
-    pp: dict[str, Any] = {}
+        save(args.label, {**head, "memory": mem, "steps": step_rows(run), "checkpoint": [checkpoint_row(run)],
+                          "push_pull": []}, mode)
     if not args.skip_push_pull:
         pp = {"label": args.label, **push_pull_vs_raw(plan)}
         say(f"push+pull: {pp}")
-    save(args.label, {"model_numel": numel, "model_mb": model_bytes / MB, "baselines_mb": baselines,
-                      "memory": mem, "steps": steps, "checkpoint": ckpt, "push_pull": [pp] if pp else []})
+        save(args.label, {**head, "memory": [], "steps": [], "checkpoint": [], "push_pull": [pp]}, "push_pull")
 
 
-def save(label: str, part: dict[str, Any]) -> None:
-    """Merge this label's rows into results/scale_model.json and rewrite the markdown."""
+def save(label: str, part: dict[str, Any], mode: str) -> None:
+    """Merge the rows of (`label`, `mode`) into results/scale_model.json and rewrite the markdown."""
     path = RESULTS / "scale_model.json"
     old: dict[str, Any] = {}
     if path.exists():
         old = json.loads(path.read_text()).get("rows", [{}])[0]
     merged: dict[str, Any] = {k: v for k, v in part.items() if not isinstance(v, list)}
     for key in ("memory", "steps", "checkpoint", "push_pull"):
-        merged[key] = [r for r in old.get(key, []) if r.get("label") != label] + part[key]
+        keep = [r for r in old.get(key, []) if r.get("label") != label or r.get("mode", "push_pull") != mode]
+        merged[key] = keep + part[key]
     merged.setdefault("baselines_by_label", old.get("baselines_by_label", {}))[label] = part["baselines_mb"]
     notes = NOTES.format(model=part["model_mb"])
     js, md = write_report("scale_model", [merged], notes)
@@ -523,7 +524,8 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "2 spot workers. Memory: each process's peak resident set (VmHWM); `above_torch_mb` subtracts the "
          "peak of the fork server every role is forked from (torch and the role code imported, nothing built); "
          "`x_held`: that over the bytes the role holds (a worker: the model; a shard: its parameters; a host: "
-         "the shards and backups on it).")
+         "the shards and backups on it); `x_state`: over a shard's whole state (parameters and the optimizer's "
+         "momentum buffer, 2x its parameters).")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

@@ -81,13 +81,19 @@ class ShardClient:
         self.sender = sender
         self.plan = plan
         self.timeout_s = timeout_s
-        self.limits = limits or FrameLimits()
         indices = sorted(c.index for c in plan.chunks) if chunks is None else sorted(chunks)
         self._by_shard: dict[int, list[int]] = {}
         for idx in indices:
             if not 0 <= idx < len(plan.chunks):
                 raise ConfigError("chunks", f"chunk {idx} is not in the plan")
             self._by_shard.setdefault(plan.chunks[idx].shard, []).append(idx)
+        if limits is None:
+            # A reply carries this client's chunks of one shard: past 256 MB (a 100M-parameter
+            # model on one shard) the default limit would refuse the shard's own PARAMS.
+            largest = max((sum(plan.chunks[i].numel for i in idxs) for idxs in self._by_shard.values()), default=0)
+            default = FrameLimits()
+            limits = FrameLimits.for_values(largest) if 4 * 4 * largest > default.max_message_bytes else default
+        self.limits = limits
         missing = sorted(set(self._by_shard) - set(endpoints))
         if missing:
             raise ConfigError("endpoints", f"no endpoint for shards {missing}")

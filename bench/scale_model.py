@@ -328,6 +328,10 @@ def memory_rows(run: dict[str, Any], plan: ShardPlan, model_bytes: int, torch_mb
                 host_sum[node][2] += peak
                 rows.append(row)
                 continue
+            if peak <= base:  # the fork server's warm-up probe (`warm_up`): forked, built nothing, exited
+                row.update(role="warm-up probe", peak_mb=peak)
+                rows.append(row)
+                continue
             row["role"] = "worker"
             row.update(peak_mb=peak, above_torch_mb=peak - base, held_mb=model_bytes / MB,
                        x_held=(peak - base) * MB / model_bytes)
@@ -368,6 +372,7 @@ def step_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
         elif "ps_apply_s" in v and v.get("ps_updates"):
             rows.append({"label": run["label"], "mode": run["mode"], "source": src, "steps": int(v["ps_updates"]),
                          "apply_ms": 1000 * v["ps_apply_s"] / v["ps_updates"],
+                         "cow_copies": int(v.get("ps_cow_copies", 0)),
                          "ckpt_saved": int(v.get("ckpt_saved", 0)),
                          "ckpt_snapshot_ms": 1000 * v.get("ckpt_snapshot_s", 0) / max(1.0, v.get("ckpt_saved", 0)
                                                                                       + v.get("ckpt_skipped", 0)),
@@ -525,7 +530,9 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "peak of the fork server every role is forked from (torch and the role code imported, nothing built); "
          "`x_held`: that over the bytes the role holds (a worker: the model; a shard: its parameters; a host: "
          "the shards and backups on it); `x_state`: over a shard's whole state (parameters and the optimizer's "
-         "momentum buffer, 2x its parameters).")
+         "momentum buffer, 2x its parameters). Timings on a loaded 2-core machine shared with other jobs: compare "
+         "step times within one run only; a backup more than 3 s behind its primary is detached (the `steps` of "
+         "a backup row: how many updates it replayed before that).")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

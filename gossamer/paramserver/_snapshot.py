@@ -26,7 +26,7 @@ class PendingSnapshot:
         """`skeleton`: the snapshot's fields with no pieces yet; `sources`: (flat offset, chunk
         values, the optimizer's state of the chunk) of every chunk, all live (not copies)."""
         self.snapshot = skeleton
-        self._todo = list(reversed(sources))
+        self._todo: list[tuple[Any, ...]] = list(reversed(sources))
         self.finish_seconds = 0.0  # spent in `finish`: what the serve thread paid
 
     @property
@@ -37,8 +37,8 @@ class PendingSnapshot:
         """Copy one more chunk; False once every chunk is copied."""
         if not self._todo:
             return False
-        offset, value, state = self._todo.pop()
-        entry = {"param": value.detach().clone()}
+        offset, value, state, *adopted = self._todo.pop()
+        entry = {"param": value if adopted else value.detach().clone()}
         scalars: dict[str, float] = {}
         for name, val in state.items():
             if isinstance(val, torch.Tensor) and val.dim() > 0:
@@ -51,6 +51,11 @@ class PendingSnapshot:
         if scalars:
             self.snapshot.scalars[offset] = scalars
         return True
+
+    def adopt_values(self) -> None:
+        """The live values are about to move to a copy (a send still reads them): the chunks not
+        copied yet keep the current storage as their snapshot values instead of copying it."""
+        self._todo = [(offset, value.detach(), state, True) for offset, value, state, *_ in self._todo]
 
     def finish(self) -> None:
         """Copy every chunk left (the state is about to change)."""

@@ -117,10 +117,13 @@ class ShardState:
     def before_write(self) -> None:
         """About to change the values: a snapshot being copied takes the rest of its copies, and
         sends still reading keep the current storage while the values move to a copy."""
+        in_flight = any(not r.done for r in self._lent)
         if self._pending is not None:
+            if in_flight:  # the values move to a copy below: the snapshot keeps the old storage
+                self._pending.adopt_values()
             self._pending.finish()
             self._pending = None
-        if any(not r.done for r in self._lent):
+        if in_flight:
             t0 = time.perf_counter()
             for p in self.params.values():
                 p.data = p.data.clone()  # the sends hold the old storage until they are done

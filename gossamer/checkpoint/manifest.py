@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,24 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic_dir(dest: str | os.PathLike[str], files: dict[str, bytes], meta: dict[str, Any]) -> Path:
+def _sha256_of(path: Path) -> tuple[str, int]:
+    """sha256 and size of a file, read in 1 MiB pieces."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+            n += len(block)
+    return h.hexdigest(), n
+
+
+def write_atomic_dir(dest: str | os.PathLike[str], files: dict[str, bytes | Callable[[Path], None]],
+                     meta: dict[str, Any]) -> Path:
     """Write `files` into `dest` atomically, with a manifest of their sha256 sums.
 
-    The directory appears complete or not at all: files go to `dest.tmp-*`, are fsynced,
-    the manifest is written last, then the directory is renamed into place.
+    A file is its bytes, or a callable that writes it at the path it is given (a model's
+    tensors streamed to disk, never held as one more copy in memory). The directory appears
+    complete or not at all: files go to `dest.tmp-*`, are fsynced, the manifest is written
+    last, then the directory is renamed into place.
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -40,11 +53,18 @@ def write_atomic_dir(dest: str | os.PathLike[str], files: dict[str, bytes], meta
     entries = {}
     try:
         for name, blob in files.items():
-            with open(tmp / name, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            entries[name] = {"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
+            if callable(blob):
+                blob(tmp / name)
+                with open(tmp / name, "rb+") as f:
+                    os.fsync(f.fileno())
+                digest, size = _sha256_of(tmp / name)
+            else:
+                with open(tmp / name, "wb") as f:
+                    f.write(blob)
+                    f.flush()
+                    os.fsync(f.fileno())
+                digest, size = hashlib.sha256(blob).hexdigest(), len(blob)
+            entries[name] = {"sha256": digest, "bytes": size}
         manifest = {"format": FORMAT, "files": entries, "created_unix": time.time(), **meta}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
@@ -130,6 +150,7 @@ def save_model_checkpoint(dest: str | os.PathLike[str], state_dict: dict[str, An
     """Save a model state_dict (tensors) as `model.pt` in an atomic checkpoint directory."""
     import torch
 
-    buf = io.BytesIO()
-    torch.save({k: v.detach().cpu().clone() for k, v in state_dict.items()}, buf)
-    return write_atomic_dir(dest, {"model.pt": buf.getvalue()}, meta)
+    # One copy of each tensor (its own storage: a view of a flat buffer would save the whole
+    # buffer), written straight to the file: no serialised copy in memory beside it.
+    tensors = {k: v.detach().cpu().clone() for k, v in state_dict.items()}
+    return write_atomic_dir(dest, {"model.pt": lambda path: torch.save(tensors, path)}, meta)

@@ -598,6 +598,12 @@ class AsyncCheckpointer:
             self._thread.start()
         return True
 
+    @property
+    def busy(self) -> bool:
+        """A save is running: a snapshot submitted now would be skipped (so need not be taken)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
     def _run(self, snap: ShardSnapshot) -> None:
         t0 = time.monotonic()
         try:

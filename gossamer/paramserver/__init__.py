@@ -11,6 +11,7 @@ from gossamer.paramserver.shard_plan import (
     ShardPlan,
     flatten_grads,
     flatten_params,
+    take_shard_values,
     unflatten_into,
 )
 
@@ -28,5 +29,6 @@ __all__ = [
     "flatten_grads",
     "flatten_params",
     "lr_factor",
+    "take_shard_values",
     "unflatten_into",
 ]

@@ -60,14 +60,19 @@ class PullViews:
         self._views.clear()
 
     def reply(self, identity: bytes, chunks: list[int], params: dict[int, torch.Tensor], *, done: bool,
-              staleness: int | None = None, lead: int | None = None) -> tuple[ParamsMeta, dict[str, torch.Tensor]]:
-        """The PARAMS reply to `identity` for `chunks`: full values (clones) or compressed differences."""
+              staleness: int | None = None,
+              lead: int | None = None) -> tuple[ParamsMeta, dict[str, torch.Tensor], bool]:
+        """The PARAMS reply to `identity` for `chunks`: full values or compressed differences.
+
+        The third item says the tensors are the live values themselves (full values, no copy):
+        the send must be tracked, and the state copies them aside before its next write if
+        the send is still reading them (`ShardState.lend`).
+        """
         tensors: dict[str, torch.Tensor] = {}
         pull = self._pull_of.get(identity)
         if pull is None:
-            # Clones: the send may be zero-copy and the next update mutates the parameters.
-            tensors = {chunk_key(idx): params[idx].clone() for idx in chunks}
-            return ParamsMeta(done=done, staleness=staleness, lead=lead), tensors
+            tensors = {chunk_key(idx): params[idx].detach() for idx in chunks}
+            return ParamsMeta(done=done, staleness=staleness, lead=lead), tensors, True
         sender, spec = pull
         encoder = self._encoders[spec]
         compressed: dict[str, Any] = {}
@@ -84,4 +89,4 @@ class PullViews:
             compressed[str(idx)] = cmeta
         meta = ParamsMeta(done=done, staleness=staleness, lead=lead, pull_compression=compressed or None,
                           codec=spec if compressed else None)
-        return meta, tensors
+        return meta, tensors, False

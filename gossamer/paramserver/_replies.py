@@ -36,22 +36,30 @@ class Replies:
         self._name = f"shard {state.config.shard}"
 
     def send(self, identity: bytes, op: str, meta: dict[str, Any],
-             tensors: dict[str, torch.Tensor] | None = None) -> None:
+             tensors: dict[str, torch.Tensor] | None = None, *, live: bool = False) -> None:
+        """Send a reply; `live`: its tensors are the state's own values, read by ZMQ after this
+        returns, so the state is told (`lend`) until ZMQ has let go of them."""
         config = self.state.config
         msg = Message(op=op, experiment=config.experiment, shard=config.shard, version=self.state.version,
                       sender=f"shard-{config.shard}", meta=meta, tensors=tensors or {})
-        frames = encode(msg)
+        frames: list[Any] = encode(msg)
         self.bytes_out += frames_nbytes(frames)
         assert self.socket is not None
+        if live:
+            # Only memoryview frames reference the values (small tensors were copied to bytes).
+            frames = [zmq.Frame(f, track=True) if isinstance(f, memoryview) else f for f in frames]
+            tracked = [f for f in frames if isinstance(f, zmq.Frame)]
+            if tracked:
+                self.state.lend(zmq.MessageTracker(*tracked))
         self.socket.send_multipart([identity, *frames], copy=False)
 
     def params(self, identity: bytes, rid: Any, chunks: list[int], *, staleness: int | None = None,
                lead: int | None = None) -> None:
         """PARAMS: the current values of `chunks` (compressed differences for a pull codec)."""
-        meta, tensors = self.views.reply(identity, chunks, self.state.params, done=self.state.done,
-                                         staleness=staleness, lead=lead)
+        meta, tensors, live = self.views.reply(identity, chunks, self.state.params, done=self.state.done,
+                                               staleness=staleness, lead=lead)
         self.raw_bytes_out += sum(4 * self.state.chunks[idx].numel for idx in chunks)
-        self.send(identity, "PARAMS", {"rid": rid, **meta.to_meta()}, tensors)
+        self.send(identity, "PARAMS", {"rid": rid, **meta.to_meta()}, tensors, live=live)
 
     def error(self, identity: bytes, rid: Any, message: str, code: str) -> None:
         """ERROR: a request refused (counted in `errors`)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from gossamer.envinfo import fingerprint
 from gossamer.errors import ConfigError
 from gossamer.lr_schedule import lr_multiplier
 from gossamer.paramserver._reject import Reject
+from gossamer.paramserver._snapshot import PendingSnapshot
 from gossamer.paramserver.optimizer import build_optimizer, set_lr_factor
 from gossamer.paramserver.shard_config import ShardConfig
 from gossamer.paramserver.shard_plan import Chunk, ShardPlan
@@ -48,7 +50,7 @@ class ShardState:
     """
 
     def __init__(self, config: ShardConfig, plan: ShardPlan, init: dict[int, torch.Tensor],
-                 shapes: dict[str, tuple[int, ...]]) -> None:
+                 shapes: dict[str, tuple[int, ...]], *, own_init: bool = False) -> None:
         if config.shard >= plan.num_shards:
             raise ConfigError("shard", f"shard {config.shard} not in a plan of {plan.num_shards}")
         self.config = config
@@ -61,13 +63,24 @@ class ShardState:
             raise ConfigError("init", f"needs exactly chunks {sorted(self.chunks)}, got {sorted(init)}")
         self.params: dict[int, torch.Tensor] = {}
         for idx, c in sorted(self.chunks.items()):
-            value = init[idx].detach().reshape(-1).to(torch.float32).clone()
+            value = init[idx].detach().reshape(-1)
+            if value.dtype != torch.float32:
+                value = value.float()  # a fresh tensor already
+            elif not own_init:
+                value = value.clone()  # the caller keeps its tensor
             if value.numel() != c.numel:
                 raise ConfigError("init", f"chunk {idx} has {value.numel()} elements, not {c.numel}")
             self.params[idx] = value
         self.optimizer = build_optimizer(config.optimizer, list(self.params.values()))
         self.version = 0
         self.updates = 0
+        self.apply_s = 0.0  # seconds in optimizer steps
+        # Readers of the live values: sends still reading them (anything with `.done`, a ZMQ
+        # MessageTracker) and a snapshot still being copied. A write first gives them their own.
+        self._lent: list[Any] = []
+        self._pending: PendingSnapshot | None = None
+        self.cow_copies = 0  # writes that had to copy the values aside for a send still reading them
+        self.cow_s = 0.0
         self.applied: dict[str, int] = {}  # sender -> last applied clock (async) / step (sync)
 
     @property
@@ -80,6 +93,8 @@ class ShardState:
         `schedule`: multiply in the lr schedule at this version (a primary does; its backup
         replays the factor it is sent).
         """
+        self.before_write()
+        t0 = time.perf_counter()
         for idx, p in self.params.items():
             p.grad = grads[idx]
         if schedule:
@@ -91,7 +106,44 @@ class ShardState:
             p.grad = None
         self.version += 1
         self.updates += 1
+        self.apply_s += time.perf_counter() - t0
         return lr_factor
+
+    # -- readers of the live values -----------------------------------------------------
+    def lend(self, reader: Any) -> None:
+        """A send reads the live chunk values until `reader.done` (values sent without a copy)."""
+        self._lent.append(reader)
+
+    def before_write(self) -> None:
+        """About to change the values: a snapshot being copied takes the rest of its copies, and
+        sends still reading keep the current storage while the values move to a copy."""
+        in_flight = any(not r.done for r in self._lent)
+        if self._pending is not None:
+            if in_flight:  # the values move to a copy below: the snapshot keeps the old storage
+                self._pending.adopt_values()
+            self._pending.finish()
+            self._pending = None
+        if in_flight:
+            t0 = time.perf_counter()
+            for p in self.params.values():
+                p.data = p.data.clone()  # the sends hold the old storage until they are done
+            self.cow_copies += 1
+            self.cow_s += time.perf_counter() - t0
+        self._lent = []
+
+    def open_snapshot(self, step: int) -> PendingSnapshot:
+        """This version's state for a checkpoint, to be copied chunk by chunk (`PendingSnapshot`)."""
+        self.before_write()  # a previous one still being copied completes first
+        layout = [(name, list(self.shapes.get(name, (numel,)))) for name, numel in self.plan.params]
+        skeleton = ShardSnapshot(
+            experiment=self.config.experiment, step=step, shard=self.config.shard,
+            num_shards=self.plan.num_shards, total_numel=self.plan.total_numel, version=self.version,
+            pieces={}, scalars={}, layout=layout, extra={"applied": dict(self.applied), "env": _environment()},
+        )
+        sources = [(c.flat_offset, self.params[idx], dict(self.optimizer.state.get(self.params[idx], {})))
+                   for idx, c in sorted(self.chunks.items())]
+        self._pending = PendingSnapshot(skeleton, sources)
+        return self._pending
 
     def remember(self, applied: list[tuple[str, int]] | tuple[tuple[str, int], ...], *, latest: bool) -> None:
         """Note the worker updates a version covered (`latest`: keep the highest seen)."""
@@ -116,11 +168,16 @@ class ShardState:
         return SyncMeta(state_version=self.version, applied=dict(self.applied), scalars=scalars), tensors
 
     def load(self, meta: SyncMeta, tensors: dict[str, torch.Tensor]) -> None:
-        """Replace the whole state with an exported one (raises Reject if it does not fit)."""
+        """Replace the whole state with an exported one (raises Reject if it does not fit).
+
+        Takes the optimizer-state tensors over (a SYNC's received buffers, a checkpoint just
+        read): the caller must not use them again. Chunk values are copied into place.
+        """
         for idx, c in self.chunks.items():
             t = tensors.get(chunk_key(idx))
             if t is None or t.numel() != c.numel:
                 raise Reject(f"state lacks chunk {idx} or has the wrong size")
+        self.before_write()
         state: dict[int, dict[str, Any]] = {}
         for i, idx in enumerate(sorted(self.params)):
             entry: dict[str, Any] = {}
@@ -129,7 +186,7 @@ class ShardState:
                 if name.startswith(prefix):
                     if t.numel() != self.chunks[idx].numel:
                         raise Reject(f"state tensor {name} has the wrong size")
-                    entry[name[len(prefix):]] = t.detach().reshape(-1).to(torch.float32).clone()
+                    entry[name[len(prefix):]] = t.detach().reshape(-1).to(torch.float32)
             for key, val in meta.scalars.items():
                 if key.startswith(f"{idx}/"):
                     entry[key.split("/", 1)[1]] = torch.tensor(float(val))
@@ -200,6 +257,7 @@ class ShardState:
         """Restore what `state_dict` returned (same plan and shard)."""
         if state.get("plan_fingerprint") != self.plan.fingerprint():
             raise ConfigError("plan", "checkpoint was taken with a different shard plan")
+        self.before_write()
         for idx, p in self.params.items():
             p.copy_(state["values"][idx])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -273,7 +273,9 @@ class Updates:
                     if idx in summed:
                         summed[idx].add_(g)
                     else:
-                        summed[idx] = g.clone()
+                        # The first contribution's own buffer (a received frame or a decoded
+                        # tensor, never read again) holds the sum: no copy of the shard.
+                        summed[idx] = g
             self.gate.on_apply(contrib.sender, version=self.state.version, basis=self.state.version, now=now)
         self.apply(summed, self._linear(len(contributions)), [(c.sender, c.key) for c in contributions])
         for contrib in contributions:

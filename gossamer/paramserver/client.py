@@ -81,13 +81,19 @@ class ShardClient:
         self.sender = sender
         self.plan = plan
         self.timeout_s = timeout_s
-        self.limits = limits or FrameLimits()
         indices = sorted(c.index for c in plan.chunks) if chunks is None else sorted(chunks)
         self._by_shard: dict[int, list[int]] = {}
         for idx in indices:
             if not 0 <= idx < len(plan.chunks):
                 raise ConfigError("chunks", f"chunk {idx} is not in the plan")
             self._by_shard.setdefault(plan.chunks[idx].shard, []).append(idx)
+        if limits is None:
+            # A reply carries this client's chunks of one shard: past 256 MB (a 100M-parameter
+            # model on one shard) the default limit would refuse the shard's own PARAMS.
+            largest = max((sum(plan.chunks[i].numel for i in idxs) for idxs in self._by_shard.values()), default=0)
+            default = FrameLimits()
+            limits = FrameLimits.for_values(largest) if 4 * 4 * largest > default.max_message_bytes else default
+        self.limits = limits
         missing = sorted(set(self._by_shard) - set(endpoints))
         if missing:
             raise ConfigError("endpoints", f"no endpoint for shards {missing}")
@@ -125,6 +131,9 @@ class ShardClient:
         self.bytes_up = 0
         self.bytes_down = 0
         self.messages = 0
+        #: Seconds spent encoding pushes (codec and frames) and decoding replies (frames, pulled differences).
+        self.encode_s = 0.0
+        self.decode_s = 0.0
 
     @property
     def shards(self) -> list[int]:
@@ -228,8 +237,10 @@ class ShardClient:
             ShardError: a shard rejected the push (nothing of it was applied there).
             UnavailableError: a shard did not answer within `timeout_s`.
         """
+        t0 = time.perf_counter()
         reqs = self._push_requests(grads, clock=clock, basis=basis, step=step, num_workers=num_workers,
                                    generation=generation)
+        self.encode_s += time.perf_counter() - t0
         sent = self._send(reqs)
         die_at("mid-pull", step=self.fault_step, **self.fault_ctx)  # pushed, reply not read yet
         return self._result(self._collect(sent))
@@ -239,8 +250,10 @@ class ShardClient:
 
         The gradients are snapshotted, so the caller may overwrite its buffers right away.
         """
+        t0 = time.perf_counter()
         snap = {i: g.detach().clone() for i, g in grads.items()}
         reqs = self._push_requests(snap, clock=clock, basis=basis)
+        self.encode_s += time.perf_counter() - t0
         self._in_flight = self._send(reqs)
 
     def wait(self) -> PullResult:
@@ -380,7 +393,9 @@ class ShardClient:
         return self._collect(self._send(reqs))
 
     def _send_one(self, s: int, msg: Message) -> None:
+        t0 = time.perf_counter()
         frames = encode(msg)
+        self.encode_s += time.perf_counter() - t0
         nbytes = frames_nbytes(frames)
         if self.throttle is not None:
             self.throttle.consume(nbytes)
@@ -464,10 +479,13 @@ class ShardClient:
                     except zmq.Again:
                         break
                     self.bytes_down += frames_nbytes(frames)
+                    t0 = time.perf_counter()
                     try:
                         reply = decode(frames, self.limits)
                     except ProtocolError as e:
                         raise ShardError(f"shard {s} sent an undecodable reply: {e}") from e
+                    finally:
+                        self.decode_s += time.perf_counter() - t0
                     if reply.meta.get("rid") != waiting[s].meta["rid"]:
                         logger.warning(
                             "dropped a stale reply from shard %d (rid %r)", s, reply.meta.get("rid")
@@ -503,6 +521,13 @@ class ShardClient:
         return out
 
     def _result(self, replies: dict[int, Message]) -> PullResult:
+        t0 = time.perf_counter()
+        try:
+            return self._values_of(replies)
+        finally:
+            self.decode_s += time.perf_counter() - t0
+
+    def _values_of(self, replies: dict[int, Message]) -> PullResult:
         values: dict[int, torch.Tensor] = {}
         versions: dict[int, int] = {}
         staleness: dict[int, int] = {}

@@ -10,7 +10,7 @@ import torch
 
 from gossamer.errors import ConfigError
 
-__all__ = ["OptimizerConfig", "build_optimizer", "set_lr_factor"]
+__all__ = ["FOREACH_MAX_NUMEL", "OptimizerConfig", "build_optimizer", "set_lr_factor"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +56,20 @@ def _finite_nonneg(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
+#: Above this many values an optimizer steps tensor by tensor (`build_optimizer`).
+FOREACH_MAX_NUMEL = 1 << 24
+
+
 def build_optimizer(config: OptimizerConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
     """torch.optim.SGD or AdamW over `params`.
 
     Both are elementwise, so applying them per chunk gives exactly what one torch process
-    applying them to the whole model would.
+    applying them to the whole model would. Past `FOREACH_MAX_NUMEL` values the per-tensor
+    implementation is used: the multi-tensor one makes its temporaries (AdamW's denominators,
+    nesterov's or weight decay's adjusted gradients) for every tensor at once, one more copy
+    of everything it steps (bench/scale_model.py), where per tensor they are one tensor's.
     """
+    foreach = None if sum(p.numel() for p in params) <= FOREACH_MAX_NUMEL else False
     if config.name == "sgd":
         return torch.optim.SGD(
             params,
@@ -69,6 +77,7 @@ def build_optimizer(config: OptimizerConfig, params: list[torch.Tensor]) -> torc
             momentum=config.momentum,
             nesterov=config.nesterov,
             weight_decay=config.weight_decay,
+            foreach=foreach,
         )
     return torch.optim.AdamW(
         params,
@@ -76,6 +85,7 @@ def build_optimizer(config: OptimizerConfig, params: list[torch.Tensor]) -> torc
         betas=(float(config.betas[0]), float(config.betas[1])),
         eps=config.eps,
         weight_decay=config.weight_decay,
+        foreach=foreach,
     )
 
 

@@ -23,6 +23,7 @@ from gossamer.paramserver._pull_views import PullViews
 from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
 from gossamer.paramserver._serve import ServeLoop
+from gossamer.paramserver._snapshot import PendingSnapshot, copy_in_background
 from gossamer.paramserver._state import ShardState
 from gossamer.paramserver._updates import Updates
 from gossamer.paramserver.shard_config import ShardConfig
@@ -53,13 +54,16 @@ class ShardServer:
         shapes: dict[str, tuple[int, ...]] | None = None,
         backup: bool = False,
         curve: CurveKeyring | None = None,
+        own_init: bool = False,
     ) -> None:
         """`shapes`: parameter shapes by name, so compressed segments decode as matrices;
         `backup`: start as the backup replica (promoted by `promote`); `curve`: serve with
-        CurveZMQ, accepting only the keyring's members (and use it to reach the backup)."""
+        CurveZMQ, accepting only the keyring's members (and use it to reach the backup);
+        `own_init`: the shard takes the `init` tensors (1-D fp32) as its values instead of
+        copying them (the caller must not use them again)."""
         self.config = config
         self.plan = plan
-        self._state = ShardState(config, plan, init, dict(shapes or {}))
+        self._state = ShardState(config, plan, init, dict(shapes or {}), own_init=own_init)
         self.limits = config.limits or FrameLimits.for_values(plan.shard_numel(config.shard))
         self._lock = threading.RLock()  # re-entered: posted commands may call locking methods
         self._replication = Replication(self._state, self.limits, curve, self._lock, backup=backup)
@@ -71,6 +75,8 @@ class ShardServer:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.endpoint = ""
+        self._snapshot_finish: PendingSnapshot | None = None  # the newest snapshot_later's
+        self._finish_s = 0.0
 
     # -- lifecycle --------------------------------------------------------------------
     def bind(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -151,6 +157,28 @@ class ShardServer:
     def snapshot(self, step: int) -> ShardSnapshot:
         """This shard's state for a sharded checkpoint (copies; call on the serve thread)."""
         return self._state.snapshot(step)
+
+    def snapshot_later(self, step: int, deliver: Callable[[ShardSnapshot], object]) -> threading.Thread:
+        """This version's state for a checkpoint, copied beside serving; `deliver` gets it once whole.
+
+        Call on the serve thread (under the lock): nothing is copied here. A thread copies one
+        chunk per hold of the lock, so requests are served between chunks; the next update
+        first copies whatever is left (`ShardState.before_write`). Returns the copier thread.
+        """
+        pending = self._state.open_snapshot(step)
+        if self._snapshot_finish is not None:
+            self._finish_s += self._snapshot_finish.finish_seconds
+        self._snapshot_finish = pending
+        thread = threading.Thread(target=copy_in_background, args=(pending, self._lock, deliver),
+                                  name=f"snapshot-shard-{self.config.shard}", daemon=True)
+        thread.start()
+        return thread
+
+    @property
+    def snapshot_serve_seconds(self) -> float:
+        """Time the serve thread spent finishing snapshots the copier had not (all snapshots so far)."""
+        with self._lock:
+            return self._finish_s + (self._snapshot_finish.finish_seconds if self._snapshot_finish else 0.0)
 
     def restore(self, step_dir: str) -> int:
         """Load this shard's chunks from a sharded checkpoint (any number of shards saved it).
@@ -236,6 +264,9 @@ class ShardServer:
             "version": self.version,
             "done": self.done,
             "updates": self.updates,
+            "apply_s": self._state.apply_s,
+            "cow_copies": self._state.cow_copies,
+            "cow_s": self._state.cow_s,
             "staleness": hist["staleness"],
             "version_staleness": hist["version_staleness"],
             "waits": hist["waits"],

@@ -15,7 +15,8 @@ import torch
 
 from gossamer.errors import ConfigError
 
-__all__ = ["FSDP_MAX_LOCAL_RANKS", "Chunk", "ShardPlan", "fsdp_row_cuts", "flatten_grads", "flatten_params", "unflatten_into"]
+__all__ = ["FSDP_MAX_LOCAL_RANKS", "Chunk", "ShardPlan", "flatten_grads", "flatten_params", "fsdp_row_cuts",
+           "take_shard_values", "unflatten_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -332,6 +333,35 @@ def flatten_params(module: torch.nn.Module) -> torch.Tensor:
     if not parts:
         return torch.zeros(0, dtype=torch.float32)
     return torch.cat(parts)
+
+
+def take_shard_values(module: torch.nn.Module, plan: ShardPlan, shard: int) -> dict[int, torch.Tensor]:
+    """The fp32 values of `shard`'s chunks, copied from `module`'s parameters, which are emptied as they are read.
+
+    A shard builds the whole seeded model only for its initial values: reading them straight into
+    its chunks, one parameter at a time and dropping each one read, never holds the model twice
+    (a flat copy and the chunks cut from it would: 2.5x the model at a shard's start).
+    """
+    chunks = sorted(plan.chunks_of_shard(shard), key=lambda c: c.flat_offset)
+    starts = [c.flat_offset for c in chunks]
+    out: dict[int, torch.Tensor] = {}
+    offset = 0
+    with torch.no_grad():
+        for _, p in module.named_parameters():
+            lo, hi = offset, offset + p.numel()
+            flat = p.detach().reshape(-1)
+            i = max(0, bisect.bisect_right(starts, lo) - 1)
+            while i < len(chunks) and chunks[i].flat_offset < hi:
+                c = chunks[i]
+                a, b = max(lo, c.flat_offset), min(hi, c.flat_offset + c.numel)
+                if a < b:
+                    if c.index not in out:
+                        out[c.index] = torch.empty(c.numel, dtype=torch.float32)
+                    out[c.index][a - c.flat_offset : b - c.flat_offset].copy_(flat[a - lo : b - lo])
+                i += 1
+            p.data = torch.empty(0, dtype=p.dtype)
+            offset = hi
+    return out
 
 
 def flatten_grads(module: torch.nn.Module) -> torch.Tensor:

@@ -23,6 +23,11 @@ def setup(spec: RoleSpec) -> None:
     configure(spec.log_level, spec.log_format, role=spec.label, node=spec.node_name, experiment=spec.experiment_id)
     import torch
 
+    from gossamer.worker.allocator import mmap_large_allocations
+
+    # Parameters, gradients and every push and reply are buffers of model size: freed ones go
+    # back to the OS instead of staying in the heap of the thread that allocated them.
+    mmap_large_allocations()
     # Role processes share the machine with each other: one intra-op thread each unless told.
     torch.set_num_threads(int(os.environ.get("GOSSAMER_THREADS", spec.threads)))
 

@@ -40,6 +40,7 @@ class DilocoTrainer(ParameterServerTrainer):
         self.rounds = 0
         # (the version the round started from, theta_0 - theta_H of this rank's chunks by index)
         self._pseudo: tuple[int, dict[int, torch.Tensor]] | None = None
+        self._pseudo_scale = 1.0  # what the pseudo-gradient in `_pseudo` is already multiplied by
 
     @property
     def progress(self) -> int:
@@ -49,8 +50,14 @@ class DilocoTrainer(ParameterServerTrainer):
         start = self.version
         if self._pseudo is None or self._pseudo[0] != start:
             self._pseudo = (start, self._inner_round())
+            self._pseudo_scale = 1.0
+        # Scaled in place (a pushed copy would be one more model-sized buffer); a redo after
+        # the barrier re-formed rescales it to the new worker count.
         scale = 1.0 / self.ctx.num_workers
-        grads = {idx: (d * scale).cpu() for idx, d in self._pseudo[1].items()}
+        for d in self._pseudo[1].values():
+            d.mul_(scale / self._pseudo_scale)
+        self._pseudo_scale = scale
+        grads = {idx: d.cpu() for idx, d in self._pseudo[1].items()}
         done = self._push_pull(grads, step=start)
         self._pseudo = None
         self.rounds += 1
@@ -69,7 +76,8 @@ class DilocoTrainer(ParameterServerTrainer):
                 self.layout.restore(theta0)  # nothing of the round leaves this worker
                 raise StepAbandoned
             with self.profiler.region("compute"):
-                _, node_samples, _ = self._local_grad(self.client.fault_ctx)
+                _, node_samples, compute_s = self._local_grad(self.client.fault_ctx)
+            self.compute_s += compute_s
             schedule_lr(self.inner, self.exp, self.progress + i)
             if not self.step_ok:  # fp16 overflow: this inner step is skipped
                 self.skipped_steps += 1

@@ -18,6 +18,7 @@ from gossamer.errors import ConfigError
 from gossamer.experiment import Experiment
 from gossamer.paramserver import Chunk, ShardPlan, flatten_grads, flatten_params, unflatten_into
 from gossamer.paramserver.shard_plan import FSDP_MAX_LOCAL_RANKS, fsdp_row_cuts
+from gossamer.worker.allocator import mmap_large_allocations
 from gossamer.worker.sampler import even_split
 
 log = logging.getLogger(__name__)
@@ -386,27 +387,6 @@ def _materialize(module: nn.Module, device: torch.device) -> nn.Module:
     return module
 
 
-def _mmap_large_allocations(threshold: int = 1 << 20) -> None:
-    """Have glibc serve allocations >= 1 MiB by mmap, so freed ones go back to the OS at once.
-
-    FSDP gathers and frees a layer's full parameters and gradients every step; with glibc's
-    adaptive threshold those buffers end up in the heap and fragment it, and on CPU FSDP's
-    resident memory grew past ddp's (bench/intranode.py: 989 MB per rank against ddp's 756;
-    0.51x of ddp with the threshold fixed). GPUs use CUDA's caching allocator instead.
-    """
-    import ctypes
-    import ctypes.util
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc (musl): nothing to tune
-        pass
-
-
 class FsdpLayout(NodeLayout):
     """FSDP2: every parameter sharded on dim 0 across the node's local ranks (`fully_shard`).
 
@@ -427,7 +407,7 @@ class FsdpLayout(NodeLayout):
         from torch.distributed.fsdp import fully_shard
 
         if self.device.type == "cpu":
-            _mmap_large_allocations()
+            mmap_large_allocations()
 
         mesh = init_device_mesh(self.device.type, (self.world,))
         for child in model.children():

@@ -79,6 +79,9 @@ class ParameterServerTrainer(RankTrainer):
         self.versions_lost = 0
         self._last_ckpt = 0
         self._ckpt_thread: threading.Thread | None = None
+        #: Cumulative seconds of the step's parts: the node gradient, the push+pull round trip
+        #: (encode and decode inside it are the client's), writing the pulled values in.
+        self.compute_s = self.exchange_s = self.assemble_s = 0.0
         self._node_progress = 0  # sharded: the step every local rank agreed on at the last exchange
         self._node_stop = False
 
@@ -105,7 +108,9 @@ class ParameterServerTrainer(RankTrainer):
         step before another's, and a rank that stopped alone would leave the others in
         their next collective. The flag rides in the same all-reduce as the parameters.
         """
+        t0 = time.perf_counter()
         done = self.layout.write_chunks(values, done)
+        self.assemble_s += time.perf_counter() - t0
         return done if self.layout.holds_full_model else self._agree(done)
 
     def pull(self) -> bool:
@@ -182,6 +187,7 @@ class ParameterServerTrainer(RankTrainer):
     def _step_once(self) -> bool:
         with self.profiler.region("compute"):
             grad, node_samples, compute_s = self._local_grad(self.client.fault_ctx)
+        self.compute_s += compute_s
         if not self.step_ok:  # fp16 overflow: nothing is pushed, the scale went down, the batch is redone
             self.skipped_steps += 1
             return self.pull()
@@ -205,6 +211,7 @@ class ParameterServerTrainer(RankTrainer):
         die_at("mid-push", step=self.clock, **self.client.fault_ctx)
         self.client.fault_step = self.clock
         barrier = self.barrier
+        t0 = time.perf_counter()
         with self.profiler.region("communication"):
             res = self.client.push_pull(
                 grads,
@@ -214,6 +221,7 @@ class ParameterServerTrainer(RankTrainer):
                 num_workers=self.ctx.num_workers if barrier else None,
                 generation=self.ctx.generation if barrier else None,
             )
+        self.exchange_s += time.perf_counter() - t0
         self._note_versions(res.versions)
         return self._assemble(res.values, res.done)
 
@@ -329,6 +337,11 @@ class ParameterServerTrainer(RankTrainer):
             "raw_bytes_down": float(c.raw_bytes_down),
             "resent": float(c.resent),
             "redone_steps": float(self.redone),
+            "step_compute_s": self.compute_s,
+            "step_exchange_s": self.exchange_s,
+            "step_encode_s": c.encode_s,
+            "step_decode_s": c.decode_s,
+            "step_assemble_s": self.assemble_s,
         }
         if self.skipped_steps or self.scaler is not None:
             values["skipped_steps"] = float(self.skipped_steps)

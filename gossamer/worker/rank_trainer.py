@@ -187,9 +187,8 @@ class RankTrainer:
         if self.ctx.local_rank != 0:
             return
         acc, loss = self._evaluate(step)
-        self.final_path = self._save(
-            {k: t.detach().cpu().clone() for k, t in self.model.state_dict().items()}, step, "final"
-        )
+        # save_model_checkpoint copies each tensor once; training is over, nothing writes them meanwhile.
+        self.final_path = self._save(self.model.state_dict(), step, "final")
         self.final_metrics = {"eval_accuracy": acc, "eval_loss": loss, "steps": float(step), **(extra or {})}
         log.info("final: step %d eval accuracy %.4f loss %.4f -> %s", step, acc, loss, self.final_path)
 

@@ -15,7 +15,7 @@ import torch
 from gossamer.checkpoint.sharded import AsyncCheckpointer, latest_good
 from gossamer.experiment import Experiment
 from gossamer.metric_families import staleness_buckets
-from gossamer.paramserver import ShardConfig, ShardPlan, ShardServer, flatten_params
+from gossamer.paramserver import ShardConfig, ShardPlan, ShardServer, take_shard_values
 from gossamer.protocol import AssignmentUpdate, RoleSpec
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.worker._role_process import drain, keyring_of, refresh_keyring
@@ -55,7 +55,7 @@ class ServerRole:
         self.root = Path(spec.checkpoint_dir) / spec.experiment_id / "shards"
         self.checkpointer: AsyncCheckpointer | None = None
         self.keyring = keyring_of(spec)  # None: plaintext data plane
-        self.snapshot_s = 0.0
+        self._snapshot_open_s = 0.0
         self.restored_epoch = 0
         self.restored_path = ""  # a restore the coordinator has not heard of yet
         self.endpoint = ""
@@ -84,12 +84,12 @@ class ServerRole:
         """Build the shard from the seeded model, restore it if asked, bind, report SERVING."""
         model, _, _ = build(self.exp, torch.device("cpu"))
         plan = ShardPlan.for_experiment(model, self.exp)
-        flat = flatten_params(model)
-        init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks_of_shard(self.shard)}
-        config = ShardConfig.for_experiment(self.exp, self.spec.experiment_id, self.shard)
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        init = take_shard_values(model, plan, self.shard)  # empties the model: it is not needed again
+        del model
+        config = ShardConfig.for_experiment(self.exp, self.spec.experiment_id, self.shard)
         self.server = ShardServer(config, plan, init, shapes=shapes, backup=self.spec.assignment.replica == 1,
-                                  curve=self.keyring)
+                                  curve=self.keyring, own_init=True)
         if self.exp.checkpoint_every:
             self.checkpointer = AsyncCheckpointer(self.root, on_saved=self._saved, keep=3)
             self.server.on_snapshot = self._take_snapshot
@@ -172,11 +172,20 @@ class ServerRole:
 
     # --- checkpoints and metrics -----------------------------------------------------------
     def _take_snapshot(self, version: int) -> None:
+        """At a checkpoint boundary (serve thread): copy the state beside serving, then save it.
+
+        Skipped while the previous save still runs (its copy would be dropped, after holding
+        another copy of the state meanwhile). `ckpt_snapshot_s` is what the serve thread pays:
+        opening the snapshot and copying whatever the copier had not reached by the next update.
+        """
+        ck = self.checkpointer
+        assert ck is not None
+        if ck.busy:
+            ck.skipped += 1
+            return
         t0 = time.perf_counter()
-        snap = self.server.snapshot(version)
-        self.snapshot_s += time.perf_counter() - t0
-        assert self.checkpointer is not None
-        self.checkpointer.submit(snap)
+        self.server.snapshot_later(version, ck.submit)
+        self._snapshot_open_s += time.perf_counter() - t0
 
     def _saved(self, path: Path, snap: Any, seconds: float) -> None:
         self.reporter.checkpoint(snap.step, str(path), "shard")
@@ -189,12 +198,14 @@ class ServerRole:
             "ps_bytes_out": float(st.get("bytes_out", 0)),
             "ps_errors": float(st.get("errors", 0)),
             "ps_decode_s": self.server.decode_seconds,
+            "ps_apply_s": float(st.get("apply_s", 0.0)),
             "ps_unreplicated": float(st.get("unreplicated", 0)),
             "versions_lost": float(st.get("versions_lost", 0)),
             "ps_rate_limited": float(st.get("rate_limited", 0)),
             "ps_refused_not_member": float(st.get("not_member", 0)),
             "ps_refused_handshakes": float(st.get("curve_refused", 0)),
-            "ckpt_snapshot_s": self.snapshot_s,
+            "ckpt_snapshot_s": self._snapshot_open_s + self.server.snapshot_serve_seconds,
+            "ps_cow_copies": float(st.get("cow_copies", 0)),
         }
         values.update({f"discarded_{k}": float(v) for k, v in st.get("discarded", {}).items()})
         values.update(staleness_buckets(st.get("version_staleness", {})))

@@ -1,0 +1,286 @@
+"""The copies a shard does not make: its initial values, replies, checkpoint snapshots, SYNC loads and sync sums."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from gossamer.checkpoint import save_model_checkpoint
+from gossamer.checkpoint.manifest import read_manifest
+from gossamer.checkpoint.sharded import AsyncCheckpointer, ShardSnapshot
+from gossamer.paramserver import (
+    OptimizerConfig,
+    ShardConfig,
+    ShardPlan,
+    ShardServer,
+    flatten_params,
+    take_shard_values,
+)
+from gossamer.paramserver._snapshot import copy_in_background
+from gossamer.paramserver._state import ShardState
+from gossamer.protocol import PushMeta, chunk_key
+from gossamer.transport.frames import Message
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+SGD = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def _plan() -> ShardPlan:
+    return ShardPlan.for_module(_model(), 2, chunk_numel=100)
+
+
+def _config(shard: int = 0, mode: str = "async", **kw: object) -> ShardConfig:
+    return ShardConfig(experiment="mem", shard=shard, mode=mode, staleness=None, optimizer=SGD,
+                       total_steps=1000, **kw)  # type: ignore[arg-type]
+
+
+def _state(plan: ShardPlan, shard: int = 0) -> ShardState:
+    flat = flatten_params(_model())
+    init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks_of_shard(shard)}
+    return ShardState(_config(shard), plan, init, {}, own_init=True)
+
+
+def _grads(state: ShardState, value: float = 1.0) -> dict[int, torch.Tensor]:
+    return {idx: torch.full_like(p, value) for idx, p in state.params.items()}
+
+
+@dataclass
+class Reader:
+    """A send reading the live values (the role a ZMQ MessageTracker plays)."""
+
+    done: bool
+
+
+def test_take_shard_values_reads_each_chunk_and_empties_the_model() -> None:
+    plan = _plan()
+    flat = flatten_params(_model())
+    for shard in range(plan.num_shards):
+        model = _model()
+        values = take_shard_values(model, plan, shard)
+        assert sorted(values) == sorted(c.index for c in plan.chunks_of_shard(shard))
+        for c in plan.chunks_of_shard(shard):
+            torch.testing.assert_close(values[c.index], flat[c.flat_offset : c.flat_offset + c.numel], rtol=0, atol=0)
+        # Each parameter is dropped once read: the shard never holds the model and its chunks together.
+        assert all(p.numel() == 0 for p in model.parameters())
+
+
+def test_a_shard_takes_its_init_without_a_copy_unless_asked_to_keep_it() -> None:
+    plan = _plan()
+    init = {c.index: torch.randn(c.numel) for c in plan.chunks_of_shard(0)}
+    taken = ShardState(_config(), plan, init, {}, own_init=True)
+    assert all(taken.params[i].data_ptr() == init[i].data_ptr() for i in init)
+    copied = ShardState(_config(), plan, init, {})
+    assert all(copied.params[i].data_ptr() != init[i].data_ptr() for i in init)
+
+
+def test_a_write_steps_in_place_once_the_sends_reading_the_values_are_done() -> None:
+    state = _state(_plan())
+    ptrs = {i: p.data_ptr() for i, p in state.params.items()}
+    state.lend(Reader(done=True))
+    state.step(_grads(state), 1.0, schedule=False)
+    assert {i: p.data_ptr() for i, p in state.params.items()} == ptrs
+    assert state.cow_copies == 0
+
+
+def test_a_write_leaves_the_values_a_send_still_reads_untouched() -> None:
+    state = _state(_plan())
+    sent = {i: p.detach() for i, p in state.params.items()}  # what a reply hands ZMQ (no copy)
+    before = {i: t.clone() for i, t in sent.items()}
+    reader = Reader(done=False)
+    state.lend(reader)
+    state.step(_grads(state), 1.0, schedule=False)
+    assert state.cow_copies == 1
+    for i, t in sent.items():
+        torch.testing.assert_close(t, before[i], rtol=0, atol=0)  # the send still reads version 0
+        assert not torch.equal(state.params[i], before[i])  # the state moved on, in its own storage
+    # A released reader is forgotten: the next write is in place again.
+    reader.done = True
+    ptrs = {i: p.data_ptr() for i, p in state.params.items()}
+    state.step(_grads(state), 1.0, schedule=False)
+    assert {i: p.data_ptr() for i, p in state.params.items()} == ptrs
+    assert state.cow_copies == 1
+
+
+def test_a_snapshot_opens_without_copying_and_holds_its_version_across_a_write() -> None:
+    state = _state(_plan())
+    state.step(_grads(state), 1.0, schedule=False)  # momentum exists
+    expected = state.snapshot(7)  # the copying snapshot of version 1
+    pending = state.open_snapshot(7)
+    assert not pending.snapshot.pieces  # nothing copied yet
+    assert pending.copy_next()  # the copier takes one chunk
+    state.step(_grads(state, 3.0), 1.0, schedule=False)  # the write finishes the rest first
+    assert pending.done and pending.finish_seconds >= 0.0
+    snap = pending.snapshot
+    assert snap.version == expected.version == 1
+    assert sorted(snap.pieces) == sorted(expected.pieces)
+    for off, entry in expected.pieces.items():
+        assert sorted(snap.pieces[off]) == sorted(entry) == ["momentum_buffer", "param"]
+        for name, t in entry.items():
+            torch.testing.assert_close(snap.pieces[off][name], t, rtol=0, atol=0)
+
+
+def test_the_copier_delivers_a_whole_snapshot_while_the_lock_is_shared() -> None:
+    state = _state(_plan())
+    state.step(_grads(state), 1.0, schedule=False)
+    expected = state.snapshot(3)
+    lock = threading.RLock()
+    got: list[ShardSnapshot] = []
+    pending = state.open_snapshot(3)
+    thread = threading.Thread(target=copy_in_background, args=(pending, lock, got.append))
+    thread.start()
+    thread.join(timeout=30)
+    assert len(got) == 1 and got[0] is pending.snapshot
+    for off, entry in expected.pieces.items():
+        for name, t in entry.items():
+            torch.testing.assert_close(got[0].pieces[off][name], t, rtol=0, atol=0)
+
+
+def test_a_sync_load_takes_the_optimizer_state_it_is_given() -> None:
+    plan = _plan()
+    src, dst = _state(plan), _state(plan)
+    src.step(_grads(src), 1.0, schedule=False)
+    meta, tensors = src.export()
+    dst.load(meta, tensors)
+    for i, p in dst.params.items():
+        buf = dst.optimizer.state[p]["momentum_buffer"]
+        assert buf.data_ptr() == tensors[f"{chunk_key(i)}/momentum_buffer"].data_ptr()
+        torch.testing.assert_close(p, src.params[i], rtol=0, atol=0)
+
+
+def test_a_sync_step_sums_into_the_first_contribution_without_a_copy() -> None:
+    plan = _plan()
+    flat = flatten_params(_model())
+    init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks_of_shard(0)}
+    server = ShardServer(_config(mode="sync"), plan, init)
+    server.bind()
+    try:
+        updates = server._updates  # noqa: SLF001 — the apply rule itself, without the serve loop
+        seen: list[dict[int, torch.Tensor]] = []
+        step = updates.state.step
+        updates.state.step = lambda grads, f, schedule: (seen.append(grads), step(grads, f, schedule=schedule))[1]  # type: ignore[method-assign]
+        pushes = []
+        for w in range(2):
+            tensors = {chunk_key(i): torch.full((plan.chunks[i].numel,), float(w + 1)) for i in init}
+            meta = PushMeta(clock=0, basis=0, pull_codec="none", step=0, num_workers=2, generation=0).to_meta()
+            pushes.append(Message(op="PUSH", experiment="mem", shard=0, sender=f"w{w}", meta={**meta, "rid": w},
+                                  tensors=tensors))
+        with server._lock:  # noqa: SLF001
+            for w, msg in enumerate(pushes):
+                updates.on_push(f"id{w}".encode(), msg, time.monotonic())
+        assert len(seen) == 1
+        first = sorted(pushes, key=lambda m: m.sender)[0]
+        for i, g in seen[0].items():
+            assert g.data_ptr() == first.tensors[chunk_key(i)].data_ptr()  # summed in place, no clone
+            torch.testing.assert_close(g, torch.full_like(g, 3.0), rtol=0, atol=0)
+    finally:
+        server.close()
+
+
+def test_a_busy_checkpointer_says_so(tmp_path: Path) -> None:
+    ck = AsyncCheckpointer(tmp_path)
+    release = threading.Event()
+    ck._thread = threading.Thread(target=release.wait)  # noqa: SLF001 — a save that is still running
+    ck._thread.start()  # noqa: SLF001
+    assert ck.busy
+    release.set()
+    ck.wait(5)
+    assert not ck.busy
+
+
+def test_a_model_checkpoint_is_streamed_to_its_file(tmp_path: Path) -> None:
+    model = _model()
+    flat = flatten_params(model)
+    offset = 0
+    for p in model.parameters():  # views of one flat buffer, as a worker's parameters are
+        p.data = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    path = save_model_checkpoint(tmp_path / "final", model.state_dict(), {"step": 1})
+    manifest = read_manifest(path)  # verifies the sha256 of what was streamed
+    assert manifest["files"]["model.pt"]["bytes"] == (path / "model.pt").stat().st_size
+    loaded = torch.load(path / "model.pt", weights_only=True)
+    for k, t in model.state_dict().items():
+        torch.testing.assert_close(loaded[k], t, rtol=0, atol=0)
+        assert loaded[k].untyped_storage().nbytes() == t.numel() * 4  # its own storage, not the flat buffer
+
+
+def test_a_client_takes_replies_of_its_largest_shard() -> None:
+    from gossamer.paramserver import ShardClient
+
+    plan = ShardPlan.build([("w", 100_000_000)], 1)  # 400 MB on one shard: over the 256 MB default
+    client = ShardClient(experiment="mem", sender="w:0", plan=plan, endpoints={0: "tcp://127.0.0.1:9"})
+    try:
+        assert client.limits.max_message_bytes >= 4 * 100_000_000
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_a_large_optimizer_steps_tensor_by_tensor(name: str) -> None:
+    from gossamer.paramserver.optimizer import FOREACH_MAX_NUMEL, build_optimizer
+
+    config = OptimizerConfig(name=name, lr=0.1, momentum=0.9 if name == "sgd" else 0.0, nesterov=name == "sgd")
+    small = build_optimizer(config, [torch.zeros(1000)])
+    big = build_optimizer(config, [torch.empty(FOREACH_MAX_NUMEL // 2 + 1), torch.empty(FOREACH_MAX_NUMEL // 2)])
+    assert small.defaults["foreach"] is None  # torch's choice: multi-tensor kernels for small models
+    assert big.defaults["foreach"] is False  # no temporaries the size of everything it steps
+
+
+_FREED_RSS = """
+import sys, torch
+from gossamer.worker.allocator import mmap_large_allocations
+if sys.argv[1] == "on":
+    mmap_large_allocations()
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) // 1024
+a = torch.ones(1 << 20)  # 4 MiB, mmapped; freeing it raises glibc's adaptive threshold past 2 MiB
+del a
+base = rss()
+held = [torch.ones(1 << 19) for _ in range(64)]  # 64 x 2 MiB, as a step's buffers
+keep = held[-1]  # one still alive on top of the heap
+del held
+print(rss() - base)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS from /proc")
+def test_role_processes_hand_freed_buffers_back_to_the_os() -> None:
+    import os
+    import subprocess
+    import sys
+
+    def resident_after_free(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _FREED_RSS, mode], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+        return int(out.stdout.split()[-1])
+
+    assert resident_after_free("on") < 32  # MB: the 2 MiB buffer still held, and noise
+    # The control: glibc's default keeps the freed 126 MB resident in its heap.
+    assert resident_after_free("off") > 64
+
+
+def test_a_snapshot_keeps_the_storage_a_send_still_reads_instead_of_copying_it() -> None:
+    state = _state(_plan())
+    state.step(_grads(state), 1.0, schedule=False)
+    expected = state.snapshot(5)
+    old = {c.flat_offset: state.params[i].data_ptr() for i, c in state.chunks.items()}
+    pending = state.open_snapshot(5)
+    state.lend(Reader(done=False))  # a reply of this version is still being sent
+    state.step(_grads(state, 2.0), 1.0, schedule=False)
+    assert pending.done and state.cow_copies == 1
+    for off, entry in expected.pieces.items():
+        assert pending.snapshot.pieces[off]["param"].data_ptr() == old[off]  # the old storage, not a third copy
+        for name, t in entry.items():
+            torch.testing.assert_close(pending.snapshot.pieces[off][name], t, rtol=0, atol=0)
+    assert all(p.data_ptr() not in old.values() for p in state.params.values())

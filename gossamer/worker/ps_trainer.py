@@ -302,6 +302,8 @@ class ParameterServerTrainer(RankTrainer):
         (or during its finish) is replaced by the coordinator; the worker it names then
         finishes. Every worker leaving at the end would leave nobody to take over.
         """
+        if not self.ctx.coordinated:
+            return
         if not self.ctx.lead and self.ctx.local_rank == 0:
             log.info("worker %d: run done; staying until it completes or this worker becomes the lead",
                      self.ctx.worker_index)

@@ -38,6 +38,9 @@ class RankContext:
     node_name: str = ""  # the node's name (profile directories, `profile_nodes`); "" = node_id
     host: str = "127.0.0.1"  # the address this node's data-plane servers bind (a gossip peer's)
     peers: dict[int, str] = field(default_factory=dict)  # gossip: the peers the assignment named at start
+    #: A coordinator may name this rank lead later (a role process): past the last step it stays
+    #: until the run completes. False (a trainer driven in-process): done means done.
+    coordinated: bool = False
 
     def __post_init__(self) -> None:
         if self.worker_rank < 0:

@@ -98,6 +98,7 @@ class WorkerRankRole:
             endpoints=dict(a.endpoints),
             checkpoint_dir=spec.checkpoint_dir,
             lead=a.lead,
+            coordinated=True,
             local_rank=self.rank,
             local_world=self.world,
             device=self.device,

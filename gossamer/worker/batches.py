@@ -119,6 +119,8 @@ class Data:
             raise ConfigError(field, f"the dataset callable must return map-style datasets (with __len__ and "
                                      f"__getitem__), torch IterableDatasets or datasets.Dataset, got {type(ds).__name__}")
         self.ds, self.collate, self.field = ds, collate, field
+        #: A fresh iterator over the stream from its start (the loader may read it through worker processes).
+        self.iterate: Callable[[], Iterator[Any]] = lambda: iter(self.ds)
         self._it: Iterator[Any] | None = None
         self._pos = 0  # the stream position `_it` yields next
         self._length: int | None = None  # a finite stream's length, once read to its end
@@ -157,7 +159,7 @@ class Data:
             if self._length is not None:
                 p %= self._length
             if self._it is None or p < self._pos:
-                self._it, self._pos = iter(self.ds), 0
+                self._it, self._pos = self.iterate(), 0
             try:
                 while self._pos <= p:
                     item = next(self._it)

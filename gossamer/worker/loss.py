@@ -158,7 +158,7 @@ class EvalTotals:
         if self.objective.classification:
             correct = self.objective.correct(out, batch)
             seq = float(_logits(out).dim() > 2)
-        self.sums += torch.tensor([correct, float(total), float(k), seq], dtype=torch.float64)
+        self.sums += torch.tensor([correct, float(total.detach()), float(k), seq], dtype=torch.float64)
 
     def metrics(self) -> dict[str, float]:
         """eval_loss (mean per prediction); eval_accuracy for classification; eval_perplexity for language models."""

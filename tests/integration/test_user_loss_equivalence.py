@@ -77,8 +77,11 @@ def _assert_equal(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got - want).abs().max().item() <= 1e-5
 
 
-def test_sync_with_user_loss_equals_single_process(tmp_path: Path) -> None:
-    exp = Experiment(**BASE, loss=f"{U}:half_squared_error", batch_size=16)
+@pytest.mark.parametrize(("num_workers", "prefetch"), [(0, 0), (0, 3), (2, 2)])
+def test_sync_with_user_loss_equals_single_process(tmp_path: Path, num_workers: int, prefetch: int) -> None:
+    """Also with batches read ahead (a thread) or in DataLoader worker processes: the same samples each step."""
+    exp = Experiment(**BASE, loss=f"{U}:half_squared_error", batch_size=16, num_workers=num_workers,
+                     prefetch=prefetch)
     got = _train(exp, 2, tmp_path)
     _assert_equal(got, _reference(exp, 32, lambda out, b: user.half_squared_error(out, b[1])))
 
@@ -91,7 +94,8 @@ def test_sync_with_mse_over_three_workers_equals_single_process(tmp_path: Path) 
 
 def test_sync_on_an_endless_stream_reads_it_in_order_whatever_the_workers(tmp_path: Path) -> None:
     """Each step takes the stream's next global batch, cut over the workers: two workers equal one process."""
-    exp = Experiment(**{**BASE, "dataset": f"{U}:stream_data"}, loss=f"{U}:half_squared_error", global_batch_size=32)
+    exp = Experiment(**{**BASE, "dataset": f"{U}:stream_data"}, loss=f"{U}:half_squared_error", global_batch_size=32,
+                     prefetch=2)
     got = _train(exp, 2, tmp_path)
     _assert_equal(got, _reference(exp, 32, lambda out, b: user.half_squared_error(out, b[1])))
 

@@ -10,8 +10,8 @@ from torch.utils.data import IterableDataset, default_collate
 
 from gossamer.errors import ConfigError
 
-__all__ = ["Data", "Selection", "batch_samples", "call_model", "split_batch", "stack_batch", "to_device",
-           "without_labels"]
+__all__ = ["Data", "Selection", "batch_samples", "call_model", "describe", "split_batch", "stack_batch",
+           "to_device", "without_labels"]
 
 #: What picks a batch's samples: indices into a map-style set, or items already read from a stream.
 Selection = torch.Tensor | list[Any]
@@ -91,6 +91,20 @@ def split_batch(batch: Any, parts: int, part: int) -> Any:
         return v
 
     return cut(batch)
+
+
+def describe(batch: Any, depth: int = 0) -> str:
+    """A short picture of a batch's structure: "(float32[32, 8], int64[32])", "{input_ids: int64[4, 16]}"."""
+    if isinstance(batch, torch.Tensor):
+        return f"{str(batch.dtype).removeprefix('torch.')}{list(batch.shape)}"
+    if depth >= 3:
+        return "..."
+    if isinstance(batch, Mapping):
+        return "{" + ", ".join(f"{k}: {describe(v, depth + 1)}" for k, v in list(batch.items())[:8]) + "}"
+    if isinstance(batch, tuple | list):
+        inner = ", ".join(describe(v, depth + 1) for v in batch[:8])
+        return f"({inner})" if isinstance(batch, tuple) else f"[{inner}]"
+    return type(batch).__name__
 
 
 def without_labels(batch: Mapping[str, Any]) -> dict[str, Any]:

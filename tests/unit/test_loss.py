@@ -130,3 +130,9 @@ def test_experiment_names_its_user_code_for_the_import_check() -> None:
     exp = Experiment(name="e", model="m:f", dataset="d:g", loss="mse", metrics="p.q:r")
     assert exp.code_paths() == {"model": "m:f", "dataset": "d:g", "metrics": "p.q:r"}
     assert Experiment(name="e", model="m:f", dataset="d:g", loss="p:l").code_paths()["loss"] == "p:l"
+
+
+def test_a_batch_the_model_cannot_take_is_named_with_its_shape() -> None:
+    obj = Objective("mse")
+    with pytest.raises(ConfigError, match=r"^dataset: the model cannot take a batch of \(float32\[4, 3\], float32\[4\]\)"):
+        obj.forward(nn.Linear(8, 1), (torch.zeros(4, 3), torch.zeros(4)))

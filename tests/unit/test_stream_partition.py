@@ -122,3 +122,10 @@ def test_dataloader_workers_give_each_step_its_own_samples_and_replan_on_a_chang
         assert loader.get(3, want_at)[0].tolist() == [13.0, 14.0, 15.0, 16.0]
     finally:
         loader.close()
+
+
+def test_a_hugging_face_dataset_is_read_as_dict_batches_of_tensors() -> None:
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"features": [[float(i), 1.0] for i in range(6)], "labels": list(range(6))})
+    batch = Data(ds).batch(torch.tensor([1, 4]))
+    assert batch["features"].tolist() == [[1.0, 1.0], [4.0, 1.0]] and batch["labels"].tolist() == [1, 4]

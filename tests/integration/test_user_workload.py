@@ -56,7 +56,7 @@ def test_user_regression_with_own_loss_on_endless_stream_trains_to_noise_floor(c
     spec = _toml(tmp_path / "regression.toml", name="regression", mode="async", model=f"{U}:linear",
                  dataset=f"{U}:stream_data", loss=f"{U}:half_squared_error", metrics=f"{U}:regression_metrics",
                  optimizer="sgd", lr=0.05, batch_size=32, num_ps_shards=1, total_steps=400, eval_every=100,
-                 ps_backup=False, min_workers=2)
+                 ps_backup=False, min_workers=2, num_workers=1, prefetch=2)  # a DataLoader process per worker
     out = _cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
     assert out.returncode == 0, out.stdout + out.stderr
     exp_id = out.stdout.splitlines()[0].strip()

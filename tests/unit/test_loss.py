@@ -136,3 +136,13 @@ def test_a_batch_the_model_cannot_take_is_named_with_its_shape() -> None:
     obj = Objective("mse")
     with pytest.raises(ConfigError, match=r"^dataset: the model cannot take a batch of \(float32\[4, 3\], float32\[4\]\)"):
         obj.forward(nn.Linear(8, 1), (torch.zeros(4, 3), torch.zeros(4)))
+
+
+@pytest.mark.parametrize(("dataset", "match"), [("not_a_pair", r"^dataset: .*\(train, eval\) pair"),
+                                                ("not_datasets", r"^dataset: .*got int")])
+def test_a_dataset_callable_returning_the_wrong_thing_is_named(dataset: str, match: str) -> None:
+    from gossamer.worker.model import build, experiment_data
+
+    exp = Experiment(name="e", model=f"{U}:linear", dataset=f"{U}:{dataset}")
+    with pytest.raises(ConfigError, match=match):
+        experiment_data(exp, *build(exp, torch.device("cpu"))[1:])

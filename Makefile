@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/gossamer demo
 
 test: $(STAMP) lint
-	$(BIN)/pytest -q --durations=15 tests
+	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check gossamer tests bench

@@ -180,20 +180,27 @@ def proc_start_unix(pid: int) -> float:
     return _boot_unix() + int(_stat(pid)[19]) / _TICK  # field #22: starttime in ticks since boot
 
 
-def role_children(agent_pid: int) -> list[int]:
-    """Spawned role processes of a node agent (not multiprocessing's resource tracker)."""
+def _children(pid: int) -> list[tuple[int, bytes]]:
     out = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
-            if int(_stat(int(d))[1]) != agent_pid:
-                continue
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+            if int(_stat(int(d))[1]) == pid:
+                out.append((int(d), Path(f"/proc/{d}/cmdline").read_bytes()))
         except (OSError, ValueError, IndexError):
             continue
-        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-            out.append(int(d))
+    return out
+
+
+def role_children(agent_pid: int) -> list[int]:
+    """Role processes of a node agent: spawned ones (cold) or forked by its fork server (warm roles)."""
+    out = []
+    for pid, cmd in _children(agent_pid):
+        if b"forkserver" in cmd:
+            out += [child for child, _ in _children(pid)]
+        elif b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            out.append(pid)
     return out
 
 

@@ -1,4 +1,4 @@
-"""The `gossamer` command line (also `coordinator` and `worker`); imports are lazy so servers start fast."""
+"""The `gossamer` command line's commands (also `coordinator` and `worker`); imports are lazy so servers start fast."""
 
 from __future__ import annotations
 
@@ -10,21 +10,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gossamer.errors import GossamerError
-
-DEFAULT_COORDINATOR = "127.0.0.1:7070"
-
-
-def _env(name: str, default: Any) -> Any:
-    """GOSSAMER_<NAME> from the environment, else `default` (CLI flags override both)."""
-    raw = os.environ.get(f"GOSSAMER_{name}")
-    if raw is None:
-        return default
-    if isinstance(default, bool):
-        return raw.lower() in ("1", "true", "yes", "on")
-    if isinstance(default, (int, float)):
-        return type(default)(raw)
-    return raw
+from gossamer.cli_parser import env_flag, parse_args
+from gossamer.errors import ConfigError, GossamerError
 
 
 def _setup_logging(level: str, fmt: str = "text", **context: str) -> None:
@@ -75,7 +62,7 @@ def _curve_flag(args: argparse.Namespace) -> bool | None:
     """--curve/--no-curve, else GOSSAMER_CURVE, else None (the coordinator: on with TLS)."""
     if args.curve is not None:
         return bool(args.curve)
-    return _env("CURVE", False) if "GOSSAMER_CURVE" in os.environ else None
+    return env_flag("CURVE", False) if "GOSSAMER_CURVE" in os.environ else None
 
 
 # --- coordinator ------------------------------------------------------------------------------
@@ -108,6 +95,7 @@ def cmd_worker_join(args: argparse.Namespace) -> int:
 
     from gossamer.worker import launcher
 
+    check_address(args.coordinator)
     # Under torchrun/srun with several processes per node, local rank 0 is the node agent and the
     # others attach to it (README "Under torchrun or srun").
     launch = launcher.detect()
@@ -127,7 +115,7 @@ def cmd_worker_join(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level, args.log_format, role="agent", node=args.name)
     config = AgentConfig(
-        coordinator=args.coordinator, name=args.name, address=args.address, security=_client_security(args),
+        coordinator=args.coordinator, join_timeout_s=args.join_timeout, name=args.name, address=args.address, security=_client_security(args),
         nproc_per_node=nproc, spot=args.spot, labels=parse_labels(args.labels),
         grace_s=args.grace, threads_per_role=args.threads, log_level=args.log_level.upper(), log_format=args.log_format,
         launch=launch, run_dir=args.run_dir, attach_timeout_s=args.attach_timeout, warm_roles=args.warm_roles,
@@ -147,11 +135,35 @@ def cmd_worker_join(args: argparse.Namespace) -> int:
 
 
 # --- client verbs -----------------------------------------------------------------------------
+def check_address(address: str, field: str = "coordinator") -> str:
+    """`address` if it is HOST:PORT; a ConfigError naming what is missing otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or host.endswith(":") and not host.startswith("["):  # bare IPv6 has colons too
+        raise ConfigError(field, f"{address!r} has no port: missing :PORT? (e.g. {address or '127.0.0.1'}:7070)")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(field, f"{address!r}: the port must be a number from 1 to 65535")
+    return address
+
+
+def _coordinator_address(args: argparse.Namespace) -> str:
+    """--local: the address `gossamer local up` recorded; else --coordinator (checked)."""
+    if getattr(args, "local", False):
+        from gossamer.local_up import local_address
+
+        return local_address(args.local_dir)
+    return check_address(args.coordinator)
+
+
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from gossamer.client import Client
 
-    client = Client.secured(args.coordinator, _client_security(args))
-    client.ping(timeout=args.connect_timeout)
+    address = _coordinator_address(args)
+    client = Client.secured(address, _client_security(args))
+    try:
+        client.ping(timeout=args.connect_timeout)
+    except GossamerError as e:
+        hint = " (is `gossamer local up` still running?)" if getattr(args, "local", False) else ""
+        raise type(e)(f"{e}{hint}") from None
     return client
 
 
@@ -174,7 +186,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     exp = Experiment.from_toml(args.file, overrides=_parse_set(args.set))
     client = _client(args)
     job = client.submit(exp)
-    print(job.id)
+    print(job.id, flush=True)
+    st = job.status()
+    if st["state"] == "queued" and st["message"]:
+        # At once, not after minutes of silence: the cluster is too small or busy (README "Use it on a cluster").
+        print(f"gossamer: warning: {job.id} is queued: {st['message']}", file=sys.stderr)
     if args.wait:
         from gossamer.watch import follow
 
@@ -197,7 +213,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         console.print(f"[bold]{st['name']}[/] ({st['id']}): {st['state']}  step {st['steps']}/{st['total_steps']}"
                       f"  generation {st['generation']}")
         if st["message"]:
-            console.print(f"  {st['message']}")
+            console.print(f"  {st['message']}", soft_wrap=True, markup=False)  # one line, for grep
         evals = sorted(k for k in m if k.startswith("eval_") and k not in ("eval_step", "eval_accuracy", "eval_loss"))
         for k in ("loss", "eval_accuracy", "eval_loss", *evals, "samples", "samples_per_s", "bytes_up", "bytes_down"):
             if k in m:
@@ -226,7 +242,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for e in exps:
         acc = e["metrics"].get("eval_accuracy")
         t.add_row(e["id"], e["state"], f"{e['steps']}/{e['total_steps']}",
-                  "" if acc is None else f"{acc:.4f}", e["message"][:60])
+                  "" if acc is None else f"{acc:.4f}", e["message"])
     console.print(t)
     _print_nodes(console, nodes)
     return 0
@@ -311,181 +327,49 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(workers=args.workers, shards=args.shards, total_steps=args.steps, keep=args.keep)
 
 
-# --- parser -----------------------------------------------------------------------------------
-def _add_client_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--coordinator", "-c", default=_env("COORDINATOR", DEFAULT_COORDINATOR),
-                   help="coordinator HOST:PORT (env GOSSAMER_COORDINATOR)")
-    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for the coordinator")
-    _add_security_flags(p, server=False)
+# --- local cluster ----------------------------------------------------------------------------
+def cmd_local_up(args: argparse.Namespace) -> int:
+    from gossamer.local_up import up
+
+    print(f"starting a coordinator and {args.nodes} nodes ({args.nodes - args.spot} on-demand, {args.spot} spot) "
+          f"in {args.dir} ...", file=sys.stderr)
+    info = up(args.dir, nodes=args.nodes, spot=args.spot, gpus_per_node=args.gpus_per_node,
+              http_port=args.http_port, timeout_s=args.timeout)
+    print(f"coordinator   {info.address}")
+    print(f"status page   {info.status_page}")
+    print(f"logs          {info.log_dir}")
+    print("next: gossamer submit YOUR.toml --local --wait   (then `gossamer local down` stops it all)")
+    return 0
 
 
-def _add_security_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
-    """TLS / mTLS and token flags (docs/security.md); env GOSSAMER_<FLAG> for each."""
-    g = p.add_argument_group("security (docs/security.md)")
-    if server:
-        g.add_argument("--secure", metavar="DIR", default=_env("SECURE", None),
-                       help="one-flag set-up: mutual TLS + token from DIR, created (CA, certificates, token) if "
-                            "missing; prints what to copy to workers (env GOSSAMER_SECURE)")
-        g.add_argument("--san", action="append", default=[s for s in _env("SAN", "").split(",") if s],
-                       metavar="HOST", help="with --secure: another name or IP the coordinator is reached at")
-        g.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="server certificate (PEM): serve TLS")
-        g.add_argument("--tls-key", default=_env("TLS_KEY", None), help="server private key (PEM)")
-        g.add_argument("--tls-ca", default=_env("TLS_CA", None),
-                       help="CA (PEM) that signs client certificates: require them (mutual TLS)")
-        g.add_argument("--token-file", default=_env("TOKEN_FILE", None),
-                       help="file with the token every client must send (health checks excepted)")
-        g.add_argument("--max-message-mb", type=float, default=_env("MAX_MESSAGE_MB", 16.0),
-                       help="largest request accepted, MiB")
-        g.add_argument("--rate-limit", type=float, default=_env("RATE_LIMIT", 200.0),
-                       help="requests/s per client host (0: no limit)")
-        g.add_argument("--rate-burst", type=int, default=_env("RATE_BURST", 400), help="requests at once per host")
-        return
-    g.add_argument("--secure", metavar="DIR", default=_env("SECURE", None),
-                   help="a copy of the coordinator's secure DIR/client: CA, client certificate, token")
-    g.add_argument("--tls-ca", default=_env("TLS_CA", None), help="CA (PEM) that signs the coordinator: use TLS")
-    g.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="client certificate (PEM) for mutual TLS")
-    g.add_argument("--tls-key", default=_env("TLS_KEY", None), help="client private key (PEM) for mutual TLS")
-    g.add_argument("--tls-server-name", default=_env("TLS_SERVER_NAME", None),
-                   help="name to check the coordinator's certificate against (default: the host dialled)")
-    g.add_argument("--token-file", default=_env("TOKEN_FILE", None), help="file with the coordinator's token")
+def cmd_local_down(args: argparse.Namespace) -> int:
+    from gossamer.local_up import down
+
+    info, killed = down(args.dir, grace_s=args.grace)
+    if info is None:
+        print(f"no local cluster in {args.dir}")
+        return 0
+    extra = f" ({killed} processes had to be killed)" if killed else ""
+    print(f"stopped the local cluster at {info.address}{extra}; logs stay in {info.log_dir}")
+    return 0
 
 
-def _coordinator_parser(sub: Any) -> None:
-    co = sub.add_parser("coordinator", help="run the coordinator")
-    cosub = co.add_subparsers(dest="action", required=True)
-    s = cosub.add_parser("serve", help="serve the control plane (gRPC)")
-    s.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind (0.0.0.0 for all)")
-    s.add_argument("--port", type=int, default=_env("PORT", 7070), help="port (0 picks a free one)")
-    s.add_argument("--state-dir", default=_env("STATE_DIR", "./gossamer-state"), help="SQLite state and checkpoints")
-    s.add_argument("--heartbeat-interval", type=float, default=_env("HEARTBEAT_INTERVAL", 1.0), help="seconds")
-    s.add_argument("--lease-timeout", type=float, default=_env("LEASE_TIMEOUT", 10.0),
-                   help="seconds without heartbeat before a node is declared lost")
-    s.add_argument("--ready-file", default=None, help="write the bound port here once serving")
-    s.add_argument("--no-import-check", action="store_true", help="skip importing model/dataset at submit")
-    s.add_argument("--http-port", type=int, default=_env("HTTP_PORT", None),
-                   help="serve the status page and Prometheus /metrics on this port (0 picks a free one, written to "
-                        "STATE_DIR/http.port); off unless given (env GOSSAMER_HTTP_PORT)")
-    s.add_argument("--http-host", default=_env("HTTP_HOST", ""), help="address the HTTP side binds (default: --host)")
-    _add_security_flags(s, server=True)
-    s.add_argument("--curve", action=argparse.BooleanOptionalAction, default=None,
-                   help="CurveZMQ on the data plane: shards and gossip peers accept only the experiment's members' "
-                        "keys (env GOSSAMER_CURVE; default: on when serving TLS)")
-    s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
-    s.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT", "text"),
-                   help="text, or json: one object per line with ts, level, logger, msg, node, experiment, role"
-                        " (env GOSSAMER_LOG_FORMAT)")
-    s.set_defaults(fn=cmd_coordinator_serve)
+def cmd_local_status(args: argparse.Namespace) -> int:
+    from gossamer.local_up import alive, read_info
 
-
-def _worker_parser(sub: Any) -> None:
-    wo = sub.add_parser("worker", help="run a node agent")
-    wosub = wo.add_subparsers(dest="action", required=True)
-    j = wosub.add_parser("join", help="join a coordinator and run the roles it assigns")
-    j.add_argument("coordinator", nargs="?", default=_env("COORDINATOR", DEFAULT_COORDINATOR), help="HOST:PORT")
-    j.add_argument("--name", default=_env("NAME", ""), help="node name (default hostname-id)")
-    j.add_argument("--address", default=_env("ADDRESS", ""), help="address other nodes use to reach this one")
-    j.add_argument("--nproc-per-node", type=int, default=_env("NPROC_PER_NODE", None),
-                   help="local ranks per worker (default 1; under torchrun/srun: its processes on this node)")
-    j.add_argument("--spot", action="store_true", default=_env("SPOT", False), help="preemptible machine")
-    j.add_argument("--labels", nargs="*", default=[], metavar="K=V")
-    j.add_argument("--grace", type=float, default=_env("GRACE", 30.0),
-                   help="seconds to leave gracefully on SIGTERM (a spot notice): finish the step, hand shards over")
-    j.add_argument("--threads", type=int, default=_env("THREADS", 1), help="torch threads per role process")
-    j.add_argument("--run-dir", default=_env("RUN_DIR", ""),
-                   help="under torchrun/srun: private directory of the socket where local ranks attach to local "
-                        "rank 0's agent (default $TMPDIR/gossamer-UID; env GOSSAMER_RUN_DIR)")
-    j.add_argument("--attach-timeout", type=float, default=_env("ATTACH_TIMEOUT", 120.0),
-                   help="under torchrun/srun: seconds local ranks wait for each other before giving up")
-    j.add_argument("--warm-roles", action=argparse.BooleanOptionalAction, default=_env("WARM_ROLES", True),
-                   help="start role processes from a fork server that imports torch while the node waits, so a "
-                        "role starts in milliseconds (default on; env GOSSAMER_WARM_ROLES)")
-    j.add_argument("--preload", nargs="*", metavar="MODULE", default=[m for m in _env("PRELOAD", "").split(",") if m],
-                   help="modules the fork server imports once for every role, e.g. transformers or your model's "
-                        "module (env GOSSAMER_PRELOAD, comma-separated)")
-    j.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", None),
-                   help="serve this node's Prometheus /metrics on this port (0 picks a free one, logged); off unless "
-                        "given (env GOSSAMER_METRICS_PORT)")
-    j.add_argument("--metrics-host", default=_env("METRICS_HOST", ""),
-                   help="address /metrics binds (default: --address, the one other nodes reach this node at)")
-    _add_security_flags(j, server=False)
-    j.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
-    j.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT", "text"),
-                   help="text, or json: one object per line with ts, level, logger, msg, node, experiment, role"
-                        " (env GOSSAMER_LOG_FORMAT)")
-    j.set_defaults(fn=cmd_worker_join)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gossamer", description="Decentralized, asynchronous, elastic training.")
-    sub = p.add_subparsers(dest="command", required=True)
-    _coordinator_parser(sub)
-    _worker_parser(sub)
-
-    s = sub.add_parser("submit", help="submit an experiment file (TOML)")
-    s.add_argument("file")
-    s.add_argument("--wait", action="store_true", help="follow progress until it finishes")
-    s.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    s.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a field")
-    _add_client_flags(s)
-    s.set_defaults(fn=cmd_submit)
-
-    st = sub.add_parser("status", help="experiments and nodes, or one experiment")
-    st.add_argument("id", nargs="?")
-    st.add_argument("--json", action="store_true")
-    _add_client_flags(st)
-    st.set_defaults(fn=cmd_status)
-
-    n = sub.add_parser("nodes", help="list nodes")
-    n.add_argument("--json", action="store_true")
-    _add_client_flags(n)
-    n.set_defaults(fn=cmd_nodes)
-
-    w = sub.add_parser("watch", help="a live table of an experiment until it finishes (Ctrl-C detaches)")
-    w.add_argument("id")
-    w.add_argument("--quiet", "-q", action="store_true", help="no live table: wait, then print the outcome")
-    w.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
-    _add_client_flags(w)
-    w.set_defaults(fn=cmd_watch)
-
-    c = sub.add_parser("cancel", help="cancel an experiment")
-    c.add_argument("id")
-    _add_client_flags(c)
-    c.set_defaults(fn=cmd_cancel)
-
-    ev = sub.add_parser("events", help="the event log of an experiment (failures, recoveries, discards)")
-    ev.add_argument("id")
-    ev.add_argument("--json", action="store_true")
-    _add_client_flags(ev)
-    ev.set_defaults(fn=cmd_events)
-
-    pl = sub.add_parser("plot", help="loss, accuracy, throughput and bytes against time, as a PNG")
-    pl.add_argument("id")
-    pl.add_argument("--out", "-o", default=None, help="output file (default ID.png; .svg/.pdf by suffix)")
-    _add_client_flags(pl)
-    pl.set_defaults(fn=cmd_plot)
-
-    se = sub.add_parser("security", help="secure set-up (docs/security.md)")
-    sesub = se.add_subparsers(dest="action", required=True)
-    si = sesub.add_parser("init", help="create a CA, coordinator and client certificates and a token in DIR")
-    si.add_argument("dir")
-    si.add_argument("--san", action="append", default=[], metavar="HOST",
-                    help="a name or IP the coordinator is reached at (repeatable; this machine's are included)")
-    si.add_argument("--address", default="HOST:7070", help="coordinator address to show in the instructions")
-    si.set_defaults(fn=cmd_security_init)
-
-    d = sub.add_parser("demo", help="a whole local cluster: coordinator, shards, workers, digits in async mode")
-    d.add_argument("--workers", type=int, default=3)
-    d.add_argument("--shards", type=int, default=2)
-    d.add_argument("--steps", type=int, default=1500)
-    d.add_argument("--keep", action="store_true", help="keep the demo's state directory")
-    d.set_defaults(fn=cmd_demo)
-    return p
+    info = read_info(args.dir)
+    if info is None or not alive(info):
+        print(f"no local cluster runs from {args.dir}" + (" (its processes are gone; `gossamer local down` "
+                                                           "clears the record)" if info else ""))
+        return 1
+    print(f"coordinator   {info.address}\nstatus page   {info.status_page}\nlogs          {info.log_dir}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        return int(args.fn(args) or 0)
+        return int(COMMANDS[args.fn](args) or 0)
     except GossamerError as e:
         print(f"gossamer: error: {e}", file=sys.stderr)
         return 2
@@ -493,13 +377,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+#: `args.fn` (set by gossamer.cli_parser) -> the command.
+COMMANDS = {
+    "coordinator_serve": cmd_coordinator_serve, "worker_join": cmd_worker_join, "submit": cmd_submit,
+    "status": cmd_status, "nodes": cmd_nodes, "watch": cmd_watch, "cancel": cmd_cancel, "events": cmd_events,
+    "plot": cmd_plot, "security_init": cmd_security_init, "demo": cmd_demo, "local_up": cmd_local_up,
+    "local_down": cmd_local_down, "local_status": cmd_local_status,
+}
+
+
 def coordinator_main() -> int:
-    """`coordinator serve ...` == `gossamer coordinator serve ...`."""
+    """`coordinator [serve] ...` == `gossamer coordinator serve ...`."""
     return main(["coordinator", *sys.argv[1:]])
 
 
 def worker_main() -> int:
-    """`worker join ...` == `gossamer worker join ...`."""
+    """`worker [join] ...` == `gossamer worker join ...`."""
     return main(["worker", *sys.argv[1:]])
 
 

@@ -51,6 +51,8 @@ def run_demo(workers: int = 3, shards: int = 2, total_steps: int = 1500, keep: b
         m = result.metrics
         print(f"samples {m.get('samples', 0):.0f}, bytes up {m.get('bytes_up', 0) / 1e6:.1f} MB, "
               f"down {m.get('bytes_down', 0) / 1e6:.1f} MB, wall {time.monotonic() - t0:.0f} s")
+        print("your own model on a cluster like this one: `gossamer local up`, then "
+              "`gossamer submit YOUR.toml --local --wait` (docs/quickstart.md)")
         if not keep:
             print("(the demo's state, logs and checkpoint are removed on exit; `gossamer demo --keep` keeps them)")
         client.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -107,6 +108,13 @@ class Experiment:
     profile_steps: int = 0  # > 0: a torch.profiler trace of this many steps (gossamer/worker/profiling.py)
     profile_start: int = 5  # each profiled rank's own step at which the trace starts
     profile_nodes: list[str] = field(default_factory=list)  # node names or ids; empty: every worker
+    #: Seconds STARTING may last: then it runs without the backups not yet synced, or fails naming what did not start.
+    start_timeout_s: float = 600.0
+    #: Seconds a running experiment left without nodes (a shard with no host, or no worker) waits for nodes
+    #: to return before it fails; they resume it from its newest checkpoint.
+    node_wait_timeout_s: float = 3600.0
+    #: Seconds without a step reported before its status and an event say it makes no progress.
+    progress_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         # In this order: each group may rely on the fields an earlier group checked.
@@ -120,6 +128,7 @@ class Experiment:
         _check_layout(self, row)
         _check_numerics(self)
         _check_outputs(self)
+        _check_deadlines(self)
 
     # --- conversions -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -136,7 +145,8 @@ class Experiment:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known, key=str)
         if unknown:
-            raise ConfigError(str(unknown[0]), "unknown field")
+            close = difflib.get_close_matches(str(unknown[0]), sorted(known), n=1, cutoff=0.6)
+            raise ConfigError(str(unknown[0]), "unknown field" + (f"; did you mean {close[0]!r}?" if close else ""))
         for required in ("name", "model", "dataset"):
             if required not in data:
                 raise ConfigError(required, "is required")
@@ -378,6 +388,14 @@ def _check_outputs(exp: Experiment) -> None:
         raise ConfigError("profile_nodes", "needs profile_steps > 0")
     if exp.profile_steps and exp.profile_start + exp.profile_steps > exp.total_steps:
         raise ConfigError("profile_steps", f"profile_start + profile_steps must be <= total_steps ({exp.total_steps})")
+
+
+def _check_deadlines(exp: Experiment) -> None:
+    """How long the coordinator waits on a start, on lost nodes and on progress before it says or does something."""
+    for f in ("start_timeout_s", "node_wait_timeout_s", "progress_timeout_s"):
+        v = getattr(exp, f)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 1 <= v <= 30 * 86400:
+            raise ConfigError(f, f"must be a number of seconds in 1..{30 * 86400} (30 days), got {v!r}")
 
 
 def _check_codec(field_name: str, spec: object, *, allow_adaptive: bool) -> None:

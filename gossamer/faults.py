@@ -6,7 +6,8 @@ Syntax: comma-separated faults, each ``kind[:key=value...]``. Kinds:
 - ``bandwidth:rate=10mbit[:burst=B]``: cap this node's pushes with a token bucket.
 - ``die:at=POINT[:step=N][:worker=I][:rank=R][:shard=S][:once=PATH]``: the process SIGKILLs
   itself at POINT (``mid-push``, ``mid-pull``, ``mid-allreduce``, ``mid-checkpoint``,
-  ``after-apply``) once the matching step/version N is reached. Used to land a kill exactly
+  ``after-apply``, ``before-finish``: the lead past the last step, before its final
+  evaluation) once the matching step/version N is reached. Used to land a kill exactly
   in the middle of an exchange. With ``once=PATH`` it fires only if PATH does not exist yet
   (and creates it), so a replacement process does not die the same way.
 """

@@ -79,7 +79,7 @@ class LocalCluster:
         log = open(self.log_dir / log_name, "ab")
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "gossamer.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                [sys.executable, "-m", "gossamer.cli", *args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env={**self.env, **(env or {})}, start_new_session=True,
             )
         finally:

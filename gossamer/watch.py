@@ -188,8 +188,8 @@ class WatchView:
         t.add_column()
         state = st.get("state", "?")
         t.add_row(Text(state, style=_STATE_STYLE.get(state, "")), st.get("message", ""))
-        for key, label, fmt in (("steps", "steps", ".0f"), ("eval_accuracy", "eval accuracy", ".4f"),
-                                ("eval_loss", "eval loss", ".4f"),
+        t.add_row("steps", f"{int(st.get('steps') or 0)}/{int(st.get('total_steps') or 0)}")
+        for key, label, fmt in (("eval_accuracy", "eval accuracy", ".4f"), ("eval_loss", "eval loss", ".4f"),
                                 *((k, "eval " + k.removeprefix("eval_").replace("_", " "), ".4g") for k in _other_evals(m)),
                                 ("samples", "samples", ".0f")):
             if key in m:
@@ -203,6 +203,24 @@ class WatchView:
         if st.get("checkpoint"):
             t.add_row("checkpoint", st["checkpoint"])
         return t
+
+
+def detached_note(status: dict[str, Any]) -> str:
+    """What happens to an experiment one stops following, by its state."""
+    state = status.get("state", "")
+    if state == "queued":
+        why = status.get("message") or "waiting for nodes"
+        return f"it stays queued ({why})"
+    if state == "starting":
+        return "it keeps starting (its shards are coming up)"
+    return "it keeps running"
+
+
+def outcome_line(status: dict[str, Any]) -> str:
+    """"STATE: message", and "(step N/TOTAL)" for a run that did not complete: how far it got."""
+    steps, total = int(status.get("steps") or 0), int(status.get("total_steps") or 0)
+    reached = "" if status.get("state") == "completed" else f" (step {steps}/{total})"
+    return f"{status.get('state')}: {status.get('message', '')}{reached}"
 
 
 @contextlib.contextmanager
@@ -241,7 +259,7 @@ def watch(client: Any, experiment_id: str, *, refresh_s: float = 1.0, console: C
     since = 0.0
     seen: set[tuple[str, float, int]] = set()
     with _ctrl_c() as detach:
-        console.print(f"following {experiment_id}; Ctrl-C detaches (the experiment keeps running)", style="dim")
+        console.print(f"following {experiment_id}; Ctrl-C detaches (the experiment goes on)", style="dim")
         with Live(view.render(), console=console, refresh_per_second=4, transient=False) as live:
             while not detach.is_set():
                 try:
@@ -268,7 +286,7 @@ def watch(client: Any, experiment_id: str, *, refresh_s: float = 1.0, console: C
         if not console.is_terminal:
             console.line()  # a Live that could not redraw in place leaves its last frame unterminated
     if detach.is_set():
-        out.print(f"detached from {experiment_id}; it keeps running (`gossamer watch {experiment_id}` "
+        out.print(f"detached from {experiment_id}; {detached_note(view.status)} (`gossamer watch {experiment_id}` "
                   "follows it again, `gossamer cancel` stops it)")
         return 130
     out.print(view.summary())
@@ -286,8 +304,12 @@ def follow(job: Any, quiet: bool = False) -> int:
     ) as progress:
         task = progress.add_task(job.id, total=None, info="", eta="-")
         t_start: tuple[float, int] | None = None
+        said = ""
         for st in job.watch():
             final = st
+            if st["state"] in ("queued", "starting") and st["message"] and st["message"] != said:
+                said = st["message"]  # what it waits for, each time that changes (also with --quiet)
+                console.print(f"{job.id} {st['state']}: {said}", style="yellow", soft_wrap=True)
             m = st["metrics"]
             info = [st["state"]]
             if "loss" in m:
@@ -308,7 +330,7 @@ def follow(job: Any, quiet: bool = False) -> int:
                     eta = f"{(st['total_steps'] - st['steps']) / rate:.0f}s"
             progress.update(task, total=st["total_steps"], completed=st["steps"], info="  ".join(info), eta=eta)
     m = final.get("metrics", {})
-    print(f"{final.get('state')}: {final.get('message', '')}")
+    print(outcome_line(final))
     if "eval_accuracy" in m:
         print(f"final eval accuracy: {m['eval_accuracy']:.4f}")
     for k in ("eval_loss", *_other_evals(m)):

@@ -123,7 +123,7 @@ function renderExperiments(exps) {
     const bar = el("span", {class: "bar"}, el("span", {style: "width:" + pct.toFixed(1) + "%"}));
     const slow = e.stragglers.length ? e.stragglers.join(", ") : "";
     const tr = el("tr", {class: "selectable" + (e.id === selected ? " selected" : ""), "data-experiment": e.id},
-      el("td", {title: e.name}, e.id), el("td", {}, e.mode), el("td", {}, badge(e.state)),
+      el("td", {title: e.name}, e.id), el("td", {}, e.mode), el("td", {title: e.message || ""}, badge(e.state)),
       el("td", {}, bar, e.steps + " / " + e.total_steps), el("td", {class: "num"}, e.generation),
       el("td", {class: "num"}, num(m.loss)), el("td", {class: "num"}, num(m.eval_accuracy)),
       el("td", {class: "num"}, num(m.samples_per_s)), el("td", {class: "num"}, bytes(m.bytes_up)),

@@ -51,6 +51,8 @@ class Coordinator:
             n.last_seen = now
             n.stream_lost_at = 0.0
         self.exps: dict[str, ExpRec] = {e.id: e for e in exps}
+        for e in self.exps.values():
+            e.progress_unix = now  # the time the coordinator was down is not the run's to account for
         self._seq = max((e.seq for e in exps), default=0)
         self._changed = asyncio.Event()  # replaced by a fresh one at every change
         self._import_checks: set[tuple[tuple[str, str], ...]] = set()
@@ -60,6 +62,7 @@ class Coordinator:
 
             if not zmq.has("curve"):
                 raise ConfigError("curve", "this pyzmq/libzmq was built without CURVE support")
+        self._source_steps: dict[tuple[str, str], int] = {}  # (experiment, metric source) -> last step reported
         self.step_rates = StepRates()  # per-node step rates from workers' reports (stragglers)
         if nodes or exps:
             log.info("resumed state: %d nodes, %d experiments", len(nodes), len(exps))
@@ -79,20 +82,9 @@ class Coordinator:
             pass
 
     # --- membership ------------------------------------------------------------------------
-    def _curve_key(self, req: pb.JoinRequest) -> str:
-        """The joining node's public CURVE key ("" when the data plane runs without CURVE)."""
-        if not self.curve:
-            return ""
-        if not req.curve_public_key:
-            raise ConfigError("curve_public_key", "this coordinator runs the data plane with CurveZMQ (--curve) "
-                              "and the node sent no CURVE public key: upgrade gossamer on the node")
-        from gossamer.security.curve import check_public_key
-
-        return check_public_key(req.curve_public_key)
-
     async def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
         now = time.time()
-        curve_key = self._curve_key(req)
+        curve_key = _curve_key(req, self.curve)
         node = self.nodes.get(req.node_id) if req.node_id else None
         if node is not None and node.alive:
             node.last_seen = now
@@ -100,21 +92,7 @@ class Coordinator:
             await self.store.add_event("rejoin", f"node {node.name} re-attached", node_id=node.id)
         else:
             node_id = req.node_id or uuid.uuid4().hex[:12]
-            node = NodeRec(
-                id=node_id,
-                name=req.name or f"{req.hostname or 'node'}-{node_id[:6]}",
-                address=req.address or "127.0.0.1",
-                hostname=req.hostname,
-                spot=req.spot,
-                labels=dict(req.labels),
-                cpus=req.cpus,
-                gpus=req.gpus,
-                nproc_per_node=max(1, req.nproc_per_node),
-                state=pb.NODE_STATE_READY,
-                joined_unix=now,
-                last_seen=now,
-                curve_key=curve_key,
-            )
+            node = NodeRec.from_join(req, node_id, now, curve_key)
             self.nodes[node.id] = node
             await self.store.add_event(
                 "join", f"node {node.name} joined ({'spot' if node.spot else 'on-demand'})", node_id=node.id
@@ -180,17 +158,7 @@ class Coordinator:
         await self.reconcile()
 
     async def _recovery_metric(self, exp: ExpRec, add: dict[str, float]) -> None:
-        """Coordinator-side recovery figures: counts add up; detect_s keeps last and max."""
-        cur = exp.latest.setdefault("coordinator", {})
-        for k, v in add.items():
-            if k == "detect_s":
-                cur["detect_s_last"] = v
-                cur["detect_s_max"] = max(cur.get("detect_s_max", 0.0), v)
-            else:
-                cur[k] = cur.get(k, 0.0) + v
-        cur["time_unix"] = time.time()
-        values = {k: v for k, v in cur.items() if k != "time_unix"}
-        await self.store.add_metrics(exp.id, [(cur["time_unix"], exp.steps, "coordinator", values)])
+        await self.store.add_metrics(exp.id, [exp.add_recovery(add, time.time())])
 
     async def _node_gone(self, exp: ExpRec, node: NodeRec) -> None:
         """Every role `node` had in `exp` is gone: re-plan them."""
@@ -243,15 +211,20 @@ class Coordinator:
         await self._place_backup(exp, r.index)
 
     async def _restore_shard(self, exp: ExpRec, index: int, where: str, stale: tuple[RoleRec, ...]) -> None:
-        """Every usable replica of shard `index` is gone: a new primary loads the checkpoint."""
+        """Every usable replica of shard `index` is gone: a new primary loads the checkpoint (no host: it waits, `_resume`)."""
         exp.roles = [x for x in exp.roles if x not in stale]  # an unsynced backup cannot serve
         for x in stale:
             await self._release_if_idle(exp, x.node_id)
         host = placement.shard_host(exp.roles, index, self.nodes, placement.free_nodes(self.nodes.values()))
+        why = f"every replica gone (last on {where})"
         if host is None:
-            await self._finish(exp, pb.EXPERIMENT_STATE_FAILED,
-                               f"shard {index} lost with {where} and no node can take it")
+            await self.store.add_event("restore", f"shard {index}: {why}; no node can host it yet",
+                                       experiment_id=exp.id)
             return
+        await self._place_restore(exp, index, host, why)
+
+    async def _place_restore(self, exp: ExpRec, index: int, host: NodeRec, why: str) -> None:
+        """A new primary of shard `index` on `host` restores the newest good checkpoint."""
         exp.restore_epoch += 1
         targets = failover.roll_back_together(exp.roles, index, barrier=exp.mode.barrier)
         for x in exp.roles:
@@ -261,7 +234,7 @@ class Coordinator:
         exp.roles[-1].restore_epoch = exp.restore_epoch
         await self._recovery_metric(exp, {"restores": 1.0})
         await self.store.add_event(
-            "restore", f"shard {index}: every replica gone (last on {where}); restoring from the newest good "
+            "restore", f"shard {index}: {why}; restoring from the newest good "
             f"checkpoint on {host.name}" + (f"; shards {targets} roll back with it" if len(targets) > 1 else ""),
             experiment_id=exp.id, node_id=host.id,
         )
@@ -297,27 +270,37 @@ class Coordinator:
     # --- scheduling ------------------------------------------------------------------------
     async def reconcile(self) -> None:
         """Start queued experiments and grow running async ones with free nodes."""
+        head = ""  # the first queued experiment that could not start: later ones wait behind it (FIFO)
         for exp in sorted(self.exps.values(), key=lambda e: e.seq):
             if not exp.active:
                 continue
             free = placement.free_nodes(self.nodes.values())
             if exp.state == pb.EXPERIMENT_STATE_QUEUED:
-                plan = placement.place_experiment(free, exp.spec, exp.mode)
+                plan = None if head else placement.place_experiment(free, exp.spec, exp.mode)
                 if plan is None:
-                    break  # FIFO: later experiments wait behind the head of the queue
+                    await self._say_why_queued(exp, head)
+                    head = head or exp.id
+                    continue
+                exp.message = ""
                 await self._start(exp, plan)
-            elif exp.state == pb.EXPERIMENT_STATE_RUNNING and free:
-                await self._grow(exp, free)
-            else:
+            # Behind a queued head a running experiment takes no free node (FIFO), as before.
+            elif exp.state != pb.EXPERIMENT_STATE_RUNNING or not await self._resume(exp, [] if head else free):
                 continue
             await self.store.save_experiment(exp)
             for r in exp.roles:
                 await self.store.save_node(self.nodes[r.node_id])
         await self._notify()
 
+    async def _say_why_queued(self, exp: ExpRec, head: str) -> None:
+        """Set a queued experiment's message to what it waits for (saved only when it changes)."""
+        if (why := placement.queued_message(self.nodes.values(), exp.spec, exp.mode, head)) != exp.message:
+            exp.message = why
+            await self.store.save_experiment(exp)
+
     async def _start(self, exp: ExpRec, plan: placement.Placement) -> None:
         """Bind a queued experiment's roles as `plan` says; it runs once every shard serves."""
         exp.state = pb.EXPERIMENT_STATE_STARTING
+        exp.starting_unix = time.time()
         exp.generation += 1
         for i, n in enumerate(plan.servers):
             self._bind(exp, n, pb.ROLE_PARAMETER_SERVER, i)
@@ -336,9 +319,32 @@ class Coordinator:
             experiment_id=exp.id,
         )
         if serverless:  # nothing to wait for: the workers find each other
-            exp.state = pb.EXPERIMENT_STATE_RUNNING
-            exp.started_unix = exp.started_unix or time.time()
-            await self.store.add_event("running", "gossip workers starting", experiment_id=exp.id)
+            await self._running(exp, "gossip workers starting")
+
+    async def _resume(self, exp: ExpRec, free: list[NodeRec]) -> bool:
+        """Free nodes host the shards a running experiment lost, then its workers; it says what it waits for (changed?)."""
+        generation, waiting = exp.generation, exp.waiting_unix
+        for index in placement.missing_shards(exp.roles, exp.spec["num_ps_shards"] if exp.mode.servers else 0):
+            host = placement.shard_host(exp.roles, index, self.nodes, free)
+            if host is None:
+                break
+            await self._place_restore(exp, index, host, "nodes returned")
+            exp.generation += 1
+            free = placement.free_nodes(self.nodes.values())
+        if free:
+            await self._grow(exp, free)
+        exp.lead_node = placement.lead_node(exp.roles)
+        what = placement.waiting_for(exp.roles, exp.spec["num_ps_shards"] if exp.mode.servers else 0)
+        if what and not exp.waiting_unix:
+            exp.waiting_unix = time.time()
+            exp.message = (f"waiting for {what}; fails unless one comes within {exp.spec['node_wait_timeout_s']:g} s "
+                           "(node_wait_timeout_s)")
+            await self.store.add_event("waiting", exp.message, experiment_id=exp.id)
+        elif not what and exp.waiting_unix:
+            exp.waiting_unix, exp.message, exp.progress_unix, exp.stalled = 0.0, "", time.time(), False
+            await self.store.add_event("resumed", "nodes returned: every shard has a host and a worker runs",
+                                       experiment_id=exp.id)
+        return exp.generation != generation or exp.waiting_unix != waiting
 
     async def _grow(self, exp: ExpRec, free: list[NodeRec]) -> None:
         """Free nodes join a running experiment as workers (up to its max_workers)."""
@@ -355,6 +361,51 @@ class Coordinator:
             exp.generation += 1
             exp.lead_node = placement.lead_node(exp.roles)
 
+    async def _running(self, exp: ExpRec, message: str) -> None:
+        exp.state = pb.EXPERIMENT_STATE_RUNNING
+        exp.started_unix = exp.started_unix or time.time()
+        exp.progress_unix = time.time()
+        await self.store.add_event("running", message, experiment_id=exp.id)
+
+    async def check_deadlines(self) -> None:
+        """Act on overdue waits: a start, nodes that do not return, a run making no progress."""
+        now = time.time()
+        for exp in [e for e in self.exps.values() if e.active]:
+            spec = exp.spec
+            if exp.state == pb.EXPERIMENT_STATE_STARTING:
+                late = placement.start_overdue(exp.roles, spec["num_ps_shards"], since=exp.starting_unix, now=now,
+                                               timeout_s=spec["start_timeout_s"])
+                if late is not None:
+                    await self._start_late(exp, late)
+            elif exp.state != pb.EXPERIMENT_STATE_RUNNING:
+                continue
+            elif placement.overdue(exp.waiting_unix, now=now, timeout_s=spec["node_wait_timeout_s"]):
+                await self._finish(exp, pb.EXPERIMENT_STATE_FAILED, f"no nodes came: {exp.message.partition(';')[0]} for "
+                                   f"{spec['node_wait_timeout_s']:g} s (node_wait_timeout_s): giving up")
+            elif not exp.waiting_unix and not exp.stalled and placement.overdue(
+                    exp.progress_unix, now=now, timeout_s=spec["progress_timeout_s"]):
+                exp.stalled = True
+                exp.message = _stall_message(exp, now)
+                await self.store.add_event("stalled", exp.message, experiment_id=exp.id)
+                await self.store.save_experiment(exp)
+                await self._notify()
+
+    async def _start_late(self, exp: ExpRec, late: placement.StartOverdue) -> None:
+        """STARTING is overdue: fail with the reason, or run without the backups that never synced."""
+        if late.reason:
+            await self._finish(exp, pb.EXPERIMENT_STATE_FAILED, late.reason)
+            return
+        exp.roles = [r for r in exp.roles if r not in late.backups]
+        for b in late.backups:
+            await self._release_if_idle(exp, b.node_id)
+            await self.store.add_event("degraded", f"shard {b.index} runs without a backup: the backup on "
+                                       f"{self._name(b.node_id)} did not sync within {exp.spec['start_timeout_s']:g} s "
+                                       "(start_timeout_s)", experiment_id=exp.id, node_id=b.node_id)
+        exp.generation += 1
+        await self._running(exp, "all shards serving; started without the backups that did not sync")
+        await self.store.save_experiment(exp)
+        await self.reconcile()
+
     def _bind(self, exp: ExpRec, node: NodeRec, role: pb.Role.ValueType, index: int) -> None:
         node.experiment_id = exp.id
         node.state = pb.NODE_STATE_BUSY
@@ -365,6 +416,7 @@ class Coordinator:
         exp.message = message
         exp.finished_unix = time.time()
         self.step_rates.forget(exp.id)
+        self._source_steps = {k: v for k, v in self._source_steps.items() if k[0] != exp.id}
         for r in exp.roles:
             node = self.nodes.get(r.node_id)
             if node is not None and node.experiment_id == exp.id:
@@ -479,12 +531,8 @@ class Coordinator:
         if req.role == pb.ROLE_PARAMETER_SERVER:
             await self._shard_reported(exp, role, req)
         if exp.state == pb.EXPERIMENT_STATE_STARTING and placement.shards_ready(exp.roles, exp.spec["num_ps_shards"]):
-            exp.state = pb.EXPERIMENT_STATE_RUNNING
-            exp.started_unix = exp.started_unix or time.time()
             servers = exp.roles_of(pb.ROLE_PARAMETER_SERVER)
-            await self.store.add_event(
-                "running", "all shards serving: " + ", ".join(r.endpoint for r in servers), experiment_id=exp.id
-            )
+            await self._running(exp, "all shards serving: " + ", ".join(r.endpoint for r in servers))
         await self.store.save_experiment(exp)
         await self._notify()
 
@@ -507,6 +555,8 @@ class Coordinator:
                 "exact count follows as workers return)",
                 experiment_id=exp.id, node_id=req.node_id,
             )
+            if lost and not req.version:  # never silently from initial values
+                await self._finish(exp, pb.EXPERIMENT_STATE_FAILED, _no_source(exp, req.index, lost))
         role.version = int(req.version)
 
     async def report_metrics(self, req: pb.ReportMetricsRequest) -> bool:
@@ -532,8 +582,13 @@ class Coordinator:
             if shard.isdigit():
                 key = shard
                 exp.shard_versions[key] = max(exp.shard_versions.get(key, 0), int(p.step))
-            if exp.active:
-                exp.steps = max(exp.steps, p.step)
+            # Progress: a source's step moved (after a roll-back the run's own count grows only once redone).
+            if exp.active and p.step != self._source_steps.get((exp.id, p.source), -1):
+                self._source_steps[(exp.id, p.source)] = p.step
+                exp.steps, exp.progress_unix = max(exp.steps, p.step), time.time()
+                if exp.stalled:
+                    exp.stalled, exp.message = False, ""
+                    await self.store.add_event("progress", f"steps again: step {p.step}", experiment_id=exp.id)
         self.step_rates.observe_points(exp.id, req.points)
         if rows:
             await self.store.add_metrics(exp.id, rows)
@@ -543,19 +598,8 @@ class Coordinator:
 
     async def _note_discards(self, exp: ExpRec, source: str, old: dict[str, float], new: dict[str, float]) -> None:
         """Every discarded update shows in the event log, by cause (nothing degrades silently)."""
-        lost = new.get("versions_lost", 0.0) - old.get("versions_lost", 0.0)
-        if lost > 0:
-            await self.store.add_event(
-                "lost-updates", f"{source}: {int(lost)} update(s) rolled back by a restore from checkpoint "
-                f"(total {int(new['versions_lost'])})", experiment_id=exp.id,
-            )
-        for k, v in new.items():
-            if k.startswith("discarded_") and v > old.get(k, 0.0):
-                n = int(v - old.get(k, 0.0))
-                await self.store.add_event(
-                    "discard", f"{source}: {n} update(s) not applied, cause {k.removeprefix('discarded_')} "
-                    f"(total {int(v)})", experiment_id=exp.id,
-                )
+        for kind, message in views.discard_events(source, old, new):
+            await self.store.add_event(kind, message, experiment_id=exp.id)
 
     async def complete(self, req: pb.CompleteExperimentRequest) -> None:
         exp = self.get(req.experiment_id)
@@ -582,8 +626,31 @@ class Coordinator:
             experiment_id=info.experiment_id,
         )
 
-    def node_info(self, n: NodeRec) -> pb.NodeInfo:
-        return views.node_info(n, self.exps.get(n.experiment_id), time.time())
+
+def _curve_key(req: pb.JoinRequest, curve: bool) -> str:
+    """The joining node's public CURVE key ("" when the data plane runs without CURVE)."""
+    if not curve:
+        return ""
+    if not req.curve_public_key:
+        raise ConfigError("curve_public_key", "this coordinator runs the data plane with CurveZMQ (--curve) "
+                          "and the node sent no CURVE public key: upgrade gossamer on the node")
+    from gossamer.security.curve import check_public_key
+
+    return check_public_key(req.curve_public_key)
+
+
+def _no_source(exp: ExpRec, index: int, lost: int) -> str:
+    every = exp.spec["checkpoint_every"]
+    return (f"shard {index} lost every replica and no checkpoint was found to restore it from (checkpoint_every "
+            f"{every}{': none written yet' if every else ': none taken'}); going on from its initial values would "
+            f"lose {lost} version(s): set checkpoint_every and keep ps_backup on to survive this")
+
+
+def _stall_message(exp: ExpRec, now: float) -> str:
+    spec = exp.spec
+    return (f"no progress: no step reported for {now - exp.progress_unix:.0f} s (progress_timeout_s "
+            f"{spec['progress_timeout_s']:g} s); still at step {exp.steps} of {spec['total_steps']}")
+
 
 def _slug(name: str) -> str:
     s = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")

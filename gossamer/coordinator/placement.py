@@ -46,8 +46,55 @@ def place(
 
 def place_experiment(free: list[NodeRec], spec: dict[str, Any], mode: Mode) -> Placement | None:
     """Where a queued experiment starts: its shards (none in a mode without servers) and workers."""
-    return place(free, num_servers=spec["num_ps_shards"] if mode.servers else 0,
-                 min_workers=spec["min_workers"], max_workers=spec["max_workers"])
+    shards, workers = nodes_needed(spec, mode)
+    return place(free, num_servers=shards, min_workers=workers, max_workers=spec["max_workers"])
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def nodes_needed(spec: dict[str, Any], mode: Mode) -> tuple[int, int]:
+    """(shards, workers): the nodes an experiment needs before it can start (`place_experiment`'s rule)."""
+    return (spec["num_ps_shards"] if mode.servers else 0), spec["min_workers"]
+
+
+def wait_reason(nodes: Iterable[NodeRec], spec: dict[str, Any], mode: Mode) -> str:
+    """Why a queued experiment cannot start on `nodes` now, in words; "" when `place_experiment` would place it.
+
+    Derived from the placer itself, so the message never disagrees with it: e.g. "waiting for 5
+    nodes (2 for shards, on-demand preferred; 3 for workers); 3 free (1 on-demand, 2 spot); the
+    cluster has 3 live nodes: 2 more must join".
+    """
+    live = [n for n in nodes if n.alive]
+    free = free_nodes(live)
+    if place_experiment(free, spec, mode) is not None:
+        return ""
+    shards, workers = nodes_needed(spec, mode)
+    need = shards + workers
+    spot = sum(n.spot for n in free)
+    wants = (f"{shards} for shards, on-demand preferred; " if shards else "") + f"{workers} for workers"
+    have = f"{len(free)} free ({len(free) - spot} on-demand, {spot} spot)"
+    busy = len(live) - len(free)
+    if busy:
+        have += f", {busy} busy with other experiments"
+    text = f"waiting for {_count(need, 'node')} ({wants}); {have}"
+    if len(live) < need:
+        text += f"; the cluster has {_count(len(live), 'live node')}: {need - len(live)} more must join"
+    return text
+
+
+def queued_message(nodes: Iterable[NodeRec], spec: dict[str, Any], mode: Mode, head: str) -> str:
+    """A queued experiment's status message: its `wait_reason`, behind the queue's head `head` if any."""
+    why = wait_reason(nodes, spec, mode)
+    if head:
+        why = f"queued behind {head}" + (f"; {why}" if why else ", which waits for nodes")
+    return why
+
+
+def cluster_too_small(nodes: Iterable[NodeRec], spec: dict[str, Any], mode: Mode) -> bool:
+    """Fewer live nodes than the experiment needs, busy or not: it cannot start until more join."""
+    return sum(n.alive for n in nodes) < sum(nodes_needed(spec, mode))
 
 
 def grow(free: list[NodeRec], *, current_workers: int, max_workers: int) -> list[NodeRec]:
@@ -95,3 +142,51 @@ def shards_ready(roles: Sequence[RoleRec], num_shards: int) -> bool:
         and all(r.state == pb.ROLE_STATE_SERVING and r.endpoint for r in servers)
         and all(r.replicated for r in primaries if any(b.replica == 1 and b.index == r.index for b in servers))
     )
+
+
+def missing_shards(roles: Sequence[RoleRec], num_shards: int) -> list[int]:
+    """Shards with no primary: every replica was lost and no node could host a restore yet."""
+    primaries = {r.index for r in roles if r.role == pb.ROLE_PARAMETER_SERVER and r.replica == 0}
+    return [i for i in range(num_shards) if i not in primaries]
+
+
+def waiting_for(roles: Sequence[RoleRec], num_shards: int) -> str:
+    """What a running experiment waits for before it can go on ("" when nothing): hosts for shards, a worker."""
+    needs = []
+    if missing := missing_shards(roles, num_shards):
+        needs.append(f"a node to host shard{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                     "(restored from the newest checkpoint)")
+    if not any(r.role == pb.ROLE_WORKER for r in roles):
+        needs.append("a node to run a worker")
+    return " and ".join(needs)
+
+
+def overdue(since: float, *, now: float, timeout_s: float) -> bool:
+    """Whether a wait that began at `since` (0: none under way) has lasted `timeout_s` by `now`."""
+    return bool(since) and now - since >= timeout_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartOverdue:
+    """STARTING outlasted its deadline: run without `backups` (never synced) or, with a `reason`, fail."""
+
+    backups: tuple[RoleRec, ...] = ()
+    reason: str = ""
+
+
+def start_overdue(roles: Sequence[RoleRec], num_shards: int, *, since: float, now: float,
+                  timeout_s: float) -> StartOverdue | None:
+    """What to do with an experiment STARTING since `since` at `now` (None: wait on).
+
+    Once `timeout_s` has passed: every primary serves, so it runs without the backups that
+    have not synced; or a primary does not serve, so it fails naming the shards.
+    """
+    if not overdue(since, now=now, timeout_s=timeout_s):
+        return None
+    servers = [r for r in roles if r.role == pb.ROLE_PARAMETER_SERVER]
+    serving = {r.index for r in servers if r.replica == 0 and r.state == pb.ROLE_STATE_SERVING and r.endpoint}
+    if down := [i for i in range(num_shards) if i not in serving]:
+        return StartOverdue(reason=f"did not start within {timeout_s:g} s (start_timeout_s): shard"
+                                   f"{'s' if len(down) > 1 else ''} {', '.join(map(str, down))} not serving")
+    synced = {r.index for r in servers if r.replica == 0 and r.replicated}
+    return StartOverdue(backups=tuple(r for r in servers if r.replica == 1 and r.index not in synced))

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from gossamer.experiment import Experiment
 from gossamer.modes import Mode, resolve
 from gossamer.v1 import coordinator_pb2 as pb
 
@@ -27,6 +28,8 @@ COUNTERS = ("samples", "bytes_up", "bytes_down", "raw_bytes_up", "raw_bytes_down
 COUNTER_PREFIXES = ("discarded_",)
 #: Rates summed over sources.
 RATES = ("samples_per_s",)
+#: Experiment fields' defaults: a spec stored before a field existed reads as that default.
+_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Experiment) if f.default is not dataclasses.MISSING}
 
 
 @dataclass
@@ -49,6 +52,14 @@ class NodeRec:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_join(cls, req: pb.JoinRequest, node_id: str, now: float, curve_key: str) -> NodeRec:
+        """A node that just joined, as its JoinRequest describes it."""
+        return cls(id=node_id, name=req.name or f"{req.hostname or 'node'}-{node_id[:6]}",
+                   address=req.address or "127.0.0.1", hostname=req.hostname, spot=req.spot, labels=dict(req.labels),
+                   cpus=req.cpus, gpus=req.gpus, nproc_per_node=max(1, req.nproc_per_node),
+                   state=pb.NODE_STATE_READY, joined_unix=now, last_seen=now, curve_key=curve_key)
 
     @classmethod
     def from_json(cls, text: str) -> NodeRec:
@@ -93,6 +104,10 @@ class ExpRec:
     shard_versions: dict[str, int] = field(default_factory=dict)  # highest version seen per shard
     failures: int = 0  # role processes that crashed (a budget against crash loops)
     restore_epoch: int = 0
+    starting_unix: float = 0.0  # when it entered STARTING (its start deadline counts from there)
+    waiting_unix: float = 0.0  # running, left without nodes since then (0: not waiting)
+    progress_unix: float = 0.0  # when its step count last grew (or it began running)
+    stalled: bool = False  # its status says it makes no progress
     latest: dict[str, dict[str, float]] = field(default_factory=dict)
     roles: list[RoleRec] = field(default_factory=list)
 
@@ -107,7 +122,7 @@ class ExpRec:
 
     @property
     def spec(self) -> dict[str, Any]:
-        return json.loads(self.spec_json)
+        return {**_SPEC_DEFAULTS, **json.loads(self.spec_json)}
 
     @property
     def mode(self) -> Mode:
@@ -118,6 +133,18 @@ class ExpRec:
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    def add_recovery(self, add: dict[str, float], now: float) -> tuple[float, int, str, dict[str, float]]:
+        """Count coordinator-side recovery figures (counts add up; detect_s keeps last and max); the metric row."""
+        cur = self.latest.setdefault("coordinator", {})
+        for k, v in add.items():
+            if k == "detect_s":
+                cur["detect_s_last"] = v
+                cur["detect_s_max"] = max(cur.get("detect_s_max", 0.0), v)
+            else:
+                cur[k] = cur.get(k, 0.0) + v
+        cur["time_unix"] = now
+        return now, self.steps, "coordinator", {k: v for k, v in cur.items() if k != "time_unix"}
 
     def roles_of(self, role: pb.Role.ValueType) -> list[RoleRec]:
         return sorted((r for r in self.roles if r.role == role), key=lambda r: r.index)
@@ -147,6 +174,9 @@ class ExpRec:
         for k, v in self.latest.get("coordinator", {}).items():  # recovery figures, already totals
             if k != "time_unix":
                 out[k] = v
+        # The shards count lost updates as workers return; never fewer than the restore events said.
+        if "versions_lost_min" in out:
+            out["versions_lost"] = max(out.get("versions_lost", 0.0), out["versions_lost_min"])
         out.update(self.final_metrics)
         if out.get("bytes_up") and "raw_bytes_up" in out:
             out["compression_ratio"] = out["raw_bytes_up"] / out["bytes_up"]

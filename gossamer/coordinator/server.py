@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gossamer.coordinator import views
 from gossamer.coordinator._malformed import MalformedRequestInterceptor
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.core import Coordinator
@@ -67,7 +68,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
 
     async def ListNodes(self, request, context):  # type: ignore[no-untyped-def]
         nodes = sorted(self.c.nodes.values(), key=lambda n: n.joined_unix)
-        return pb.ListNodesResponse(nodes=[self.c.node_info(n) for n in nodes])
+        return pb.ListNodesResponse(nodes=[views.node_info(n, self.c.exps.get(n.experiment_id), time.time()) for n in nodes])
 
 
 class ExperimentServicer(pb_grpc.ExperimentServiceServicer):
@@ -245,6 +246,7 @@ class CoordinatorServer:
             await asyncio.sleep(min(0.5, self.config.heartbeat_interval_s))
             try:
                 await self.coord.reap_leases()
+                await self.coord.check_deadlines()
             except Exception:  # noqa: BLE001 — the reaper must survive anything
                 log.exception("lease reaper")
 

@@ -25,7 +25,7 @@ from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
 from gossamer.worker.launcher import Launch, visible_cuda_devices
 from gossamer.worker.node_metrics import NodeMetrics
-from gossamer.worker.warm import role_context, warm_up
+from gossamer.worker.warm import role_context, warm_up_in_background
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ class AgentConfig:
     warm_roles: bool = True
     #: Modules the fork server imports too (the user's model code, `transformers`): once, not per role.
     preload: tuple[str, ...] = ()
+    #: Give up (UnavailableError, exit code 2) when the coordinator has not answered a join for this long; 0: never.
+    join_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if ":" not in self.coordinator:
@@ -174,6 +176,11 @@ class NodeAgent:
         self._stub = pb_grpc.NodeServiceStub(self._channel)
         self._warm = asyncio.create_task(self._warm_up())  # beside the join: a node is warm by its first role
         await self._join()
+        if not self.node_id:  # stopped before the coordinator ever answered: there is nothing to leave
+            log.info("stopped before joining %s", self.config.coordinator)
+            self._warm.cancel()
+            await self._channel.close()
+            return
         if self.config.metrics_port is not None:
             await self._serve_metrics()
         beats = asyncio.create_task(self._heartbeats())
@@ -189,7 +196,7 @@ class NodeAgent:
         if not self.config.warm_roles:
             return
         try:
-            took = await asyncio.to_thread(warm_up, self.config.preload)
+            took = await asyncio.wrap_future(warm_up_in_background(self.config.preload))
         except Exception as e:  # noqa: BLE001 (a preloaded module that fails): start roles cold, just slower
             log.warning("role processes start cold (a fresh interpreter each): fork server failed: %s", e)
             return
@@ -250,7 +257,7 @@ class NodeAgent:
             nproc_per_node=self.config.nproc_per_node, node_id=self.node_id,
             curve_public_key=self.curve_keys.public if self.curve_keys else "",
         )
-        delay, warned = 0.5, False
+        delay, t0, next_note = 0.5, time.monotonic(), 0.0
         while not self._stop.is_set():
             try:
                 resp = await self._stub.Join(req, timeout=5.0)
@@ -269,10 +276,16 @@ class NodeAgent:
                 err = await asyncio.to_thread(explain_rpc_error, e, self.config.coordinator, self.config.security)
                 if isinstance(err, AuthError):
                     raise err from None
-                if not warned:
-                    log.warning("waiting for the coordinator at %s (%s)", self.config.coordinator, e.code())
-                    warned = True
-                await asyncio.sleep(delay)
+                waited = time.monotonic() - t0
+                limit = self.config.join_timeout_s if not self.node_id else 0.0  # a rejoin waits as long as it takes
+                if limit and waited >= limit:
+                    raise UnavailableError(f"no answer from the coordinator at {self.config.coordinator} "
+                                           f"within --join-timeout {limit:g} s ({e.code().name})") from None
+                if waited >= next_note:  # keep saying so: a wrong address must not look like a quiet success
+                    log.warning("waiting for the coordinator at %s for %.0f s (%s)%s", self.config.coordinator,
+                                waited, e.code().name, "; Ctrl-C stops" if not limit else f"; giving up at {limit:g} s")
+                    next_note = waited + 5.0
+                await asyncio.sleep(min(delay, limit - waited) if limit else delay)
                 delay = min(5.0, delay * 2)
 
     async def _heartbeats(self) -> None:

@@ -283,7 +283,9 @@ class ParameterServerTrainer(RankTrainer):
             self._apply_updates()
             if not self.layout.holds_full_model:
                 self._agree(True)  # every rank of the node agrees on the lead flag, then on the finish
-            if self.ctx.lead:
+            self._await_lead()
+            if self.ctx.lead and not self._stopping():
+                die_at("before-finish", step=self.progress, **self.client.fault_ctx)
                 self.pull()  # the final parameters, whoever pushed last
                 self.finish()
         self.client.leave()
@@ -291,6 +293,23 @@ class ParameterServerTrainer(RankTrainer):
         self.finished = done
         log.info("worker %d rank %d finished after %d steps (%.1f s)", self.ctx.worker_index,
                  self.ctx.local_rank, self.stats.steps, time.monotonic() - t0)
+
+    def _await_lead(self) -> None:
+        """Past the last step and not the lead: stay until the run completes or this worker becomes lead.
+
+        The final evaluation and checkpoint are the lead's. A lead lost after the last step
+        (or during its finish) is replaced by the coordinator; the worker it names then
+        finishes. Every worker leaving at the end would leave nobody to take over.
+        """
+        if not self.ctx.lead and self.ctx.local_rank == 0:
+            log.info("worker %d: run done; staying until it completes or this worker becomes the lead",
+                     self.ctx.worker_index)
+            self.flush_metrics()  # this node's totals are in before the lead completes
+        while not self.ctx.lead and not self._stopping():
+            time.sleep(0.1)
+            self._apply_updates()
+            if not self.layout.holds_full_model:
+                self._agree(True)  # the node's ranks take the lead flag and the stop together
 
     def _stopping(self) -> bool:
         """ddp: this rank's stop flag; sharded layouts: the flag the node's ranks agreed on."""

@@ -9,7 +9,7 @@ import pytest
 from gossamer import Client
 from gossamer.checkpoint.sharded import complete_steps
 from tests._fixtures import MakeCluster
-from tests.chaos._wait import assert_running, wait_for
+from tests.chaos._wait import assert_running, wait_for, wait_steps
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,3 +56,33 @@ def test_unreplicated_shard_lost_restores_from_previous_good_checkpoint(tmp_path
     assert result.metrics["versions_lost"] >= result.metrics["versions_lost_min"]
     assert any(e["kind"] == "lost-updates" for e in events), text
     assert result.metrics["restores"] == 1
+
+
+def test_shard_lost_with_no_checkpoint_fails_the_run_saying_why_never_silently_from_initial_values(
+        tmp_path: Path, make_cluster: MakeCluster) -> None:
+    # The reproduction of issue 15: 1 shard, no backup, no checkpoints, its node killed at 30%.
+    # It restarted from initial values while the run went on, and `versions_lost` read 0.
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
+        client = Client(cluster.start_coordinator(port=0))
+        cluster.add_node("ps")
+        wait_for(lambda: len(client.nodes()) == 1, 60, "ps")
+        cluster.add_node("w0", spot=True, env={"GOSSAMER_FAULT": "delay:seconds=0.02"})
+        wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 2, 60, "nodes")
+        job = client.submit({
+            "name": "no-source", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
+            "mode": "async", "num_ps_shards": 1, "ps_backup": False, "min_workers": 1, "max_workers": 1,
+            "total_steps": 600, "eval_every": 0,
+        })
+        wait_steps(job, 180, 120, "30% of the steps")
+        cluster.kill_node("ps")
+        assert_running(job, "the kill of ps")
+        result = job.wait(timeout=120)
+        events = job.events()
+    text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
+    assert result.status == "failed", (result, text)
+    assert "shard 0 lost every replica and no checkpoint was found" in result.message, result
+    restored = next(e["message"] for e in events if e["kind"] == "restored")
+    lost = int(restored.split("at least ")[1].split(" version")[0])
+    assert lost > 0, restored  # a lower bound: the shard reports its version once a second
+    assert result.metrics["versions_lost"] == lost, (result.metrics, restored)
+    assert f"would lose {lost} version(s)" in result.message, result

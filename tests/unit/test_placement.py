@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gossamer.coordinator.failover import (
     DropWorker,
     PromoteBackup,
@@ -16,11 +18,18 @@ from gossamer.coordinator.failover import (
     roll_back_together,
 )
 from gossamer.coordinator.placement import (
+    StartOverdue,
+    cluster_too_small,
     free_nodes,
     lead_node,
+    missing_shards,
+    overdue,
     place_experiment,
     shard_host,
     shards_ready,
+    start_overdue,
+    wait_reason,
+    waiting_for,
 )
 from gossamer.coordinator.records import NodeRec, RoleRec
 from gossamer.modes import resolve
@@ -162,3 +171,80 @@ def test_in_a_barrier_mode_every_shard_rolls_back_with_a_restored_one() -> None:
 def test_the_failure_budget_is_ten_or_three_per_worker_whichever_is_more() -> None:
     assert not gives_up(10, max_workers=2) and gives_up(11, max_workers=2)
     assert not gives_up(12, max_workers=4) and gives_up(13, max_workers=4)
+
+
+# --- why a queued experiment waits ------------------------------------------------------------------
+def test_the_wait_reason_names_what_the_experiment_needs_and_what_is_free() -> None:
+    nodes = [_node(0), _node(1, spot=True), _node(2, spot=True)]
+    spec = _spec(shards=2, min_workers=3, max_workers=16)
+    assert wait_reason(nodes, spec, resolve("async")) == (
+        "waiting for 5 nodes (2 for shards, on-demand preferred; 3 for workers); 3 free (1 on-demand, 2 spot); "
+        "the cluster has 3 live nodes: 2 more must join")
+    assert cluster_too_small(nodes, spec, resolve("async"))
+
+
+def test_busy_and_lost_nodes_count_as_they_do_for_the_placer() -> None:
+    nodes = [_node(0), _node(1, experiment_id="e"), _node(2, spot=True, experiment_id="e"), _node(3, spot=True),
+             _node(4, state=pb.NODE_STATE_LOST), _node(5, spot=True)]
+    spec = _spec(shards=1, min_workers=3)
+    # 5 live nodes would do, but 2 are busy: it waits without the cluster being too small
+    assert wait_reason(nodes, spec, resolve("sync")) == (
+        "waiting for 4 nodes (1 for shards, on-demand preferred; 3 for workers); 3 free (1 on-demand, 2 spot), "
+        "2 busy with other experiments")
+    assert not cluster_too_small(nodes, spec, resolve("sync"))
+
+
+def test_a_mode_without_servers_waits_for_workers_only() -> None:
+    nodes = [_node(0, spot=True)]
+    assert wait_reason(nodes, _spec(shards=2, min_workers=2), resolve("gossip")) == (
+        "waiting for 2 nodes (2 for workers); 1 free (0 on-demand, 1 spot); the cluster has 1 live node: 1 more must join")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "gossip"])
+@pytest.mark.parametrize("count", range(6))
+def test_the_reason_is_empty_exactly_when_the_placer_places(mode: str, count: int) -> None:
+    nodes = [_node(i, spot=i % 2 == 1) for i in range(count)]
+    spec = _spec(shards=2, min_workers=2)
+    placed = place_experiment(free_nodes(nodes), spec, resolve(mode)) is not None
+    reason = wait_reason(nodes, spec, resolve(mode))
+    assert (reason == "") == placed, (count, mode, reason)
+    if not placed:
+        need = 2 + (2 if mode != "gossip" else 0)
+        assert reason.startswith(f"waiting for {need} nodes"), reason
+
+
+# --- deadlines ---------------------------------------------------------------------------------
+def test_an_experiment_left_without_nodes_says_it_waits_for_shard_hosts_and_a_worker() -> None:
+    worker = RoleRec(node_id="w", role=WORKER, index=3)
+    assert missing_shards([_shard("a", 1), worker], 3) == [0, 2]
+    assert waiting_for([_shard("a", 0), _shard("a", 1), worker], 2) == ""
+    assert waiting_for([_shard("a", 1), worker], 2) == "a node to host shard 0 (restored from the newest checkpoint)"
+    assert waiting_for([], 2) == ("a node to host shards 0, 1 (restored from the newest checkpoint) and a node to "
+                                  "run a worker")
+    assert waiting_for([], 0) == "a node to run a worker"  # gossip: no shards to host
+
+
+def test_a_wait_is_overdue_only_once_it_has_lasted_its_timeout_and_none_is_never_overdue() -> None:
+    assert not overdue(0.0, now=1e9, timeout_s=1.0)
+    assert not overdue(100.0, now=109.9, timeout_s=10.0)
+    assert overdue(100.0, now=110.0, timeout_s=10.0)
+
+
+def test_a_late_start_runs_without_unsynced_backups_or_fails_naming_the_shards_not_serving() -> None:
+    synced = [_shard("a", 0, replicated=True), _shard("b", 0, 1)]
+    unsynced = [_shard("a", 1), _shard("c", 1, 1, serving=False)]
+    assert start_overdue(synced + unsynced, 2, since=100.0, now=150.0, timeout_s=60.0) is None
+    late = start_overdue(synced + unsynced, 2, since=100.0, now=160.0, timeout_s=60.0)
+    assert late == StartOverdue(backups=(unsynced[1],))  # shard 0's backup synced: it stays
+    down = start_overdue([_shard("a", 0), _shard("b", 1, serving=False)], 3, since=100.0, now=200.0, timeout_s=60.0)
+    assert down is not None and down.backups == ()
+    assert down.reason == "did not start within 60 s (start_timeout_s): shards 1, 2 not serving"
+
+
+def test_a_spec_stored_before_the_deadline_fields_existed_reads_their_defaults() -> None:
+    from gossamer.coordinator.records import ExpRec
+    from gossamer.experiment import Experiment
+
+    old = ExpRec(id="e", seq=1, name="e", spec_json='{"mode": "async", "num_ps_shards": 2}')
+    assert old.spec["num_ps_shards"] == 2
+    assert old.spec["node_wait_timeout_s"] == Experiment.__dataclass_fields__["node_wait_timeout_s"].default

@@ -73,3 +73,22 @@ def test_a_module_that_is_not_there_is_refused_before_the_node_joins() -> None:
     with pytest.raises(ConfigError, match="preload.*'transfomers'"):
         check_preload(("json", "transfomers"))
     check_preload(("json", "xml.dom.minidom"))
+
+
+def _named(conn: Connection) -> None:
+    from gossamer.worker._role_process import name_process
+
+    name_process("gossamer-w3.1")
+    conn.send(open("/proc/self/comm").read().strip())
+    conn.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/PID/comm is Linux's")
+def test_a_forked_role_is_named_for_ps_and_top() -> None:
+    ctx = role_context(warm=True)
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_named, args=(send,))
+    p.start()
+    send.close()
+    assert recv.recv() == "gossamer-w3.1"
+    p.join(30)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from gossamer.watch import WatchView, stragglers
+from gossamer.watch import WatchView, detached_note, outcome_line, stragglers
 
 
 def _status(**kw: object) -> dict[str, object]:
@@ -63,3 +63,20 @@ def test_stragglers_are_read_from_any_place_the_status_carries_them() -> None:
     assert stragglers(_status()) == {"spot-1", "bbb"}
     assert stragglers({"roles": []}, [{"id": "i", "name": "m", "straggler": True}]) == {"i", "m"}
     assert stragglers({"roles": []}) == set()
+
+
+def test_what_watch_says_on_detaching_depends_on_the_state() -> None:
+    why = "waiting for 5 nodes (2 for shards, on-demand preferred; 3 for workers); 3 free (1 on-demand, 2 spot)"
+    assert detached_note(_status(state="queued", message=why)) == f"it stays queued ({why})"
+    assert detached_note(_status(state="starting")) == "it keeps starting (its shards are coming up)"
+    assert detached_note(_status(state="running")) == "it keeps running"
+
+
+def test_a_cancelled_or_failed_run_reports_the_steps_it_reached() -> None:
+    st = _status(state="cancelled", message="cancelled by user", steps=640)
+    assert outcome_line(st) == "cancelled: cancelled by user (step 640/1500)"
+    done = _status(state="completed", message="completed 1500 steps, eval accuracy 0.9700", steps=1500)
+    assert outcome_line(done) == "completed: completed 1500 steps, eval accuracy 0.9700"  # said once
+    view = WatchView()
+    view.update(st)
+    assert "640/1500" in _text(view.summary())

@@ -459,7 +459,7 @@ class Coordinator:
         return rec.id
 
     async def _check_imports(self, exp: Experiment) -> None:
-        """Import the model and dataset callables in a child interpreter (never torch in here)."""
+        """Import the experiment's user code (model, dataset, loss, collate, metrics) in a child interpreter (never torch in here)."""
         await self.import_checker.check(exp)
 
     def get(self, exp_id: str) -> ExpRec:

@@ -23,7 +23,7 @@ class TooManyChecks(UnavailableError):
 
 def import_paths(exp: Experiment) -> Key:
     """Every "module:callable" path of `exp` that a worker imports, as (field, path) pairs."""
-    return (("model", exp.model), ("dataset", exp.dataset))
+    return tuple(exp.code_paths().items())
 
 
 class ImportChecker:
@@ -64,7 +64,7 @@ class ImportChecker:
         async with self._slots:
             self.spawned += 1
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gossamer._import_check", *(path for _, path in key),
+                sys.executable, "-m", "gossamer._import_check", *(f"{field}={path}" for field, path in key),
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
             )
             try:

@@ -287,6 +287,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from gossamer.export import export_experiment
+
+    path, runs = export_experiment(_client(args).job(args.id), args.tensorboard)
+    print(f"wrote {sum(runs.values())} scalars in {len(runs)} runs to {path} (tensorboard --logdir {args.tensorboard})")
+    return 0
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     st = _client(args).job(args.id).cancel()
     print(f"{st['id']}: {st['state']}")
@@ -462,6 +470,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", "-o", default=None, help="output file (default ID.png; .svg/.pdf by suffix)")
     _add_client_flags(pl)
     pl.set_defaults(fn=cmd_plot)
+
+    ex = sub.add_parser("export", help="an experiment's metric series as TensorBoard event files")
+    ex.add_argument("id")
+    ex.add_argument("--tensorboard", required=True, metavar="DIR",
+                    help="write DIR/ID/<node>[/<rank>]/events.out.tfevents.*: one run per worker rank and shard")
+    _add_client_flags(ex)
+    ex.set_defaults(fn=cmd_export)
 
     se = sub.add_parser("security", help="secure set-up (docs/security.md)")
     sesub = se.add_subparsers(dest="action", required=True)

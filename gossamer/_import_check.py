@@ -1,4 +1,4 @@
-"""Child-process check that an Experiment's model and dataset paths import (used by the coordinator)."""
+"""Child-process check that an Experiment's user code paths (model, dataset, loss, ...) import (used by the coordinator)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ def resolve(path: str) -> object:
 
 
 def main(argv: list[str]) -> int:
-    for field, path in zip(("model", "dataset"), argv, strict=False):
+    """Arguments are FIELD=PATH pairs (or bare model and dataset paths); prints "ok" or the first failure."""
+    pairs = [a.partition("=")[::2] if "=" in a else (f, a) for f, a in zip(("model", "dataset", *argv), argv, strict=False)]
+    for field, path in pairs:
         try:
             resolve(path)
         except Exception as e:  # noqa: BLE001 — any failure is the verdict

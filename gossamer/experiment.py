@@ -30,6 +30,10 @@ _MOMENTUM_OPTIMIZERS = ("sgd",)
 PARALLELISMS = ("ddp", "fsdp", "pipeline")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 PRECISIONS = ("fp32", "bf16", "fp16")
+#: Built-in losses (gossamer/worker/loss.py); a "package.module:callable" is the user's own.
+LOSSES = ("cross_entropy", "mse", "model")
+#: The fields that name user code, checked by importing them at submit (gossamer/_import_check.py).
+CODE_FIELDS = ("model", "dataset", "loss", "collate", "metrics")
 LR_SCALINGS = ("none", "linear")
 _CALLABLE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 #: Integers travel through TOML, SQLite and msgpack: all three stop at 64 bits.
@@ -43,7 +47,9 @@ class Experiment:
 
     `model` and `dataset` are "module:callable" paths; the model callable returns an
     nn.Module (called with `model_args`), the dataset callable a (train, eval) pair of
-    map-style Datasets yielding (input, target) (called with `dataset_args`).
+    map-style datasets, torch IterableDatasets or `datasets.Dataset`s (called with
+    `dataset_args`). `loss` is a built-in name or the user's `fn(output, target)`;
+    `collate`, when set, makes a batch of a list of samples; `metrics` adds evaluation figures.
     `batch_size` is per worker node; in sync mode `global_batch_size`, when set, fixes the
     global batch and splits it over the current workers.
     """
@@ -53,6 +59,12 @@ class Experiment:
     dataset: str
     model_args: dict[str, Any] = field(default_factory=dict)
     dataset_args: dict[str, Any] = field(default_factory=dict)
+    loss: str = "cross_entropy"  # cross_entropy | mse | model | "package.module:callable" (fn(output, target))
+    collate: str = ""  # "package.module:callable": a list of samples -> a batch ("": stack pairs / default_collate)
+    metrics: str = ""  # "package.module:callable": fn(model, eval_set) -> {name: float}, reported as eval_<name>
+    num_workers: int = 0  # DataLoader worker processes reading the training set (0: in the training process)
+    prefetch: int = 0  # batches read ahead of the step (0: none); with num_workers, per worker
+    eval_samples: int = 0  # evaluate on this many samples (0: the whole eval set; a stream's first 10000)
     mode: str = "async"
     compression: str = "auto"  # "auto": the mode's default (int8 for diloco's pseudo-gradients, none otherwise)
     compression_overrides: dict[str, str] = field(default_factory=dict)
@@ -173,6 +185,11 @@ class Experiment:
         per_update = self.effective_global_batch(num_workers) if mode_of(self).allows_global_batch else self.batch_size
         return per_update / (self.base_batch_size or self.batch_size)
 
+    def code_paths(self) -> dict[str, str]:
+        """The user code this experiment names, by field ("loss" only when it is a callable path)."""
+        paths = {f: getattr(self, f) for f in CODE_FIELDS}
+        return {f: p for f, p in paths.items() if p and not (f == "loss" and p in LOSSES)}
+
     def effective_global_batch(self, num_workers: int) -> int:
         """Samples per global step in sync mode."""
         return self.global_batch_size or self.batch_size * num_workers
@@ -197,6 +214,17 @@ def _check_identity(exp: Experiment) -> None:
     for f in ("model_args", "dataset_args"):
         if not isinstance(getattr(exp, f), dict):
             raise ConfigError(f, "must be a table/dict")
+    if not isinstance(exp.loss, str) or (exp.loss not in LOSSES and not _CALLABLE.fullmatch(exp.loss)):
+        raise ConfigError("loss", f"unknown loss {exp.loss!r}; choose {', '.join(LOSSES)} or your own "
+                                  "'package.module:callable' (called as fn(output, target) -> batch-mean loss)")
+    for f in ("collate", "metrics"):
+        v = getattr(exp, f)
+        if not isinstance(v, str) or (v and not _CALLABLE.fullmatch(v)):
+            raise ConfigError(f, f"must be empty or look like 'package.module:callable', got {v!r}")
+    for f in ("num_workers", "prefetch", "eval_samples"):
+        v = getattr(exp, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f, f"must be an integer >= 0, got {v!r}")
 
 
 def _resolve_mode(exp: Experiment) -> Mode:
@@ -319,6 +347,9 @@ def _check_layout(exp: Experiment, row: Mode) -> None:
                                                        f"got {exp.pipeline_microbatches}")
         if exp.global_batch_size is not None:
             raise ConfigError("global_batch_size", "pipeline keeps batch_size per worker; leave global_batch_size unset")
+        if exp.loss == "model":
+            raise ConfigError("loss", "pipeline computes the loss on its last stage from (input, target) micro-batches; "
+                                      "loss='model' needs the whole model and batch on one rank (use ddp or fsdp)")
 
 
 def _check_numerics(exp: Experiment) -> None:

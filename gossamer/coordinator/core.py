@@ -53,7 +53,7 @@ class Coordinator:
         self.exps: dict[str, ExpRec] = {e.id: e for e in exps}
         self._seq = max((e.seq for e in exps), default=0)
         self._changed = asyncio.Event()  # replaced by a fresh one at every change
-        self._import_checks: set[tuple[str, str]] = set()
+        self._import_checks: set[tuple[tuple[str, str], ...]] = set()
         self.curve = config.data_plane_curve
         if self.curve:
             import zmq  # not at import time: a plaintext coordinator never loads ZMQ
@@ -407,12 +407,13 @@ class Coordinator:
         return rec.id
 
     async def _check_imports(self, exp: Experiment) -> None:
-        """Import the model and dataset callables in a child interpreter (never torch in here)."""
-        key = (exp.model, exp.dataset)
+        """Import the experiment's user code (model, dataset, loss, collate, metrics) in a child interpreter (never torch in here)."""
+        paths = exp.code_paths()
+        key = tuple(sorted(paths.items()))
         if key in self._import_checks:
             return
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gossamer._import_check", exp.model, exp.dataset,
+            sys.executable, "-m", "gossamer._import_check", *(f"{f}={p}" for f, p in paths.items()),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         )
         try:
@@ -423,7 +424,7 @@ class Coordinator:
         verdict = out.decode().strip()
         if verdict != "ok":  # only successes are cached: a fixed module is checked again
             field, _, msg = verdict.partition(": ")
-            raise ConfigError(field if field in ("model", "dataset") else "model", msg or verdict)
+            raise ConfigError(field if field in paths else "model", msg or verdict)
         self._import_checks.add(key)
 
     def get(self, exp_id: str) -> ExpRec:

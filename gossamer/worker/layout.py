@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from gossamer.errors import ConfigError
 from gossamer.experiment import Experiment
 from gossamer.paramserver import Chunk, ShardPlan, flatten_grads, flatten_params, unflatten_into
 from gossamer.paramserver.shard_plan import FSDP_MAX_LOCAL_RANKS, fsdp_row_cuts
+from gossamer.worker.batches import Data, Selection, batch_samples, stack_batch, to_device
+from gossamer.worker.loss import EvalTotals, Objective, loss_sum
 from gossamer.worker.sampler import even_split
 
 log = logging.getLogger(__name__)
@@ -28,10 +29,12 @@ __all__ = [
     "Region",
     "ReplicatedLayout",
     "fsdp_row_cuts",
+    "loss_sum",
     "make_layout",
     "pipeline_split",
     "rank_layout",
     "shards_model",
+    "stack_batch",
 ]
 
 
@@ -94,26 +97,6 @@ def pipeline_split(model: nn.Module, stages: int) -> list[list[int]]:
     return groups
 
 
-def stack_batch(ds: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The samples `idx` of `ds` as one (inputs, targets) batch."""
-    tensors = getattr(ds, "tensors", None)
-    if tensors is not None:
-        return tensors[0][idx], tensors[1][idx]
-    items = [ds[int(i)] for i in idx]
-    return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.stack([torch.as_tensor(y) for _, y in items])
-
-
-def loss_sum(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy (in fp32, whatever autocast produced) and the number of predictions.
-
-    Classifiers give (B, C) logits for (B,) labels; sequence models (B, T, V) for (B, T)
-    targets, and every position counts as one prediction.
-    """
-    if out.dim() > 2:
-        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
-    return F.cross_entropy(out.float(), y, reduction="sum"), y.numel()
-
-
 class NodeLayout:
     """How the model lies over a node's local ranks; the base holds what sharded layouts share.
 
@@ -129,6 +112,7 @@ class NodeLayout:
 
     def __init__(self, model: nn.Module, exp: Experiment, rank: int, world: int, device: torch.device) -> None:
         self.exp, self.rank, self.world, self.device = exp, rank, world, device
+        self.objective = Objective(exp.loss)
         self.full_offsets = _param_offsets(model)
         self.total_numel = sum(p.numel() for p in model.parameters())
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -163,16 +147,15 @@ class NodeLayout:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, denom: float,
-                         loss_scale: float = 1.0) -> tuple[float, int]:
-        """Backprop sum(loss) * loss_scale / denom over this rank's part of the node batch.
+    def forward_backward(self, batch: Any, denom: float, loss_scale: float = 1.0) -> tuple[float, int]:
+        """Backprop sum(loss) * loss_scale / denom over this rank's part of the node batch (on the device).
 
         Returns the rank's summed loss and its number of predictions (each the node's total
         for pipeline, which only the last stage knows: it is shared with the other stages).
         """
         with self.autocast():
-            out = self.module(x)
-        total, k = loss_sum(out, y)
+            out = self.objective.forward(self.module, batch)
+        total, k = self.objective.loss_sum(out, batch)
         (total * (loss_scale / denom)).backward()
         return float(total.item()), k
 
@@ -224,11 +207,11 @@ class NodeLayout:
     #: Each rank computes its own samples, so the node's sample count and loss are summed.
     splits_batch = True
 
-    def rank_share(self, idx: torch.Tensor) -> torch.Tensor:
-        """This rank's samples of the node batch `idx`."""
-        return even_split(idx, self.world, self.rank)
+    def rank_share(self, sel: Selection) -> Selection:
+        """This rank's samples of the node batch `sel` (indices, or items read from a stream)."""
+        return even_split(sel, self.world, self.rank)
 
-    def node_gradient(self, x: torch.Tensor, y: torch.Tensor, denom: int, samples: int, loss_scale: float,
+    def node_gradient(self, batch: Any, denom: int, samples: int, loss_scale: float,
                       before_reduce: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
         """Backprop this rank's samples; each rank ends with the node gradient of its own regions.
 
@@ -236,9 +219,9 @@ class NodeLayout:
         node's [samples, summed loss per sample]. `before_reduce` runs before the first collective.
         """
         self.zero_grad()
-        per_sample = max(1, y[0].numel()) if y.dim() > 1 else 1
+        per_sample = self.objective.per_sample(batch)
         before_reduce()
-        total, _ = self.forward_backward(x, y, denom * per_sample, loss_scale)
+        total, _ = self.forward_backward(batch, denom * per_sample, loss_scale)
         node_samples = torch.tensor([float(samples), total / per_sample])
         if self.splits_batch:  # each rank had its own samples; a pipeline stage saw them all
             dist.all_reduce(node_samples)
@@ -345,30 +328,27 @@ class NodeLayout:
 
     # --- evaluation --------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, ds: Any, batch: int = 1024) -> tuple[float, float]:
-        """(accuracy, mean cross-entropy per prediction) over `ds`; every local rank calls it."""
+    def evaluate(self, data: Data, batch: int = 1024, limit: int = 0) -> dict[str, float]:
+        """eval_loss (mean per prediction), and eval_accuracy / eval_perplexity where they apply, over
+        `data` (a stream: its first `limit` samples); every local rank calls it."""
         self.module.eval()
-        sums = torch.zeros(3, dtype=torch.float64)  # correct, loss, predictions
-        n = len(ds)
+        totals = EvalTotals(self.objective)
         try:
-            for start in range(0, n, batch):
-                idx = torch.arange(start, min(n, start + batch))
-                for y, out in self._eval_batches(ds, idx):
-                    total, k = loss_sum(out, y)
-                    sums += torch.tensor([float((out.argmax(-1).cpu() == y.cpu()).sum()), float(total), float(k)],
-                                         dtype=torch.float64)
+            for sel in data.eval_selections(batch, limit):
+                for b, out in self._eval_batches(data, sel):
+                    totals.add(out, b)
         finally:
             self.module.train()
         if self.world > 1 and self._eval_is_split():
-            dist.all_reduce(sums)
-        return float(sums[0] / max(1.0, float(sums[2]))), float(sums[1] / max(1.0, float(sums[2])))
+            dist.all_reduce(totals.sums)
+        return totals.metrics()
 
     def _eval_is_split(self) -> bool:
         return False
 
-    def _eval_batches(self, ds: Any, idx: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        x, y = stack_batch(ds, idx)
-        yield y.to(self.device), self.module(x.to(self.device)).float()
+    def _eval_batches(self, data: Data, sel: Selection) -> Iterator[tuple[Any, Any]]:
+        b = to_device(data.batch(sel), self.device)
+        yield b, self.objective.forward(self.module, b)
 
     # --- state ---------------------------------------------------------------------------
     def read_flat(self) -> dict[int, torch.Tensor]:
@@ -470,12 +450,11 @@ class FsdpLayout(NodeLayout):
         fully_shard(model, mesh=mesh)
         return _materialize(model, self.device)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, denom: float,
-                         loss_scale: float = 1.0) -> tuple[float, int]:
+    def forward_backward(self, batch: Any, denom: float, loss_scale: float = 1.0) -> tuple[float, int]:
         # FSDP's reduce-scatter averages over ranks, but each rank's loss is already its share
         # of the node mean: scale by the world so the average is the sum (as ddp's all-reduce).
         # (`set_gradient_divide_factor(1.0)` says the same, but gloo lacks the PREMUL_SUM it uses.)
-        return super().forward_backward(x, y, denom, loss_scale * self.world)
+        return super().forward_backward(batch, denom, loss_scale * self.world)
 
     def _regions(self) -> list[Region]:
         regions = []
@@ -502,14 +481,14 @@ class FsdpLayout(NodeLayout):
     def _eval_is_split(self) -> bool:
         return self.world > 1
 
-    def _eval_batches(self, ds: Any, idx: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _eval_batches(self, data: Data, sel: Selection) -> Iterator[tuple[Any, Any]]:
         # Every rank must run the same number of forwards (each gathers layers collectively):
         # each takes an equal slice of the batch, and a rank with an empty slice still runs one.
-        mine = even_split(idx, self.world, self.rank)
-        x, y = stack_batch(ds, mine if mine.numel() else idx[:1])
-        out = self.module(x.to(self.device)).float()
-        if mine.numel():
-            yield y.to(self.device), out
+        mine = even_split(sel, self.world, self.rank)
+        b = to_device(data.batch(mine if len(mine) else sel[:1]), self.device)
+        out = self.objective.forward(self.module, b)
+        if len(mine):
+            yield b, out
 
 
 class PipelineLayout(NodeLayout):
@@ -523,8 +502,8 @@ class PipelineLayout(NodeLayout):
     kind = "pipeline"
     splits_batch = False  # every stage sees the whole node batch
 
-    def rank_share(self, idx: torch.Tensor) -> torch.Tensor:
-        return idx
+    def rank_share(self, sel: Selection) -> Selection:
+        return sel
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         groups = pipeline_split(model, self.world)
@@ -554,16 +533,16 @@ class PipelineLayout(NodeLayout):
         stage = PipelineStage(self.module, self.rank, self.world, self.device)
 
         def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            total, _ = loss_sum(out, y)
+            total, _ = self.objective.target_loss_sum(out, y)
             return total * (scale_ref[0] / denom_ref[0])
 
         cls = Schedule1F1B if self.exp.pipeline_schedule == "1f1b" else ScheduleGPipe
         return cls(stage, self.exp.pipeline_microbatches, loss_fn=loss_fn, scale_grads=False)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, denom: float,
-                         loss_scale: float = 1.0) -> tuple[float, int]:
+    def forward_backward(self, batch: Any, denom: float, loss_scale: float = 1.0) -> tuple[float, int]:
         if self.world == 1:
-            return super().forward_backward(x, y, denom, loss_scale)
+            return super().forward_backward(batch, denom, loss_scale)
+        x, y = self._tensors(batch)
         if self._schedule is None:
             self._denom, self._scale = [denom], [loss_scale]
             self._schedule = self._build_schedule(self._denom, self._scale)
@@ -578,22 +557,31 @@ class PipelineLayout(NodeLayout):
                 self._schedule.step()
         # Only the last stage saw the loss: share it (and the prediction count) with the others.
         summed = sum(float(v) for v in losses) * denom / loss_scale if self.last else 0.0
-        k = y.numel() if y.dim() > 1 else y.shape[0]
+        k = self.objective.predictions(batch)
         shared = torch.tensor([summed], dtype=torch.float64)
         dist.broadcast(shared, src=self.world - 1)
         return float(shared[0]), k
 
-    def _eval_batches(self, ds: Any, idx: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _eval_batches(self, data: Data, sel: Selection) -> Iterator[tuple[Any, Any]]:
         if self.world == 1:
-            yield from super()._eval_batches(ds, idx)
+            yield from super()._eval_batches(data, sel)
             return
-        x, y = stack_batch(ds, idx)
-        act = x.to(self.device) if self.first else self._recv(self.rank - 1)
+        b = to_device(data.batch(sel), self.device)
+        x, _ = self._tensors(b)
+        act = x if self.first else self._recv(self.rank - 1)
         out = self.module(act)
         if not self.last:
             self._send(out, self.rank + 1)
             return
-        yield y.to(self.device), out.float()
+        yield b, out.float()
+
+    def _tensors(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (input, target) tensors of a batch: the only batches a pipeline can cut into micro-batches."""
+        x, y = self.objective.split(batch)
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            raise ConfigError("parallelism", "pipeline cuts (input tensor, target tensor) batches into micro-batches; "
+                                             f"this batch gives a {type(x).__name__} input (use ddp or fsdp)")
+        return x, y
 
     def _eval_is_split(self) -> bool:
         return self.world > 1  # only the last stage counts; the sum carries its figures to all
@@ -658,13 +646,13 @@ class ReplicatedLayout(NodeLayout):
         )
 
     # --- a training rank's node gradient ---------------------------------------------------
-    def node_gradient(self, x: torch.Tensor, y: torch.Tensor, denom: int, samples: int, loss_scale: float,
+    def node_gradient(self, batch: Any, denom: int, samples: int, loss_scale: float,
                       before_reduce: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
         self.module.zero_grad(set_to_none=False)
         with self.autocast():
-            out = self.module(x)
-        total, predictions = loss_sum(out.float(), y)
-        per_sample = max(1, predictions // max(1, y.shape[0]))  # 1 for classifiers, T for sequences
+            out = self.objective.forward(self.module, batch)
+        total, predictions = self.objective.loss_sum(out, batch)
+        per_sample = max(1, predictions // max(1, batch_samples(batch)))  # 1 for classifiers, T for sequences
         (total * (loss_scale / (denom * per_sample))).backward()
         if not self._views_checked and self.flat_grad is not None and not self._grads_are_views():
             # Checked once: autograd accumulates in place into an existing .grad, so if the

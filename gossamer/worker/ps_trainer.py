@@ -19,6 +19,7 @@ from gossamer.protocol import AssignmentUpdate
 from gossamer.transport.router import FAILED_PRECONDITION, REFORM
 from gossamer.worker import sampler
 from gossamer.worker.adaptive_link import AdaptiveLink
+from gossamer.worker.batches import Selection
 from gossamer.worker.rank import Hook, RankContext, StepAbandoned
 from gossamer.worker.rank_trainer import OnSaved, RankTrainer
 
@@ -137,11 +138,15 @@ class ParameterServerTrainer(RankTrainer):
         return self.mode.barrier
 
     # --- one step ----------------------------------------------------------------------
-    def _batch(self) -> tuple[torch.Tensor, int]:
+    def _batch(self) -> tuple[Selection, int]:
         if not self.mode.allows_global_batch:  # sync: the step's batch is split over the workers
             return super()._batch()
         g = self.exp.effective_global_batch(self.ctx.num_workers)
-        idx = sampler.sync_global_batch(len(self.train_set), g, self.version, self.exp.seed)
+        if self.train_data.stream:  # the step's span of the stream, whatever the membership
+            items = self.train_data.read(*sampler.stream_span(self.version, g, self.ctx.num_workers,
+                                                              self.ctx.worker_rank))
+            return self.layout.rank_share(items), g
+        idx = sampler.sync_global_batch(len(self.train_data), g, self.version, self.exp.seed)
         idx = sampler.even_split(idx, self.ctx.num_workers, self.ctx.worker_rank)
         return self.layout.rank_share(idx), g
 

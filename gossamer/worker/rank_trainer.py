@@ -18,8 +18,9 @@ from gossamer.modes import mode_of
 from gossamer.paramserver import ShardPlan
 from gossamer.protocol import AssignmentUpdate
 from gossamer.worker import sampler
-from gossamer.worker.layout import NodeLayout, rank_layout, shards_model, stack_batch
-from gossamer.worker.model import build
+from gossamer.worker.batches import Selection, to_device
+from gossamer.worker.layout import NodeLayout, rank_layout, shards_model
+from gossamer.worker.model import build, experiment_data, user_metrics
 from gossamer.worker.precision import LossScaler, check_precision
 from gossamer.worker.profiling import StepProfiler
 from gossamer.worker.rank import Hook, RankContext, StepStats
@@ -52,6 +53,8 @@ class RankTrainer:
         # device, each rank allocates its own part, and the first pull fills it in.
         model, self.train_set, self.eval_set = build(
             self.exp, ctx.device, meta=shards_model(self.exp, ctx.local_world) and self.uses_servers)
+        #: The (train, eval) sets as the loop reads them: by index, or by position for streams.
+        self.train_data, self.eval_data = experiment_data(self.exp, self.train_set, self.eval_set)
         # The plan is made from the whole model, before a layout shards or stages it.
         self.plan = ShardPlan.for_experiment(model, self.exp)
         self.layout: NodeLayout = rank_layout(model, self.exp, ctx.local_rank, ctx.local_world, ctx.device)
@@ -88,9 +91,15 @@ class RankTrainer:
         self.layout.params_changed()
 
     # --- one step ----------------------------------------------------------------------
-    def _batch(self) -> tuple[torch.Tensor, int]:
-        """This rank's sample indices for the step and the denominator of the mean loss."""
-        n = len(self.train_set)
+    def _batch(self) -> tuple[Selection, int]:
+        """This rank's samples for the step (indices, or items read from a stream) and the denominator
+        of the mean loss. A stream is read by position: this worker's piece of its step's span."""
+        if self.train_data.stream:
+            span = sampler.stream_span(self.clock, self.exp.batch_size * self.ctx.num_workers,
+                                       self.ctx.num_workers, self.ctx.worker_rank)
+            items = self.train_data.read(*span)
+            return self.layout.rank_share(items), len(items)
+        n = len(self.train_data)
         idx = sampler.async_batch(n, self.exp.batch_size, self.clock, self.exp.seed, self.ctx.worker_index)
         return self.layout.rank_share(idx), idx.numel()
 
@@ -102,11 +111,10 @@ class RankTrainer:
         loss per sample] of the node, and the compute seconds.
         """
         t_compute = time.perf_counter()
-        idx, denom = self._batch()
-        x, y = stack_batch(self.train_set, idx)
-        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+        sel, denom = self._batch()
+        batch = to_device(self.train_data.batch(sel), self.ctx.device)
         grad, node_samples = self.layout.node_gradient(
-            x, y, denom, idx.numel(), self._loss_scale(),
+            batch, denom, len(sel), self._loss_scale(),
             before_reduce=lambda: die_at("mid-allreduce", step=self.clock, **(fault_ctx or {})))
         # Every rank now holds the node's gradient (or its part of it): unscale, check and clip it alike.
         self.step_ok = True
@@ -140,12 +148,18 @@ class RankTrainer:
         self.stats.loss = node_samples[1].item() / max(1.0, node_samples[0].item())
 
     # --- evaluation --------------------------------------------------------------------
-    def _evaluate(self, step: int) -> tuple[float, float]:
-        """Evaluate (every local rank of a sharded layout takes part); local rank 0 reports."""
-        acc, loss = self.layout.evaluate(self.eval_set)
+    def _evaluate(self, step: int) -> dict[str, float]:
+        """Evaluate (every local rank of a sharded layout takes part); local rank 0 reports.
+
+        Gives eval_loss, eval_accuracy (classification), eval_perplexity (language models) and
+        the experiment's own `metrics` (where a rank holds the whole model).
+        """
+        values = self.layout.evaluate(self.eval_data, limit=self.exp.eval_samples)
+        if self.layout.holds_full_model:
+            values.update(user_metrics(self.exp, self.model, self.eval_set))
         if self.ctx.local_rank == 0:
-            self.on_metrics(step, {"eval_accuracy": acc, "eval_loss": loss, "eval_step": float(step)})
-        return acc, loss
+            self.on_metrics(step, {**values, "eval_step": float(step)})
+        return values
 
     def _evaluates(self) -> bool:
         """Whether this rank takes part in evaluations: the lead's rank 0, or all its ranks when sharded."""
@@ -186,16 +200,16 @@ class RankTrainer:
             return
         if self.ctx.local_rank != 0:
             return
-        acc, loss = self._evaluate(step)
+        values = self._evaluate(step)
         self.final_path = self._save(
             {k: t.detach().cpu().clone() for k, t in self.model.state_dict().items()}, step, "final"
         )
-        self.final_metrics = {"eval_accuracy": acc, "eval_loss": loss, "steps": float(step), **(extra or {})}
-        log.info("final: step %d eval accuracy %.4f loss %.4f -> %s", step, acc, loss, self.final_path)
+        self.final_metrics = {**values, "steps": float(step), **(extra or {})}
+        log.info("final: step %d %s -> %s", step, _figures(values), self.final_path)
 
     def _finish_sharded(self, step: int, extra: dict[str, float] | None) -> None:
         layout = self.layout
-        acc, loss = self._evaluate(step)
+        values = self._evaluate(step)
         snap = ShardSnapshot(
             experiment=self.ctx.experiment_id, step=step, shard=self.ctx.local_rank, num_shards=self.ctx.local_world,
             total_numel=layout.total_numel, version=step,
@@ -209,6 +223,10 @@ class RankTrainer:
             self.on_metrics(step, {"checkpoint_step": float(step)})
             self.on_saved(step, str(path), "final")
             self.final_path = str(path)
-            self.final_metrics = {"eval_accuracy": acc, "eval_loss": loss, "steps": float(step), **(extra or {})}
-            log.info("final (%s over %d ranks): step %d eval accuracy %.4f loss %.4f -> %s", layout.kind,
-                     self.ctx.local_world, step, acc, loss, path)
+            self.final_metrics = {**values, "steps": float(step), **(extra or {})}
+            log.info("final (%s over %d ranks): step %d %s -> %s", layout.kind,
+                     self.ctx.local_world, step, _figures(values), path)
+
+
+def _figures(values: dict[str, float]) -> str:
+    return " ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in sorted(values.items()))

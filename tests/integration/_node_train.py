@@ -51,7 +51,7 @@ def run_rank(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
             share = idx if layout.kind == "pipeline" else sampler.even_split(idx, world, rank)
             x, y = stack_batch(train, share)
             layout.zero_grad()
-            total, _ = layout.forward_backward(x.to(device), y.to(device), float(idx.numel()),
+            total, _ = layout.forward_backward((x.to(device), y.to(device)), float(idx.numel()),
                                                scaler.scale if scaler else 1.0)
             layout.reduce_gradients()
             if scaler is not None:

@@ -1,0 +1,113 @@
+"""Sync with the user's loss, batches and streams still equals single-process training on the global batch."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gossamer.experiment import Experiment
+from gossamer.paramserver.local import LocalShards
+from gossamer.paramserver.shard_plan import flatten_params
+from gossamer.worker import sampler
+from gossamer.worker.batches import Data
+from gossamer.worker.model import build
+from gossamer.worker.ps_trainer import ParameterServerTrainer
+from gossamer.worker.rank import RankContext
+from tests.integration import _user_regression as user
+
+pytestmark = pytest.mark.timeout(180)
+
+U = "tests.integration._user_regression"
+BASE: dict[str, Any] = dict(name="user", mode="sync", optimizer="sgd", lr=0.05, momentum=0.9, num_ps_shards=2,
+                            total_steps=20, eval_every=0, model=f"{U}:mlp", dataset=f"{U}:tensor_data")
+
+
+def _train(exp: Experiment, workers: int, ckpt: Path) -> torch.Tensor:
+    """`workers` real trainers (threads) against real shards over loopback; the final flat parameters."""
+    torch.set_num_threads(1)
+    shards = LocalShards(exp)
+    errors: list[BaseException] = []
+
+    def run(w: int) -> None:
+        try:
+            ctx = RankContext(experiment_id="e", experiment=exp, node_id=f"node{w}", worker_index=w,
+                              num_workers=workers, endpoints=shards.endpoints, checkpoint_dir=str(ckpt))
+            ParameterServerTrainer(ctx).run()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=run, args=(w,)) for w in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        return shards.flat()
+    finally:
+        shards.close()
+
+
+def _reference(exp: Experiment, global_batch: int, loss: Callable[[Any, Any], torch.Tensor],
+               forward: Callable[[Any, Any], Any] = lambda model, b: model(b[0])) -> torch.Tensor:
+    """One process, plain PyTorch: the same global batches in order (by index, or stream positions)."""
+    torch.set_num_threads(1)
+    model, train, _ = build(exp, torch.device("cpu"))
+    data = Data(train)
+    opt = torch.optim.SGD(model.parameters(), lr=exp.lr, momentum=exp.momentum)
+    for step in range(exp.total_steps):
+        if data.stream:
+            b = data.batch(data.read(step * global_batch, (step + 1) * global_batch))
+        else:
+            b = data.batch(sampler.sync_global_batch(len(data), global_batch, step, exp.seed))
+        opt.zero_grad()
+        loss(forward(model, b), b).backward()
+        opt.step()
+    return flatten_params(model)
+
+
+def _assert_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.numel() == want.numel()
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_sync_with_user_loss_equals_single_process(tmp_path: Path) -> None:
+    exp = Experiment(**BASE, loss=f"{U}:half_squared_error", batch_size=16)
+    got = _train(exp, 2, tmp_path)
+    _assert_equal(got, _reference(exp, 32, lambda out, b: user.half_squared_error(out, b[1])))
+
+
+def test_sync_with_mse_over_three_workers_equals_single_process(tmp_path: Path) -> None:
+    exp = Experiment(**BASE, loss="mse", global_batch_size=48)
+    got = _train(exp, 3, tmp_path)
+    _assert_equal(got, _reference(exp, 48, lambda out, b: F.mse_loss(out, b[1])))
+
+
+def test_sync_on_an_endless_stream_reads_it_in_order_whatever_the_workers(tmp_path: Path) -> None:
+    """Each step takes the stream's next global batch, cut over the workers: two workers equal one process."""
+    exp = Experiment(**{**BASE, "dataset": f"{U}:stream_data"}, loss=f"{U}:half_squared_error", global_batch_size=32)
+    got = _train(exp, 2, tmp_path)
+    _assert_equal(got, _reference(exp, 32, lambda out, b: user.half_squared_error(out, b[1])))
+
+
+def test_sync_model_computed_loss_on_dict_batches_equals_single_process(tmp_path: Path) -> None:
+    """loss='model': dict batches go in as model(**batch), and its own `loss` is what trains."""
+    exp = Experiment(**{**BASE, "model": f"{U}:keyword_regressor", "dataset": f"{U}:dict_data"}, loss="model",
+                     batch_size=16)
+    got = _train(exp, 2, tmp_path)
+    _assert_equal(got, _reference(exp, 32, lambda out, b: out["loss"], forward=lambda model, b: model(**b)))
+
+
+def test_sync_with_user_collate_feeds_the_model_dict_batches(tmp_path: Path) -> None:
+    """`collate` turns (x, y) samples into {"features", "labels"}; cross-entropy-free mse on the logits."""
+    exp = Experiment(**{**BASE, "model": f"{U}:keyword_regressor"}, loss="mse", collate=f"{U}:pairs_as_dict",
+                     batch_size=16)
+    got = _train(exp, 2, tmp_path)
+    _assert_equal(got, _reference(exp, 32, lambda out, b: F.mse_loss(out["logits"], b[1]),
+                                  forward=lambda model, b: model(features=b[0])))

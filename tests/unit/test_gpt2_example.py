@@ -124,3 +124,12 @@ def test_a_checkpoint_missing_a_parameter_that_is_not_a_tied_alias_is_refused(tm
     with pytest.raises(RuntimeError, match=r"missing \['transformer.wpe.weight'\]"):
         gpt2.save_pretrained(ckpt, tmp_path / "hf", arch="gpt2", **TINY)
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_example_file_names_this_model_with_its_own_loss_and_matching_lengths() -> None:
+    from gossamer.experiment import Experiment
+
+    exp = Experiment.from_toml(Path(__file__).parents[2] / "examples" / "gpt2-tiny.toml")
+    assert exp.loss == "model" and exp.model == "gossamer.examples.gpt2:model"
+    assert exp.model_args["seq_len"] == exp.dataset_args["seq_len"]
+    assert gpt2.config(**exp.model_args).n_positions == exp.dataset_args["seq_len"]

@@ -198,7 +198,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                       f"  generation {st['generation']}")
         if st["message"]:
             console.print(f"  {st['message']}")
-        for k in ("loss", "eval_accuracy", "eval_loss", "samples", "samples_per_s", "bytes_up", "bytes_down"):
+        evals = sorted(k for k in m if k.startswith("eval_") and k not in ("eval_step", "eval_accuracy", "eval_loss"))
+        for k in ("loss", "eval_accuracy", "eval_loss", *evals, "samples", "samples_per_s", "bytes_up", "bytes_down"):
             if k in m:
                 console.print(f"  {k:14s} {m[k]:.6g}")
         if st["checkpoint"]:

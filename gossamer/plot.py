@@ -92,8 +92,15 @@ def render(points: Sequence[dict[str, Any]], title: str = "", names: dict[str, s
     ax_loss.plot(*_series(points, "eval_loss", t0), "k.-", lw=2, label="eval")
     ax_loss.set(title="loss", ylabel="cross-entropy")
 
-    ax_acc.plot(*_series(points, "eval_accuracy", t0), "C2.-", lw=2, label="eval accuracy")
-    ax_acc.set(title="eval accuracy", ylabel="accuracy")
+    others = sorted({k for p in points for k in p if k.startswith("eval_")}
+                    - {"eval_step", "eval_loss", "eval_accuracy"})
+    if any("eval_accuracy" in p for p in points) or not others:
+        ax_acc.plot(*_series(points, "eval_accuracy", t0), "C2.-", lw=2, label="eval accuracy")
+        ax_acc.set(title="eval accuracy", ylabel="accuracy")
+    else:  # no classification: the experiment's other evaluation figures (perplexity, its own metrics)
+        for i, k in enumerate(others):
+            ax_acc.plot(*_series(points, k, t0), f"C{2 + i}.-", lw=2, label=k.removeprefix("eval_"))
+        ax_acc.set(title="eval metrics", ylabel="value")
 
     ax_rate.plot(*summed_latest(points, "samples_per_s", t0, ttl_s=_RATE_TTL_S), "C1", drawstyle="steps-post",
                  label="all workers")

@@ -143,7 +143,8 @@ class WatchView:
 
         lines = [
             line(("loss", _num(m, "loss")), ("eval accuracy", _num(m, "eval_accuracy")),
-                 ("eval loss", _num(m, "eval_loss"))),
+                 ("eval loss", _num(m, "eval_loss")),
+                 *((k.removeprefix("eval_").replace("_", " "), _num(m, k)) for k in _other_evals(m))),
             line(("samples/s", _num(m, "samples_per_s", ".0f")), ("bytes up", _bytes(m.get("bytes_up", 0.0))),
                  ("down", _bytes(m.get("bytes_down", 0.0))), ("compression", "-" if not ratio else f"{ratio:.1f}x")),
         ]
@@ -188,7 +189,9 @@ class WatchView:
         state = st.get("state", "?")
         t.add_row(Text(state, style=_STATE_STYLE.get(state, "")), st.get("message", ""))
         for key, label, fmt in (("steps", "steps", ".0f"), ("eval_accuracy", "eval accuracy", ".4f"),
-                                ("eval_loss", "eval loss", ".4f"), ("samples", "samples", ".0f")):
+                                ("eval_loss", "eval loss", ".4f"),
+                                *((k, "eval " + k.removeprefix("eval_").replace("_", " "), ".4g") for k in _other_evals(m)),
+                                ("samples", "samples", ".0f")):
             if key in m:
                 t.add_row(label, format(m[key], fmt))
         if "bytes_up" in m:
@@ -291,6 +294,8 @@ def follow(job: Any, quiet: bool = False) -> int:
                 info.append(f"loss {m['loss']:.4f}")
             if "eval_accuracy" in m:
                 info.append(f"acc {m['eval_accuracy']:.4f}")
+            elif "eval_loss" in m:
+                info.append(f"eval loss {m['eval_loss']:.4g}")
             if m.get("samples_per_s"):
                 info.append(f"{m['samples_per_s']:.0f} samples/s")
             eta = "-"
@@ -306,6 +311,14 @@ def follow(job: Any, quiet: bool = False) -> int:
     print(f"{final.get('state')}: {final.get('message', '')}")
     if "eval_accuracy" in m:
         print(f"final eval accuracy: {m['eval_accuracy']:.4f}")
+    for k in ("eval_loss", *_other_evals(m)):
+        if k in m:
+            print(f"final {k.replace('_', ' ')}: {m[k]:.6g}")
     if final.get("checkpoint"):
         print(f"checkpoint: {final['checkpoint']}")
     return 0 if final.get("state") == "completed" else 1
+
+
+def _other_evals(m: dict[str, Any]) -> list[str]:
+    """The evaluation figures besides accuracy and loss (perplexity, the experiment's own `metrics`)."""
+    return sorted(k for k in m if k.startswith("eval_") and k not in ("eval_step", "eval_accuracy", "eval_loss"))

@@ -217,7 +217,9 @@ function renderCharts(data) {
   const f = v => Math.abs(v) >= 1000 ? (v / 1000).toFixed(v % 1000 ? 1 : 0) + "k" : num(v, 3);
   document.getElementById("charts").replaceChildren(
     chart("loss", "training loss", data.loss || [], "#c01048", f),
-    chart("eval_accuracy", "eval accuracy", data.eval_accuracy || [], "#12805c", f),
+    data.eval_accuracy && data.eval_accuracy.length
+      ? chart("eval_accuracy", "eval accuracy", data.eval_accuracy, "#12805c", f)
+      : chart("eval_loss", "eval loss", data.eval_loss || [], "#12805c", f),
     chart("samples_per_s", "throughput (samples/s)", data.samples_per_s || [], "#2f6fde", f));
 }
 

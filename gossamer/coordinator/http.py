@@ -140,7 +140,7 @@ def series(rows: list[tuple[float, int, str, dict[str, Any]]], start: float,
     """Chart series from stored metric points, at most `max_points` each, time in s since `start`.
 
     loss: the mean over workers of each one's latest loss; samples_per_s: the sum over
-    workers; steps: the global step; eval_accuracy: every evaluation.
+    workers; steps: the global step; eval_accuracy, eval_loss and every other eval_<name>: every evaluation.
     """
     rows = sorted(rows, key=lambda r: r[0])
     out: dict[str, list[list[float]]] = {"loss": [], "samples_per_s": [], "steps": [], "eval_accuracy": []}
@@ -163,10 +163,12 @@ def series(rows: list[tuple[float, int, str, dict[str, Any]]], start: float,
                 speed[source] = (t, float(values["samples_per_s"]))
             if "/ps" in source or "updates" in values:
                 steps = max(steps, int(step))
-            acc = values.get("eval_accuracy")
-            if isinstance(acc, (int, float)) and math.isfinite(acc) and values.get("eval_step", t) not in seen_eval:
+            evals = {k: v for k, v in values.items() if k.startswith("eval_") and k != "eval_step"
+                     and isinstance(v, (int, float)) and math.isfinite(v)}
+            if evals and values.get("eval_step", t) not in seen_eval:
                 seen_eval.add(values.get("eval_step", t))
-                out["eval_accuracy"].append([round(t - start, 3), float(acc)])
+                for k, v in evals.items():
+                    out.setdefault(k, []).append([round(t - start, 3), float(v)])
             i += 1
             continue
         _bucket(out, edge - start, edge, loss, speed, steps)

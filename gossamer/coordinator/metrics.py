@@ -103,6 +103,10 @@ class CoordinatorCollector:
         yield gauge("gossamer_experiment_loss", "Latest training loss.", lab, rows("loss"))
         yield gauge("gossamer_experiment_eval_accuracy", "Latest evaluation accuracy.", lab, rows("eval_accuracy"))
         yield gauge("gossamer_experiment_eval_loss", "Latest evaluation loss.", lab, rows("eval_loss"))
+        yield gauge("gossamer_experiment_eval", "Latest evaluation figures by name (eval_<metric>: loss, accuracy, "
+                    "perplexity, the experiment's own `metrics`).", ["experiment", "metric"],
+                    [([e.id, k.removeprefix("eval_")], float(v)) for e in exps for k, v in sorted(totals[e.id].items())
+                     if k.startswith("eval_") and k != "eval_step"])
         yield counter("gossamer_experiment_bytes_up", "Bytes workers sent to the shards (on the wire).", lab,
                       rows("bytes_up"))
         yield counter("gossamer_experiment_bytes_down", "Bytes workers received from the shards (on the wire).",

@@ -139,10 +139,11 @@ class ExpRec:
             if t > newest_t and "loss" in values:
                 newest_t = t
                 out["loss"] = values["loss"]
-            for k in ("eval_accuracy", "eval_loss"):
-                if k in values and values.get("eval_step", 0) >= out.get("eval_step", -1):
+            evals = [k for k in values if k.startswith("eval_") and k != "eval_step"]  # loss, accuracy, the user's
+            if evals and values.get("eval_step", 0) >= out.get("eval_step", -1):
+                for k in evals:
                     out[k] = values[k]
-                    out["eval_step"] = values.get("eval_step", 0)
+                out["eval_step"] = values.get("eval_step", 0)
         for k, v in self.latest.get("coordinator", {}).items():  # recovery figures, already totals
             if k != "time_unix":
                 out[k] = v

@@ -10,8 +10,8 @@ from torch.utils.data import IterableDataset, default_collate
 
 from gossamer.errors import ConfigError
 
-__all__ = ["Data", "Selection", "batch_samples", "call_model", "split_batch", "stack_batch", "to_device",
-           "without_labels"]
+__all__ = ["Data", "Selection", "batch_samples", "call_model", "describe", "split_batch", "stack_batch",
+           "to_device", "without_labels"]
 
 #: What picks a batch's samples: indices into a map-style set, or items already read from a stream.
 Selection = torch.Tensor | list[Any]
@@ -93,6 +93,20 @@ def split_batch(batch: Any, parts: int, part: int) -> Any:
     return cut(batch)
 
 
+def describe(batch: Any, depth: int = 0) -> str:
+    """A short picture of a batch's structure: "(float32[32, 8], int64[32])", "{input_ids: int64[4, 16]}"."""
+    if isinstance(batch, torch.Tensor):
+        return f"{str(batch.dtype).removeprefix('torch.')}{list(batch.shape)}"
+    if depth >= 3:
+        return "..."
+    if isinstance(batch, Mapping):
+        return "{" + ", ".join(f"{k}: {describe(v, depth + 1)}" for k, v in list(batch.items())[:8]) + "}"
+    if isinstance(batch, tuple | list):
+        inner = ", ".join(describe(v, depth + 1) for v in batch[:8])
+        return f"({inner})" if isinstance(batch, tuple) else f"[{inner}]"
+    return type(batch).__name__
+
+
 def without_labels(batch: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in batch.items() if k != "labels"}
 
@@ -119,6 +133,8 @@ class Data:
             raise ConfigError(field, f"the dataset callable must return map-style datasets (with __len__ and "
                                      f"__getitem__), torch IterableDatasets or datasets.Dataset, got {type(ds).__name__}")
         self.ds, self.collate, self.field = ds, collate, field
+        #: A fresh iterator over the stream from its start (the loader may read it through worker processes).
+        self.iterate: Callable[[], Iterator[Any]] = lambda: iter(self.ds)
         self._it: Iterator[Any] | None = None
         self._pos = 0  # the stream position `_it` yields next
         self._length: int | None = None  # a finite stream's length, once read to its end
@@ -157,7 +173,7 @@ class Data:
             if self._length is not None:
                 p %= self._length
             if self._it is None or p < self._pos:
-                self._it, self._pos = iter(self.ds), 0
+                self._it, self._pos = self.iterate(), 0
             try:
                 while self._pos <= p:
                     item = next(self._it)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from gossamer._import_check import resolve
 from gossamer.errors import ConfigError
-from gossamer.worker.batches import batch_samples, call_model, without_labels
+from gossamer.worker.batches import batch_samples, call_model, describe, without_labels
 
 __all__ = ["EvalTotals", "Objective", "loss_sum"]
 
@@ -65,6 +65,7 @@ class Objective:
         self.spec = spec
         self.kind = spec if spec in ("cross_entropy", "mse", "model") else "callable"
         self._fn: Callable[..., Any] | None = None
+        self._forwarded = False  # the first forward names a batch the model cannot take
         if self.kind == "callable":
             self._fn = resolve(spec)  # type: ignore[assignment]
 
@@ -96,7 +97,25 @@ class Objective:
                                      f"got a {type(batch).__name__}")
 
     def forward(self, module: Any, batch: Any) -> Any:
-        """The model's output on `batch` (`model`: the whole batch as keyword or positional arguments)."""
+        """The model's output on `batch` (`model`: the whole batch as keyword or positional arguments).
+
+        Raises:
+            ConfigError: naming `dataset` when the model cannot take the first batch it is given
+                (a later failure is the model's own and passes through unchanged).
+        """
+        if self._forwarded:
+            return self._forward(module, batch)
+        try:
+            out = self._forward(module, batch)
+        except (TypeError, ValueError, IndexError, RuntimeError) as e:
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise ConfigError("dataset", f"the model cannot take a batch of {describe(batch)} (loss={self.spec!r}): "
+                                         f"{type(e).__name__}: {e}") from e
+        self._forwarded = True
+        return out
+
+    def _forward(self, module: Any, batch: Any) -> Any:
         if self.kind == "model":
             if isinstance(batch, Mapping):
                 return module(**batch)
@@ -158,7 +177,7 @@ class EvalTotals:
         if self.objective.classification:
             correct = self.objective.correct(out, batch)
             seq = float(_logits(out).dim() > 2)
-        self.sums += torch.tensor([correct, float(total), float(k), seq], dtype=torch.float64)
+        self.sums += torch.tensor([correct, float(total.detach()), float(k), seq], dtype=torch.float64)
 
     def metrics(self) -> dict[str, float]:
         """eval_loss (mean per prediction); eval_accuracy for classification; eval_perplexity for language models."""

@@ -19,7 +19,7 @@ from gossamer.protocol import AssignmentUpdate
 from gossamer.transport.router import FAILED_PRECONDITION, REFORM
 from gossamer.worker import sampler
 from gossamer.worker.adaptive_link import AdaptiveLink
-from gossamer.worker.batches import Selection
+from gossamer.worker.loader import Want
 from gossamer.worker.rank import Hook, RankContext, StepAbandoned
 from gossamer.worker.rank_trainer import OnSaved, RankTrainer
 
@@ -138,17 +138,19 @@ class ParameterServerTrainer(RankTrainer):
         return self.mode.barrier
 
     # --- one step ----------------------------------------------------------------------
-    def _batch(self) -> tuple[Selection, int]:
-        if not self.mode.allows_global_batch:  # sync: the step's batch is split over the workers
-            return super()._batch()
+    def _data_step(self) -> int:
+        return self.version if self.mode.allows_global_batch else self.clock
+
+    def _want_at(self, step: int) -> tuple[Want, int]:
+        if not self.mode.allows_global_batch:
+            return super()._want_at(step)
+        # sync: the step's global batch is split over the workers
         g = self.exp.effective_global_batch(self.ctx.num_workers)
         if self.train_data.stream:  # the step's span of the stream, whatever the membership
-            items = self.train_data.read(*sampler.stream_span(self.version, g, self.ctx.num_workers,
-                                                              self.ctx.worker_rank))
-            return self.layout.rank_share(items), g
-        idx = sampler.sync_global_batch(len(self.train_data), g, self.version, self.exp.seed)
+            return self._span_want(step, g)[0], g
+        idx = sampler.sync_global_batch(len(self.train_data), g, step, self.exp.seed)
         idx = sampler.even_split(idx, self.ctx.num_workers, self.ctx.worker_rank)
-        return self.layout.rank_share(idx), g
+        return ("idx", tuple(int(i) for i in self.layout.rank_share(idx))), g
 
     def step(self) -> bool:
         """One training step; True when the experiment has reached total_steps.

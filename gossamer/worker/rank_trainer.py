@@ -18,8 +18,9 @@ from gossamer.modes import mode_of
 from gossamer.paramserver import ShardPlan
 from gossamer.protocol import AssignmentUpdate
 from gossamer.worker import sampler
-from gossamer.worker.batches import Selection, to_device
+from gossamer.worker.batches import to_device
 from gossamer.worker.layout import NodeLayout, rank_layout, shards_model
+from gossamer.worker.loader import StepLoader, Want, want_len
 from gossamer.worker.model import build, experiment_data, user_metrics
 from gossamer.worker.precision import LossScaler, check_precision
 from gossamer.worker.profiling import StepProfiler
@@ -55,6 +56,7 @@ class RankTrainer:
             self.exp, ctx.device, meta=shards_model(self.exp, ctx.local_world) and self.uses_servers)
         #: The (train, eval) sets as the loop reads them: by index, or by position for streams.
         self.train_data, self.eval_data = experiment_data(self.exp, self.train_set, self.eval_set)
+        self.loader = StepLoader(self.train_data, num_workers=self.exp.num_workers, prefetch=self.exp.prefetch)
         # The plan is made from the whole model, before a layout shards or stages it.
         self.plan = ShardPlan.for_experiment(model, self.exp)
         self.layout: NodeLayout = rank_layout(model, self.exp, ctx.local_rank, ctx.local_world, ctx.device)
@@ -91,17 +93,24 @@ class RankTrainer:
         self.layout.params_changed()
 
     # --- one step ----------------------------------------------------------------------
-    def _batch(self) -> tuple[Selection, int]:
-        """This rank's samples for the step (indices, or items read from a stream) and the denominator
-        of the mean loss. A stream is read by position: this worker's piece of its step's span."""
+    def _data_step(self) -> int:
+        """The step number that picks this rank's samples: its own step (sync: the global step)."""
+        return self.clock
+
+    def _want_at(self, step: int) -> tuple[Want, int]:
+        """This rank's samples at `step` under the current membership, and the denominator of the
+        node's mean loss. A stream is read by position: this worker's piece of the step's span."""
         if self.train_data.stream:
-            span = sampler.stream_span(self.clock, self.exp.batch_size * self.ctx.num_workers,
-                                       self.ctx.num_workers, self.ctx.worker_rank)
-            items = self.train_data.read(*span)
-            return self.layout.rank_share(items), len(items)
+            return self._span_want(step, self.exp.batch_size * self.ctx.num_workers)
         n = len(self.train_data)
-        idx = sampler.async_batch(n, self.exp.batch_size, self.clock, self.exp.seed, self.ctx.worker_index)
-        return self.layout.rank_share(idx), idx.numel()
+        idx = sampler.async_batch(n, self.exp.batch_size, step, self.exp.seed, self.ctx.worker_index)
+        return ("idx", tuple(int(i) for i in self.layout.rank_share(idx))), idx.numel()
+
+    def _span_want(self, step: int, step_samples: int) -> tuple[Want, int]:
+        start, stop = sampler.stream_span(step, step_samples, self.ctx.num_workers, self.ctx.worker_rank)
+        mine = self.layout.rank_share(torch.arange(start, stop))
+        lo = int(mine[0]) if len(mine) else start
+        return ("span", lo, lo + len(mine)), stop - start
 
     def _local_grad(self, fault_ctx: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Backprop this rank's samples and reduce the gradient inside the node.
@@ -111,10 +120,11 @@ class RankTrainer:
         loss per sample] of the node, and the compute seconds.
         """
         t_compute = time.perf_counter()
-        sel, denom = self._batch()
-        batch = to_device(self.train_data.batch(sel), self.ctx.device)
+        step = self._data_step()
+        want, denom = self._want_at(step)
+        batch = to_device(self.loader.get(step, lambda s: self._want_at(s)[0]), self.ctx.device)
         grad, node_samples = self.layout.node_gradient(
-            batch, denom, len(sel), self._loss_scale(),
+            batch, denom, want_len(want), self._loss_scale(),
             before_reduce=lambda: die_at("mid-allreduce", step=self.clock, **(fault_ctx or {})))
         # Every rank now holds the node's gradient (or its part of it): unscale, check and clip it alike.
         self.step_ok = True

@@ -127,7 +127,10 @@ class WorkerRankRole:
             # a gossip worker's endpoint reaches its peers through the coordinator
             self.reporter.role(self.spec.node_id, pb.ROLE_WORKER, self.index, pb.ROLE_STATE_SERVING,
                                endpoint=trainer.endpoint)
-        trainer.run()
+        try:
+            trainer.run()
+        finally:
+            trainer.loader.close()  # read-ahead threads and DataLoader worker processes
         self.reporter.flush()
         if self.rank == 0 and trainer.final_path:
             self.reporter.complete(self.spec.node_id, trainer.final_metrics, trainer.final_path)

@@ -77,8 +77,11 @@ def _assert_equal(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got - want).abs().max().item() <= 1e-5
 
 
-def test_sync_with_user_loss_equals_single_process(tmp_path: Path) -> None:
-    exp = Experiment(**BASE, loss=f"{U}:half_squared_error", batch_size=16)
+@pytest.mark.parametrize(("num_workers", "prefetch"), [(0, 0), (0, 3), (2, 2)])
+def test_sync_with_user_loss_equals_single_process(tmp_path: Path, num_workers: int, prefetch: int) -> None:
+    """Also with batches read ahead (a thread) or in DataLoader worker processes: the same samples each step."""
+    exp = Experiment(**BASE, loss=f"{U}:half_squared_error", batch_size=16, num_workers=num_workers,
+                     prefetch=prefetch)
     got = _train(exp, 2, tmp_path)
     _assert_equal(got, _reference(exp, 32, lambda out, b: user.half_squared_error(out, b[1])))
 
@@ -91,7 +94,8 @@ def test_sync_with_mse_over_three_workers_equals_single_process(tmp_path: Path) 
 
 def test_sync_on_an_endless_stream_reads_it_in_order_whatever_the_workers(tmp_path: Path) -> None:
     """Each step takes the stream's next global batch, cut over the workers: two workers equal one process."""
-    exp = Experiment(**{**BASE, "dataset": f"{U}:stream_data"}, loss=f"{U}:half_squared_error", global_batch_size=32)
+    exp = Experiment(**{**BASE, "dataset": f"{U}:stream_data"}, loss=f"{U}:half_squared_error", global_batch_size=32,
+                     prefetch=2)
     got = _train(exp, 2, tmp_path)
     _assert_equal(got, _reference(exp, 32, lambda out, b: user.half_squared_error(out, b[1])))
 
@@ -111,3 +115,50 @@ def test_sync_with_user_collate_feeds_the_model_dict_batches(tmp_path: Path) -> 
     got = _train(exp, 2, tmp_path)
     _assert_equal(got, _reference(exp, 32, lambda out, b: F.mse_loss(out["logits"], b[1]),
                                   forward=lambda model, b: model(features=b[0])))
+
+
+def _rank_main(rank: int, world: int, port: int, exp_json: str, endpoints: dict[int, str], ckpt: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ctx = RankContext(experiment_id="e", experiment=Experiment.from_json(exp_json), node_id="node0",
+                          worker_index=0, num_workers=1, endpoints=endpoints, checkpoint_dir=ckpt,
+                          local_rank=rank, local_world=world)
+        ParameterServerTrainer(ctx).run()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("parallelism", "dataset"), [("fsdp", "stream_data"), ("pipeline", "tensor_data"),
+                                                      ("ddp", "stream_data")])
+def test_two_local_ranks_with_user_loss_equal_single_process(tmp_path: Path, parallelism: str, dataset: str) -> None:
+    """One node of two ranks (fsdp rows, pipeline stages or ddp replicas), the user's loss: still the global step."""
+    import socket
+
+    import torch.multiprocessing as tmp
+
+    exp = Experiment(**{**BASE, "dataset": f"{U}:{dataset}"}, loss=f"{U}:half_squared_error", batch_size=32,
+                     chunk_numel=64, parallelism=parallelism, pipeline_microbatches=4)
+    shards = LocalShards(exp)
+    procs: list[Any] = []
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = tmp.get_context("spawn")
+        procs = [ctx.Process(target=_rank_main, args=(r, 2, port, exp.to_json(), shards.endpoints, str(tmp_path)))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(150)
+        assert [p.exitcode for p in procs] == [0, 0]
+        got = shards.flat()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        shards.close()
+    _assert_equal(got, _reference(exp, 32, lambda out, b: user.half_squared_error(out, b[1])))

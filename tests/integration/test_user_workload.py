@@ -1,0 +1,101 @@
+"""A user's own regression model, loss, endless stream and metrics train through the CLI cluster; bad user code is named."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gossamer import Client
+from gossamer.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(420)
+
+U = "tests.integration._user_regression"
+NOISE = 0.1  # the stream's noise std: the user's loss (half the squared error) floors at NOISE**2 / 2
+
+
+def _wait_ready(client: Client, n: int, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(x["state"] == "ready" for x in client.nodes()) < n:
+        assert time.monotonic() < deadline, client.nodes()
+        time.sleep(0.2)
+
+
+def _toml(path: Path, **fields: object) -> Path:
+    lines = ["[experiment]"]
+    for k, v in fields.items():
+        lines.append(f"{k} = {v!r}".replace("'", '"') if not isinstance(v, bool) else f"{k} = {str(v).lower()}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _cli(*args: str, timeout: float = 360) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gossamer.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "400"})  # rich wraps at the width
+
+
+def _cluster(cluster: LocalCluster, workers: int) -> tuple[str, Client]:
+    address = cluster.start_coordinator(port=0)
+    cluster.add_node("od0")
+    for i in range(workers):
+        cluster.add_node(f"spot{i}", spot=True)
+    client = Client(address)
+    _wait_ready(client, 1 + workers)
+    return address, client
+
+
+def test_user_regression_with_own_loss_on_endless_stream_trains_to_noise_floor(cluster: LocalCluster,
+                                                                                tmp_path: Path) -> None:
+    address, client = _cluster(cluster, workers=2)
+    spec = _toml(tmp_path / "regression.toml", name="regression", mode="async", model=f"{U}:linear",
+                 dataset=f"{U}:stream_data", loss=f"{U}:half_squared_error", metrics=f"{U}:regression_metrics",
+                 optimizer="sgd", lr=0.05, batch_size=32, num_ps_shards=1, total_steps=400, eval_every=100,
+                 ps_backup=False, min_workers=2, num_workers=1, prefetch=2)  # a DataLoader process per worker
+    out = _cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
+    assert out.returncode == 0, out.stdout + out.stderr
+    exp_id = out.stdout.splitlines()[0].strip()
+    result = client.job(exp_id).wait(timeout=30)
+    assert result.status == "completed", result
+    m = result.metrics
+    floor = NOISE**2 / 2
+    # From about 4 at the start (half of |w|^2 = 8 expected) to within a factor of the noise floor.
+    assert floor / 2 <= m["eval_loss"] <= 2 * floor, m
+    assert m["eval_r2"] > 0.99 and m["eval_mae"] < 2 * NOISE, m  # the user's own metrics came back
+    assert "eval_accuracy" not in m and "eval_perplexity" not in m  # no classes, no tokens
+    float(re.search(r"final eval loss: ([0-9.e-]+)", out.stdout).group(1))  # type: ignore[union-attr]
+    # Both workers read the stream (disjoint pieces of it) and every eval reached the time series.
+    evals = [p for p in client.job(exp_id).metrics() if "eval_r2" in p]
+    assert len(evals) >= 3 and evals[-1]["eval_loss"] == pytest.approx(m["eval_loss"], rel=1e-6)
+    status = _cli("status", exp_id, "-c", address, timeout=60)
+    assert "eval_r2" in status.stdout and "eval_mae" in status.stdout, status.stdout
+    client.close()
+
+
+def test_bad_user_code_is_refused_at_submit_or_named_in_status(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A loss that does not import: refused at submit. A loss returning per-sample values: the worker fails
+    at its first step and `gossamer status` shows why, naming the `loss` field."""
+    address, client = _cluster(cluster, workers=1)
+    base = dict(mode="async", model=f"{U}:linear", dataset=f"{U}:stream_data", optimizer="sgd", lr=0.05,
+                num_ps_shards=1, total_steps=50, eval_every=0, ps_backup=False)
+    missing = _toml(tmp_path / "missing.toml", name="missing", **base, loss=f"{U}:no_such_loss")
+    out = _cli("submit", str(missing), "--coordinator", address, "--quiet", timeout=120)
+    assert out.returncode != 0 and "loss" in out.stderr + out.stdout and "no_such_loss" in out.stderr + out.stdout
+
+    bad = _toml(tmp_path / "bad.toml", name="bad", **base, loss=f"{U}:per_sample_error")
+    out = _cli("submit", str(bad), "--coordinator", address, "--quiet", timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    exp_id = out.stdout.splitlines()[0].strip()
+    deadline, shown = time.monotonic() + 120, ""
+    while "loss:" not in shown:
+        assert time.monotonic() < deadline, shown
+        shown = _cli("status", exp_id, "-c", address, timeout=60).stdout
+        time.sleep(0.5)
+    assert "per_sample_error" in shown and "scalar" in shown, shown
+    client.job(exp_id).cancel()
+    client.close()

@@ -11,7 +11,7 @@ No network: HF_HUB_OFFLINE=1 in every process.
 Measured (150 steps, batch 32, AdamW 3e-3; eval unigram entropy 2.955 nats/byte): sync GPT-2
 0.69x, and bit-for-bit the same eval loss with fsdp over 2 local ranks (2.053); async Llama
 0.77x, with fsdp 0.76x; gossip Llama 0.60x; diloco Llama 0.61x. Async GPT-2 learns slower
-(0.82x after 200 and 300 steps: its tied head is updated by stale gradients of both uses),
+(0.82x after 200 and 300 steps, against 0.72x for one process after 150; cause not established),
 so the async runs use Llama. On this 2-core machine at load ~20 each test took 2-4 minutes,
 a minute of it importing transformers.
 """

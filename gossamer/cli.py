@@ -314,6 +314,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from gossamer.export import export_experiment
+
+    path, runs = export_experiment(_client(args).job(args.id), args.tensorboard)
+    print(f"wrote {sum(runs.values())} scalars in {len(runs)} runs to {path} (tensorboard --logdir {args.tensorboard})")
+    return 0
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     st = _client(args).job(args.id).cancel()
     print(f"{st['id']}: {st['state']}")
@@ -391,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 COMMANDS = {
     "coordinator_serve": cmd_coordinator_serve, "worker_join": cmd_worker_join, "submit": cmd_submit,
     "status": cmd_status, "nodes": cmd_nodes, "watch": cmd_watch, "cancel": cmd_cancel, "events": cmd_events,
-    "plot": cmd_plot, "security_init": cmd_security_init, "demo": cmd_demo, "local_up": cmd_local_up,
+    "plot": cmd_plot, "export": cmd_export, "security_init": cmd_security_init, "demo": cmd_demo, "local_up": cmd_local_up,
     "local_down": cmd_local_down, "local_status": cmd_local_status,
 }
 

@@ -317,6 +317,13 @@ def _client_parsers(sub: Any) -> None:
     _add_client_flags(pl)
     pl.set_defaults(fn="plot")
 
+    ex = sub.add_parser("export", help="an experiment's metric series as TensorBoard event files")
+    ex.add_argument("id", help="the experiment id")
+    ex.add_argument("--tensorboard", required=True, metavar="DIR",
+                    help="write DIR/ID/<node>[/<rank>]/events.out.tfevents.*: one run per worker rank and shard")
+    _add_client_flags(ex)
+    ex.set_defaults(fn="export")
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; `args.fn` names the command's handler in gossamer.cli."""

@@ -23,8 +23,8 @@ def _worker_sources(points: Sequence[dict[str, Any]], key: str) -> list[str]:
     return sorted({p["source"] for p in points if key in p})
 
 
-def _label(source: str, names: dict[str, str] | None) -> str:
-    """"node_id/rank" as the node's name (and the rank unless 0)."""
+def source_label(source: str, names: dict[str, str] | None = None) -> str:
+    """A metric source, "node_id/rank" (or "node_id/psN"), as the node's name (and the rank unless 0)."""
     node, _, rank = source.partition("/")
     return (names or {}).get(node, node) + (f"/{rank}" if rank not in ("", "0") else "")
 
@@ -83,7 +83,7 @@ def render(points: Sequence[dict[str, Any]], title: str = "", names: dict[str, s
     if title:
         fig.suptitle(title)
 
-    workers = sorted((_label(src, names), src) for src in _worker_sources(points, "loss"))
+    workers = sorted((source_label(src, names), src) for src in _worker_sources(points, "loss"))
     for label, src in workers:
         ax_loss.plot(*_series(points, "loss", t0, src), lw=1, alpha=0.8,
                      label=f"train {label}" if len(workers) <= 6 else None)

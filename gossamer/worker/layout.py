@@ -357,14 +357,49 @@ class NodeLayout:
         return {r.flat_offset: r.local().detach().cpu().clone() for r in self.owned_regions()}
 
 
+def _tied_aliases(module: nn.Module) -> list[tuple[str, str]]:
+    """(alias, first name) of every parameter reachable under more than one name (tied embeddings)."""
+    first: dict[int, str] = {}
+    aliases = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases.append((name, first[id(p)]))
+        else:
+            first[id(p)] = name
+    return aliases
+
+
 def _materialize(module: nn.Module, device: torch.device) -> nn.Module:
     """Allocate a module built on the meta device (this rank's part only); its values are unset."""
     if any(p.is_meta for p in module.parameters()):
+        aliases = _tied_aliases(module)
         module.to_empty(device=device)
+        # to_empty gives every module a Parameter of its own: tie each alias back to its first name's.
+        for alias, name in aliases:
+            owner, _, attr = alias.rpartition(".")
+            setattr(module.get_submodule(owner), attr, module.get_parameter(name))
         with torch.no_grad():
             for p in module.parameters():
                 (p.to_local() if hasattr(p, "to_local") else p).zero_()  # never garbage, until the first pull
     return module
+
+
+def _own_units(model: nn.Module) -> list[nn.Module]:
+    """The children to shard as FSDP units of their own: those with parameters that share none with another child.
+
+    A tied parameter (GPT-2's lm_head.weight is transformer.wte.weight) must lie in one unit,
+    so the children holding it are left to the root's.
+    """
+    holders: dict[int, int] = {}
+    for child in model.children():
+        for p in child.parameters():
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    own = []
+    for child in model.children():
+        params = list(child.parameters())
+        if params and all(holders[id(p)] == 1 for p in params):
+            own.append(child)
+    return own
 
 
 class FsdpLayout(NodeLayout):
@@ -390,9 +425,8 @@ class FsdpLayout(NodeLayout):
             mmap_large_allocations()
 
         mesh = init_device_mesh(self.device.type, (self.world,))
-        for child in model.children():
-            if any(True for _ in child.parameters()):
-                fully_shard(child, mesh=mesh)
+        for child in _own_units(model):
+            fully_shard(child, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return _materialize(model, self.device)
 

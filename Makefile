@@ -18,7 +18,8 @@ demo: $(STAMP)
 	$(BIN)/gossamer demo
 
 test: $(STAMP) lint
-	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15 tests
+	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15 -m 'not quiet' tests
+	$(BIN)/pytest -q -m quiet tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check gossamer tests bench

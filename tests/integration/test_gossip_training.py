@@ -25,6 +25,7 @@ def test_consensus_distance_of_identical_models_is_zero_and_average_is_weighted(
     assert d == pytest.approx((2 * 0.75**2 + 2 * 0.25**2) / 2)
 
 
+@pytest.mark.quiet
 def test_gossip_four_workers_reach_95_percent_on_digits(tmp_path: Path, make_cluster: MakeCluster) -> None:
     spec = {
         "name": "gossip", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",

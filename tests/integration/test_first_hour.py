@@ -193,7 +193,7 @@ def test_a_cancelled_run_shows_the_steps_it_reached(session: Session) -> None:
     assert st["state"] == "cancelled" and st["steps"] >= 20, st
     out = session.run(f"gossamer status {exp_id} --local").stdout
     assert f"step {st['steps']}/100000" in out, out
-    listing = session.run("gossamer status --local").stdout
+    listing = session.run("COLUMNS=250 gossamer status --local").stdout  # no id cut short by the table
     assert re.search(rf"{exp_id}.*cancelled.*{st['steps']}/100000", listing), listing
     watched = session.run(f"gossamer watch {exp_id} --local")  # a finished run: the summary at once
     assert watched.returncode == 1 and re.search(rf"steps\s+{st['steps']}/100000", watched.stdout), watched.stdout

@@ -312,14 +312,16 @@ class NodeAgent:
 
     async def _watch(self) -> None:
         assert self._stub is not None
-        if self._warm is not None:
-            await self._warm  # assignments wait in the stream meanwhile
         while True:
             try:
                 stream = self._stub.WatchAssignments(pb.WatchAssignmentsRequest(node_id=self.node_id))
                 async for aset in stream:
                     if aset.serial >= self._last_serial:
                         self._last_serial = aset.serial
+                        if self._warm is not None:
+                            # Roles start from the warm fork server. The stream is open meanwhile: its
+                            # drop is how the coordinator sees this node die (kill -9) within 2 heartbeats.
+                            await self._warm
                         self._apply(list(aset.assignments))
             except grpc.RpcError as e:
                 log.debug("assignment stream ended (%s); reconnecting", e.code())

@@ -11,7 +11,7 @@ import pytest
 from gossamer import Client
 from tests._fixtures import MakeCluster
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.quiet]
+pytestmark = pytest.mark.timeout(120)
 
 
 def _state(client: Client, name: str) -> str:

@@ -168,6 +168,22 @@ class PgStore(Store):
             db.conn.execute(_SCHEMA)
         self._db = self._pg = db
 
+    def reconnect(self) -> None:
+        """A fresh session for a standby whose connection failed (never for a leader: its lock went with it)."""
+        if self.term:
+            raise NotLeaderError("")
+
+        def _reopen() -> None:
+            if self._pg is not None:
+                try:
+                    self._pg.close()
+                except Exception:  # noqa: BLE001, S110 — it is already broken
+                    pass
+            self._db = self._pg = None
+            self._open()
+
+        self._pool.submit(_reopen).result()
+
     @property
     def term(self) -> int:
         """This process's leader term (0: it does not lead)."""

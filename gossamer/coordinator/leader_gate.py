@@ -1,0 +1,63 @@
+"""Standby coordinators refuse every gossamer call with UNAVAILABLE, naming the leader (status text and `gossamer-leader` trailer)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+import grpc
+
+from gossamer.errors import NotLeaderError
+
+#: Trailing metadata key holding the leading coordinator's HOST:PORT (empty: none leads yet).
+LEADER_KEY = "gossamer-leader"
+
+
+class Leading(Protocol):
+    """What the gate asks of the server: whether it leads, and who does."""
+
+    @property
+    def leading(self) -> bool: ...
+
+    @property
+    def leader_address(self) -> str: ...
+
+
+class LeaderGate(grpc.aio.ServerInterceptor):
+    """Passes calls through while the server leads; otherwise ends them with UNAVAILABLE at once.
+
+    Clients given every coordinator address route by the health service (a standby reports
+    NOT_SERVING), so they reach this only in the moment a lead changes hands, and retry.
+    """
+
+    def __init__(self, server: Leading, prefix: str = "/gossamer.") -> None:
+        self.server = server
+        self.prefix = prefix
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or self.server.leading or not handler_call_details.method.startswith(self.prefix):
+            return handler
+        for kind in ("unary_unary", "stream_unary", "unary_stream", "stream_stream"):
+            inner = getattr(handler, kind)
+            if inner is not None:
+                refuse = self._refuse_stream if inspect.isasyncgenfunction(inner) else self._refuse
+                return handler._replace(**{kind: refuse})
+        return handler
+
+    async def _abort(self, context: grpc.aio.ServicerContext) -> None:
+        leader = self.server.leader_address
+        context.set_trailing_metadata(((LEADER_KEY, leader),))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(NotLeaderError(leader)))
+
+    async def _refuse(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._abort(context)
+
+    async def _refuse_stream(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await self._abort(context)
+        yield  # an async generator, as the handler it replaces

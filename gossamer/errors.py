@@ -27,11 +27,11 @@ class UnavailableError(GossamerError):
 
 
 class NotLeaderError(UnavailableError):
-    """This coordinator stands by (or lost its lead): another one, at `leader` (empty: none yet), leads."""
+    """This coordinator stands by (or lost its lead): another one, at `leader` (empty: not known), leads."""
 
     def __init__(self, leader: str) -> None:
         self.leader = leader
-        super().__init__(f"not leader; the leader is at {leader}" if leader else "not leader; no coordinator leads yet")
+        super().__init__(f"not leader; the leader is at {leader}" if leader else "not leader; which coordinator leads is not known here")
 
 
 class ProtocolError(GossamerError):

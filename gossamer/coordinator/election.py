@@ -72,3 +72,7 @@ class Election:
         while await self.store.still_leading():
             await asyncio.sleep(CHECK_S)
         self.on_lost("the term moved on or the state database session ended")
+
+    def deposed(self) -> None:
+        """This process lost the lead: it no longer knows who leads."""
+        self.term, self.leader = 0, ""

@@ -242,6 +242,8 @@ class CoordinatorServer:
             return
         log.critical("lost the lead (%s): refusing every call and stopping", why)
         self.leading = False
+        if self.election is not None:
+            self.election.deposed()
         for task in (self._reaper, self._retention):
             if task is not None:
                 task.cancel()

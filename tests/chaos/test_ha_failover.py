@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import grpc
-import psycopg
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -18,6 +17,8 @@ from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from tests._fixtures import MakeCluster
 from tests.chaos._wait import wait_for, wait_steps
+
+psycopg = pytest.importorskip("psycopg", reason="psycopg 3 is not installed: pip install 'gossamer[postgres]'")
 
 pytestmark = pytest.mark.timeout(420)
 

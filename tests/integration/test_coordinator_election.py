@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import grpc
-import psycopg
 import pytest
 
 from gossamer import Client
@@ -12,6 +11,8 @@ from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from tests._fixtures import StartCoordinator
 from tests.chaos._wait import wait_for
+
+psycopg = pytest.importorskip("psycopg", reason="psycopg 3 is not installed: pip install 'gossamer[postgres]'")
 
 pytestmark = pytest.mark.timeout(180)
 

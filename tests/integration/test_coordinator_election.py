@@ -9,7 +9,7 @@ from gossamer import Client
 from gossamer.coordinator.leader_gate import LEADER_KEY
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
-from tests._fixtures import StartCoordinator
+from tests._fixtures import MakeCluster, StartCoordinator
 from tests.chaos._wait import wait_for
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg 3 is not installed: pip install 'gossamer[postgres]'")
@@ -56,3 +56,15 @@ def test_a_deposed_leader_refuses_everything_and_the_lock_passes_on(start_coordi
     with psycopg.connect(postgres_url) as conn:
         assert conn.execute("SELECT term, address FROM gossamer_leader").fetchone() == (3, b.address)
     assert isinstance(_list(b.address), pb.ListExperimentsResponse)
+
+
+def test_coordinator_serve_exits_3_when_its_term_moves_on(make_cluster: MakeCluster, postgres_url: str) -> None:
+    cluster = make_cluster()
+    cluster.start_replicas(postgres_url, count=1)
+    proc = cluster.replicas["c0"]
+    with Client(cluster.address) as client:
+        assert client.nodes() == []  # it leads
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("UPDATE gossamer_leader SET term = term + 1")
+    assert proc.wait(timeout=30) == 3  # a supervisor starts it again, as a standby
+    assert "lost the lead" in (cluster.log_dir / "c0.log").read_text()

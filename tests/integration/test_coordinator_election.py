@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import grpc
 import pytest
 
@@ -68,3 +71,29 @@ def test_coordinator_serve_exits_3_when_its_term_moves_on(make_cluster: MakeClus
         conn.execute("UPDATE gossamer_leader SET term = term + 1")
     assert proc.wait(timeout=30) == 3  # a supervisor starts it again, as a standby
     assert "lost the lead" in (cluster.log_dir / "c0.log").read_text()
+
+
+def test_secure_replicas_nodes_and_clients_follow_the_leader(tmp_path: Path, make_cluster: MakeCluster,
+                                                             postgres_url: str) -> None:
+    """mTLS and a token (`--secure DIR`) on two coordinators: one channel over both checks either
+    certificate against the first address's host; a node and a client follow a kill -9 failover."""
+    cluster = make_cluster(secure=tmp_path / "secure", coordinator_args=["--no-import-check"])
+    cluster.start_replicas(postgres_url, count=2)
+    cluster.add_node("n0")
+    with cluster.client() as client:
+        wait_for(lambda: [n["name"] for n in client.nodes()] == ["n0"], 60, "n0 to join over mTLS")
+        with psycopg.connect(postgres_url) as conn:
+            leader = conn.execute("SELECT address FROM gossamer_leader").fetchone()[0]
+        name = next(n for n, p in cluster.replica_ports.items() if f"127.0.0.1:{p}" == leader)
+        node_id = client.nodes()[0]["id"]
+        cluster.kill_coordinator(name)
+        # The new leader knows the node from the shared state, and hears its heartbeats over mTLS.
+        wait_for(lambda: [(n["id"], n["state"]) for n in client.nodes()] == [(node_id, "ready")], 30,
+                 "the node at the new leader")
+        with psycopg.connect(postgres_url) as conn:
+            assert conn.execute("SELECT term FROM gossamer_leader").fetchone()[0] == 2
+        # It stays: a lease (5 s) later, still ready under the new leader, not lost.
+        deadline = time.monotonic() + 7.0
+        while time.monotonic() < deadline:
+            assert [n["state"] for n in client.nodes()] == ["ready"]
+            time.sleep(0.5)

@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_report  # noqa: E402
+from _wait import wait  # noqa: E402
 
 from gossamer import Client  # noqa: E402
 from gossamer.examples.digits import mlp  # noqa: E402
@@ -207,15 +208,6 @@ def role_children(agent_pid: int) -> list[int]:
 # ------------------------------------------------------------------------------------------
 # Cluster helpers
 # ------------------------------------------------------------------------------------------
-def wait(pred, timeout: float, what: str, period: float = 0.1):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(period)
 
 
 def node_id(client: Client, name: str) -> str:

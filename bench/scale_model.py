@@ -43,6 +43,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from _report import RESULTS, write_report  # noqa: E402
 from _scale_user import mlp  # noqa: E402
+from _wait import wait  # noqa: E402
 
 from gossamer.experiment import Experiment  # noqa: E402
 from gossamer.local_cluster import LocalCluster  # noqa: E402
@@ -177,15 +178,6 @@ def kb_to_mb(kb: int) -> float:
 # ------------------------------------------------------------------------------------------
 # One cluster per mode
 # ------------------------------------------------------------------------------------------
-def wait(pred: Any, timeout: float, what: str, period: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(period)
 
 
 class Prober(threading.Thread):

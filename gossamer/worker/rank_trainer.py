@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
 from collections.abc import Callable
@@ -34,7 +35,7 @@ __all__ = ["OnSaved", "RankTrainer"]
 OnSaved = Callable[[int, str, str], None]
 
 
-class RankTrainer:
+class RankTrainer(abc.ABC):
     """What every mode's local rank does: build the model and data, lay the model over the node's
     local ranks (`layout`: ddp, fsdp or pipeline), compute the node's gradient of this rank's
     samples, evaluate, save checkpoints. A mode's trainer adds how nodes exchange.
@@ -85,8 +86,9 @@ class RankTrainer:
                                      node_name=ctx.node_name, local_rank=ctx.local_rank, device=ctx.device,
                                      checkpoint_dir=ctx.checkpoint_dir, on_metrics=lambda s, v: self.on_metrics(s, v))
 
+    @abc.abstractmethod
     def run(self) -> None:
-        raise NotImplementedError
+        """Train to the end or to a stop; each mode's trainer owns its loop."""
 
     def _params_changed(self) -> None:
         """`flat` was written: copy it into the parameters unless they are views of it."""

@@ -32,22 +32,22 @@ def reference_sync(exp: Experiment, global_batch: int) -> torch.Tensor:
     return flatten_params(model)
 
 
-def run_async(exp: Experiment, workers: int = 3, throttle_at: dict[int, object] | None = None) -> dict[str, object]:
-    """Train `exp` with `workers` ParameterServerTrainer threads against real shards; final metrics and trainers."""
+def run_trainers(exp: Experiment, endpoints: dict[int, str], workers: int, checkpoint_dir: str = "/tmp",
+                 timeout: float = 600.0) -> list[object]:
+    """`workers` trainers of `exp`'s mode, one thread each, against real shards at `endpoints`; the trainers.
+
+    Raises what any trainer raised (the first), after every thread has ended or `timeout` s passed.
+    """
     import threading
 
-    from gossamer.paramserver import unflatten_into
     from gossamer.worker.diloco import DilocoTrainer
-    from gossamer.worker.model import evaluate
     from gossamer.worker.ps_trainer import ParameterServerTrainer
     from gossamer.worker.rank import RankContext
 
-    torch.set_num_threads(1)
-    shards = Shards(exp)
     cls = DilocoTrainer if exp.mode == "diloco" else ParameterServerTrainer
     trainers = [
         cls(RankContext(experiment_id="e", experiment=exp, node_id=f"node{w}", worker_index=w,
-                            num_workers=workers, endpoints=shards.endpoints, checkpoint_dir="/tmp"))
+                        num_workers=workers, endpoints=endpoints, checkpoint_dir=checkpoint_dir))
         for w in range(workers)
     ]
     errors: list[BaseException] = []
@@ -62,9 +62,20 @@ def run_async(exp: Experiment, workers: int = 3, throttle_at: dict[int, object] 
     for th in threads:
         th.start()
     for th in threads:
-        th.join(600)
+        th.join(timeout)
+    assert not errors, errors
+    return list(trainers)
+
+
+def run_async(exp: Experiment, workers: int = 3) -> dict[str, object]:
+    """Train `exp` with `workers` ParameterServerTrainer threads against real shards; final metrics and trainers."""
+    from gossamer.paramserver import unflatten_into
+    from gossamer.worker.model import evaluate
+
+    torch.set_num_threads(1)
+    shards = Shards(exp)
     try:
-        assert not errors, errors
+        trainers: list = run_trainers(exp, shards.endpoints, workers)
         flat = shards.flat()
         server_stats = [s.stats() for s in shards.servers]
     finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ from gossamer.experiment import Experiment
 from gossamer.worker.ps_trainer import ParameterServerTrainer
 from gossamer.worker.rank import RankContext
 from tests._fixtures import experiment
-from tests.integration._ps_harness import Shards, reference_sync
+from tests.integration._ps_harness import Shards, reference_sync, run_trainers
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,22 +24,7 @@ SYNC: dict[str, Any] = dict(name="sync", mode="sync", optimizer="sgd", lr=0.05, 
 
 
 def _run_workers(exp: Experiment, shards: Shards, workers: int, ckpt: Path) -> None:
-    threads, errors = [], []
-
-    def run(w: int) -> None:
-        try:
-            ctx = RankContext(experiment_id="e", experiment=exp, node_id=f"node{w}", worker_index=w,
-                              num_workers=workers, endpoints=shards.endpoints, checkpoint_dir=str(ckpt))
-            ParameterServerTrainer(ctx).run()
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    for w in range(workers):
-        threads.append(threading.Thread(target=run, args=(w,)))
-        threads[-1].start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    run_trainers(exp, shards.endpoints, workers, str(ckpt), timeout=120)
 
 
 def test_sync_two_workers_of_16_equal_single_process_batch_32(tmp_path: Path) -> None:

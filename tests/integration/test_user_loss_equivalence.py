@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from gossamer.worker.model import build
 from gossamer.worker.ps_trainer import ParameterServerTrainer
 from gossamer.worker.rank import RankContext
 from tests.integration import _user_regression as user
+from tests.integration._ps_harness import run_trainers
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,23 +32,8 @@ def _train(exp: Experiment, workers: int, ckpt: Path) -> torch.Tensor:
     """`workers` real trainers (threads) against real shards over loopback; the final flat parameters."""
     torch.set_num_threads(1)
     shards = LocalShards(exp)
-    errors: list[BaseException] = []
-
-    def run(w: int) -> None:
-        try:
-            ctx = RankContext(experiment_id="e", experiment=exp, node_id=f"node{w}", worker_index=w,
-                              num_workers=workers, endpoints=shards.endpoints, checkpoint_dir=str(ckpt))
-            ParameterServerTrainer(ctx).run()
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
     try:
-        threads = [threading.Thread(target=run, args=(w,)) for w in range(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        run_trainers(exp, shards.endpoints, workers, str(ckpt), timeout=120)
         return shards.flat()
     finally:
         shards.close()

@@ -1,0 +1,19 @@
+"""Polling wait shared by the benches that drive real clusters."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def wait(pred: Callable[[], Any], timeout: float, what: str, period: float = 0.1) -> Any:
+    """Poll `pred` every `period` s until it returns something truthy, and return that; TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(period)

@@ -23,36 +23,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
 import psycopg
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_report  # noqa: E402
+from _wait import wait  # noqa: E402
 
 from gossamer import Client  # noqa: E402
 from gossamer.local_cluster import LocalCluster  # noqa: E402
-from tests._postgres import PostgresServer, find_bin_dir  # noqa: E402
+from tests._postgres import PostgresServer, find_bin_dir, leads  # noqa: E402
 
 NODES = ("n0", "n1", "n2")
 
 
-def _serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        except grpc.RpcError:
-            return False
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def _until(pred, t0: float, limit: float = 60.0) -> float:  # type: ignore[no-untyped-def]
-    while not pred():
-        if time.monotonic() - t0 > limit:
-            raise TimeoutError("no answer within 60 s")
-        time.sleep(0.01)
+def _since(t0: float, pred, what: str) -> float:  # type: ignore[no-untyped-def]
+    """Seconds from `t0` until `pred` holds (polled every 10 ms, 60 s at most)."""
+    wait(pred, 60, what, period=0.01)
     return time.monotonic() - t0
 
 
@@ -78,11 +66,11 @@ def ha_trial(pg: PostgresServer) -> dict[str, float]:
         for n in NODES:
             cluster.add_node(n)
         with Client(cluster.address, timeout=5.0) as client:
-            _until(lambda: _all_nodes(client), time.monotonic())
+            wait(lambda: _all_nodes(client), 60, "three nodes")
             t0 = time.monotonic()
             cluster.kill_coordinator(names[leader])
-            lead_s = _until(lambda: _serving(standby), t0)
-            client_s = _until(lambda: _all_nodes(client), t0)
+            lead_s = _since(t0, lambda: leads(standby), "the standby to lead")
+            client_s = _since(t0, lambda: _all_nodes(client), "the client to list the nodes")
     return {"lead_s": lead_s, "client_s": client_s}
 
 
@@ -92,11 +80,11 @@ def baseline_trial() -> float:
         for n in NODES:
             cluster.add_node(n)
         with Client(cluster.address, timeout=1.0) as client:
-            _until(lambda: _all_nodes(client), time.monotonic())
+            wait(lambda: _all_nodes(client), 60, "three nodes")
             t0 = time.monotonic()
             cluster.kill_coordinator()
             cluster.start_coordinator()
-            return _until(lambda: _all_nodes(client), t0)
+            return _since(t0, lambda: _all_nodes(client), "the restarted coordinator to list the nodes")
 
 
 def main() -> None:

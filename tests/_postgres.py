@@ -1,4 +1,4 @@
-"""A throwaway PostgreSQL server for tests: initdb in its own temp directory, a free port, removed at the end."""
+"""A throwaway PostgreSQL server for tests and benches (initdb in its own temp directory, a free port, removed at the end), and which coordinator leads."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import subprocess
 import tempfile
 import uuid
 from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 #: Where Debian's postgresql-NN packages put the server binaries (CI installs one; .ci/run).
 _BIN_GLOBS = ("/usr/lib/postgresql/*/bin", "/usr/local/pgsql/bin")
@@ -91,3 +94,13 @@ class PostgresServer:
                 self.started = False
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def leads(address: str) -> bool:
+    """Whether the coordinator at `address` (asked alone, no failover logic) reports SERVING: it leads."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import grpc
 
 from gossamer.errors import NotLeaderError
+from gossamer.rpc_errors import replace_behavior
 
 #: Trailing metadata key holding the leading coordinator's HOST:PORT (empty: none leads yet).
 LEADER_KEY = "gossamer-leader"
@@ -43,12 +43,7 @@ class LeaderGate(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or self.server.leading or not handler_call_details.method.startswith(self.prefix):
             return handler
-        for kind in ("unary_unary", "stream_unary", "unary_stream", "stream_stream"):
-            inner = getattr(handler, kind)
-            if inner is not None:
-                refuse = self._refuse_stream if inspect.isasyncgenfunction(inner) else self._refuse
-                return handler._replace(**{kind: refuse})
-        return handler
+        return replace_behavior(handler, lambda _, gen: self._refuse_stream if gen else self._refuse)
 
     async def _abort(self, context: grpc.aio.ServicerContext) -> None:
         leader = self.server.leader_address

@@ -111,40 +111,40 @@ def test_both_backends_answer_the_same_merged_points(postgres_url: str, tmp_path
         lite.close()
 
 
-def test_one_leader_and_a_write_from_an_old_term_is_refused(postgres_url: str) -> None:
+@pytest.fixture
+def rivals(postgres_url: str) -> Iterator[tuple[PgStore, PgStore, list[str]]]:
+    """Two stores on one database, the first leading (term 1), and what it was told when it lost the lead."""
     a, b = PgStore(postgres_url), PgStore(postgres_url)
     lost: list[str] = []
     try:
         assert _run(a.try_lead("a:1")) == 1
         a.on_lost = lost.append
-        assert _run(b.try_lead("b:1")) == 0  # the lock is held
-        assert _run(b.leader()) == (1, "a:1")
-        _run(a.save_node(NodeRec(id="n1", name="x", address="h")))
-        # Someone bumps the term behind a's back (an operator, a split brain): a's writes stop.
-        b.run_sync(lambda db: db.execute("UPDATE gossamer_leader SET term = term + 1"))
-        with pytest.raises(NotLeaderError):
-            _run(a.save_node(NodeRec(id="n2", name="y", address="h")))
-        assert lost and not _run(a.still_leading())
-        assert [n.id for n in b.load()[0]] == ["n1"]  # nothing of the refused write landed
+        yield a, b, lost
     finally:
         a.close()
         b.close()
 
 
-def test_the_lock_passes_when_the_leaders_session_ends(postgres_url: str) -> None:
-    a, b = PgStore(postgres_url), PgStore(postgres_url)
-    lost: list[str] = []
-    try:
-        assert _run(a.try_lead("a:1")) == 1
-        a.on_lost = lost.append
-        pid = a.run_sync(lambda db: db.execute("SELECT pg_backend_pid()").fetchone()[0])
-        b.run_sync(lambda db: db.execute("SELECT pg_terminate_backend(?)", (pid,)))
-        with pytest.raises(NotLeaderError):
-            _run(a.add_event("x", "after the session ended"))
-        assert lost
-        assert _run(b.try_lead("b:1")) == 2
-        assert _run(b.leader()) == (2, "b:1")
-        assert _run(b.events()) == []
-    finally:
-        a.close()
-        b.close()
+def test_one_leader_and_a_write_from_an_old_term_is_refused(rivals: tuple[PgStore, PgStore, list[str]]) -> None:
+    a, b, lost = rivals
+    assert _run(b.try_lead("b:1")) == 0  # the lock is held
+    assert _run(b.leader()) == (1, "a:1")
+    _run(a.save_node(NodeRec(id="n1", name="x", address="h")))
+    # Someone bumps the term behind a's back (an operator, a split brain): a's writes stop.
+    b.run_sync(lambda db: db.execute("UPDATE gossamer_leader SET term = term + 1"))
+    with pytest.raises(NotLeaderError):
+        _run(a.save_node(NodeRec(id="n2", name="y", address="h")))
+    assert lost and not _run(a.still_leading())
+    assert [n.id for n in b.load()[0]] == ["n1"]  # nothing of the refused write landed
+
+
+def test_the_lock_passes_when_the_leaders_session_ends(rivals: tuple[PgStore, PgStore, list[str]]) -> None:
+    a, b, lost = rivals
+    pid = a.run_sync(lambda db: db.execute("SELECT pg_backend_pid()").fetchone()[0])
+    b.run_sync(lambda db: db.execute("SELECT pg_terminate_backend(?)", (pid,)))
+    with pytest.raises(NotLeaderError):
+        _run(a.add_event("x", "after the session ended"))
+    assert lost
+    assert _run(b.try_lead("b:1")) == 2
+    assert _run(b.leader()) == (2, "b:1")
+    assert _run(b.events()) == []

@@ -38,10 +38,11 @@ def test_a_deposed_leader_refuses_everything_and_the_lock_passes_on(start_coordi
     assert isinstance(refused, grpc.RpcError) and refused.code() == grpc.StatusCode.UNAVAILABLE
     assert f"the leader is at {a.address}" in (refused.details() or "")
 
-    # Both addresses, either order: the client reaches the leader.
-    with Client(f"{b.address},{a.address}") as client:
-        assert client.experiments() == []
-        assert len(client.nodes()) == 0
+    # Both addresses, standby first, as a string or a list: the client reaches the leader.
+    for both in (f"{b.address},{a.address}", [b.address, a.address]):
+        with Client(both) as client:
+            assert client.experiments() == []
+            assert len(client.nodes()) == 0
 
     # The term moves on behind the leader's back: it stops acting within its next check.
     with psycopg.connect(postgres_url, autocommit=True) as conn:

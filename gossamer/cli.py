@@ -81,7 +81,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level, args.log_format, role="coordinator")
     config = CoordinatorConfig(
-        host=args.host, port=args.port, state_dir=args.state_dir,
+        host=args.host, port=args.port, state_dir=args.state_dir, state=args.state, advertise=args.advertise,
         heartbeat_interval_s=args.heartbeat_interval, lease_timeout_s=args.lease_timeout,
         check_imports=not args.no_import_check,
         max_message_bytes=int(args.max_message_mb * (1 << 20)), rate_limit=args.rate_limit,
@@ -92,8 +92,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
         from gossamer.coordinator.http import HttpConfig
 
         http = HttpConfig(host=args.http_host, port=args.http_port)
-    asyncio.run(serve(config, ready_file=args.ready_file, http=http))
-    return 0
+    return asyncio.run(serve(config, ready_file=args.ready_file, http=http))
 
 
 # --- worker -----------------------------------------------------------------------------------
@@ -102,6 +101,7 @@ def cmd_worker_join(args: argparse.Namespace) -> int:
 
     from gossamer.worker import launcher
 
+    args.coordinator = args.coordinator_flag or args.coordinator
     check_address(args.coordinator)
     # Under torchrun/srun with several processes per node, local rank 0 is the node agent and the
     # others attach to it (README "Under torchrun or srun").
@@ -143,7 +143,11 @@ def cmd_worker_join(args: argparse.Namespace) -> int:
 
 # --- client verbs -----------------------------------------------------------------------------
 def check_address(address: str, field: str = "coordinator") -> str:
-    """`address` if it is HOST:PORT; a ConfigError naming what is missing otherwise."""
+    """`address` if it is HOST:PORT (or several, comma-separated: docs/ha.md); a ConfigError naming what is missing otherwise."""
+    if "," in address:
+        for one in address.split(","):
+            check_address(one.strip(), field)
+        return address
     host, sep, port = address.rpartition(":")
     if not sep or not host or host.endswith(":") and not host.startswith("["):  # bare IPv6 has colons too
         raise ConfigError(field, f"{address!r} has no port: missing :PORT? (e.g. {address or '127.0.0.1'}:7070)")

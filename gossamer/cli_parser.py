@@ -102,7 +102,8 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
 # --- flags shared by several verbs -----------------------------------------------------------------
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", "-c", default=_env("COORDINATOR", DEFAULT_COORDINATOR),
-                   help="coordinator HOST:PORT (env GOSSAMER_COORDINATOR)")
+                   help="coordinator HOST:PORT, or several comma-separated (one leads: docs/ha.md) "
+                        "(env GOSSAMER_COORDINATOR)")
     p.add_argument("--local", action="store_true",
                    help="use the cluster `gossamer local up` started (its address, from --local-dir)")
     p.add_argument("--local-dir", default=_env("LOCAL_DIR", default_local_dir()),
@@ -187,6 +188,11 @@ def _coordinator_parser(sub: Any) -> None:
     s.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind (0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=_env("PORT", 7070), help="port (0 picks a free one)")
     s.add_argument("--state-dir", default=_env("STATE_DIR", "./gossamer-state"), help="SQLite state and checkpoints")
+    s.add_argument("--state", default=_env("STATE", ""),
+                   help="where the state lives: sqlite (default, in --state-dir) or postgresql://USER@HOST:PORT/DB; "
+                        "with PostgreSQL several coordinators may serve and one leads (docs/ha.md) (env GOSSAMER_STATE)")
+    s.add_argument("--advertise", default=_env("ADVERTISE", ""),
+                   help="HOST:PORT the standbys name when this coordinator leads (default: --host and the port)")
     s.add_argument("--heartbeat-interval", type=float, default=_env("HEARTBEAT_INTERVAL", 1.0),
                    help="seconds between a node's heartbeats")
     s.add_argument("--lease-timeout", type=float, default=_env("LEASE_TIMEOUT", 10.0),
@@ -213,7 +219,10 @@ def _worker_parser(sub: Any) -> None:
     wosub = wo.add_subparsers(dest="action", required=True)
     j = wosub.add_parser("join", help="join a coordinator and run the roles it assigns")
     j.add_argument("coordinator", nargs="?", default=_env("COORDINATOR", DEFAULT_COORDINATOR),
-                   help="HOST:PORT (env GOSSAMER_COORDINATOR)")
+                   help="HOST:PORT, or every coordinator's, comma-separated: the node follows the leader "
+                        "(docs/ha.md) (env GOSSAMER_COORDINATOR)")
+    j.add_argument("--coordinator", "-c", dest="coordinator_flag", default=None,
+                   help="the same as the positional HOST:PORT[,HOST:PORT...] (it wins when both are given)")
     j.add_argument("--name", default=_env("NAME", ""), help="node name (default hostname-id)")
     j.add_argument("--address", default=_env("ADDRESS", ""),
                    help="address other nodes use to reach this one (default: the one that routes to the coordinator)")

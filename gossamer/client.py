@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +12,12 @@ import grpc
 
 from gossamer.errors import AuthError, GossamerError, UnavailableError
 from gossamer.experiment import Experiment
-from gossamer.security.channel import ChannelSecurity, explain_rpc_error, open_channel
+from gossamer.security.channel import (
+    ChannelSecurity,
+    coordinator_addresses,
+    explain_rpc_error,
+    open_channel,
+)
 from gossamer.security.tls import TLSConfig
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -159,10 +164,11 @@ _SUBMIT_TIMEOUT_S = 150.0
 
 
 class Client:
-    """Talks to a coordinator at "host:port".
+    """Talks to a coordinator at "host:port", or to whichever of several leads ("a:7070,b:7070" or a list).
 
     Args:
-        address: coordinator address.
+        address: coordinator address; several (docs/ha.md): calls go to the leader, and through a
+            failover they wait for the next one (up to `timeout`) instead of failing.
         token: join/API token, sent as `authorization: Bearer` metadata on every call.
         tls: how to verify the coordinator: a CA bundle path (PEM), True for the system's roots,
             or a `TLSConfig` (CA, and a client certificate and key for mutual TLS).
@@ -172,14 +178,16 @@ class Client:
         ConfigError: a certificate path does not exist or the token is malformed.
     """
 
-    def __init__(self, address: str, *, token: str | None = None, tls: str | bool | TLSConfig | None = None,
-                 timeout: float = 30.0) -> None:
-        self.address = address
+    def __init__(self, address: str | Sequence[str], *, token: str | None = None,
+                 tls: str | bool | TLSConfig | None = None, timeout: float = 30.0) -> None:
+        addresses = coordinator_addresses(address)
+        self.address = ",".join(addresses)
+        self._follow = len(addresses) > 1  # several coordinators: wait out a change of leader
         self.timeout = timeout
         tls_config = tls if isinstance(tls, TLSConfig) else TLSConfig(ca=tls) if isinstance(tls, str) \
             else TLSConfig() if tls else None
         self.security = ChannelSecurity(tls=tls_config, token=token) if tls_config or token else None
-        self._channel = open_channel(address, self.security)
+        self._channel = open_channel(addresses, self.security)
         self._exp = pb_grpc.ExperimentServiceStub(self._channel)
         self._nodes = pb_grpc.NodeServiceStub(self._channel)
         self._ckpt = pb_grpc.CheckpointServiceStub(self._channel)
@@ -194,7 +202,7 @@ class Client:
         self.close()
 
     @classmethod
-    def secured(cls, address: str, security: ChannelSecurity | None, timeout: float = 30.0) -> Client:
+    def secured(cls, address: str | Sequence[str], security: ChannelSecurity | None, timeout: float = 30.0) -> Client:
         """A client with the TLS settings and token of `security` (as the CLI flags build it)."""
         if security is None:
             return cls(address, timeout=timeout)
@@ -203,11 +211,22 @@ class Client:
     def _error(self, err: grpc.RpcError) -> GossamerError:
         return explain_rpc_error(err, self.address, self.security)
 
-    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
-        try:
-            return method(request, timeout=timeout or self.timeout)
-        except grpc.RpcError as e:
-            raise self._error(e) from None
+    def _call(self, method: Any, request: Any, timeout: float | None = None, retry: bool = True) -> Any:
+        """`method(request)`; with several coordinators, waiting for a leader and (`retry`) calling
+        again when the leader was lost mid-call, within the timeout."""
+        if not self._follow:
+            try:
+                return method(request, timeout=timeout or self.timeout)
+            except grpc.RpcError as e:
+                raise self._error(e) from None
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while True:
+            try:
+                return method(request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True)
+            except grpc.RpcError as e:
+                if not retry or e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
+                    raise self._error(e) from None
+            time.sleep(0.1)
 
     def ping(self, timeout: float = 5.0) -> None:
         """Wait up to `timeout` s for the coordinator to answer.
@@ -239,7 +258,8 @@ class Client:
         exp = experiment if isinstance(experiment, Experiment) else Experiment.from_dict(experiment)
         # The coordinator imports the model and dataset in a child interpreter before it
         # accepts (up to 120 s); on a loaded machine that alone can outlast the RPC timeout.
-        resp = self._call(self._exp.Submit, pb.SubmitRequest(experiment_json=exp.to_json()),
+        # Not called again on UNAVAILABLE: a leader lost after it queued the run would queue it twice.
+        resp = self._call(self._exp.Submit, pb.SubmitRequest(experiment_json=exp.to_json()), retry=False,
                           timeout=max(self.timeout, _SUBMIT_TIMEOUT_S))
         return Job(self, resp.experiment_id)
 

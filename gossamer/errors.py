@@ -26,6 +26,14 @@ class UnavailableError(GossamerError):
     """A peer (coordinator, shard) cannot be reached or did not answer in time."""
 
 
+class NotLeaderError(UnavailableError):
+    """This coordinator stands by (or lost its lead): another one, at `leader` (empty: not known), leads."""
+
+    def __init__(self, leader: str) -> None:
+        self.leader = leader
+        super().__init__(f"not leader; the leader is at {leader}" if leader else "not leader; which coordinator leads is not known here")
+
+
 class ProtocolError(GossamerError):
     """A message on the wire is malformed, oversized or inconsistent with the shard plan."""
 

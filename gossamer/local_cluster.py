@@ -45,6 +45,9 @@ class LocalCluster:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
+        #: Coordinators sharing one PostgreSQL state (`start_replicas`), by name, and their ports.
+        self.replicas: dict[str, subprocess.Popen[bytes]] = {}
+        self.replica_ports: dict[str, int] = {}
         self._started: list[subprocess.Popen[bytes]] = []  # every process, stopped or not, for close()
         self.secure = None if secure is None else Path(secure).resolve()
         self.coordinator_args = [*(["--secure", str(self.secure)] if self.secure else []), *(coordinator_args or [])]
@@ -54,6 +57,9 @@ class LocalCluster:
 
     @property
     def address(self) -> str:
+        """The coordinator's HOST:PORT; with replicas (`start_replicas`), every one's, comma-separated."""
+        if self.replicas:
+            return ",".join(f"127.0.0.1:{p}" for p in self.replica_ports.values())
         return f"127.0.0.1:{self.port}"
 
     @property
@@ -89,22 +95,38 @@ class LocalCluster:
 
     def start_coordinator(self, port: int | None = None, timeout: float = 30.0) -> str:
         """Start (or restart, on the same state dir and port) the coordinator; returns HOST:PORT."""
-        ready = self.state_dir / "coordinator.port"
-        ready.unlink(missing_ok=True)
         port = self.port if port is None else port
-        self.coordinator = self._spawn(
-            ["coordinator", "serve", "--port", str(port), "--state-dir", str(self.state_dir),
+        self.coordinator, self.port = self._serve("coordinator", self.state_dir, port, [], timeout)
+        return self.address
+
+    def start_replicas(self, state: str, count: int = 2, timeout: float = 30.0) -> str:
+        """Start `count` coordinators on one PostgreSQL `state` (docs/ha.md), each on its own port,
+        state dir (`STATE_DIR/cN`) and log (`cN.log`); the first to take the lock leads. Returns
+        every address, comma-separated (`address`), as nodes and clients are given it."""
+        for _ in range(count):
+            name = f"c{len(self.replicas)}"
+            self.replicas[name], self.replica_ports[name] = self._serve(
+                name, self.state_dir / name, 0, ["--state", state], timeout)
+        return self.address
+
+    def _serve(self, name: str, state_dir: Path, port: int, args: list[str],
+               timeout: float) -> tuple[subprocess.Popen[bytes], int]:
+        """Spawn `coordinator serve` and wait for its ready file; the process and its bound port."""
+        state_dir.mkdir(parents=True, exist_ok=True)
+        ready = state_dir / "coordinator.port"
+        ready.unlink(missing_ok=True)
+        proc = self._spawn(
+            ["coordinator", "serve", "--port", str(port), "--state-dir", str(state_dir),
              "--heartbeat-interval", str(self.heartbeat_interval), "--lease-timeout", str(self.lease_timeout),
-             "--ready-file", str(ready), *self.coordinator_args],
-            "coordinator.log",
+             "--ready-file", str(ready), *args, *self.coordinator_args],
+            f"{name}.log",
         )
         deadline = time.monotonic() + timeout
         while not ready.exists():
-            if self.coordinator.poll() is not None or time.monotonic() > deadline:
-                raise UnavailableError(f"coordinator did not start; see {self.log_dir / 'coordinator.log'}")
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise UnavailableError(f"coordinator did not start; see {self.log_dir / name}.log")
             time.sleep(0.05)
-        self.port = int(ready.read_text())
-        return self.address
+        return proc, int(ready.read_text())
 
     def add_node(self, name: str, *, spot: bool = False, nproc_per_node: int = 1,
                  env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -138,11 +160,12 @@ class LocalCluster:
         _kill_group(proc)
         proc.wait(timeout=10)
 
-    def kill_coordinator(self) -> None:
-        """SIGKILL the coordinator (and nothing else)."""
-        if self.coordinator is not None and self.coordinator.poll() is None:
-            self.coordinator.kill()
-            self.coordinator.wait(timeout=10)
+    def kill_coordinator(self, name: str = "") -> None:
+        """SIGKILL the coordinator, or the replica `name` (and nothing else)."""
+        proc = self.replicas[name] if name else self.coordinator
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
 
     def stop_node(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
         proc = self.nodes.pop(name)
@@ -172,9 +195,11 @@ class LocalCluster:
         deadline = time.monotonic() + self.stop_grace_s
         for proc in nodes:
             _wait(proc, deadline - time.monotonic())
-        if self.coordinator is not None and self.coordinator.poll() is None:
-            self.coordinator.send_signal(signal.SIGTERM)
-            _wait(self.coordinator, 10.0)
+        coordinators = [p for p in (self.coordinator, *self.replicas.values()) if p is not None and p.poll() is None]
+        for proc in coordinators:
+            proc.send_signal(signal.SIGTERM)
+        for proc in coordinators:
+            _wait(proc, 10.0)
         started, self._started = self._started, []
         for proc in started:
             _kill_group(proc)

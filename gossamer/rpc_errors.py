@@ -65,12 +65,17 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or not method.startswith(self.prefix):
             return handler
-        for kind in ("unary_unary", "stream_unary", "unary_stream", "stream_stream"):
-            inner = getattr(handler, kind)
-            if inner is not None:
-                wrap = _guard_stream if inspect.isasyncgenfunction(inner) else _guard_call
-                return handler._replace(**{kind: wrap(inner, method)})
-        return handler
+        return replace_behavior(handler, lambda inner, gen: (_guard_stream if gen else _guard_call)(inner, method))
+
+
+def replace_behavior(handler: grpc.RpcMethodHandler,
+                     make: Callable[[Callable[..., Any], bool], Callable[..., Any]]) -> grpc.RpcMethodHandler:
+    """`handler` with its behaviour swapped for `make(behaviour, is_async_generator)` (server interceptors)."""
+    for kind in ("unary_unary", "stream_unary", "unary_stream", "stream_stream"):
+        inner = getattr(handler, kind)
+        if inner is not None:
+            return handler._replace(**{kind: make(inner, inspect.isasyncgenfunction(inner))})
+    return handler
 
 
 def _guard_call(inner: Callable[..., Any], method: str) -> Callable[..., Awaitable[Any]]:

@@ -17,6 +17,7 @@ from tests._fixtures import (
     StartCoordinator,
     experiment,
 )
+from tests._postgres import PostgresServer, find_bin_dir
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -79,3 +80,23 @@ def cluster(request: pytest.FixtureRequest, make_cluster: MakeCluster) -> LocalC
 def make_experiment() -> Callable[..., Experiment]:
     """The experiment builder (tests._fixtures.experiment) as a fixture: `(*bases, **overrides)`."""
     return experiment
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A real PostgreSQL server for the session (skipped with the reason where none is installed)."""
+    pytest.importorskip("psycopg", reason="psycopg 3 is not installed: pip install 'gossamer[postgres]'")
+    bin_dir, why = find_bin_dir()
+    if bin_dir is None:
+        pytest.skip(why)
+    server = PostgresServer(bin_dir)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> str:
+    """The URL of a fresh, empty database on the session's PostgreSQL server."""
+    return postgres_server.new_database()

@@ -16,6 +16,12 @@ class CoordinatorConfig:
     host: str = "127.0.0.1"
     port: int = 7070
     state_dir: str = "./gossamer-state"
+    #: Where the state lives: "" (SQLite in `state_dir`, one coordinator) or postgresql://... (several
+    #: coordinators on one database, one of them leading: docs/ha.md). Checkpoints stay in `state_dir`.
+    state: str = ""
+    #: HOST:PORT other coordinators name when this one leads ("not leader; the leader is at ...");
+    #: default: --host (the host name when it binds every interface) and the bound port.
+    advertise: str = ""
     heartbeat_interval_s: float = 1.0
     lease_timeout_s: float = 10.0
     #: Verify at submit, in a subprocess, that the model and dataset paths import.
@@ -58,6 +64,11 @@ class CoordinatorConfig:
             raise ConfigError("lease_timeout_s", "must be greater than heartbeat_interval_s")
         if not self.state_dir:
             raise ConfigError("state_dir", "must be a directory path")
+        if self.state not in ("", "sqlite") and not self.state.startswith(("postgresql://", "postgres://")):
+            raise ConfigError("state", f"expected sqlite (the default) or postgresql://USER@HOST:PORT/DB, "
+                                       f"got {self.state.split('@')[-1]!r}")
+        if self.advertise and ":" not in self.advertise:
+            raise ConfigError("advertise", f"expected HOST:PORT, got {self.advertise!r}")
         if self.tls_ca and not self.tls_cert:
             raise ConfigError("tls_ca", "mutual TLS (--tls-ca) needs the server's --tls-cert and --tls-key too")
         self.tls  # noqa: B018 — validates the certificate paths now, not at the first connection
@@ -77,6 +88,11 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if not (value >= 0 and value != float("inf")):
                 raise ConfigError(name, f"must be a number of seconds >= 0 (0: keep for ever), got {value}")
+
+    @property
+    def replicated(self) -> bool:
+        """Whether the state is in PostgreSQL (several coordinators, one leading)."""
+        return self.state.startswith(("postgresql://", "postgres://"))
 
     @property
     def data_plane_curve(self) -> bool:

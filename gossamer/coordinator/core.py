@@ -39,9 +39,9 @@ class Coordinator:
     #: The gRPC server serving this state: /metrics shows its restart and refusal counts.
     grpc_server: ServingCounts | None = None
 
-    def __init__(self, config: CoordinatorConfig) -> None:
+    def __init__(self, config: CoordinatorConfig, store: Store | None = None) -> None:
         self.config = config
-        self.store = Store(config.state_dir)
+        self.store = store if store is not None else Store(config.state_dir)  # PgStore: the lead just won
         self.checkpoint_root = str((Path(config.state_dir) / "checkpoints").resolve())
         nodes, exps = self.store.load()
         now = time.time()

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import sqlite3
 from dataclasses import dataclass, field
 from typing import Any
 
+from gossamer.coordinator.sql import Db, is_postgres
 from gossamer.errors import ConfigError
 
 #: Points a GetMetrics answer holds when the request names no max_points.
@@ -30,7 +30,7 @@ MIGRATIONS = (
 )
 
 
-def migrate(db: sqlite3.Connection) -> None:
+def migrate(db: Db) -> None:
     """Add the downsampling columns to a metrics table made before they existed."""
     have = {row[1] for row in db.execute("PRAGMA table_info(metrics)")}
     for sql in MIGRATIONS:
@@ -67,7 +67,7 @@ def _numbers(text: str | None) -> dict[str, float]:
     return {k: float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def _plan(db: sqlite3.Connection, exp_id: str, since: float, max_points: int, per_source: bool) -> dict[str, Any]:
+def _plan(db: Db, exp_id: str, since: float, max_points: int, per_source: bool) -> dict[str, Any]:
     """The first page's cursor: raw rows when the range holds few enough, else a bucket grid."""
     n, t_min, t_max, sources = db.execute(
         "SELECT COUNT(*), MIN(time), MAX(time), COUNT(DISTINCT source) FROM metrics "
@@ -96,7 +96,7 @@ def _decode(token: str) -> dict[str, Any]:
     raise ConfigError("page_token", "not a token this coordinator issued")
 
 
-def read_page(db: sqlite3.Connection, exp_id: str, since: float, max_points: int, token: str = "",
+def read_page(db: Db, exp_id: str, since: float, max_points: int, token: str = "",
               per_source: bool = False) -> Page:
     """One page of `exp_id`'s points after `since`, at most `max_points` over all pages (per
     source with `per_source`)."""
@@ -110,7 +110,7 @@ def read_page(db: sqlite3.Connection, exp_id: str, since: float, max_points: int
     return Page([], "", 0.0)
 
 
-def _raw_page(db: sqlite3.Connection, exp_id: str, cur: dict[str, Any]) -> Page:
+def _raw_page(db: Db, exp_id: str, cur: dict[str, Any]) -> Page:
     rows = db.execute(
         "SELECT id, time, step, source, data, n, lo, hi FROM metrics WHERE experiment_id=? "
         "AND (time>? OR (time=? AND id>?)) AND time<=? ORDER BY time, id LIMIT ?",
@@ -138,9 +138,33 @@ WHERE m.experiment_id = :e AND m.time >= :lo AND m.time < :hi AND m.time >= :t0 
 GROUP BY b, m.source, j.key
 ORDER BY b, m.source
 """
+# PostgreSQL: FLOOR where SQLite's CAST truncates (the same for the non-negative offsets here).
+_AGG_SQL_PG = """
+SELECT FLOOR((m.time - :t0) / :w)::bigint AS b, m.source, j.key,
+       SUM(j.value::float8 * m.n) / SUM(m.n),
+       MIN(COALESCE((m.lo::jsonb ->> j.key)::float8, j.value::float8)),
+       MAX(COALESCE((m.hi::jsonb ->> j.key)::float8, j.value::float8)),
+       SUM(m.n), MAX(m.time), MAX(m.step)
+FROM metrics m, jsonb_each(m.data::jsonb) j
+WHERE m.experiment_id = :e AND m.time >= :lo AND m.time < :hi AND m.time >= :t0 AND m.time <= :u
+  AND jsonb_typeof(j.value) = 'number'
+GROUP BY b, m.source, j.key
+ORDER BY b, m.source
+"""
+_DOWNSAMPLE_SQL = """SELECT m.experiment_id, m.source, CAST(m.time / :w AS INTEGER) AS b, j.key,
+                  AVG(j.value), MIN(j.value), MAX(j.value), COUNT(*), MAX(m.time), MAX(m.step)
+           FROM metrics m, json_each(m.data) j
+           WHERE m.lo IS NULL AND m.time < :end AND j.type IN ('integer', 'real')
+           GROUP BY m.experiment_id, m.source, b, j.key"""
+_DOWNSAMPLE_SQL_PG = """SELECT m.experiment_id, m.source, FLOOR(m.time / :w)::bigint AS b, j.key,
+                  AVG(j.value::float8), MIN(j.value::float8), MAX(j.value::float8), COUNT(*), MAX(m.time),
+                  MAX(m.step)
+           FROM metrics m, jsonb_each(m.data::jsonb) j
+           WHERE m.lo IS NULL AND m.time < :end AND jsonb_typeof(j.value) = 'number'
+           GROUP BY m.experiment_id, m.source, b, j.key"""
 
 
-def _agg_page(db: sqlite3.Connection, exp_id: str, cur: dict[str, Any]) -> Page:
+def _agg_page(db: Db, exp_id: str, cur: dict[str, Any]) -> Page:
     """Buckets [b, b + k) of the grid, k chosen so that a page holds about PAGE_POINTS points."""
     t0, w, b, until = cur["t0"], cur["w"], cur["b"], cur["u"]
     last_b = int((until - t0) / w)
@@ -149,7 +173,7 @@ def _agg_page(db: sqlite3.Connection, exp_id: str, cur: dict[str, Any]) -> Page:
     lo, hi = t0 + b * w - w, t0 + (b + k) * w + w
     merged: dict[tuple[int, str], Point] = {}
     for bucket, source, key, mean, vmin, vmax, n, t, step in db.execute(
-            _AGG_SQL, {"t0": t0, "w": w, "e": exp_id, "lo": lo, "hi": hi, "u": until}):
+            _AGG_SQL_PG if is_postgres(db) else _AGG_SQL, {"t0": t0, "w": w, "e": exp_id, "lo": lo, "hi": hi, "u": until}):
         if not b <= bucket < b + k:
             continue
         p = merged.get((bucket, source))
@@ -162,7 +186,7 @@ def _agg_page(db: sqlite3.Connection, exp_id: str, cur: dict[str, Any]) -> Page:
     return Page(points, "" if nxt > last_b else json.dumps({**cur, "b": nxt}), w)
 
 
-def downsample(db: sqlite3.Connection, before: float, bucket_s: float) -> int:
+def downsample(db: Db, before: float, bucket_s: float) -> int:
     """Merge the points reported before `before` into one per source per `bucket_s` bucket.
 
     Works through at most _DOWNSAMPLE_CHUNK_S of time per call, oldest first; returns the
@@ -174,17 +198,13 @@ def downsample(db: sqlite3.Connection, before: float, bucket_s: float) -> int:
     if oldest is None:
         return 0
     end = min(before, (math.floor((oldest + _DOWNSAMPLE_CHUNK_S) / bucket_s) + 1) * bucket_s)
-    rows = db.execute(
-        """SELECT m.experiment_id, m.source, CAST(m.time / :w AS INTEGER) AS b, j.key,
-                  AVG(j.value), MIN(j.value), MAX(j.value), COUNT(*), MAX(m.time), MAX(m.step)
-           FROM metrics m, json_each(m.data) j
-           WHERE m.lo IS NULL AND m.time < :end AND j.type IN ('integer', 'real')
-           GROUP BY m.experiment_id, m.source, b, j.key""", {"w": bucket_s, "end": end}).fetchall()
+    rows = db.execute(_DOWNSAMPLE_SQL_PG if is_postgres(db) else _DOWNSAMPLE_SQL,
+                      {"w": bucket_s, "end": end}).fetchall()
     merged: dict[tuple[str, str, int], dict[str, Any]] = {}
     for exp_id, source, b, key, mean, vmin, vmax, n, t, step in rows:
         m = merged.setdefault((exp_id, source, b), {"n": 0, "t": t, "step": step, "data": {}, "lo": {}, "hi": {}})
-        m["n"], m["t"], m["step"] = max(m["n"], n), max(m["t"], t), max(m["step"], step)
-        m["data"][key], m["lo"][key], m["hi"][key] = mean, vmin, vmax
+        m["n"], m["t"], m["step"] = max(m["n"], int(n)), max(m["t"], t), max(m["step"], step)
+        m["data"][key], m["lo"][key], m["hi"][key] = float(mean), float(vmin), float(vmax)
     db.execute("BEGIN")
     try:
         gone = db.execute("DELETE FROM metrics WHERE lo IS NULL AND time < ?", (end,)).rowcount

@@ -6,8 +6,10 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -17,7 +19,10 @@ from gossamer.coordinator import views
 from gossamer.coordinator._malformed import MalformedRequestInterceptor
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.core import Coordinator
+from gossamer.coordinator.election import Election
 from gossamer.coordinator.http import HttpConfig, StatusHttp
+from gossamer.coordinator.leader_gate import LeaderGate
+from gossamer.coordinator.pg_store import PgStore
 from gossamer.coordinator.retention import keep_bounded
 from gossamer.errors import ConfigError, NotFoundError
 from gossamer.rpc_errors import ErrorStatusInterceptor
@@ -34,8 +39,12 @@ SERVICE_NAMES = ("gossamer.v1.NodeService", "gossamer.v1.ExperimentService", "go
 # Servicers: translate RPCs; what they raise becomes a status in one place (ErrorStatusInterceptor).
 # ----------------------------------------------------------------------------------------------
 class NodeServicer(pb_grpc.NodeServiceServicer):
-    def __init__(self, coord: Coordinator) -> None:
-        self.c = coord
+    def __init__(self, server: CoordinatorServer) -> None:
+        self._server = server
+
+    @property
+    def c(self) -> Coordinator:
+        return self._server.leader_state()
 
     async def Join(self, request, context):  # type: ignore[no-untyped-def]
         return await self.c.join(request)
@@ -73,8 +82,12 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
 
 
 class ExperimentServicer(pb_grpc.ExperimentServiceServicer):
-    def __init__(self, coord: Coordinator) -> None:
-        self.c = coord
+    def __init__(self, server: CoordinatorServer) -> None:
+        self._server = server
+
+    @property
+    def c(self) -> Coordinator:
+        return self._server.leader_state()
 
     async def Submit(self, request, context):  # type: ignore[no-untyped-def]
         return pb.SubmitResponse(experiment_id=await self.c.submit(request.experiment_json))
@@ -130,8 +143,12 @@ class ExperimentServicer(pb_grpc.ExperimentServiceServicer):
 
 
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
-    def __init__(self, coord: Coordinator) -> None:
-        self.c = coord
+    def __init__(self, server: CoordinatorServer) -> None:
+        self._server = server
+
+    @property
+    def c(self) -> Coordinator:
+        return self._server.leader_state()
 
     async def Register(self, request, context):  # type: ignore[no-untyped-def]
         await self.c.register_checkpoint(request.checkpoint)
@@ -166,6 +183,13 @@ class CoordinatorServer:
         self._retention: asyncio.Task[None] | None = None
         self._stopping = False
         self.restarts = 0  # gRPC servers brought back after a malformed request stopped one
+        #: With a PostgreSQL state (`config.replicated`): whether this process leads, and who does.
+        self.leading = True
+        self.advertised = ""
+        self.pg: PgStore | None = None
+        self.election: Election | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self.lost = asyncio.Event()  # set when a leader lost its lead: `serve` then ends the process
         self.malformed = MalformedRequestInterceptor()  # .refused: requests whose body did not parse
 
     @property
@@ -174,36 +198,93 @@ class CoordinatorServer:
         return self.malformed.refused
 
     async def start(self) -> int:
+        """Serve; with a PostgreSQL state, stand by until this process takes the lead (docs/ha.md)."""
+        if self.config.replicated:
+            self.leading = False
+            self.pg = PgStore(self.config.state)
+            await self._report(health_pb2.HealthCheckResponse.NOT_SERVING)  # clients route to the leader
+            self.port = await self._start_grpc(self.config.port)
+            self.advertised = self.config.advertise or _advertise(self.config.host, self.port)
+            self._keeper = asyncio.create_task(self._keep_serving())
+            self.election = Election(self.pg, self.advertised, self._take_lead, self._lose_lead)
+            await self.election.start()
+            return self.port
         self.coord = Coordinator(self.config)
         self.coord.grpc_server = self
         self.port = await self._start_grpc(self.config.port)
-        for name in ("", *SERVICE_NAMES):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._reaper = asyncio.create_task(self._reap())
         self._keeper = asyncio.create_task(self._keep_serving())
+        await self._lead()
+        return self.port
+
+    @property
+    def leader_address(self) -> str:
+        """Who leads, as far as this process knows ("" before any did)."""
+        if self.leading:
+            return self.advertised or f"{self.config.host}:{self.port}"
+        return self.election.leader if self.election is not None else ""
+
+    def leader_state(self) -> Coordinator:
+        """The state a leading server acts on (the gate lets no call through before there is one)."""
+        assert self.coord is not None
+        return self.coord
+
+    async def _take_lead(self, term: int) -> None:
+        assert self.pg is not None
+        self.coord = Coordinator(self.config, store=self.pg)
+        self.coord.grpc_server = self
+        self.leading = True
+        await self._lead()
+        log.info("leading as term %d (state in %s)", term, self.pg.location)
+
+    def _lose_lead(self, why: str) -> None:
+        """Stop acting at once: every call refused, nothing more reaped or written; `lost` ends `serve`."""
+        if not self.leading:
+            return
+        log.critical("lost the lead (%s): refusing every call and stopping", why)
+        self.leading = False
+        if self.election is not None:
+            self.election.deposed()
+        for task in (self._reaper, self._retention):
+            if task is not None:
+                task.cancel()
+        self._health_task = asyncio.create_task(self._report(health_pb2.HealthCheckResponse.NOT_SERVING))
+        self.lost.set()
+
+    async def _report(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        """The health service's answer for the server and every gossamer service."""
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, status)
+
+    async def _lead(self) -> None:
+        """Act on the state: report SERVING (clients route here), reap leases, keep state bounded, HTTP."""
+        assert self.coord is not None
+        await self._report(health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = asyncio.create_task(self._reap())
         self._retention = asyncio.create_task(keep_bounded(self.coord))
         await self.coord.reconcile()
         if self.http_config is not None:
             self.http = StatusHttp(self.coord, self.http_config)
             self.http_port = await self.http.start()
+            http_file = Path(self.config.state_dir) / "http.port"
+            http_file.parent.mkdir(parents=True, exist_ok=True)
+            Path(f"{http_file}.tmp").write_text(str(self.http_port))
+            os.replace(f"{http_file}.tmp", http_file)
             log.info("status page and /metrics on http://%s:%d/%s", self.http_config.host, self.http_port,
                      " (token required)" if self.config.token_file else "")
             warn_if_open("HTTP side (status page, /api, /metrics)", self.http_config.host, self.config,
                          tls_applies=False)  # plain HTTP: only the token guards it
-        log.info("coordinator serving on %s:%d (state in %s; %s)", self.config.host, self.port, self.config.state_dir,
-                 describe_security(self.config))
-        return self.port
+        log.info("coordinator serving on %s:%d (state in %s; %s)", self.config.host, self.port,
+                 self.coord.store.location, describe_security(self.config))
 
     async def _start_grpc(self, port: int) -> int:
         """Build, bind and start the gRPC server on `port` (0: a free one); returns the bound port."""
-        assert self.coord is not None
         server = grpc.aio.server(
-            interceptors=[*server_interceptors(self.config), self.malformed, ErrorStatusInterceptor()],
+            interceptors=[*server_interceptors(self.config), self.malformed, LeaderGate(self), ErrorStatusInterceptor()],
             options=[("grpc.max_receive_message_length", self.config.max_message_bytes), ("grpc.so_reuseport", 0)],
         )
-        pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(self.coord), server)
-        pb_grpc.add_ExperimentServiceServicer_to_server(ExperimentServicer(self.coord), server)
-        pb_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(self.coord), server)
+        pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(self), server)
+        pb_grpc.add_ExperimentServiceServicer_to_server(ExperimentServicer(self), server)
+        pb_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         bind, tls = f"{self.config.host}:{port}", self.config.tls
         bound = server.add_secure_port(bind, tls.server_credentials()) if tls else server.add_insecure_port(bind)
@@ -257,8 +338,11 @@ class CoordinatorServer:
 
     async def stop(self) -> None:
         self._stopping = True
+        self.leading = False  # a stopping server acts no more (and a standby never did)
         if self._keeper is not None:
             self._keeper.cancel()
+        if self.election is not None:
+            await self.election.stop()
         await self.health.enter_graceful_shutdown()
         if self.http is not None:
             await self.http.stop()
@@ -270,24 +354,21 @@ class CoordinatorServer:
             await self.server.stop(self.config.grace_s)
         if self.coord is not None:
             self.coord.store.close()
+        elif self.pg is not None:
+            self.pg.close()
 
     async def wait(self) -> None:
         assert self.server is not None
         await self.server.wait_for_termination()
 
 
-async def serve(config: CoordinatorConfig, ready_file: str | None = None, http: HttpConfig | None = None) -> None:
-    """Serve until SIGINT/SIGTERM, then shut down gracefully.
-
-    With `http`, the status page and /metrics are served too, and the bound HTTP port is
-    written to `<state_dir>/http.port` (before `ready_file`, so it is there once that is).
+async def serve(config: CoordinatorConfig, ready_file: str | None = None, http: HttpConfig | None = None) -> int:
+    """Serve until SIGINT/SIGTERM (exit code 0), or until a leader loses its lead (3: started
+    again, it stands by). With `http`, the status page and /metrics are served while leading,
+    and the bound HTTP port is written to `<state_dir>/http.port`.
     """
     srv = CoordinatorServer(config, http)
     port = await srv.start()
-    if srv.http is not None:
-        http_file = Path(config.state_dir) / "http.port"
-        Path(f"{http_file}.tmp").write_text(str(srv.http_port))
-        os.replace(f"{http_file}.tmp", http_file)
     if ready_file:
         tmp = f"{ready_file}.tmp"
         Path(tmp).write_text(str(port))
@@ -296,6 +377,20 @@ async def serve(config: CoordinatorConfig, ready_file: str | None = None, http: 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    stopped, lost = asyncio.create_task(stop.wait()), asyncio.create_task(srv.lost.wait())
+    await asyncio.wait({stopped, lost}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    lost.cancel()
+    if srv.lost.is_set():
+        config = replace(config, grace_s=0.0)  # a deposed leader ends its calls now
+        srv.config = config
     log.info("shutting down")
     await srv.stop()
+    return 3 if srv.lost.is_set() else 0
+
+
+def _advertise(host: str, port: int) -> str:
+    """HOST:PORT for other coordinators to name: the host name when `host` is every interface."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    return f"{host}:{port}"

@@ -1,4 +1,9 @@
-"""SQLite (WAL) persistence of the coordinator: nodes, experiments, metrics, checkpoints, events."""
+"""The coordinator's persistence (nodes, experiments, metrics, checkpoints, events): the store interface, on SQLite (WAL).
+
+The PostgreSQL backend (`pg_store.PgStore`, `--state postgresql://...`) subclasses `Store`: the
+same methods over a connection that speaks sqlite3's `execute`/`executemany`, and its own SQL
+where the dialects differ (the class attributes below).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Any, TypeVar
 
 from gossamer.coordinator import metric_query
 from gossamer.coordinator.records import ExpRec, NodeRec
+from gossamer.coordinator.sql import Db
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,12 +44,19 @@ CREATE TABLE IF NOT EXISTS events (
 class Store:
     """One SQLite file; every statement runs on one dedicated thread, off the event loop."""
 
+    #: Where the state lives, for logs and the status page.
+    location: str
+    _closed = False
+    _UPSERT_NODE = "INSERT OR REPLACE INTO nodes VALUES (?, ?)"
+    _UPSERT_EXPERIMENT = "INSERT OR REPLACE INTO experiments VALUES (?, ?, ?)"
+
     def __init__(self, state_dir: str | Path) -> None:
         self.dir = Path(state_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "coordinator.sqlite"
+        self.location = str(self.path)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gossamer-store")
-        self._db: sqlite3.Connection | None = None
+        self._db: Db | None = None
         self._pool.submit(self._open).result()
 
     def _open(self) -> None:
@@ -54,12 +67,22 @@ class Store:
         metric_query.migrate(db)
         self._db = db
 
-    async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def run(self, fn: Callable[[Db], T]) -> T:
         db = self._db
         assert db is not None
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, db)
 
+    def run_sync(self, fn: Callable[[Db], T]) -> T:
+        """`run` from outside the event loop (startup, before it serves)."""
+        assert self._db is not None
+        return self._pool.submit(fn, self._db).result()
+
     def close(self) -> None:
+        """Close the connection; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+
         def _close() -> None:
             if self._db is not None:
                 self._db.close()
@@ -70,7 +93,7 @@ class Store:
 
     # --- loading (startup, before the loop serves) ----------------------------------------
     def load(self) -> tuple[list[NodeRec], list[ExpRec]]:
-        def _load(db: sqlite3.Connection) -> tuple[list[NodeRec], list[ExpRec]]:
+        def _load(db: Db) -> tuple[list[NodeRec], list[ExpRec]]:
             nodes = [NodeRec.from_json(r[0]) for r in db.execute("SELECT data FROM nodes")]
             exps = [
                 ExpRec.from_json(r[0])
@@ -78,28 +101,25 @@ class Store:
             ]
             return nodes, exps
 
-        assert self._db is not None
-        return self._pool.submit(_load, self._db).result()
+        return self.run_sync(_load)
 
     # --- writes ---------------------------------------------------------------------------
     async def save_node(self, node: NodeRec) -> None:
         data = node.to_json()
         await self.run(
-            lambda db: db.execute("INSERT OR REPLACE INTO nodes VALUES (?, ?)", (node.id, data))
+            lambda db: db.execute(self._UPSERT_NODE, (node.id, data))
         )
 
     async def save_experiment(self, exp: ExpRec) -> None:
         data = exp.to_json()
         await self.run(
-            lambda db: db.execute(
-                "INSERT OR REPLACE INTO experiments VALUES (?, ?, ?)", (exp.id, exp.seq, data)
-            )
+            lambda db: db.execute(self._UPSERT_EXPERIMENT, (exp.id, exp.seq, data))
         )
 
     async def add_metrics(self, exp_id: str, rows: list[tuple[float, int, str, dict[str, float]]]) -> None:
         params = [(exp_id, t, step, src, json.dumps(vals)) for t, step, src, vals in rows]
 
-        def _ins(db: sqlite3.Connection) -> None:
+        def _ins(db: Db) -> None:
             db.execute("BEGIN")
             try:
                 db.executemany(
@@ -147,7 +167,7 @@ class Store:
 
     async def prune(self, events_before: float, experiments: list[str], nodes: list[str]) -> None:
         """Delete events older than `events_before`, and everything of `experiments` and `nodes`."""
-        def _prune(db: sqlite3.Connection) -> None:
+        def _prune(db: Db) -> None:
             db.execute("BEGIN")
             try:
                 db.execute("DELETE FROM events WHERE time < ?", (events_before,))
@@ -179,7 +199,7 @@ class Store:
         )
 
     async def events(self, experiment_id: str | None = None, since: float = 0.0) -> list[dict[str, Any]]:
-        def _q(db: sqlite3.Connection) -> list[dict[str, Any]]:
+        def _q(db: Db) -> list[dict[str, Any]]:
             sql = "SELECT time, experiment_id, node_id, kind, message FROM events WHERE time >= ?"
             args: tuple[Any, ...] = (since,)
             if experiment_id is not None:
@@ -201,7 +221,7 @@ class Store:
         return now
 
     async def latest_checkpoint(self, exp_id: str) -> tuple[int, str, str, float] | None:
-        def _q(db: sqlite3.Connection) -> tuple[int, str, str, float] | None:
+        def _q(db: Db) -> tuple[int, str, str, float] | None:
             return db.execute(
                 "SELECT step, path, kind, time FROM checkpoints WHERE experiment_id=? "
                 "ORDER BY step DESC, time DESC LIMIT 1",

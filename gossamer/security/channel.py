@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import socket
@@ -166,29 +167,72 @@ def _credentials(security: ChannelSecurity) -> grpc.ChannelCredentials:
     return creds
 
 
-def open_channel(address: str, security: ChannelSecurity | None = None,
+def coordinator_addresses(address: str | Sequence[str]) -> list[str]:
+    """The coordinators named by "a:1,b:2" (or a list of them), each HOST:PORT, in order."""
+    parts = [address] if isinstance(address, str) else list(address)
+    found = [a.strip() for part in parts for a in part.split(",") if a.strip()]
+    if not found:
+        raise ConfigError("coordinator", "no coordinator address given (HOST:PORT, or several: a:7070,b:7070)")
+    return found
+
+
+#: Several coordinators (one leads, docs/ha.md): route every call to the one whose health service
+#: says SERVING (the leader; standbys say NOT_SERVING), and look again soon after a connection drops.
+_FOLLOW_LEADER = json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}})
+_LEADER_OPTIONS = (("grpc.service_config", _FOLLOW_LEADER), ("grpc.initial_reconnect_backoff_ms", 200),
+                   ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000))
+
+
+def _target(address: str | Sequence[str], security: ChannelSecurity | None) -> tuple[str, list[tuple[str, Any]]]:
+    """The gRPC target for `address` and the options it needs: one coordinator as given; several as
+    one channel over their resolved IPs that follows the leader."""
+    addresses = coordinator_addresses(address)
+    if len(addresses) == 1:
+        return addresses[0], []
+    resolved = []
+    for a in addresses:
+        host, sep, port = a.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError("coordinator", f"expected HOST:PORT, got {a!r}")
+        try:
+            ip = socket.getaddrinfo(host.strip("[]"), int(port), socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        except (OSError, IndexError):
+            raise ConfigError("coordinator", f"cannot resolve {host!r} of {a!r}") from None
+        resolved.append(f"{ip}:{port}")
+    options: list[tuple[str, Any]] = list(_LEADER_OPTIONS)
+    if security is not None and security.tls is not None and not security.tls.server_name:
+        # The certificates must name the first host (docs/ha.md): TLS checks the channel's authority.
+        options.append(("grpc.default_authority", addresses[0].rpartition(":")[0].strip("[]")))
+    return "ipv4:" + ",".join(resolved), options
+
+
+def open_channel(address: str | Sequence[str], security: ChannelSecurity | None = None,
                  options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
-    """A synchronous channel to the coordinator with TLS and the token as configured."""
+    """A synchronous channel to the coordinator (the leader of several) with TLS and the token as configured."""
+    target, extra = _target(address, security)
+    options = [*extra, *options]
     if security is not None and security.tls is not None:
-        return grpc.secure_channel(address, _credentials(security), options=[*options, *security.tls.channel_options()])
-    channel = grpc.insecure_channel(address, options=list(options))
+        return grpc.secure_channel(target, _credentials(security), options=[*options, *security.tls.channel_options()])
+    channel = grpc.insecure_channel(target, options=list(options))
     if security is not None and security.token:
-        _warn_plaintext_token(address)
+        _warn_plaintext_token(target)
         channel = grpc.intercept_channel(channel, _BearerInterceptor(security.token))
     return channel
 
 
-def open_aio_channel(address: str, security: ChannelSecurity | None = None,
+def open_aio_channel(address: str | Sequence[str], security: ChannelSecurity | None = None,
                      options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    """An asyncio channel to the coordinator with TLS and the token as configured."""
+    """An asyncio channel to the coordinator (the leader of several) with TLS and the token as configured."""
+    target, extra = _target(address, security)
+    options = [*extra, *options]
     if security is not None and security.tls is not None:
-        return grpc.aio.secure_channel(address, _credentials(security),
+        return grpc.aio.secure_channel(target, _credentials(security),
                                        options=[*options, *security.tls.channel_options()])
     interceptors: list[Any] = []
     if security is not None and security.token:
-        _warn_plaintext_token(address)
+        _warn_plaintext_token(target)
         interceptors = [_AioBearerUnaryUnary(security.token), _AioBearerUnaryStream(security.token)]
-    return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors or None)
+    return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors or None)
 
 
 # --- clear errors -----------------------------------------------------------------------------

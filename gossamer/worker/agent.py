@@ -18,7 +18,12 @@ import grpc
 
 from gossamer.errors import AuthError, ConfigError, UnavailableError
 from gossamer.protocol import AssignmentUpdate, RoleSpec
-from gossamer.security.channel import ChannelSecurity, explain_rpc_error, open_aio_channel
+from gossamer.security.channel import (
+    ChannelSecurity,
+    coordinator_addresses,
+    explain_rpc_error,
+    open_aio_channel,
+)
 from gossamer.security.curve import CurveKeyPair
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -63,8 +68,9 @@ class AgentConfig:
     join_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if ":" not in self.coordinator:
-            raise ConfigError("coordinator", f"expected HOST:PORT, got {self.coordinator!r}")
+        for one in coordinator_addresses(self.coordinator):  # several: one leads (docs/ha.md)
+            if ":" not in one:
+                raise ConfigError("coordinator", f"expected HOST:PORT, got {one!r}")
         if self.nproc_per_node < 1:
             raise ConfigError("nproc_per_node", "must be >= 1")
         if self.grace_s < 0:
@@ -81,8 +87,8 @@ class AgentConfig:
 
 
 def route_address(coordinator: str) -> str:
-    """The local IP used to reach the coordinator (loopback when it is local)."""
-    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    """The local IP used to reach the coordinator (the first of several; loopback when it is local)."""
+    host = coordinator_addresses(coordinator)[0].rsplit(":", 1)[0].strip("[]")
     if host in ("localhost", "127.0.0.1", "::1", ""):
         return "127.0.0.1"
     try:

@@ -202,10 +202,11 @@ class Coordinator:
             backup = recovery.backup
             backup.replica = 0
             backup.replicated = False
+            epoch = exp.next_epoch(r.index)
             await self._recovery_metric(exp, {"promotions": 1.0})
             await self.store.add_event(
                 "promote", f"shard {r.index}: primary on {where} gone; backup on "
-                f"{self._name(backup.node_id)} promoted ({backup.endpoint})",
+                f"{self._name(backup.node_id)} promoted ({backup.endpoint}) at epoch {epoch}",
                 experiment_id=exp.id, node_id=backup.node_id,
             )
         await self._place_backup(exp, r.index)
@@ -230,6 +231,8 @@ class Coordinator:
         for x in exp.roles:
             if x.role == pb.ROLE_PARAMETER_SERVER and x.index in targets:
                 x.restore_epoch = exp.restore_epoch
+        for shard in targets:
+            exp.next_epoch(shard)
         self._bind(exp, host, pb.ROLE_PARAMETER_SERVER, index)
         exp.roles[-1].restore_epoch = exp.restore_epoch
         await self._recovery_metric(exp, {"restores": 1.0})

@@ -17,15 +17,19 @@ from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
 from gossamer.paramserver._updates import Updates
-from gossamer.protocol import HelloMeta, PullMeta, WelcomeMeta
+from gossamer.protocol import Authority, HelloMeta, PullMeta, WelcomeMeta
+from gossamer.security import sender_tokens
 from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits, Message, decode, frames_nbytes
 from gossamer.transport.ratelimit import RateLimit
 from gossamer.transport.router import (
     FAILED_PRECONDITION,
+    FENCED,
     INTERNAL,
     INVALID_ARGUMENT,
     NOT_FOUND,
+    NOT_PRIMARY,
+    UNAUTHENTICATED,
     UNIMPLEMENTED,
     Router,
 )
@@ -37,7 +41,7 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 20
 _EXPIRE_EVERY_S = 0.05
 _RECV_BATCH = 256
-#: Ops only the workers send; a backup that receives one has been promoted by the coordinator.
+#: Ops only the workers send: only a primary holding its lease serves them, and only to their own sender.
 _WORKER_OPS = ("HELLO", "PULL", "PUSH", "LEAVE")
 
 
@@ -178,9 +182,8 @@ class ServeLoop:
             raise Reject(f"message for shard {msg.shard} reached shard {self.config.shard}")
         now = time.monotonic()
         rid = msg.meta.get("rid")
-        if msg.op in _WORKER_OPS and not self.replication.is_primary:
-            # Workers learn a backup's endpoint only from the coordinator's promotion.
-            self.replication.promote("a worker was directed here")
+        if msg.op in _WORKER_OPS:
+            self._admit_worker_op(msg)
         if msg.op == "REPLICATE":
             self.replication.on_replicate(msg)
             self.replies.send(identity, "ACK", {"rid": rid})
@@ -201,6 +204,26 @@ class ServeLoop:
             self.replies.send(identity, "BYE", {"rid": rid})
         else:
             raise Reject(f"unknown op {msg.op!r}", UNIMPLEMENTED)
+
+    def _admit_worker_op(self, msg: Message) -> None:
+        """Refuse a worker op from a sender that cannot prove its id, or to a backup or fenced primary."""
+        rep = self.replication
+        if rep.sender_key:
+            try:
+                token = Authority.from_meta(msg.op, msg.meta).auth
+            except ProtocolError as e:
+                raise Reject(str(e), UNAUTHENTICATED, "unauthenticated") from None
+            if not msg.sender or not sender_tokens.verify(rep.sender_key, msg.sender, token):
+                raise Reject(f"{msg.op} from {msg.sender!r} refused: its sender token does not prove that id",
+                             UNAUTHENTICATED, "unauthenticated")
+        if not rep.is_primary:
+            # Only the coordinator promotes (with a newer epoch); a worker it directed here
+            # before this backup heard of its promotion retries.
+            raise Reject(f"shard {self.config.shard} replica at epoch {rep.epoch} is a backup", NOT_PRIMARY,
+                         "not_primary")
+        if rep.fenced:
+            raise Reject(f"shard {self.config.shard}'s node lease lapsed (epoch {rep.epoch}): it acknowledges "
+                         "nothing until the lease is renewed", FENCED, "fenced")
 
     def _on_hello(self, identity: bytes, msg: Message, now: float) -> None:
         meta = HelloMeta.from_meta(msg.meta)

@@ -55,20 +55,23 @@ class ShardServer:
         backup: bool = False,
         curve: CurveKeyring | None = None,
         own_init: bool = False,
+        epoch: int = 0,
     ) -> None:
         """`shapes`: parameter shapes by name, so compressed segments decode as matrices;
         `backup`: start as the backup replica (promoted by `promote`); `curve`: serve with
         CurveZMQ, accepting only the keyring's members (and use it to reach the backup);
         `own_init`: the shard takes the `init` tensors (1-D fp32) as its values instead of
-        copying them (the caller must not use them again)."""
+        copying them (the caller must not use them again); `epoch`: the coordinator's fencing
+        epoch of the shard when this replica was assigned."""
         self.config = config
         self.plan = plan
         self._state = ShardState(config, plan, init, dict(shapes or {}), own_init=own_init)
         self.limits = config.limits or FrameLimits.for_values(plan.shard_numel(config.shard))
         self._lock = threading.RLock()  # re-entered: posted commands may call locking methods
-        self._replication = Replication(self._state, self.limits, curve, self._lock, backup=backup)
+        self._replication = Replication(self._state, self.limits, curve, self._lock, backup=backup,
+                                        epoch=epoch)
         self._views = PullViews(plan, self._state.shapes)
-        self._replies = Replies(self._state, self._views)
+        self._replies = Replies(self._state, self._views, lambda: self._replication.epoch)
         self._updates = Updates(self._state, self._replies, self._replication)
         self._loop = ServeLoop(self._updates, self._replication, self._replies, limits=self.limits, curve=curve,
                                rate_limit=config.rate_limit, lock=self._lock, stats=self._stats)
@@ -122,9 +125,31 @@ class ShardServer:
         """
         self._updates.set_members(senders, generation, time.monotonic())
 
-    def promote(self, reason: str = "promoted by the coordinator") -> None:
-        """Become the primary: serve workers, take checkpoints."""
-        self._replication.promote(reason)
+    def promote(self, reason: str = "promoted by the coordinator", epoch: int | None = None) -> bool:
+        """Become the primary at fencing `epoch` (None: the next), serving workers and taking checkpoints.
+
+        A backup refuses an epoch not newer than its own (returns False): a stale or repeated
+        word of the coordinator promotes nobody.
+        """
+        return self._replication.promote(reason, epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The shard's fencing epoch this replica follows."""
+        return self._replication.epoch
+
+    def set_sender_key(self, key: str) -> None:
+        """Check every worker's sender token (and the primary's, on replication) under `key`."""
+        self._replication.sender_key = key
+
+    def renew_lease(self, until: float) -> None:
+        """The node's lease holds until `until` (time.monotonic); past it this replica acknowledges nothing.
+
+        `until` 0 revokes it for good (the agent is gone, or the coordinator counted the node
+        lost): renewals after that are ignored, since the shard may be primary elsewhere now.
+        """
+        if self._replication.lease_until != 0.0:
+            self._replication.lease_until = until
 
     # -- replication ------------------------------------------------------------------
     @property
@@ -285,6 +310,10 @@ class ShardServer:
             "unreplicated": rep.unreplicated,
             "backup_detaches": rep.backup_detaches,
             "promotions": rep.promotions,
+            "refused_promotions": rep.refused_promotions,
+            "epoch": rep.epoch,
+            "fenced": rep.fenced,
+            "fenced_replies": rep.fenced_replies,
             "generation": self._updates.generation,
             "applied": dict(self._state.applied),
             "versions_lost": self._updates.versions_lost,

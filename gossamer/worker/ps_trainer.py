@@ -63,6 +63,8 @@ class ParameterServerTrainer(RankTrainer):
             compressor=compressor,
             pull_codec=self.exp.pull_compression,
             throttle=ctx.throttle,
+            token=ctx.sender_token,
+            epochs=ctx.shard_epochs,
         )
         self.adaptive: AdaptiveLink | None = None
         if self.exp.compression == "adaptive" and self.mine:
@@ -334,7 +336,7 @@ class ParameterServerTrainer(RankTrainer):
     def _apply_updates(self) -> AssignmentUpdate | None:
         upd = super()._apply_updates()
         if upd is not None and upd.endpoints:
-            self.client.set_endpoints(dict(upd.endpoints))
+            self.client.set_endpoints(dict(upd.endpoints), dict(upd.shard_epochs))
         return upd
 
     def _report(self, rate: float) -> None:

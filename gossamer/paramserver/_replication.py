@@ -175,7 +175,7 @@ class Replication:
 
     def on_replies(self, b: zmq.Socket) -> None:
         """Read the backup's ACKs (and refusals) on `b`."""
-        while True:
+        while self.socket is b:  # a refusal detaches the backup: its socket is closed, stop reading it
             try:
                 frames = b.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:

@@ -35,9 +35,10 @@ def _follow_promotion(server, endpoint_file: str) -> None:  # type: ignore[no-un
     server.post(lambda: server.promote("promoted by the test's coordinator", epoch))
 
 
-def serve(endpoint_file: str, backup: bool, backup_endpoint: str, fault: str = "") -> None:
+def serve(endpoint_file: str, backup: bool, backup_endpoint: str, fault: str = "", sender_key: str = "") -> None:
     """Serve shard 0 of `model()`; as primary, replicate to `backup_endpoint`; as backup, become
-    the primary when `promote_file` appears (only the coordinator's word promotes)."""
+    the primary when `promote_file` appears (only the coordinator's word promotes); `sender_key`:
+    check senders' tokens under it, as shards the coordinator started do."""
     if fault:
         os.environ["GOSSAMER_FAULT"] = fault
     torch.set_num_threads(1)
@@ -48,6 +49,7 @@ def serve(endpoint_file: str, backup: bool, backup_endpoint: str, fault: str = "
     flat = flatten_params(m)
     init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks}
     server = ShardServer(shard_config(), plan, init, backup=backup)
+    server.set_sender_key(sender_key)
     endpoint = server.bind()
     if backup_endpoint:
         server.post(lambda: server.set_backup(backup_endpoint))

@@ -24,7 +24,8 @@ FINISHED_STATES = (
 )
 #: Cumulative per-source counters that are summed over sources for experiment totals.
 COUNTERS = ("samples", "bytes_up", "bytes_down", "raw_bytes_up", "raw_bytes_down", "updates", "encode_s",
-            "ps_decode_s", "versions_lost", "redone_steps", "resent", "ps_unreplicated", "ckpt_failed")
+            "ps_decode_s", "versions_lost", "redone_steps", "resent", "ps_unreplicated", "ckpt_failed",
+            "split_acks", "stale_replies", "shard_retries", "versions_regressed")
 #: Counter prefixes summed over sources: updates not applied, by cause (see ShardServer).
 COUNTER_PREFIXES = ("discarded_",)
 #: Rates summed over sources.

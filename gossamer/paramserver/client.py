@@ -92,6 +92,9 @@ class ShardClient:
         self._epochs: dict[int, int] = dict(epochs or {})
         self.stale_replies = 0  # replies from an older fencing epoch than this client knew, ignored
         self.retried = 0  # requests asked again after a NOT_PRIMARY or FENCED refusal
+        #: (shard, epoch) -> the endpoint that answered for it: one primary per epoch, or `split_acks` counts it.
+        self._answered_by: dict[tuple[int, int], str] = {}
+        self.split_acks = 0
         self.plan = plan
         self.timeout_s = timeout_s
         indices = sorted(c.index for c in plan.chunks) if chunks is None else sorted(chunks)
@@ -515,6 +518,7 @@ class ShardClient:
                     if not self._current(s, reply):
                         ask_again[s] = time.monotonic() + _RETRY_S
                         break
+                    self._note_answer(s, reply)
                     replies[s] = reply
                     del waiting[s]
         errors = [
@@ -541,6 +545,16 @@ class ShardClient:
                 "shard %d: %s; asking again", s, reply.meta.get("error"))
             return False
         return True
+
+    def _note_answer(self, s: int, reply: Message) -> None:
+        """Count a second endpoint answering for shard `s` in one fencing epoch (two primaries: a fencing bug)."""
+        epoch = reply.meta.get("epoch")
+        if reply.op == "ERROR" or not isinstance(epoch, int):
+            return
+        first = self._answered_by.setdefault((s, epoch), self._endpoints[s])
+        if first != self._endpoints[s]:
+            self.split_acks += 1
+            logger.error("shard %d answered from %s and %s in one epoch (%d)", s, first, self._endpoints[s], epoch)
 
     def _apply_deltas(self, shard: int, reply: Message, compressed: dict[str, Any]) -> dict[int, torch.Tensor]:
         """Rebuild chunk values from compressed differences against what we hold."""

@@ -347,6 +347,10 @@ class ParameterServerTrainer(RankTrainer):
             "raw_bytes_up": float(c.raw_bytes_up),
             "raw_bytes_down": float(c.raw_bytes_down),
             "resent": float(c.resent),
+            "shard_retries": float(c.retried),
+            "stale_replies": float(c.stale_replies),
+            "split_acks": float(c.split_acks),
+            "versions_regressed": float(self.versions_lost),  # shard versions seen going back (a rollback)
             "redone_steps": float(self.redone),
             "step_compute_s": self.compute_s,
             "step_exchange_s": self.exchange_s,

@@ -70,6 +70,7 @@ class Replication:
         #: time.monotonic() past which this node's lease has lapsed (None: no lease is kept).
         self.lease_until: float | None = None
         self.fenced_replies = 0  # acknowledgements withheld because the lease had lapsed
+        self._said_fenced = False
         self.refused_promotions = 0
         self.promotions = 0
         self.backup_endpoint = ""
@@ -199,7 +200,14 @@ class Replication:
                     self._detach()
 
     def check(self, now: float) -> None:
-        """Redial a backup that refused the handshake; detach one silent for `backup_timeout_s`."""
+        """Redial a backup that refused the handshake; detach one silent for `backup_timeout_s`; say when fenced."""
+        if self.fenced != self._said_fenced and self.is_primary:
+            self._said_fenced = self.fenced
+            if self.fenced:
+                logger.error("%s: this node's lease lapsed (epoch %d): acknowledging nothing until it is renewed%s",
+                             self._name, self.epoch, " (revoked for good)" if self.lease_until == 0.0 else "")
+            else:
+                logger.warning("%s: lease renewed (epoch %d): acknowledging again", self._name, self.epoch)
         watch = self._watch
         if watch is not None and watch.check() is not None and watch.fatal and now >= self._retry_at:
             # libzmq gave up on this connection (the backup does not know our key yet, or

@@ -169,3 +169,29 @@ def test_a_stray_hello_to_the_backup_changes_nothing_and_the_run_completes(tmp_p
     assert not [e for e in events if e["kind"] == "promote"], text
     replicas = {r["replica"]: r["endpoint"] for r in final["roles"] if r["role"] == "ps"}
     assert replicas.get(1, backup_ep) == backup_ep, (replicas, backup_ep)  # the backup stayed the backup
+
+
+def test_a_primary_past_its_lease_refuses_fenced_and_a_revoked_lease_is_never_renewed() -> None:
+    plan = ShardPlan.for_module(model(), 1, chunk_numel=200)
+    init = {c.index: torch.zeros(c.numel) for c in plan.chunks}
+    primary = ShardServer(shard_config(), plan, init)
+    primary.start()
+    client = ShardClient(experiment="chaos", sender="w", plan=plan, endpoints={0: primary.endpoint}, timeout_s=0.6)
+    try:
+        primary.renew_lease(time.monotonic() + 30)
+        client.hello(fresh=True)
+        client.push_pull(_grads(plan), clock=0, basis={0: 0})
+        primary.renew_lease(time.monotonic() - 1)  # lapsed: no heartbeat answered for the lease
+        with pytest.raises(Exception, match="did not answer"):  # refused FENCED, asked again until the timeout
+            client.push_pull(_grads(plan), clock=1, basis={0: 0})
+        st = primary.stats()
+        assert st["fenced"] and st["version"] == 1 and st["discarded"]["fenced"] >= 1, st
+        assert client.retried >= 1
+        primary.renew_lease(time.monotonic() + 30)  # renewed: it acknowledges again
+        client.push_pull(_grads(plan), clock=1, basis={0: 0})
+        primary.renew_lease(0.0)  # revoked (the coordinator counted the node lost)
+        primary.renew_lease(time.monotonic() + 30)
+        assert primary.stats()["fenced"] and primary.version == 2
+    finally:
+        client.close()
+        primary.close()

@@ -70,6 +70,9 @@ class Replication:
         #: time.monotonic() past which this node's lease has lapsed (None: no lease is kept).
         self.lease_until: float | None = None
         self.fenced_replies = 0  # acknowledgements withheld because the lease had lapsed
+        # Unreplicated acknowledgements withheld while fenced: sent if the lease is renewed,
+        # dropped if it is revoked (the worker then re-sends to the promoted backup).
+        self._withheld: list[Callable[[], None]] = []
         self._said_fenced = False
         self.refused_promotions = 0
         self.promotions = 0
@@ -201,13 +204,19 @@ class Replication:
 
     def check(self, now: float) -> None:
         """Redial a backup that refused the handshake; detach one silent for `backup_timeout_s`; say when fenced."""
-        if self.fenced != self._said_fenced and self.is_primary:
-            self._said_fenced = self.fenced
-            if self.fenced:
+        fenced = self.fenced
+        if fenced != self._said_fenced and self.is_primary:
+            self._said_fenced = fenced
+            if fenced:
                 logger.error("%s: this node's lease lapsed (epoch %d): acknowledging nothing until it is renewed%s",
                              self._name, self.epoch, " (revoked for good)" if self.lease_until == 0.0 else "")
             else:
                 logger.warning("%s: lease renewed (epoch %d): acknowledging again", self._name, self.epoch)
+        if self._withheld and (not fenced or self.lease_until == 0.0):
+            withheld, self._withheld = self._withheld, []
+            for reply in withheld if not fenced else ():
+                self.unreplicated += int(self.config.expect_backup)
+                reply()
         watch = self._watch
         if watch is not None and watch.check() is not None and watch.fatal and now >= self._retry_at:
             # libzmq gave up on this connection (the backup does not know our key yet, or
@@ -233,7 +242,8 @@ class Replication:
         if self.socket is not None and self.state.version > self.acked:
             self._awaiting.append((self.state.version, time.monotonic(), reply))
         elif self.fenced:
-            self.fenced_replies += 1  # unreplicated and past the lease: the worker re-sends to the new primary
+            self.fenced_replies += 1  # unreplicated and past the lease: held until it is renewed
+            self._withheld.append(reply)
         else:
             if self.is_primary and self.socket is None and self.config.expect_backup:
                 self.unreplicated += 1
@@ -244,6 +254,7 @@ class Replication:
             _, _, reply = self._awaiting.popleft()
             if not replicated and self.fenced:
                 self.fenced_replies += 1
+                self._withheld.append(reply)
                 continue
             if not replicated:
                 self.unreplicated += 1

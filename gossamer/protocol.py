@@ -104,6 +104,12 @@ class AssignmentUpdate:
         return cls(**_decode(cls, raw, "update"))
 
 
+#: A shard's report while it waits for its workers' copies (it lost every replica and found no checkpoint).
+RESTORE_SEEDING = "(seeding: waiting for the workers' copies)"
+#: A shard's report when it found nothing to restore from.
+RESTORE_NONE = "(none: initial values)"
+
+
 @dataclass(frozen=True, kw_only=True)
 class LeaseRenewal:
     """Node agent -> shard process: the node's lease is renewed until `until` (time.monotonic, host-wide).

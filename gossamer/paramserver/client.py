@@ -27,7 +27,7 @@ from gossamer.protocol import (
 from gossamer.security import curve as curve_keys
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
-from gossamer.transport.router import FENCED, NOT_PRIMARY, configure_socket
+from gossamer.transport.router import FENCED, NOT_PRIMARY, SEEDING, configure_socket
 from gossamer.transport.throttle import TokenBucket
 
 __all__ = ["PullResult", "ShardClient"]
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 #: Refusals that say "not here yet": a backup the coordinator promoted that has not heard so
 #: yet, a primary whose lease lapsed (renewed, or replaced by a promotion). Asked again this often.
-_RETRY_CODES = (NOT_PRIMARY, FENCED)
+_RETRY_CODES = (NOT_PRIMARY, FENCED, SEEDING)
 _RETRY_S = 0.2
 
 
@@ -95,6 +95,10 @@ class ShardClient:
         #: (shard, epoch) -> the endpoint that answered for it: one primary per epoch, or `split_acks` counts it.
         self._answered_by: dict[tuple[int, int], str] = {}
         self.split_acks = 0
+        #: Shard -> (the version this client last pulled, its copy of the values of its chunks of that
+        #: shard): sent as a SEED to a shard rebuilt from its workers' copies (None: nothing to offer).
+        self.seed_source: Callable[[int], tuple[int, dict[int, torch.Tensor]]] | None = None
+        self._seeded: set[tuple[int, int]] = set()  # (shard, epoch) this client sent its copy to
         self.plan = plan
         self.timeout_s = timeout_s
         indices = sorted(c.index for c in plan.chunks) if chunks is None else sorted(chunks)
@@ -539,12 +543,25 @@ class ShardClient:
             self.stale_replies += 1
             logger.warning("shard %d answered from epoch %d, older than %d: ignored", s, epoch, self._epochs[s])
             return False
+        if reply.op == "ERROR" and reply.meta.get("code") == SEEDING:
+            self._send_seed(s, epoch if isinstance(epoch, int) else 0)
         if reply.op == "ERROR" and reply.meta.get("code") in _RETRY_CODES:
             self.retried += 1
             (logger.debug if self.retried % 50 else logger.info)(
                 "shard %d: %s; asking again", s, reply.meta.get("error"))
             return False
         return True
+
+    def _send_seed(self, s: int, epoch: int) -> None:
+        """Offer shard `s` (rebuilt from its workers' copies) this client's copy of its chunks, once per epoch."""
+        if self.seed_source is None or (s, epoch) in self._seeded:
+            return
+        self._seeded.add((s, epoch))
+        version, values = self.seed_source(s)
+        logger.warning("shard %d is rebuilt from its workers' copies: sending ours (version %d, %d chunks)", s,
+                       version, len(values))
+        self._send_one(s, self._msg("SEED", s, {"seed_version": version},
+                                    {chunk_key(i): v.reshape(-1).to(torch.float32) for i, v in values.items()}))
 
     def _note_answer(self, s: int, reply: Message) -> None:
         """Count a second endpoint answering for shard `s` in one fencing epoch (two primaries: a fencing bug)."""

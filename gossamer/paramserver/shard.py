@@ -22,13 +22,14 @@ from gossamer.checkpoint.sharded import ShardSnapshot
 from gossamer.paramserver._pull_views import PullViews
 from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
+from gossamer.paramserver._seeding import Seeding
 from gossamer.paramserver._serve import ServeLoop
 from gossamer.paramserver._snapshot import PendingSnapshot, copy_in_background
 from gossamer.paramserver._state import ShardState
 from gossamer.paramserver._updates import Updates
 from gossamer.paramserver.shard_config import ShardConfig
 from gossamer.paramserver.shard_plan import ShardPlan
-from gossamer.protocol import chunk_key, parse_chunk_key
+from gossamer.protocol import SyncMeta, chunk_key, parse_chunk_key
 from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits
 from gossamer.transport.router import FAILED_PRECONDITION, NOT_MEMBER, OVER_RATE, UNROUTABLE
@@ -80,6 +81,10 @@ class ShardServer:
         self.endpoint = ""
         self._snapshot_finish: PendingSnapshot | None = None  # the newest snapshot_later's
         self._finish_s = 0.0
+        #: Called (serve thread) when a rebuild from the workers' copies ends: (sender, version), or ("", 0)
+        #: when no copy came before the deadline.
+        self.on_seeded: Callable[[str, int], None] | None = None
+        self._loop.periodic.append(self._check_seeding)
 
     # -- lifecycle --------------------------------------------------------------------
     def bind(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -220,6 +225,36 @@ class ShardServer:
             self._updates.restored(meta.applied)
         logger.warning("shard %d restored from %s at version %d", self.config.shard, step_dir, self.version)
         return self.version
+
+    def await_seed(self, window_s: float = 2.0, deadline_s: float = 60.0) -> None:
+        """Rebuild from the freshest worker's copy (every replica lost, no checkpoint): refuse PULL and
+        PUSH with SEEDING until a copy is taken, `window_s` after the first complete one (or once every
+        member sent one); `on_seeded` says which, or that none came within `deadline_s`."""
+        with self._lock:
+            self._loop.seeding = Seeding({i: c.numel for i, c in self._state.chunks.items()},
+                                         started=time.monotonic(), window_s=window_s, deadline_s=deadline_s)
+
+    def _check_seeding(self, now: float) -> None:
+        seeding = self._loop.seeding
+        if seeding is None:
+            return
+        seed = seeding.choice(now, self._updates.members)
+        if seed is None and not seeding.expired(now):
+            return
+        self._loop.seeding = None
+        if seed is None:
+            logger.error("shard %d: no worker sent its copy within %.0f s: nothing to rebuild from",
+                         self.config.shard, seeding.deadline_s)
+        else:
+            self._updates.void_waiting(f"shard {self.config.shard} rebuilt from a worker's copy; pull and redo",
+                                       FAILED_PRECONDITION, "rolled_back")
+            meta = SyncMeta(state_version=seed.version, applied={}, scalars={})
+            self._replication.load(meta, {chunk_key(i): t for i, t in seed.values.items()})
+            self._views.clear()  # no per-worker clocks in a copy: the coordinator counts the versions lost
+            logger.warning("shard %d rebuilt from %s's copy at version %d (of %d copies; optimizer state starts "
+                           "afresh)", self.config.shard, seed.sender, seed.version, len(seeding.seeds))
+        if self.on_seeded is not None:
+            self.on_seeded(seed.sender if seed else "", seed.version if seed else 0)
 
     def _apply(self, grads: dict[int, torch.Tensor], lr_factor: float,
                applied: list[tuple[str, int]] | None = None) -> None:

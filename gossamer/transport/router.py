@@ -29,6 +29,7 @@ __all__ = [
     "PERMISSION_DENIED",
     "RATE_LIMITED",
     "REFORM",
+    "SEEDING",
     "STALE_EPOCH",
     "UNAUTHENTICATED",
     "UNIMPLEMENTED",
@@ -72,6 +73,8 @@ FENCED = "FENCED"
 STALE_EPOCH = "STALE_EPOCH"
 #: The request's sender token does not prove its sender id (another member speaking for it).
 UNAUTHENTICATED = "UNAUTHENTICATED"
+#: The shard is rebuilt from its workers' copies (no replica, no checkpoint): send a SEED, then ask again.
+SEEDING = "SEEDING"
 
 #: Why the admission gate refused a message (keys of the `refused` counter).
 UNROUTABLE, NOT_MEMBER, OVER_RATE = "unroutable", "not_member", "rate_limit"

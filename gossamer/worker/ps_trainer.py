@@ -72,6 +72,7 @@ class ParameterServerTrainer(RankTrainer):
                                          target_share=self.exp.adaptive_target_share,
                                          seed=self.exp.seed * 1000 + ctx.worker_index)
         self.client.on_wait = self._on_wait  # new endpoints reach a waiting request
+        self.client.seed_source = self._copy_of_shard  # a shard rebuilt from its workers' copies
         self.profiler.watch(self.client.compressor, "encode", "decode")
         self.profiler.watch(self.client.pull_decoder, "decode")
         self.client.fault_ctx = {"worker": ctx.worker_index, "rank": ctx.local_rank}
@@ -326,6 +327,11 @@ class ParameterServerTrainer(RankTrainer):
     def _stopping(self) -> bool:
         """ddp: this rank's stop flag; sharded layouts: the flag the node's ranks agreed on."""
         return self.should_stop() if self.layout.holds_full_model else self._node_stop
+
+    def _copy_of_shard(self, shard: int) -> tuple[int, dict[int, torch.Tensor]]:
+        """The shard version this rank last pulled and its values of its chunks of `shard` (its model's)."""
+        mine = set(self.client.chunks_of_shard(shard))
+        return self.versions.get(shard, 0), {i: v for i, v in self.layout.chunk_values().items() if i in mine}
 
     def _on_wait(self) -> None:
         self._apply_updates()

@@ -16,7 +16,13 @@ from gossamer.checkpoint.sharded import AsyncCheckpointer, latest_good
 from gossamer.experiment import Experiment
 from gossamer.metric_families import staleness_buckets
 from gossamer.paramserver import ShardConfig, ShardPlan, ShardServer, take_shard_values
-from gossamer.protocol import AssignmentUpdate, LeaseRenewal, RoleSpec
+from gossamer.protocol import (
+    RESTORE_NONE,
+    RESTORE_SEEDING,
+    AssignmentUpdate,
+    LeaseRenewal,
+    RoleSpec,
+)
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.worker._role_process import drain, keyring_of, refresh_keyring
 from gossamer.worker.model import build
@@ -157,11 +163,18 @@ class ServerRole:
         for bad, why in refused:
             log.error("checkpoint %s refused: %s", bad, why)
         if path is None:
-            log.error("no good checkpoint under %s: shard %d starts over from its initial values", self.root, self.shard)
-            self.restored_path = "(none: initial values)"
+            log.error("no good checkpoint under %s: shard %d is rebuilt from the freshest worker's copy", self.root,
+                      self.shard)
+            self.server.on_seeded = self._seeded
+            self.server.await_seed()
+            self.restored_path = RESTORE_SEEDING
             return
         self.server.restore(str(path))
         self.restored_path = str(path)
+
+    def _seeded(self, sender: str, version: int) -> None:
+        """The rebuild from the workers' copies ended (serve thread): the coordinator hears from where."""
+        self.restored_path = f"worker {sender}'s copy" if sender else RESTORE_NONE
 
     def _report_checkpoint_failures(self) -> None:
         """A failed checkpoint write reaches the coordinator as a warning event, with its error."""

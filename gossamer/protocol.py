@@ -19,16 +19,18 @@ from gossamer.errors import ProtocolError
 # Both cross a spawn (pickled) and, for the local ranks of a torchrun/srun launch, the attach
 # socket (msgpack): `to_dict` gives plain values, `from_dict` checks every field's type.
 
-_SCALARS: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "bool": (bool,)}
+_SCALARS: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "bool": (bool,), "float": (int, float)}
 
 
 def _check(name: str, value: Any, kind: str) -> Any:
     """`value` of field `name` if it has the declared `kind`, else ProtocolError naming the field."""
     ok: bool
     if kind in _SCALARS:
-        ok = isinstance(value, _SCALARS[kind]) and not (kind == "int" and isinstance(value, bool))
+        ok = isinstance(value, _SCALARS[kind]) and not (kind in ("int", "float") and isinstance(value, bool))
     elif kind == "dict[int, str]":
         ok = isinstance(value, dict) and all(isinstance(k, int) and isinstance(v, str) for k, v in value.items())
+    elif kind == "dict[int, int]":
+        ok = isinstance(value, dict) and all(isinstance(k, int) and isinstance(v, int) for k, v in value.items())
     elif kind == "dict[str, str]":
         ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
     elif kind == "tuple[str, ...]":
@@ -84,6 +86,12 @@ class AssignmentUpdate:
     #: CURVE: endpoint -> server public key, and the member public keys a shard admits.
     curve_server_keys: dict[str, str] = field(default_factory=dict)
     curve_members: tuple[str, ...] = ()
+    #: Shard index -> its fencing epoch (grows at each promotion or restore of the shard).
+    shard_epochs: dict[int, int] = field(default_factory=dict)
+    #: Worker: the proof of its sender id it sends with every data-plane request.
+    sender_token: str = ""
+    #: Shard: the key the senders' tokens are checked with ("": senders are not checked).
+    sender_key: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,6 +102,23 @@ class AssignmentUpdate:
         ProtocolError: not a map, an unknown field, or a field of the wrong type (named).
         """
         return cls(**_decode(cls, raw, "update"))
+
+
+#: A shard's report while it waits for its workers' copies (it lost every replica and found no checkpoint).
+RESTORE_SEEDING = "(seeding: waiting for the workers' copies)"
+#: A shard's report when it found nothing to restore from.
+RESTORE_NONE = "(none: initial values)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseRenewal:
+    """Node agent -> shard process: the node's lease is renewed until `until` (time.monotonic, host-wide).
+
+    Past it the shard stops acknowledging: the coordinator may promote its backup soon after.
+    `until` 0: the agent is gone or the coordinator no longer knows this node (fenced for good).
+    """
+
+    until: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +155,8 @@ class RoleSpec:
     master_port: int = 0
     #: The assignment as it was when the process was started.
     assignment: AssignmentUpdate = field(default_factory=AssignmentUpdate)
+    #: A shard: time.monotonic() until which the node's lease holds (0: no lease kept); renewed by `LeaseRenewal`.
+    lease_until: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -367,6 +394,32 @@ class ErrorMeta:
 
     def to_meta(self) -> dict[str, Any]:
         return {"error": self.error, "code": self.code}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Authority:
+    """Who speaks, and for which epoch: the sender's token ("auth", on every worker request and on
+    SYNC/REPLICATE) and the shard's fencing epoch ("epoch", on SYNC/REPLICATE and on every shard reply).
+
+    Sits beside each op's own meta fields; a request without a token is refused by a shard that
+    checks senders, a reply from an older epoch than the worker knows is ignored.
+    """
+
+    auth: str = ""
+    epoch: int = 0
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"epoch": self.epoch}
+        if self.auth:
+            meta["auth"] = self.auth
+        return meta
+
+    @classmethod
+    def from_meta(cls, op: str, meta: Mapping[str, Any]) -> Authority:
+        auth = meta.get("auth", "")
+        if not isinstance(auth, str) or len(auth) > 128:
+            raise ProtocolError(f"{op} meta 'auth' must be a token string")
+        return cls(auth=auth, epoch=_int(op, meta, "epoch", default=0))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,7 @@ from gossamer.coordinator.store import Store
 from gossamer.coordinator.stragglers import StepRates, worker_speeds
 from gossamer.errors import ConfigError, NotFoundError
 from gossamer.experiment import Experiment
+from gossamer.protocol import RESTORE_SEEDING
 from gossamer.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -202,10 +203,11 @@ class Coordinator:
             backup = recovery.backup
             backup.replica = 0
             backup.replicated = False
+            epoch = exp.next_epoch(r.index)
             await self._recovery_metric(exp, {"promotions": 1.0})
             await self.store.add_event(
                 "promote", f"shard {r.index}: primary on {where} gone; backup on "
-                f"{self._name(backup.node_id)} promoted ({backup.endpoint})",
+                f"{self._name(backup.node_id)} promoted ({backup.endpoint}) at epoch {epoch}",
                 experiment_id=exp.id, node_id=backup.node_id,
             )
         await self._place_backup(exp, r.index)
@@ -230,6 +232,8 @@ class Coordinator:
         for x in exp.roles:
             if x.role == pb.ROLE_PARAMETER_SERVER and x.index in targets:
                 x.restore_epoch = exp.restore_epoch
+        for shard in targets:
+            exp.next_epoch(shard)
         self._bind(exp, host, pb.ROLE_PARAMETER_SERVER, index)
         exp.roles[-1].restore_epoch = exp.restore_epoch
         await self._recovery_metric(exp, {"restores": 1.0})
@@ -531,7 +535,11 @@ class Coordinator:
                 f"shard {req.index}: backup {'attached' if req.replicated else 'detached'} at version {req.version}",
                 experiment_id=exp.id, node_id=req.node_id,
             )
-        if req.restored_from or (role.restore_epoch and req.version == 0 and not role.version):
+        if req.restored_from == RESTORE_SEEDING:
+            await self.store.add_event(
+                "restore", f"shard {req.index}: no checkpoint found; rebuilding it from the freshest worker's copy",
+                experiment_id=exp.id, node_id=req.node_id)
+        elif req.restored_from or (role.restore_epoch and req.version == 0 and not role.version):
             last = exp.shard_versions.get(str(req.index), 0)
             lost = max(0, last - int(req.version))
             await self._recovery_metric(exp, {"versions_lost_min": float(lost)})
@@ -627,9 +635,10 @@ def _curve_key(req: pb.JoinRequest, curve: bool) -> str:
 
 def _no_source(exp: ExpRec, index: int, lost: int) -> str:
     every = exp.spec["checkpoint_every"]
-    return (f"shard {index} lost every replica and no checkpoint was found to restore it from (checkpoint_every "
-            f"{every}{': none written yet' if every else ': none taken'}); going on from its initial values would "
-            f"lose {lost} version(s): set checkpoint_every and keep ps_backup on to survive this")
+    return (f"shard {index} lost every replica, no checkpoint was found to restore it from (checkpoint_every "
+            f"{every}{': none written yet' if every else ': none taken'}), and no worker held a newer copy of its "
+            f"values than the initial ones; going on from its initial values would lose {lost} version(s): set "
+            "checkpoint_every and keep ps_backup on to survive this")
 
 
 def _stall_message(exp: ExpRec, now: float) -> str:

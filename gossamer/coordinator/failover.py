@@ -97,3 +97,15 @@ def roll_back_together(roles: Sequence[RoleRec], index: int, *, barrier: bool) -
 def gives_up(failures: int, max_workers: int) -> bool:
     """Whether `failures` crashed role processes end the experiment (a budget against crash loops)."""
     return failures > max(10, 3 * max_workers)
+
+
+def shard_lease_s(lease_timeout_s: float, heartbeat_interval_s: float) -> float:
+    """How long after sending a heartbeat the coordinator answered a node's shards may acknowledge.
+
+    The coordinator calls a node lost `lease_timeout_s` after it last *received* a heartbeat,
+    which is after the node sent it; the node's shards stop (are fenced) `shard_lease_s` after
+    it *sent* it. The margin (a heartbeat interval, at least a quarter of the lease) covers
+    the clocks' rates and the pipe to the shard process, so an isolated primary has stopped
+    acknowledging before its backup may be promoted.
+    """
+    return lease_timeout_s - max(heartbeat_interval_s, 0.25 * lease_timeout_s)

@@ -9,6 +9,7 @@ from typing import Any
 
 from gossamer.experiment import Experiment
 from gossamer.modes import Mode, resolve
+from gossamer.security.sender_tokens import new_key
 from gossamer.v1 import coordinator_pb2 as pb
 
 ACTIVE_STATES = (
@@ -23,7 +24,8 @@ FINISHED_STATES = (
 )
 #: Cumulative per-source counters that are summed over sources for experiment totals.
 COUNTERS = ("samples", "bytes_up", "bytes_down", "raw_bytes_up", "raw_bytes_down", "updates", "encode_s",
-            "ps_decode_s", "versions_lost", "redone_steps", "resent", "ps_unreplicated", "ckpt_failed")
+            "ps_decode_s", "versions_lost", "redone_steps", "resent", "ps_unreplicated", "ckpt_failed",
+            "split_acks", "stale_replies", "shard_retries", "versions_regressed")
 #: Counter prefixes summed over sources: updates not applied, by cause (see ShardServer).
 COUNTER_PREFIXES = ("discarded_",)
 #: Rates summed over sources.
@@ -110,6 +112,10 @@ class ExpRec:
     stalled: bool = False  # its status says it makes no progress
     latest: dict[str, dict[str, float]] = field(default_factory=dict)
     roles: list[RoleRec] = field(default_factory=list)
+    #: Shard index (as text) -> fencing epoch: grows at each promotion or restore of the shard.
+    shard_epochs: dict[str, int] = field(default_factory=dict)
+    #: The data-plane key shards check workers' sender tokens with (a record stored without one gets one).
+    sender_key: str = field(default_factory=new_key)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -119,6 +125,12 @@ class ExpRec:
         data = json.loads(text)
         data["roles"] = [RoleRec(**r) for r in data.get("roles", [])]
         return cls(**data)
+
+    def next_epoch(self, shard: int) -> int:
+        """Fence shard `shard`'s replicas of the epoch before: a promotion or restore names the next one."""
+        epoch = self.shard_epochs.get(str(shard), 0) + 1
+        self.shard_epochs[str(shard)] = epoch
+        return epoch
 
     @property
     def spec(self) -> dict[str, Any]:

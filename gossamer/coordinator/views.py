@@ -6,6 +6,7 @@ import json
 from collections.abc import Mapping
 
 from gossamer.coordinator.records import ExpRec, NodeRec
+from gossamer.security.sender_tokens import token_for
 from gossamer.v1 import coordinator_pb2 as pb
 
 
@@ -24,6 +25,7 @@ def assignments(exp: ExpRec, node_id: str, *, checkpoint_root: str,
     peers = {w.index: w.endpoint for w in workers if w.endpoint} if not exp.mode.servers else {}
     server_keys, members = curve_keys
     spec = exp.spec
+    epochs = {int(k): v for k, v in exp.shard_epochs.items()}
     out = []
     for r in exp.roles:
         if r.node_id != node_id:
@@ -51,6 +53,9 @@ def assignments(exp: ExpRec, node_id: str, *, checkpoint_root: str,
                 peer_endpoints={i: e for i, e in peers.items() if i != r.index} if not ps else {},
                 curve_server_keys=server_keys,
                 curve_members=members,
+                shard_epochs=epochs if not ps else {r.index: epochs.get(r.index, 0)},
+                sender_token=token_for(exp.sender_key, f"{r.node_id}:{r.index}") if not ps else "",
+                sender_key=exp.sender_key if ps else "",
             )
         )
     return out

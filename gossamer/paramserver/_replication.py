@@ -6,6 +6,13 @@ holds bit-identical state. A worker's PUSH is acknowledged (its reply sent) only
 backup has acknowledged that version: an acknowledged update survives the loss of either
 replica. A backup that does not answer for `backup_timeout_s` is detached; the primary then
 acknowledges unreplicated (counted) until a new backup is attached with a full-state SYNC.
+
+Authority: a replica's `epoch` is the coordinator's fencing epoch of the shard. A backup
+becomes primary only through `promote` with a newer epoch (the coordinator's word), and
+accepts SYNC/REPLICATE only from the shard's primary (its sender token, when the shard checks
+senders) at its own epoch or a newer one. A primary whose node lease lapsed (`lease_until`)
+is fenced: it stops acknowledging, so an isolated primary cannot acknowledge beside the backup
+the coordinator promotes once the node's lease has expired there too.
 """
 
 from __future__ import annotations
@@ -22,10 +29,17 @@ import zmq
 from gossamer.errors import AuthError, ProtocolError
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._state import ShardState
-from gossamer.protocol import ReplicateMeta, SyncMeta, chunk_key, parse_chunk_key
+from gossamer.protocol import Authority, ReplicateMeta, SyncMeta, chunk_key, parse_chunk_key
+from gossamer.security import sender_tokens
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
-from gossamer.transport.router import NOT_BACKUP, OUT_OF_ORDER, configure_socket
+from gossamer.transport.router import (
+    NOT_BACKUP,
+    OUT_OF_ORDER,
+    STALE_EPOCH,
+    UNAUTHENTICATED,
+    configure_socket,
+)
 
 __all__ = ["Replication"]
 
@@ -42,7 +56,7 @@ class Replication:
     """
 
     def __init__(self, state: ShardState, limits: FrameLimits, curve: CurveKeyring | None, lock: threading.RLock,
-                 *, backup: bool) -> None:
+                 *, backup: bool, epoch: int = 0) -> None:
         self.state = state
         self.config = state.config
         self.limits = limits
@@ -50,6 +64,17 @@ class Replication:
         self._lock = lock
         self.context: zmq.Context | None = None  # the serve loop's, set when it binds
         self.is_primary = not backup
+        self.epoch = epoch
+        #: The experiment's sender key ("": senders are not checked, e.g. a shard without a coordinator).
+        self.sender_key = ""
+        #: time.monotonic() past which this node's lease has lapsed (None: no lease is kept).
+        self.lease_until: float | None = None
+        self.fenced_replies = 0  # acknowledgements withheld because the lease had lapsed
+        # Unreplicated acknowledgements withheld while fenced: sent if the lease is renewed,
+        # dropped if it is revoked (the worker then re-sends to the promoted backup).
+        self._withheld: list[Callable[[], None]] = []
+        self._said_fenced = False
+        self.refused_promotions = 0
         self.promotions = 0
         self.backup_endpoint = ""
         self.socket: zmq.Socket | None = None
@@ -69,13 +94,30 @@ class Replication:
         """True once a backup is attached and synced (acknowledged updates are on two replicas)."""
         return self.socket is not None and self._synced
 
-    def promote(self, reason: str) -> None:
-        """Become the primary: serve workers, take checkpoints."""
+    @property
+    def fenced(self) -> bool:
+        """The node's lease lapsed: this replica must not acknowledge (the coordinator may promote another)."""
+        return self.lease_until is not None and time.monotonic() > self.lease_until
+
+    def promote(self, reason: str, epoch: int | None = None) -> bool:
+        """Become the primary at fencing `epoch` (None: the next one, for a shard run without a
+        coordinator). A backup takes promotion only with a newer epoch than its own; returns
+        whether this replica is now the primary at `epoch`."""
+        epoch = self.epoch + 1 if epoch is None else epoch
         if self.is_primary:
-            return
+            self.epoch = max(self.epoch, epoch)
+            return True
+        if epoch <= self.epoch:
+            self.refused_promotions += 1
+            logger.error("%s: promotion at epoch %d refused: this backup is at epoch %d (%s)", self._name, epoch,
+                         self.epoch, reason)
+            return False
         self.is_primary = True
+        self.epoch = epoch
         self.promotions += 1
-        logger.warning("%s: backup promoted to primary at version %d (%s)", self._name, self.state.version, reason)
+        logger.warning("%s: backup promoted to primary at version %d, epoch %d (%s)", self._name, self.state.version,
+                       epoch, reason)
+        return True
 
     # -- primary side -------------------------------------------------------------------
     def set_backup(self, endpoint: str) -> None:
@@ -118,8 +160,11 @@ class Replication:
 
     def _send(self, op: str, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> None:
         assert self.socket is not None
+        sender = sender_tokens.primary_sender(self.config.shard)
+        auth = sender_tokens.token_for(self.sender_key, sender) if self.sender_key else ""
         msg = Message(op=op, experiment=self.config.experiment, shard=self.config.shard, version=self.state.version,
-                      sender=f"shard-{self.config.shard}", meta=meta, tensors=tensors)
+                      sender=sender, meta={**meta, **Authority(auth=auth, epoch=self.epoch).to_meta()},
+                      tensors=tensors)
         frames = encode(msg)
         self.bytes_out += frames_nbytes(frames)
         self.socket.send_multipart(frames, copy=False)
@@ -134,7 +179,7 @@ class Replication:
 
     def on_replies(self, b: zmq.Socket) -> None:
         """Read the backup's ACKs (and refusals) on `b`."""
-        while True:
+        while self.socket is b:  # a refusal detaches the backup: its socket is closed, stop reading it
             try:
                 frames = b.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -158,7 +203,20 @@ class Replication:
                     self._detach()
 
     def check(self, now: float) -> None:
-        """Redial a backup that refused the handshake; detach one silent for `backup_timeout_s`."""
+        """Redial a backup that refused the handshake; detach one silent for `backup_timeout_s`; say when fenced."""
+        fenced = self.fenced
+        if fenced != self._said_fenced and self.is_primary:
+            self._said_fenced = fenced
+            if fenced:
+                logger.error("%s: this node's lease lapsed (epoch %d): acknowledging nothing until it is renewed%s",
+                             self._name, self.epoch, " (revoked for good)" if self.lease_until == 0.0 else "")
+            else:
+                logger.warning("%s: lease renewed (epoch %d): acknowledging again", self._name, self.epoch)
+        if self._withheld and (not fenced or self.lease_until == 0.0):
+            withheld, self._withheld = self._withheld, []
+            for reply in withheld if not fenced else ():
+                self.unreplicated += int(self.config.expect_backup)
+                reply()
         watch = self._watch
         if watch is not None and watch.check() is not None and watch.fatal and now >= self._retry_at:
             # libzmq gave up on this connection (the backup does not know our key yet, or
@@ -183,6 +241,9 @@ class Replication:
         """Send `reply` now, or once the backup holds the current version."""
         if self.socket is not None and self.state.version > self.acked:
             self._awaiting.append((self.state.version, time.monotonic(), reply))
+        elif self.fenced:
+            self.fenced_replies += 1  # unreplicated and past the lease: held until it is renewed
+            self._withheld.append(reply)
         else:
             if self.is_primary and self.socket is None and self.config.expect_backup:
                 self.unreplicated += 1
@@ -191,6 +252,10 @@ class Replication:
     def _flush(self, *, replicated: bool) -> None:
         while self._awaiting and (not replicated or self._awaiting[0][0] <= self.acked):
             _, _, reply = self._awaiting.popleft()
+            if not replicated and self.fenced:
+                self.fenced_replies += 1
+                self._withheld.append(reply)
+                continue
             if not replicated:
                 self.unreplicated += 1
             reply()
@@ -201,17 +266,33 @@ class Replication:
         self.state.load(meta, tensors)
         self.acked = self.state.version
 
+    def _from_primary(self, msg: Message) -> None:
+        """Refuse replication that is not from the shard's primary at this epoch or a newer one."""
+        if self.is_primary:
+            raise Reject(f"{msg.op} sent to a primary (this replica was promoted)", NOT_BACKUP)
+        try:
+            authority = Authority.from_meta(msg.op, msg.meta)
+        except ProtocolError as e:
+            raise Reject(str(e)) from None
+        primary = sender_tokens.primary_sender(self.config.shard)
+        if self.sender_key and (msg.sender != primary
+                                or not sender_tokens.verify(self.sender_key, primary, authority.auth)):
+            raise Reject(f"{msg.op} from {msg.sender!r} refused: only the shard's primary replicates, with its "
+                         "token", UNAUTHENTICATED, "unauthenticated")
+        if authority.epoch < self.epoch:
+            raise Reject(f"{msg.op} of epoch {authority.epoch} refused: this backup follows epoch {self.epoch}",
+                         STALE_EPOCH, "stale_epoch")
+        self.epoch = authority.epoch  # a newer primary, named by the coordinator before this backup heard
+
     def on_sync(self, msg: Message) -> None:
         """A full-state SYNC from the primary."""
-        if self.is_primary:
-            raise Reject("SYNC sent to a primary", NOT_BACKUP)
+        self._from_primary(msg)
         self.load(SyncMeta.from_meta(msg.meta), msg.tensors)
         logger.info("%s: backup synced at version %d", self._name, self.state.version)
 
     def on_replicate(self, msg: Message) -> None:
         """Replay one update the primary applied."""
-        if self.is_primary:
-            raise Reject("REPLICATE sent to a primary (this replica was promoted)", NOT_BACKUP)
+        self._from_primary(msg)
         if msg.version != self.state.version + 1:
             raise Reject(f"REPLICATE of version {msg.version} but this backup is at {self.state.version}",
                          OUT_OF_ORDER)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,11 +25,16 @@ def _rid(rid: Any) -> Any:
 
 
 class Replies:
-    """Sends a shard's replies on its ROUTER socket (set by `bind`) and counts them."""
+    """Sends a shard's replies on its ROUTER socket (set by `bind`) and counts them.
 
-    def __init__(self, state: ShardState, views: PullViews) -> None:
+    Every reply carries the replica's fencing epoch (`epoch_of`): a worker ignores replies from an
+    older epoch than it knows.
+    """
+
+    def __init__(self, state: ShardState, views: PullViews, epoch_of: Callable[[], int] = lambda: 0) -> None:
         self.state = state
         self.views = views
+        self.epoch_of = epoch_of
         self.socket: zmq.Socket | None = None
         self.bytes_out = 0
         self.raw_bytes_out = 0  # what the PARAMS replies would have been as full fp32 values
@@ -41,7 +47,7 @@ class Replies:
         returns, so the state is told (`lend`) until ZMQ has let go of them."""
         config = self.state.config
         msg = Message(op=op, experiment=config.experiment, shard=config.shard, version=self.state.version,
-                      sender=f"shard-{config.shard}", meta=meta, tensors=tensors or {})
+                      sender=f"shard-{config.shard}", meta={**meta, "epoch": self.epoch_of()}, tensors=tensors or {})
         frames: list[Any] = encode(msg)
         self.bytes_out += frames_nbytes(frames)
         assert self.socket is not None

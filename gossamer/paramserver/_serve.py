@@ -16,16 +16,22 @@ from gossamer.errors import ProtocolError
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
+from gossamer.paramserver._seeding import Seeding
 from gossamer.paramserver._updates import Updates
-from gossamer.protocol import HelloMeta, PullMeta, WelcomeMeta
+from gossamer.protocol import Authority, HelloMeta, PullMeta, WelcomeMeta, parse_chunk_key
+from gossamer.security import sender_tokens
 from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits, Message, decode, frames_nbytes
 from gossamer.transport.ratelimit import RateLimit
 from gossamer.transport.router import (
     FAILED_PRECONDITION,
+    FENCED,
     INTERNAL,
     INVALID_ARGUMENT,
     NOT_FOUND,
+    NOT_PRIMARY,
+    SEEDING,
+    UNAUTHENTICATED,
     UNIMPLEMENTED,
     Router,
 )
@@ -37,8 +43,8 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 20
 _EXPIRE_EVERY_S = 0.05
 _RECV_BATCH = 256
-#: Ops only the workers send; a backup that receives one has been promoted by the coordinator.
-_WORKER_OPS = ("HELLO", "PULL", "PUSH", "LEAVE")
+#: Ops only the workers send: only a primary holding its lease serves them, and only to their own sender.
+_WORKER_OPS = ("HELLO", "PULL", "PUSH", "LEAVE", "SEED")
 
 
 class ServeLoop:
@@ -65,6 +71,10 @@ class ServeLoop:
         self._ctx: zmq.Context | None = None
         self.router: Router | None = None
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        #: Set while the shard is rebuilt from its workers' copies (see `_seeding`).
+        self.seeding: Seeding | None = None
+        #: Called under the lock on every expiry tick (e.g. to take a workers' copy once chosen).
+        self.periodic: list[Callable[[float], None]] = []
         self._name = f"shard {self.config.shard}"
 
     @property
@@ -138,6 +148,8 @@ class ServeLoop:
                 with self.lock:
                     self.updates.expire(now)
                     self.replication.check(now)
+                    for fn in self.periodic:
+                        fn(now)
 
     # -- requests -------------------------------------------------------------------------
     def _on_frames(self, frames: Sequence[zmq.Frame]) -> None:
@@ -178,9 +190,15 @@ class ServeLoop:
             raise Reject(f"message for shard {msg.shard} reached shard {self.config.shard}")
         now = time.monotonic()
         rid = msg.meta.get("rid")
-        if msg.op in _WORKER_OPS and not self.replication.is_primary:
-            # Workers learn a backup's endpoint only from the coordinator's promotion.
-            self.replication.promote("a worker was directed here")
+        if msg.op in _WORKER_OPS:
+            self._admit_worker_op(msg)
+            if self.seeding is not None and msg.op in ("PULL", "PUSH"):
+                raise Reject(f"shard {self.config.shard} lost every replica and is rebuilt from its workers' "
+                             "copies: send a SEED", SEEDING, "seeding")
+        if msg.op == "SEED":
+            self._on_seed(msg, now)
+            self.replies.send(identity, "ACK", {"rid": rid})
+            return
         if msg.op == "REPLICATE":
             self.replication.on_replicate(msg)
             self.replies.send(identity, "ACK", {"rid": rid})
@@ -201,6 +219,38 @@ class ServeLoop:
             self.replies.send(identity, "BYE", {"rid": rid})
         else:
             raise Reject(f"unknown op {msg.op!r}", UNIMPLEMENTED)
+
+    def _admit_worker_op(self, msg: Message) -> None:
+        """Refuse a worker op from a sender that cannot prove its id, or to a backup or fenced primary."""
+        rep = self.replication
+        if rep.sender_key:
+            try:
+                token = Authority.from_meta(msg.op, msg.meta).auth
+            except ProtocolError as e:
+                raise Reject(str(e), UNAUTHENTICATED, "unauthenticated") from None
+            if not msg.sender or not sender_tokens.verify(rep.sender_key, msg.sender, token):
+                raise Reject(f"{msg.op} from {msg.sender!r} refused: its sender token does not prove that id",
+                             UNAUTHENTICATED, "unauthenticated")
+        if not rep.is_primary:
+            # Only the coordinator promotes (with a newer epoch); a worker it directed here
+            # before this backup heard of its promotion retries.
+            raise Reject(f"shard {self.config.shard} replica at epoch {rep.epoch} is a backup", NOT_PRIMARY,
+                         "not_primary")
+        if rep.fenced:
+            raise Reject(f"shard {self.config.shard}'s node lease lapsed (epoch {rep.epoch}): it acknowledges "
+                         "nothing until the lease is renewed", FENCED, "fenced")
+
+    def _on_seed(self, msg: Message, now: float) -> None:
+        """A worker's copy of (some of) this shard's chunks, at the shard version it last pulled."""
+        if self.seeding is None:
+            return  # rebuilt already (or never needed): nothing to do
+        version = msg.meta.get("seed_version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise Reject("SEED meta 'seed_version' must be an int >= 0")
+        try:
+            self.seeding.offer(msg.sender, version, {parse_chunk_key(k): t for k, t in msg.tensors.items()}, now)
+        except (ValueError, ProtocolError) as e:
+            raise Reject(str(e)) from None
 
     def _on_hello(self, identity: bytes, msg: Message, now: float) -> None:
         meta = HelloMeta.from_meta(msg.meta)

@@ -57,6 +57,7 @@ class Updates:
     """Validates pushes, gathers their parts into updates and applies them (under the shard's lock)."""
 
     def __init__(self, state: ShardState, replies: Replies, replication: Replication) -> None:
+        self.members: set[str] = set()  # the coordinator's current workers (empty until it says)
         config = state.config
         self.state = state
         self.config = config
@@ -337,6 +338,7 @@ class Updates:
         if self.config.barrier and generation is not None and generation > self.generation:
             self.reform(generation)
         members = set(senders)
+        self.members = members
         for worker in self.gate.active:
             if worker not in members:
                 logger.info("shard %d: worker %s is no longer a member", self.config.shard, worker)

@@ -27,12 +27,17 @@ from gossamer.protocol import (
 from gossamer.security import curve as curve_keys
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
-from gossamer.transport.router import configure_socket
+from gossamer.transport.router import FENCED, NOT_PRIMARY, SEEDING, configure_socket
 from gossamer.transport.throttle import TokenBucket
 
 __all__ = ["PullResult", "ShardClient"]
 
 logger = logging.getLogger(__name__)
+
+#: Refusals that say "not here yet": a backup the coordinator promoted that has not heard so
+#: yet, a primary whose lease lapsed (renewed, or replaced by a promotion). Asked again this often.
+_RETRY_CODES = (NOT_PRIMARY, FENCED, SEEDING)
+_RETRY_S = 0.2
 
 
 @dataclass
@@ -69,16 +74,31 @@ class ShardClient:
         compressor: ChunkCompressor | None = None,
         pull_codec: str = "none",
         curve: CurveKeyring | None = None,
+        token: str = "",
+        epochs: dict[int, int] | None = None,
     ) -> None:
         """`compressor` encodes pushed gradients; `pull_codec` asks shards for compressed
         parameter differences instead of full values (see ShardServer); `curve`: connect
-        with CurveZMQ (default: the keyring installed in this process, if any)."""
+        with CurveZMQ (default: the keyring installed in this process, if any); `token`: the
+        proof of `sender` the coordinator handed this worker; `epochs`: each shard's fencing
+        epoch as the coordinator last said (replies from older epochs are ignored)."""
         if not sender:
             raise ConfigError("sender", "must be a non-empty string")
         if timeout_s <= 0:
             raise ConfigError("timeout_s", f"must be > 0, got {timeout_s!r}")
         self.experiment = experiment
         self.sender = sender
+        self.token = token
+        self._epochs: dict[int, int] = dict(epochs or {})
+        self.stale_replies = 0  # replies from an older fencing epoch than this client knew, ignored
+        self.retried = 0  # requests asked again after a NOT_PRIMARY or FENCED refusal
+        #: (shard, epoch) -> the endpoint that answered for it: one primary per epoch, or `split_acks` counts it.
+        self._answered_by: dict[tuple[int, int], str] = {}
+        self.split_acks = 0
+        #: Shard -> (the version this client last pulled, its copy of the values of its chunks of that
+        #: shard): sent as a SEED to a shard rebuilt from its workers' copies (None: nothing to offer).
+        self.seed_source: Callable[[int], tuple[int, dict[int, torch.Tensor]]] | None = None
+        self._seeded: set[tuple[int, int]] = set()  # (shard, epoch) this client sent its copy to
         self.plan = plan
         self.timeout_s = timeout_s
         indices = sorted(c.index for c in plan.chunks) if chunks is None else sorted(chunks)
@@ -155,13 +175,15 @@ class ShardClient:
     def endpoints(self) -> dict[int, str]:
         return dict(self._endpoints)
 
-    def set_endpoints(self, endpoints: dict[int, str]) -> list[int]:
-        """Point shards at new endpoints (a promoted backup, a restored shard).
+    def set_endpoints(self, endpoints: dict[int, str], epochs: dict[int, int] | None = None) -> list[int]:
+        """Point shards at new endpoints (a promoted backup, a restored shard) of fencing `epochs`.
 
         A request waiting on a moved shard is sent again to the new endpoint; shards
         recognise a repeated push by its clock and do not apply it twice. Returns the
         shards that moved.
         """
+        for s, epoch in (epochs or {}).items():
+            self._epochs[s] = max(self._epochs.get(s, 0), epoch)
         moved = []
         for s in self._by_shard:
             new = endpoints.get(s)
@@ -380,12 +402,13 @@ class ShardClient:
         tensors: dict[str, torch.Tensor] | None = None,
     ) -> Message:
         self._rid += 1
+        auth = {"auth": self.token} if self.token else {}
         return Message(
             op=op,
             experiment=self.experiment,
             shard=shard,
             sender=self.sender,
-            meta={**(meta or {}), "rid": self._rid},
+            meta={**(meta or {}), **auth, "rid": self._rid},
             tensors=tensors or {},
         )
 
@@ -431,11 +454,16 @@ class ShardClient:
         replies: dict[int, Message] = {}
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
+        ask_again: dict[int, float] = {}  # refused for now (NOT_PRIMARY, FENCED, an old epoch): when to resend
         while waiting:
             if self.on_wait is not None:
                 self.on_wait()
             for s, msg in waiting.items():
+                if self._socks[s] is sent_to[s] and time.monotonic() >= ask_again.get(s, float("inf")):
+                    del ask_again[s]
+                    self._send_one(s, msg)
                 if self._socks[s] is not sent_to[s]:  # moved: ask the new endpoint
+                    ask_again.pop(s, None)
                     self._send_one(s, msg)
                     sent_to[s] = self._socks[s]
                     if s in retried:
@@ -491,6 +519,10 @@ class ShardClient:
                             "dropped a stale reply from shard %d (rid %r)", s, reply.meta.get("rid")
                         )
                         continue
+                    if not self._current(s, reply):
+                        ask_again[s] = time.monotonic() + _RETRY_S
+                        break
+                    self._note_answer(s, reply)
                     replies[s] = reply
                     del waiting[s]
         errors = [
@@ -502,6 +534,44 @@ class ShardClient:
             codes = {str(r.meta.get("code", "")) for r in replies.values() if r.op == "ERROR"}
             raise ShardError("; ".join(errors), codes)
         return replies
+
+    def _current(self, s: int, reply: Message) -> bool:
+        """Whether `reply` answers for shard `s` now: False for one from an older fencing epoch than
+        this client knows, and for a refusal that says to ask again (`_RETRY_CODES`)."""
+        epoch = reply.meta.get("epoch", 0)
+        if isinstance(epoch, int) and epoch < self._epochs.get(s, 0):
+            self.stale_replies += 1
+            logger.warning("shard %d answered from epoch %d, older than %d: ignored", s, epoch, self._epochs[s])
+            return False
+        if reply.op == "ERROR" and reply.meta.get("code") == SEEDING:
+            self._send_seed(s, epoch if isinstance(epoch, int) else 0)
+        if reply.op == "ERROR" and reply.meta.get("code") in _RETRY_CODES:
+            self.retried += 1
+            (logger.debug if self.retried % 50 else logger.info)(
+                "shard %d: %s; asking again", s, reply.meta.get("error"))
+            return False
+        return True
+
+    def _send_seed(self, s: int, epoch: int) -> None:
+        """Offer shard `s` (rebuilt from its workers' copies) this client's copy of its chunks, once per epoch."""
+        if self.seed_source is None or (s, epoch) in self._seeded:
+            return
+        self._seeded.add((s, epoch))
+        version, values = self.seed_source(s)
+        logger.warning("shard %d is rebuilt from its workers' copies: sending ours (version %d, %d chunks)", s,
+                       version, len(values))
+        self._send_one(s, self._msg("SEED", s, {"seed_version": version},
+                                    {chunk_key(i): v.reshape(-1).to(torch.float32) for i, v in values.items()}))
+
+    def _note_answer(self, s: int, reply: Message) -> None:
+        """Count a second endpoint answering for shard `s` in one fencing epoch (two primaries: a fencing bug)."""
+        epoch = reply.meta.get("epoch")
+        if reply.op == "ERROR" or not isinstance(epoch, int):
+            return
+        first = self._answered_by.setdefault((s, epoch), self._endpoints[s])
+        if first != self._endpoints[s]:
+            self.split_acks += 1
+            logger.error("shard %d answered from %s and %s in one epoch (%d)", s, first, self._endpoints[s], epoch)
 
     def _apply_deltas(self, shard: int, reply: Message, compressed: dict[str, Any]) -> dict[int, torch.Tensor]:
         """Rebuild chunk values from compressed differences against what we hold."""

@@ -22,13 +22,14 @@ from gossamer.checkpoint.sharded import ShardSnapshot
 from gossamer.paramserver._pull_views import PullViews
 from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
+from gossamer.paramserver._seeding import Seeding
 from gossamer.paramserver._serve import ServeLoop
 from gossamer.paramserver._snapshot import PendingSnapshot, copy_in_background
 from gossamer.paramserver._state import ShardState
 from gossamer.paramserver._updates import Updates
 from gossamer.paramserver.shard_config import ShardConfig
 from gossamer.paramserver.shard_plan import ShardPlan
-from gossamer.protocol import chunk_key, parse_chunk_key
+from gossamer.protocol import SyncMeta, chunk_key, parse_chunk_key
 from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits
 from gossamer.transport.router import FAILED_PRECONDITION, NOT_MEMBER, OVER_RATE, UNROUTABLE
@@ -55,20 +56,23 @@ class ShardServer:
         backup: bool = False,
         curve: CurveKeyring | None = None,
         own_init: bool = False,
+        epoch: int = 0,
     ) -> None:
         """`shapes`: parameter shapes by name, so compressed segments decode as matrices;
         `backup`: start as the backup replica (promoted by `promote`); `curve`: serve with
         CurveZMQ, accepting only the keyring's members (and use it to reach the backup);
         `own_init`: the shard takes the `init` tensors (1-D fp32) as its values instead of
-        copying them (the caller must not use them again)."""
+        copying them (the caller must not use them again); `epoch`: the coordinator's fencing
+        epoch of the shard when this replica was assigned."""
         self.config = config
         self.plan = plan
         self._state = ShardState(config, plan, init, dict(shapes or {}), own_init=own_init)
         self.limits = config.limits or FrameLimits.for_values(plan.shard_numel(config.shard))
         self._lock = threading.RLock()  # re-entered: posted commands may call locking methods
-        self._replication = Replication(self._state, self.limits, curve, self._lock, backup=backup)
+        self._replication = Replication(self._state, self.limits, curve, self._lock, backup=backup,
+                                        epoch=epoch)
         self._views = PullViews(plan, self._state.shapes)
-        self._replies = Replies(self._state, self._views)
+        self._replies = Replies(self._state, self._views, lambda: self._replication.epoch)
         self._updates = Updates(self._state, self._replies, self._replication)
         self._loop = ServeLoop(self._updates, self._replication, self._replies, limits=self.limits, curve=curve,
                                rate_limit=config.rate_limit, lock=self._lock, stats=self._stats)
@@ -77,6 +81,10 @@ class ShardServer:
         self.endpoint = ""
         self._snapshot_finish: PendingSnapshot | None = None  # the newest snapshot_later's
         self._finish_s = 0.0
+        #: Called (serve thread) when a rebuild from the workers' copies ends: (sender, version), or ("", 0)
+        #: when no copy came before the deadline.
+        self.on_seeded: Callable[[str, int], None] | None = None
+        self._loop.periodic.append(self._check_seeding)
 
     # -- lifecycle --------------------------------------------------------------------
     def bind(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -122,9 +130,31 @@ class ShardServer:
         """
         self._updates.set_members(senders, generation, time.monotonic())
 
-    def promote(self, reason: str = "promoted by the coordinator") -> None:
-        """Become the primary: serve workers, take checkpoints."""
-        self._replication.promote(reason)
+    def promote(self, reason: str = "promoted by the coordinator", epoch: int | None = None) -> bool:
+        """Become the primary at fencing `epoch` (None: the next), serving workers and taking checkpoints.
+
+        A backup refuses an epoch not newer than its own (returns False): a stale or repeated
+        word of the coordinator promotes nobody.
+        """
+        return self._replication.promote(reason, epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The shard's fencing epoch this replica follows."""
+        return self._replication.epoch
+
+    def set_sender_key(self, key: str) -> None:
+        """Check every worker's sender token (and the primary's, on replication) under `key`."""
+        self._replication.sender_key = key
+
+    def renew_lease(self, until: float) -> None:
+        """The node's lease holds until `until` (time.monotonic); past it this replica acknowledges nothing.
+
+        `until` 0 revokes it for good (the agent is gone, or the coordinator counted the node
+        lost): renewals after that are ignored, since the shard may be primary elsewhere now.
+        """
+        if self._replication.lease_until != 0.0:
+            self._replication.lease_until = until
 
     # -- replication ------------------------------------------------------------------
     @property
@@ -195,6 +225,36 @@ class ShardServer:
             self._updates.restored(meta.applied)
         logger.warning("shard %d restored from %s at version %d", self.config.shard, step_dir, self.version)
         return self.version
+
+    def await_seed(self, window_s: float = 2.0, deadline_s: float = 60.0) -> None:
+        """Rebuild from the freshest worker's copy (every replica lost, no checkpoint): refuse PULL and
+        PUSH with SEEDING until a copy is taken, `window_s` after the first complete one (or once every
+        member sent one); `on_seeded` says which, or that none came within `deadline_s`."""
+        with self._lock:
+            self._loop.seeding = Seeding({i: c.numel for i, c in self._state.chunks.items()},
+                                         started=time.monotonic(), window_s=window_s, deadline_s=deadline_s)
+
+    def _check_seeding(self, now: float) -> None:
+        seeding = self._loop.seeding
+        if seeding is None:
+            return
+        seed = seeding.choice(now, self._updates.members)
+        if seed is None and not seeding.expired(now):
+            return
+        self._loop.seeding = None
+        if seed is None:
+            logger.error("shard %d: no worker sent its copy within %.0f s: nothing to rebuild from",
+                         self.config.shard, seeding.deadline_s)
+        else:
+            self._updates.void_waiting(f"shard {self.config.shard} rebuilt from a worker's copy; pull and redo",
+                                       FAILED_PRECONDITION, "rolled_back")
+            meta = SyncMeta(state_version=seed.version, applied={}, scalars={})
+            self._replication.load(meta, {chunk_key(i): t for i, t in seed.values.items()})
+            self._views.clear()  # no per-worker clocks in a copy: the coordinator counts the versions lost
+            logger.warning("shard %d rebuilt from %s's copy at version %d (of %d copies; optimizer state starts "
+                           "afresh)", self.config.shard, seed.sender, seed.version, len(seeding.seeds))
+        if self.on_seeded is not None:
+            self.on_seeded(seed.sender if seed else "", seed.version if seed else 0)
 
     def _apply(self, grads: dict[int, torch.Tensor], lr_factor: float,
                applied: list[tuple[str, int]] | None = None) -> None:
@@ -285,6 +345,10 @@ class ShardServer:
             "unreplicated": rep.unreplicated,
             "backup_detaches": rep.backup_detaches,
             "promotions": rep.promotions,
+            "refused_promotions": rep.refused_promotions,
+            "epoch": rep.epoch,
+            "fenced": rep.fenced,
+            "fenced_replies": rep.fenced_replies,
             "generation": self._updates.generation,
             "applied": dict(self._state.applied),
             "versions_lost": self._updates.versions_lost,

@@ -17,16 +17,21 @@ from gossamer.transport.ratelimit import PeerRateLimiter, RateLimit
 __all__ = [
     "ABORTED",
     "FAILED_PRECONDITION",
+    "FENCED",
     "INTERNAL",
     "INVALID_ARGUMENT",
     "NOT_BACKUP",
     "NOT_FOUND",
     "NOT_MEMBER",
+    "NOT_PRIMARY",
     "OUT_OF_ORDER",
     "OVER_RATE",
     "PERMISSION_DENIED",
     "RATE_LIMITED",
     "REFORM",
+    "SEEDING",
+    "STALE_EPOCH",
+    "UNAUTHENTICATED",
     "UNIMPLEMENTED",
     "UNROUTABLE",
     "RefusalReply",
@@ -59,6 +64,17 @@ REFORM = "REFORM"
 NOT_BACKUP = "NOT_BACKUP"
 #: REPLICATE of a version the backup is not at: the primary re-syncs it.
 OUT_OF_ORDER = "OUT_OF_ORDER"
+#: A worker op (HELLO, PULL, PUSH, LEAVE) sent to a backup: only the coordinator promotes one;
+#: a worker directed here early retries until the promotion lands.
+NOT_PRIMARY = "NOT_PRIMARY"
+#: The primary's node lease lapsed: it acknowledges nothing; the worker retries (or follows the new primary).
+FENCED = "FENCED"
+#: SYNC/REPLICATE from a replica of an older fencing epoch (a deposed primary).
+STALE_EPOCH = "STALE_EPOCH"
+#: The request's sender token does not prove its sender id (another member speaking for it).
+UNAUTHENTICATED = "UNAUTHENTICATED"
+#: The shard is rebuilt from its workers' copies (no replica, no checkpoint): send a SEED, then ask again.
+SEEDING = "SEEDING"
 
 #: Why the admission gate refused a message (keys of the `refused` counter).
 UNROUTABLE, NOT_MEMBER, OVER_RATE = "unroutable", "not_member", "rate_limit"

@@ -542,6 +542,26 @@ class Assignment(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class ShardEpochsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     EXPERIMENT_ID_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
@@ -559,6 +579,9 @@ class Assignment(_message.Message):
     PEER_ENDPOINTS_FIELD_NUMBER: _builtins.int
     CURVE_SERVER_KEYS_FIELD_NUMBER: _builtins.int
     CURVE_MEMBERS_FIELD_NUMBER: _builtins.int
+    SHARD_EPOCHS_FIELD_NUMBER: _builtins.int
+    SENDER_TOKEN_FIELD_NUMBER: _builtins.int
+    SENDER_KEY_FIELD_NUMBER: _builtins.int
     experiment_id: _builtins.str
     """Experiment id."""
     role: Global___Role.ValueType
@@ -585,6 +608,12 @@ class Assignment(_message.Message):
     """
     worker_rank: _builtins.int
     """Worker: position among the current workers (0..num_workers-1), for sync batch splits."""
+    sender_token: _builtins.str
+    """Worker: the proof of its sender id it sends with every data-plane request (an HMAC of the
+    sender id under sender_key), so no other member can speak for it.
+    """
+    sender_key: _builtins.str
+    """Parameter server: the experiment's data-plane key, to check the senders' tokens."""
     @_builtins.property
     def shard_endpoints(self) -> _containers.ScalarMap[_builtins.int, _builtins.str]:
         """Shard index -> ZMQ endpoint ("tcp://host:port"); set for workers."""
@@ -611,6 +640,14 @@ class Assignment(_message.Message):
         only clients this role's ZMQ servers accept; a removed node's key disappears from it.
         """
 
+    @_builtins.property
+    def shard_epochs(self) -> _containers.ScalarMap[_builtins.int, _builtins.int]:
+        """Shard index -> its fencing epoch: grows each time the coordinator promotes a backup or
+        restores the shard. A backup takes promotion only with a newer epoch, a backup accepts
+        SYNC/REPLICATE only at its own epoch, every reply of a shard carries its epoch, and a
+        worker ignores replies from an older epoch than it knows.
+        """
+
     def __init__(
         self,
         *,
@@ -631,10 +668,13 @@ class Assignment(_message.Message):
         peer_endpoints: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
         curve_server_keys: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         curve_members: _abc.Iterable[_builtins.str] | None = ...,
+        shard_epochs: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
+        sender_token: _builtins.str = ...,
+        sender_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_endpoint", b"backup_endpoint", "checkpoint_dir", b"checkpoint_dir", "curve_members", b"curve_members", "curve_server_keys", b"curve_server_keys", "experiment_id", b"experiment_id", "experiment_json", b"experiment_json", "generation", b"generation", "index", b"index", "lead", b"lead", "num_workers", b"num_workers", "peer_endpoints", b"peer_endpoints", "replica", b"replica", "restore_epoch", b"restore_epoch", "role", b"role", "shard_endpoints", b"shard_endpoints", "worker_rank", b"worker_rank", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_endpoint", b"backup_endpoint", "checkpoint_dir", b"checkpoint_dir", "curve_members", b"curve_members", "curve_server_keys", b"curve_server_keys", "experiment_id", b"experiment_id", "experiment_json", b"experiment_json", "generation", b"generation", "index", b"index", "lead", b"lead", "num_workers", b"num_workers", "peer_endpoints", b"peer_endpoints", "replica", b"replica", "restore_epoch", b"restore_epoch", "role", b"role", "sender_key", b"sender_key", "sender_token", b"sender_token", "shard_endpoints", b"shard_endpoints", "shard_epochs", b"shard_epochs", "worker_rank", b"worker_rank", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

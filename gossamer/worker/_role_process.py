@@ -6,11 +6,12 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 from gossamer.errors import ProtocolError
-from gossamer.protocol import AssignmentUpdate, RoleSpec
+from gossamer.protocol import AssignmentUpdate, LeaseRenewal, RoleSpec
 from gossamer.security.curve import CurveKeyPair, CurveKeyring
 
 log = logging.getLogger(__name__)
@@ -91,14 +92,24 @@ def fault_delay(worker_index: int) -> float:
     return 0.0
 
 
-def drain(conn: Connection | None) -> AssignmentUpdate | None:
-    """The newest assignment update waiting on the agent's pipe (None if none)."""
+def drain(conn: Connection | None, on_lease: Callable[[LeaseRenewal], None] | None = None) -> AssignmentUpdate | None:
+    """The newest assignment update waiting on the agent's pipe (None if none).
+
+    `on_lease` gets each lease renewal (a shard), and a revoked one (`until` 0) when the agent
+    is gone (the pipe closed): nobody renews the lease any more.
+    """
     latest = None
     try:
         while conn is not None and conn.poll():
-            latest = conn.recv()
+            msg = conn.recv()
+            if isinstance(msg, LeaseRenewal):
+                if on_lease is not None:
+                    on_lease(msg)
+                continue
+            if not isinstance(msg, AssignmentUpdate):
+                raise ProtocolError(f"update: expected an AssignmentUpdate, got {type(msg).__name__}")
+            latest = msg
     except (EOFError, OSError):
-        pass
-    if latest is not None and not isinstance(latest, AssignmentUpdate):
-        raise ProtocolError(f"update: expected an AssignmentUpdate, got {type(latest).__name__}")
+        if on_lease is not None:
+            on_lease(LeaseRenewal(until=0.0))
     return latest

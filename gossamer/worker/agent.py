@@ -16,8 +16,9 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from gossamer.coordinator.failover import shard_lease_s
 from gossamer.errors import AuthError, ConfigError, UnavailableError
-from gossamer.protocol import AssignmentUpdate, RoleSpec
+from gossamer.protocol import AssignmentUpdate, LeaseRenewal, RoleSpec
 from gossamer.security.channel import (
     ChannelSecurity,
     coordinator_addresses,
@@ -124,6 +125,8 @@ class NodeAgent:
         self.node_id = ""
         self.name = config.name
         self.heartbeat_s = 1.0
+        self.lease_s = 0.0  # how long a heartbeat the coordinator acknowledged lets this node's shards acknowledge
+        self.lease_until = 0.0  # time.monotonic() until which they may (0: no lease yet, or revoked)
         self.running: dict[tuple[str, int, int], _Running] = {}
         self.finished: set[tuple[str, int, int]] = set()
         self._stop = asyncio.Event()
@@ -266,8 +269,11 @@ class NodeAgent:
         delay, t0, next_note = 0.5, time.monotonic(), 0.0
         while not self._stop.is_set():
             try:
+                sent = time.monotonic()
                 resp = await self._stub.Join(req, timeout=5.0)
                 self.node_id = resp.node_id
+                self.lease_s = shard_lease_s(resp.lease_timeout_s, resp.heartbeat_interval_s)
+                self._renew_lease(sent)
                 # The name the coordinator gives a node that named none (its join()).
                 self.name = self.config.name or f"{socket.gethostname() or 'node'}-{self.node_id[:6]}"
                 from gossamer.logs import set_context
@@ -300,12 +306,19 @@ class NodeAgent:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             try:
+                sent = time.monotonic()
                 resp = await self._stub.Heartbeat(pb.HeartbeatRequest(node_id=self.node_id), timeout=self.heartbeat_s * 3)
                 if warned:
                     log.info("coordinator reachable again")
                     warned = False
-                if not resp.known and not self._leaving:
-                    log.warning("coordinator does not know this node; joining again")
+                if resp.known:
+                    self._renew_lease(sent)
+                elif not self._leaving:
+                    # Counted lost: its shards may have been promoted elsewhere. Those running here
+                    # never acknowledge again (the new assignment set stops them).
+                    log.warning("coordinator does not know this node; fencing its shards and joining again")
+                    self.lease_until = 0.0
+                    self._tell_shards(LeaseRenewal(until=0.0))
                     await self._join()
             except AuthError as e:
                 log.error("%s; leaving", e)
@@ -332,6 +345,23 @@ class NodeAgent:
             except grpc.RpcError as e:
                 log.debug("assignment stream ended (%s); reconnecting", e.code())
             await asyncio.sleep(1.0)
+
+    # --- lease --------------------------------------------------------------------------
+    def _renew_lease(self, sent: float) -> None:
+        """The coordinator answered a heartbeat (or join) sent at `sent`: shards may acknowledge until
+        `sent + lease_s`, before the coordinator, counting from when it received it, may call this node lost."""
+        self.lease_until = max(self.lease_until, sent + self.lease_s)
+        self._tell_shards(LeaseRenewal(until=self.lease_until))
+
+    def _tell_shards(self, lease: LeaseRenewal) -> None:
+        for run in self.running.values():
+            if run.assignment.role != pb.ROLE_PARAMETER_SERVER:
+                continue
+            for pipe in run.pipes:
+                try:
+                    pipe.send(lease)
+                except (BrokenPipeError, OSError):
+                    pass
 
     # --- roles -------------------------------------------------------------------------
     @staticmethod
@@ -362,7 +392,7 @@ class NodeAgent:
             log_level=self.config.log_level, log_format=self.config.log_format,
             security=self.config.security.spec() if self.config.security else None,
             curve_public=keys.public if keys else "", curve_secret=keys.secret if keys else "",
-            assignment=self._update_of(a),
+            assignment=self._update_of(a), lease_until=self.lease_until,
         )
 
     @staticmethod
@@ -374,6 +404,8 @@ class NodeAgent:
             backup_endpoint=a.backup_endpoint, workers=tuple(a.workers), restore_epoch=a.restore_epoch,
             peers={int(k): v for k, v in a.peer_endpoints.items()},
             curve_server_keys=dict(a.curve_server_keys), curve_members=tuple(a.curve_members),
+            shard_epochs={int(k): int(v) for k, v in a.shard_epochs.items()}, sender_token=a.sender_token,
+            sender_key=a.sender_key,
         )
 
     def _start(self, a: pb.Assignment) -> None:

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import msgpack
 
 from gossamer.errors import ConfigError, ProtocolError, UnavailableError
-from gossamer.protocol import AssignmentUpdate, RoleSpec
+from gossamer.protocol import AssignmentUpdate, LeaseRenewal, RoleSpec
 from gossamer.worker.launcher import Launch
 
 log = logging.getLogger(__name__)
@@ -62,9 +62,9 @@ class RoleProcess(Protocol):
 
 
 class RolePipe(Protocol):
-    """Where the agent sends a running role its assignment updates."""
+    """Where the agent sends a running role its assignment updates (and a shard its lease renewals)."""
 
-    def send(self, obj: AssignmentUpdate) -> None: ...
+    def send(self, obj: AssignmentUpdate | LeaseRenewal) -> None: ...
 
     def close(self) -> None: ...
 
@@ -143,7 +143,9 @@ class RemotePipe:
     def __init__(self, peer: _Rank, seq: int) -> None:
         self._peer, self._seq = peer, seq
 
-    def send(self, obj: AssignmentUpdate) -> None:
+    def send(self, obj: AssignmentUpdate | LeaseRenewal) -> None:
+        if isinstance(obj, LeaseRenewal):
+            return  # only shards keep a lease, and a shard never runs attached
         self._peer.send({"op": "update", "seq": self._seq, "update": obj.to_dict()})
 
     def close(self) -> None:

@@ -681,6 +681,11 @@ class ReplicatedLayout(NodeLayout):
     def chunk_grads(self) -> dict[int, torch.Tensor]:
         return {c.index: self._grad[c.flat_offset : c.flat_offset + c.numel].cpu() for c in self.chunks()}
 
+    def chunk_values(self) -> dict[int, torch.Tensor]:
+        """Copies of this rank's share of the chunks (on CPU): every rank holds the whole model."""
+        return {c.index: self.flat[c.flat_offset : c.flat_offset + c.numel].detach().cpu().clone()
+                for c in self.chunks()}
+
     def write_chunks(self, values: dict[int, torch.Tensor], done: bool) -> bool:
         """Every rank wrote its own chunks: one all-reduce gathers them, and the end flag with them."""
         if self.world == 1:

@@ -63,6 +63,8 @@ class ParameterServerTrainer(RankTrainer):
             compressor=compressor,
             pull_codec=self.exp.pull_compression,
             throttle=ctx.throttle,
+            token=ctx.sender_token,
+            epochs=ctx.shard_epochs,
         )
         self.adaptive: AdaptiveLink | None = None
         if self.exp.compression == "adaptive" and self.mine:
@@ -70,6 +72,7 @@ class ParameterServerTrainer(RankTrainer):
                                          target_share=self.exp.adaptive_target_share,
                                          seed=self.exp.seed * 1000 + ctx.worker_index)
         self.client.on_wait = self._on_wait  # new endpoints reach a waiting request
+        self.client.seed_source = self._copy_of_shard  # a shard rebuilt from its workers' copies
         self.profiler.watch(self.client.compressor, "encode", "decode")
         self.profiler.watch(self.client.pull_decoder, "decode")
         self.client.fault_ctx = {"worker": ctx.worker_index, "rank": ctx.local_rank}
@@ -325,6 +328,11 @@ class ParameterServerTrainer(RankTrainer):
         """ddp: this rank's stop flag; sharded layouts: the flag the node's ranks agreed on."""
         return self.should_stop() if self.layout.holds_full_model else self._node_stop
 
+    def _copy_of_shard(self, shard: int) -> tuple[int, dict[int, torch.Tensor]]:
+        """The shard version this rank last pulled and its values of its chunks of `shard` (its model's)."""
+        mine = set(self.client.chunks_of_shard(shard))
+        return self.versions.get(shard, 0), {i: v for i, v in self.layout.chunk_values().items() if i in mine}
+
     def _on_wait(self) -> None:
         self._apply_updates()
         # Sharded layouts never abandon a step alone: the other ranks would wait in a collective.
@@ -334,7 +342,7 @@ class ParameterServerTrainer(RankTrainer):
     def _apply_updates(self) -> AssignmentUpdate | None:
         upd = super()._apply_updates()
         if upd is not None and upd.endpoints:
-            self.client.set_endpoints(dict(upd.endpoints))
+            self.client.set_endpoints(dict(upd.endpoints), dict(upd.shard_epochs))
         return upd
 
     def _report(self, rate: float) -> None:
@@ -345,6 +353,10 @@ class ParameterServerTrainer(RankTrainer):
             "raw_bytes_up": float(c.raw_bytes_up),
             "raw_bytes_down": float(c.raw_bytes_down),
             "resent": float(c.resent),
+            "shard_retries": float(c.retried),
+            "stale_replies": float(c.stale_replies),
+            "split_acks": float(c.split_acks),
+            "versions_regressed": float(self.versions_lost),  # shard versions seen going back (a rollback)
             "redone_steps": float(self.redone),
             "step_compute_s": self.compute_s,
             "step_exchange_s": self.exchange_s,

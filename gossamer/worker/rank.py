@@ -41,6 +41,10 @@ class RankContext:
     #: A coordinator may name this rank lead later (a role process): past the last step it stays
     #: until the run completes. False (a trainer driven in-process): done means done.
     coordinated: bool = False
+    #: The proof of this worker's sender id the coordinator handed it ("": shards do not check).
+    sender_token: str = ""
+    #: Shard index -> fencing epoch the coordinator last named (older replies are ignored).
+    shard_epochs: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.worker_rank < 0:

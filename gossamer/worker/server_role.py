@@ -16,7 +16,13 @@ from gossamer.checkpoint.sharded import AsyncCheckpointer, latest_good
 from gossamer.experiment import Experiment
 from gossamer.metric_families import staleness_buckets
 from gossamer.paramserver import ShardConfig, ShardPlan, ShardServer, take_shard_values
-from gossamer.protocol import AssignmentUpdate, RoleSpec
+from gossamer.protocol import (
+    RESTORE_NONE,
+    RESTORE_SEEDING,
+    AssignmentUpdate,
+    LeaseRenewal,
+    RoleSpec,
+)
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.worker._role_process import drain, keyring_of, refresh_keyring
 from gossamer.worker.model import build
@@ -88,19 +94,23 @@ class ServerRole:
         init = take_shard_values(model, plan, self.shard)  # empties the model: it is not needed again
         del model
         config = ShardConfig.for_experiment(self.exp, self.spec.experiment_id, self.shard)
-        self.server = ShardServer(config, plan, init, shapes=shapes, backup=self.spec.assignment.replica == 1,
-                                  curve=self.keyring, own_init=True)
+        first = self.spec.assignment
+        self.server = ShardServer(config, plan, init, shapes=shapes, backup=first.replica == 1,
+                                  curve=self.keyring, own_init=True, epoch=first.shard_epochs.get(self.shard, 0))
+        self.server.set_sender_key(first.sender_key)
+        if self.spec.lease_until:
+            self.server.renew_lease(self.spec.lease_until)
         if self.exp.checkpoint_every:
             self.checkpointer = AsyncCheckpointer(self.root, on_saved=self._saved, keep=3)
             self.server.on_snapshot = self._take_snapshot
         assignment = self.spec.assignment
-        early = drain(self.conn)  # the assignment may have changed while this process started
+        early = drain(self.conn, self._lease)  # the assignment may have changed while this process started
         if early is not None:
             assignment = early
             self.spec = replace(self.spec, assignment=early)
             refresh_keyring(self.keyring, early)
             if early.replica == 0:
-                self.server.promote("assigned as primary before it served")
+                self.server.promote("assigned as primary before it served", early.shard_epochs.get(self.shard))
         if assignment.restore_epoch:
             self._restore(assignment.restore_epoch)
         self.endpoint = self.server.bind(host=self.spec.address, port=0)
@@ -116,7 +126,7 @@ class ServerRole:
         thread.start()
         next_metrics = time.monotonic()
         while not self.stop.wait(0.1):
-            update = drain(self.conn)
+            update = drain(self.conn, self._lease)
             if update is not None:
                 refresh_keyring(self.keyring, update)  # members and server keys: read by the ZAP thread as well
                 self.server.post(lambda u=update: self._apply(u))  # type: ignore[misc]
@@ -133,12 +143,18 @@ class ServerRole:
     def _apply(self, update: AssignmentUpdate) -> None:
         """Take in a changed assignment (on the serve thread)."""
         self.server.set_members(list(update.workers), update.generation)
+        if update.sender_key:
+            self.server.set_sender_key(update.sender_key)
         if update.restore_epoch > self.restored_epoch:
             self._restore(update.restore_epoch)
         if update.replica == 0:
-            self.server.promote()
+            self.server.promote("promoted by the coordinator", update.shard_epochs.get(self.shard))
         if self.server.is_primary:
             self.server.set_backup(update.backup_endpoint)
+
+    def _lease(self, lease: LeaseRenewal) -> None:
+        """The agent renewed (or, `until` 0, revoked for good) this node's lease."""
+        self.server.renew_lease(lease.until)
 
     def _restore(self, epoch: int) -> None:
         """Load the newest good checkpoint (a corrupt one is refused, the previous used)."""
@@ -147,11 +163,18 @@ class ServerRole:
         for bad, why in refused:
             log.error("checkpoint %s refused: %s", bad, why)
         if path is None:
-            log.error("no good checkpoint under %s: shard %d starts over from its initial values", self.root, self.shard)
-            self.restored_path = "(none: initial values)"
+            log.error("no good checkpoint under %s: shard %d is rebuilt from the freshest worker's copy", self.root,
+                      self.shard)
+            self.server.on_seeded = self._seeded
+            self.server.await_seed()
+            self.restored_path = RESTORE_SEEDING
             return
         self.server.restore(str(path))
         self.restored_path = str(path)
+
+    def _seeded(self, sender: str, version: int) -> None:
+        """The rebuild from the workers' copies ended (serve thread): the coordinator hears from where."""
+        self.restored_path = f"worker {sender}'s copy" if sender else RESTORE_NONE
 
     def _report_checkpoint_failures(self) -> None:
         """A failed checkpoint write reaches the coordinator as a warning event, with its error."""

@@ -107,6 +107,8 @@ class WorkerRankRole:
             throttle=fault_bandwidth(),
             host=spec.address or "127.0.0.1",
             peers=dict(a.peers),
+            sender_token=a.sender_token,
+            shard_epochs=dict(a.shard_epochs),
         )
 
     def _updates(self) -> AssignmentUpdate | None:

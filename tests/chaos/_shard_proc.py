@@ -22,8 +22,23 @@ def model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
-def serve(endpoint_file: str, backup: bool, backup_endpoint: str, fault: str = "") -> None:
-    """Serve shard 0 of `model()`; as primary, replicate to `backup_endpoint`."""
+def promote_file(endpoint_file: str) -> Path:
+    """Where a test, playing the coordinator, writes the fencing epoch a backup is promoted at."""
+    return Path(endpoint_file + ".promote")
+
+
+def _follow_promotion(server, endpoint_file: str) -> None:  # type: ignore[no-untyped-def]
+    path = promote_file(endpoint_file)
+    while not path.exists():
+        threading.Event().wait(0.02)
+    epoch = int(path.read_text())
+    server.post(lambda: server.promote("promoted by the test's coordinator", epoch))
+
+
+def serve(endpoint_file: str, backup: bool, backup_endpoint: str, fault: str = "", sender_key: str = "") -> None:
+    """Serve shard 0 of `model()`; as primary, replicate to `backup_endpoint`; as backup, become
+    the primary when `promote_file` appears (only the coordinator's word promotes); `sender_key`:
+    check senders' tokens under it, as shards the coordinator started do."""
     if fault:
         os.environ["GOSSAMER_FAULT"] = fault
     torch.set_num_threads(1)
@@ -34,9 +49,12 @@ def serve(endpoint_file: str, backup: bool, backup_endpoint: str, fault: str = "
     flat = flatten_params(m)
     init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks}
     server = ShardServer(shard_config(), plan, init, backup=backup)
+    server.set_sender_key(sender_key)
     endpoint = server.bind()
     if backup_endpoint:
         server.post(lambda: server.set_backup(backup_endpoint))
+    if backup:
+        threading.Thread(target=_follow_promotion, args=(server, endpoint_file), daemon=True).start()
     tmp = Path(endpoint_file + ".tmp")
     tmp.write_text(endpoint)
     tmp.rename(endpoint_file)

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from gossamer.paramserver import ShardClient, ShardPlan
-from tests.chaos._shard_proc import model, serve
+from tests.chaos._shard_proc import model, promote_file, serve
 
 pytestmark = pytest.mark.timeout(180)
 _SPAWN = mp.get_context("spawn")
 
 
 def _start(tmp: Path, name: str, backup: bool, backup_endpoint: str = "", fault: str = "") -> tuple[mp.Process, str]:
-    path = tmp / f"{name}.endpoint"
+    path = _endpoint_file(tmp, name)
     proc = _SPAWN.Process(target=serve, args=(str(path), backup, backup_endpoint, fault), daemon=True)
     proc.start()
     deadline = time.monotonic() + 60
@@ -28,6 +28,10 @@ def _start(tmp: Path, name: str, backup: bool, backup_endpoint: str = "", fault:
         assert proc.is_alive() and time.monotonic() < deadline, f"{name} did not start"
         time.sleep(0.05)
     return proc, path.read_text()
+
+
+def _endpoint_file(tmp: Path, name: str) -> Path:
+    return tmp / f"{name}.endpoint"
 
 
 class _Pusher(threading.Thread):
@@ -82,7 +86,13 @@ def test_primary_kill9_loses_no_acknowledged_update(tmp_path: Path, fault: str) 
         primary.join(timeout=30)
         assert primary.exitcode == -signal.SIGKILL
         acked_at_kill = sum(len(p.acked) for p in pushers)
-        moved["to"] = backup_ep  # what the coordinator's promotion tells the workers
+        # What the coordinator's promotion does: the backup is promoted at epoch 1 and the workers
+        # follow at once; until the backup has taken it, it refuses them NOT_PRIMARY and they ask again.
+        order = promote_file(str(_endpoint_file(tmp_path, "backup")))
+        staged = Path(f"{order}.tmp")
+        staged.write_text("1")
+        staged.rename(order)
+        moved["to"] = backup_ep
         deadline = time.monotonic() + 60
         while sum(len(p.acked) for p in pushers) < acked_at_kill + 150:
             assert time.monotonic() < deadline and not any(p.error for p in pushers), [p.error for p in pushers]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,31 +59,68 @@ def test_unreplicated_shard_lost_restores_from_previous_good_checkpoint(tmp_path
     assert result.metrics["restores"] == 1
 
 
-def test_shard_lost_with_no_checkpoint_fails_the_run_saying_why_never_silently_from_initial_values(
+def _no_checkpoint_run(client: Client) -> Any:
+    return client.submit({
+        "name": "no-source", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
+        "mode": "async", "num_ps_shards": 1, "ps_backup": False, "min_workers": 1, "max_workers": 1,
+        "total_steps": 600, "eval_every": 0,
+    })
+
+
+def _restored_event(events: list[dict[str, Any]]) -> tuple[str, int, int]:
+    """The `restored` event: (its text, the version restored, its 'at least N version(s) lost')."""
+    text = next(e["message"] for e in events if e["kind"] == "restored")
+    version = int(text.split(" at version ")[1].split(";")[0])
+    return text, version, int(text.split("at least ")[1].split(" version")[0])
+
+
+def test_shard_lost_with_no_checkpoint_is_rebuilt_from_the_freshest_workers_copy(
         tmp_path: Path, make_cluster: MakeCluster) -> None:
     # The reproduction of issue 15: 1 shard, no backup, no checkpoints, its node killed at 30%.
-    # It restarted from initial values while the run went on, and `versions_lost` read 0.
+    # It restarted from initial values while the run went on, and `versions_lost` read 0. The
+    # worker holds the values it last pulled: the shard is rebuilt from them.
     with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))
         cluster.add_node("ps")
         wait_for(lambda: len(client.nodes()) == 1, 60, "ps")
         cluster.add_node("w0", spot=True, env={"GOSSAMER_FAULT": "delay:seconds=0.02"})
         wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 2, 60, "nodes")
-        job = client.submit({
-            "name": "no-source", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
-            "mode": "async", "num_ps_shards": 1, "ps_backup": False, "min_workers": 1, "max_workers": 1,
-            "total_steps": 600, "eval_every": 0,
-        })
+        job = _no_checkpoint_run(client)
         wait_steps(job, 180, 120, "30% of the steps")
         cluster.kill_node("ps")
         assert_running(job, "the kill of ps")
-        result = job.wait(timeout=120)
+        result = job.wait(timeout=180)
+        events = job.events()
+    text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
+    assert result.status == "completed", (result, text)
+    assert any(e["kind"] == "restore" and "freshest worker's copy" in e["message"] for e in events), text
+    restored, version, lost = _restored_event(events)
+    assert "restored from worker " in restored and "'s copy" in restored, restored
+    assert version >= 180, restored  # the worker's copy, not the initial values
+    assert result.metrics["versions_lost"] == lost, (result.metrics, restored)  # the event and the metric agree
+
+
+def test_shard_lost_with_no_source_at_all_fails_the_run_saying_why(tmp_path: Path, make_cluster: MakeCluster) -> None:
+    # No checkpoint, and the worker lost with the shard: the new worker's copy is the initial values.
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
+        client = Client(cluster.start_coordinator(port=0))
+        cluster.add_node("ps")
+        wait_for(lambda: len(client.nodes()) == 1, 60, "ps")
+        cluster.add_node("w0", spot=True, env={"GOSSAMER_FAULT": "delay:seconds=0.02"})
+        wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 2, 60, "nodes")
+        job = _no_checkpoint_run(client)
+        wait_steps(job, 180, 120, "30% of the steps")
+        cluster.kill_node("ps")
+        cluster.kill_node("w0")
+        assert_running(job, "the kills")
+        cluster.add_node("n2", env={"GOSSAMER_FAULT": "delay:seconds=0.02"})
+        result = job.wait(timeout=180)
         events = job.events()
     text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
     assert result.status == "failed", (result, text)
-    assert "shard 0 lost every replica and no checkpoint was found" in result.message, result
-    restored = next(e["message"] for e in events if e["kind"] == "restored")
-    lost = int(restored.split("at least ")[1].split(" version")[0])
-    assert lost > 0, restored  # a lower bound: the shard reports its version once a second
-    assert result.metrics["versions_lost"] == lost, (result.metrics, restored)
+    assert "shard 0 lost every replica, no checkpoint was found" in result.message, result
+    assert "no worker held a newer copy" in result.message, result
+    _, version, lost = _restored_event(events)
+    assert version == 0 and lost > 0, text  # a lower bound: the shard reports its version once a second
+    assert result.metrics["versions_lost"] == lost, (result.metrics, text)
     assert f"would lose {lost} version(s)" in result.message, result

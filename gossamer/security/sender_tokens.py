@@ -1,0 +1,29 @@
+"""Data-plane sender tokens: the proof a worker (or a shard's primary) sends that a sender id is its own."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+__all__ = ["new_key", "primary_sender", "token_for", "verify"]
+
+
+def new_key() -> str:
+    """A fresh experiment key (hex); the coordinator keeps it and hands it only to shard hosts."""
+    return secrets.token_hex(32)
+
+
+def token_for(key: str, sender: str) -> str:
+    """The token of `sender` under `key`: HMAC-SHA256, so holding one token tells nothing of another's."""
+    return hmac.new(bytes.fromhex(key), sender.encode(), hashlib.sha256).hexdigest()
+
+
+def verify(key: str, sender: str, token: object) -> bool:
+    """Whether `token` proves `sender` under `key` (constant-time; a non-string token never does)."""
+    return isinstance(token, str) and hmac.compare_digest(token_for(key, sender), token)
+
+
+def primary_sender(shard: int) -> str:
+    """The sender id a shard's primary replicates under (its backup checks the token of this id)."""
+    return f"shard-{shard}"

@@ -13,6 +13,7 @@ from gossamer.errors import ConfigError
 from gossamer.lr_schedule import lr_multiplier
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._snapshot import PendingSnapshot
+from gossamer.paramserver.delayed_nesterov import DelayedNesterov
 from gossamer.paramserver.optimizer import build_optimizer, set_lr_factor
 from gossamer.paramserver.shard_config import ShardConfig
 from gossamer.paramserver.shard_plan import Chunk, ShardPlan
@@ -87,12 +88,15 @@ class ShardState:
     def done(self) -> bool:
         return self.version >= self.config.total_steps
 
-    def step(self, grads: dict[int, torch.Tensor], lr_factor: float, *, schedule: bool) -> float:
+    def step(self, grads: dict[int, torch.Tensor], lr_factor: float, *, schedule: bool, delay: int = 0) -> float:
         """One optimizer step with `grads` (every chunk); returns the lr factor applied.
 
         `schedule`: multiply in the lr schedule at this version (a primary does; its backup
-        replays the factor it is sent).
+        replays the factor it is sent). `delay` > 0: Delayed Nesterov's N from this step on
+        (the workers the primary serves; its backup replays it too).
         """
+        if delay and isinstance(self.optimizer, DelayedNesterov):
+            self.optimizer.set_delay(delay)
         self.before_write()
         t0 = time.perf_counter()
         for idx, p in self.params.items():

@@ -229,5 +229,7 @@ class Replication:
             meta = ReplicateMeta.from_meta(msg.meta)
         except ProtocolError as e:
             raise Reject(str(e)) from None
-        self.state.step(grads, meta.lr_factor, schedule=False, delay=meta.delay)
+        if meta.delay:
+            self.state.set_delay(meta.delay)
+        self.state.step(grads, meta.lr_factor, schedule=False)
         self.state.remember(meta.applied, latest=True)

@@ -88,15 +88,18 @@ class ShardState:
     def done(self) -> bool:
         return self.version >= self.config.total_steps
 
-    def step(self, grads: dict[int, torch.Tensor], lr_factor: float, *, schedule: bool, delay: int = 0) -> float:
+    def set_delay(self, delay: int) -> None:
+        """Delayed Nesterov's N from the next step on (the workers the primary serves; its
+        backup replays it); other optimizers have none."""
+        if isinstance(self.optimizer, DelayedNesterov):
+            self.optimizer.set_delay(delay)
+
+    def step(self, grads: dict[int, torch.Tensor], lr_factor: float, *, schedule: bool) -> float:
         """One optimizer step with `grads` (every chunk); returns the lr factor applied.
 
         `schedule`: multiply in the lr schedule at this version (a primary does; its backup
-        replays the factor it is sent). `delay` > 0: Delayed Nesterov's N from this step on
-        (the workers the primary serves; its backup replays it too).
+        replays the factor it is sent).
         """
-        if delay and isinstance(self.optimizer, DelayedNesterov):
-            self.optimizer.set_delay(delay)
         self.before_write()
         t0 = time.perf_counter()
         for idx, p in self.params.items():

@@ -95,7 +95,9 @@ class Updates:
 
         `delay`: Delayed Nesterov's N (async: the active workers; 0 keeps it).
         """
-        factor = self.state.step(grads, lr_factor, schedule=True, delay=delay)
+        if delay:
+            self.state.set_delay(delay)
+        factor = self.state.step(grads, lr_factor, schedule=True)
         self.state.remember(applied, latest=False)
         self.replication.replicate(grads, factor, applied, delay=delay)
         version = self.state.version

@@ -117,7 +117,8 @@ def judge(rows: list[dict[str, Any]]) -> None:
         else:
             r["vs_none"] = round(r["mean"] / b["mean"] - 1, 4)
             ok = r["vs_none"] <= 0.05
-        r["status"] = "ok" if ok else "MISS: " + TRIED.get(r["codec"], "nothing codec-specific yet")
+        tried = TRIED.get(r["codec"]) if r["momentum"] else None  # worker momentum needs momentum > 0
+        r["status"] = "ok" if ok else "MISS: " + (tried or "nothing codec-specific yet")
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/ps_throughput.py
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/compression.py
+	$(BIN)/python bench/modes.py
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/intranode.py
 

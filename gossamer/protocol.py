@@ -430,20 +430,25 @@ class ReplicateMeta:
     lr_factor: float
     #: (worker, clock or step) of each worker update it covers.
     applied: tuple[tuple[str, int], ...] = ()
+    #: Delayed Nesterov's N from this update on (asynchronous DiLoCo); 0: unchanged.
+    delay: int = 0
 
     def to_meta(self) -> dict[str, Any]:
-        return {"lr_factor": self.lr_factor, "applied": [[s, k] for s, k in self.applied]}
+        return {"lr_factor": self.lr_factor, "applied": [[s, k] for s, k in self.applied], "delay": self.delay}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> ReplicateMeta:
         factor = meta.get("lr_factor", 1.0)
         applied = meta.get("applied", [])
+        delay = meta.get("delay", 0)
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not isinstance(applied, list):
             raise ProtocolError("REPLICATE meta 'lr_factor' must be a number and 'applied' a list")
+        if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < 1 << 31:
+            raise ProtocolError("REPLICATE meta 'delay' must be an int in [0, 2**31)")
         # Entries that are not [worker, int] pairs carry nothing to remember: skipped.
         pairs = tuple((str(item[0]), item[1]) for item in applied
                       if isinstance(item, list) and len(item) == 2 and isinstance(item[1], int))
-        return cls(lr_factor=float(factor), applied=pairs)
+        return cls(lr_factor=float(factor), applied=pairs, delay=delay)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ from gossamer.compression.codec import Codec, Payload
 from gossamer.compression.codec_spec import parse_codec
 from gossamer.compression.error_feedback import ErrorFeedback
 from gossamer.compression.registry import codec_entry
+from gossamer.compression.worker_momentum import WorkerMomentum
 from gossamer.errors import ConfigError, ProtocolError
 
 if TYPE_CHECKING:  # the data plane imports this module: no import cycle at run time
@@ -88,6 +89,8 @@ class ChunkCompressor:
         shapes: real shapes of parameters by name, so a whole-parameter segment keeps its
             matrix shape (PowerSGD needs it); others are 1-D.
         seed: seeds QSGD's draws and PowerSGD's initial Q.
+        momentum: the worker's momentum, applied to each chunk before error feedback and the
+            codec (`WorkerMomentum`); masked where a sparse codec sent an entry (DGC).
 
     Raises:
         ConfigError: a bad spec (field "compression" or "overrides") or a shape whose size
@@ -103,8 +106,10 @@ class ChunkCompressor:
         overrides: Sequence[tuple[str, str]] = (),
         shapes: Mapping[str, Sequence[int]] | None = None,
         seed: int | None = None,
+        momentum: WorkerMomentum | None = None,
     ) -> None:
         self.plan = plan
+        self.momentum = momentum
         self._error_feedback = error_feedback
         self._seed = seed
         self._codecs: dict[str, Codec] = {}
@@ -140,6 +145,11 @@ class ChunkCompressor:
         self.wire_bytes = 0
         self.encode_seconds = 0.0
         self.decode_seconds = 0.0
+
+    @property
+    def seed(self) -> int | None:
+        """The seed the codecs were built with."""
+        return self._seed
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -240,6 +250,9 @@ class ChunkCompressor:
         # Error feedback runs on the whole chunk (key "c{i}"), so the memory survives a
         # change of codecs (adaptive) that re-cuts the chunk's segments.
         key = f"c{chunk_index}"
+        if self.momentum is not None:
+            x = self.momentum.step(key, x)
+        sent: torch.Tensor | None = None
         feedback = any(self.uses_error_feedback(seg.param) for seg in segs)
         if feedback:
             x = self.feedback.compensate(key, x)
@@ -251,11 +264,19 @@ class ChunkCompressor:
             lo, hi = seg.chunk_offset, seg.chunk_offset + seg.numel
             v = x[lo:hi].reshape(seg.shape)
             payload = codec.encode(v, key=f"{seg.param}@{seg.param_offset}")
+            decoded: torch.Tensor | None = None
             if feedback:
                 if self.uses_error_feedback(seg.param):
-                    kept[lo:hi] = codec.decode(payload, seg.shape, torch.float32).reshape(-1)
+                    decoded = codec.decode(payload, seg.shape, torch.float32).reshape(-1)
+                    kept[lo:hi] = decoded
                 else:
                     kept[lo:hi] = x[lo:hi]  # no feedback here: nothing is carried over
+            if self.momentum is not None and codec_entry(codec.name).sparse:
+                if sent is None:
+                    sent = torch.zeros(numel, dtype=torch.bool)
+                if decoded is None:
+                    decoded = codec.decode(payload, seg.shape, torch.float32).reshape(-1)
+                sent[lo:hi] = decoded != 0  # an entry sent as an exact 0 keeps its velocity
             for part, t in payload.tensors.items():
                 tensors[f"{key}/{s}/{part}"] = t
             seg_meta.append(
@@ -269,6 +290,8 @@ class ChunkCompressor:
             )
         if feedback:
             self.feedback.update(key, x, kept)
+        if self.momentum is not None and sent is not None:
+            self.momentum.mask(key, sent)
         meta = {"v": CHUNK_META_VERSION, "chunk": chunk_index, "numel": numel, "segments": seg_meta}
         self.raw_bytes += 4 * numel
         self.wire_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -369,6 +392,8 @@ class ChunkCompressor:
     def reset(self) -> None:
         """Forget error-feedback residuals and PowerSGD warm starts (e.g. after a rejoin)."""
         self.feedback.reset()
+        if self.momentum is not None:
+            self.momentum.reset()
         for codec in self._codecs.values():
             reset = getattr(codec, "reset", None)
             if reset is not None:

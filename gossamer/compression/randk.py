@@ -96,8 +96,9 @@ class RandKCodec(Codec):
     its magnitude), a dropped entry by its magnitude: |x - x'| <= |x|. Error feedback
     carries what was dropped to the next step, where other positions are drawn.
     Biased (not rescaled by numel / k): use it with error feedback (the default). Error
-    feedback then delivers each coordinate's residual in bursts, every ~1/R steps, so keep the
-    shards' momentum at 0: with 0.9, digits diverged to chance at R = 0.1 and 0.01.
+    feedback then delivers each coordinate's residual in bursts, every ~1/R steps: a momentum
+    on the shards amplified them until digits diverged to chance (R = 0.1 and 0.01), so the
+    experiment's momentum runs on the worker with DGC's masking (worker_momentum.py).
 
     Args:
         ratio: R in (0, 1].

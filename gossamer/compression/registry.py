@@ -108,6 +108,13 @@ class CodecEntry:
     #: chunk share one payload. Not PowerSGD (needs the matrix), nor sign and QSGD: one scale
     #: or norm for layers whose gradients differ by orders of magnitude would swamp the small ones.
     elementwise: bool = False
+    #: The experiment's `momentum` runs on the worker, before this codec (sync and async modes):
+    #: a momentum the shards applied to what it decodes would act on a sign or a sparse mask
+    #: and diverge (sign reached 0.383 on digits at momentum 0.9). See worker_momentum.py.
+    worker_momentum: bool = False
+    #: Sparse (some entries are not sent): the worker's momentum is masked where an entry was
+    #: sent and the density is warmed up (DGC, Lin et al. 2018). See worker_momentum.py.
+    sparse: bool = False
     #: Canonical specs every codec test runs on (the first is the codec's representative).
     examples: tuple[str, ...]
 
@@ -133,10 +140,10 @@ CODECS: tuple[CodecEntry, ...] = (
     CodecEntry(name="bf16", cls=f"{_M}.float_codecs:BF16Codec", carries_values=True, elementwise=True, examples=("bf16",)),
     CodecEntry(name="int8", cls=f"{_M}.quantization:Int8Codec", carries_values=True, error_feedback=True, elementwise=True, examples=("int8",)),
     CodecEntry(name="qsgd", arg=IntArg(letter="L", hi=127), cls=f"{_M}.quantization:QSGDCodec", carries_values=True, examples=("qsgd:4", "qsgd:127")),
-    CodecEntry(name="topk", arg=RatioArg(letter="R"), cls=f"{_M}.sparsification:TopKCodec", error_feedback=True, elementwise=True, examples=("topk:0.1", "topk:1")),
+    CodecEntry(name="topk", arg=RatioArg(letter="R"), cls=f"{_M}.sparsification:TopKCodec", error_feedback=True, elementwise=True, worker_momentum=True, sparse=True, examples=("topk:0.1", "topk:1")),
     CodecEntry(name="powersgd", arg=IntArg(letter="K"), cls=f"{_M}.powersgd:PowerSGDCodec", error_feedback=True, examples=("powersgd:2",)),
-    CodecEntry(name="sign", cls=f"{_M}.sign:SignCodec", error_feedback=True, examples=("sign",)),
-    CodecEntry(name="randk", arg=RatioArg(letter="R"), cls=f"{_M}.randk:RandKCodec", error_feedback=True, elementwise=True, examples=("randk:0.1", "randk:1.0")),
+    CodecEntry(name="sign", cls=f"{_M}.sign:SignCodec", error_feedback=True, worker_momentum=True, examples=("sign",)),
+    CodecEntry(name="randk", arg=RatioArg(letter="R"), cls=f"{_M}.randk:RandKCodec", error_feedback=True, elementwise=True, worker_momentum=True, sparse=True, examples=("randk:0.1", "randk:1.0")),
 )
 
 #: Codec families, in table order.

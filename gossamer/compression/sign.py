@@ -40,7 +40,9 @@ class SignCodec(Codec):
     x_i >= 0, padding bits zero; ``scale`` fp32 (1,) >= 0. No meta.
 
     Error bound: |x - x'| = ||x| - s| <= max(|x|, s) with s = mean(|x|) (zeros decode to
-    +s), plus fp32 round-off. Biased: use it with error feedback (the default).
+    +s), plus fp32 round-off. Biased: use it with error feedback (the default). The
+    experiment's momentum runs on the worker, before this codec (EF-SGD with momentum,
+    worker_momentum.py).
     """
 
     name: ClassVar[str] = "sign"

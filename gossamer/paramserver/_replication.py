@@ -169,11 +169,12 @@ class Replication:
         self.bytes_out += frames_nbytes(frames)
         self.socket.send_multipart(frames, copy=False)
 
-    def replicate(self, grads: dict[int, torch.Tensor], lr_factor: float, applied: list[tuple[str, int]]) -> None:
+    def replicate(self, grads: dict[int, torch.Tensor], lr_factor: float, applied: list[tuple[str, int]],
+                  *, delay: int = 0) -> None:
         """Forward the update just applied (a no-op without a backup)."""
         if self.socket is None:
             return
-        meta = ReplicateMeta(lr_factor=lr_factor, applied=tuple(applied))
+        meta = ReplicateMeta(lr_factor=lr_factor, applied=tuple(applied), delay=delay)
         self._send("REPLICATE", meta.to_meta(), {chunk_key(i): g for i, g in grads.items()})
         self.replicated_updates += 1
 
@@ -309,5 +310,7 @@ class Replication:
             meta = ReplicateMeta.from_meta(msg.meta)
         except ProtocolError as e:
             raise Reject(str(e)) from None
+        if meta.delay:
+            self.state.set_delay(meta.delay)
         self.state.step(grads, meta.lr_factor, schedule=False)
         self.state.remember(meta.applied, latest=True)

@@ -13,6 +13,7 @@ from gossamer.errors import ConfigError
 from gossamer.lr_schedule import lr_multiplier
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._snapshot import PendingSnapshot
+from gossamer.paramserver.delayed_nesterov import DelayedNesterov
 from gossamer.paramserver.optimizer import build_optimizer, set_lr_factor
 from gossamer.paramserver.shard_config import ShardConfig
 from gossamer.paramserver.shard_plan import Chunk, ShardPlan
@@ -86,6 +87,12 @@ class ShardState:
     @property
     def done(self) -> bool:
         return self.version >= self.config.total_steps
+
+    def set_delay(self, delay: int) -> None:
+        """Delayed Nesterov's N from the next step on (the workers the primary serves; its
+        backup replays it); other optimizers have none."""
+        if isinstance(self.optimizer, DelayedNesterov):
+            self.optimizer.set_delay(delay)
 
     def step(self, grads: dict[int, torch.Tensor], lr_factor: float, *, schedule: bool) -> float:
         """One optimizer step with `grads` (every chunk); returns the lr factor applied.

@@ -90,11 +90,17 @@ class Updates:
         return sum(d.decode_seconds for d in self._decoders.values())
 
     # -- applying -------------------------------------------------------------------------
-    def apply(self, grads: dict[int, torch.Tensor], lr_factor: float, applied: list[tuple[str, int]]) -> None:
-        """Apply an update covering `applied` (worker, clock or step), replicate it, checkpoint if due."""
+    def apply(self, grads: dict[int, torch.Tensor], lr_factor: float, applied: list[tuple[str, int]],
+              *, delay: int = 0) -> None:
+        """Apply an update covering `applied` (worker, clock or step), replicate it, checkpoint if due.
+
+        `delay`: Delayed Nesterov's N (async: the active workers; 0 keeps it).
+        """
+        if delay:
+            self.state.set_delay(delay)
         factor = self.state.step(grads, lr_factor, schedule=True)
         self.state.remember(applied, latest=False)
-        self.replication.replicate(grads, factor, applied)
+        self.replication.replicate(grads, factor, applied, delay=delay)
         version = self.state.version
         die_at("after-apply", step=version, shard=self.config.shard)
         every = self.config.checkpoint_every
@@ -238,7 +244,8 @@ class Updates:
         grads: dict[int, torch.Tensor] = {}
         for part in update.parts:
             grads.update(part.grads)
-        self.apply(grads, record.lr_factor * self._linear(1), [(update.sender, update.key)])
+        self.apply(grads, record.lr_factor * self._linear(1), [(update.sender, update.key)],
+                   delay=len(self.gate.active))
         if self.gate.must_wait(update.sender, now):
             for part in update.parts:
                 self.gate.hold(update.sender, (part.identity, part.rid, sorted(part.grads)), now)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from gossamer.errors import ConfigError
+from gossamer.paramserver.delayed_nesterov import DelayedNesterov
 
 __all__ = ["FOREACH_MAX_NUMEL", "OptimizerConfig", "build_optimizer", "set_lr_factor"]
 
@@ -28,6 +29,8 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    #: SGD with momentum as Delayed Nesterov (`DelayedNesterov`): asynchronous DiLoCo's outer step.
+    delayed: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in _NAMES:
@@ -40,6 +43,8 @@ class OptimizerConfig:
             raise ConfigError("nesterov", "needs name='sgd' and momentum > 0")
         if self.momentum and self.name != "sgd":
             raise ConfigError("momentum", "only applies to name='sgd' (use betas for adamw)")
+        if self.delayed and (self.name != "sgd" or self.momentum == 0 or self.weight_decay):
+            raise ConfigError("delayed", "needs name='sgd', momentum > 0 and no weight_decay")
         if not _finite_nonneg(self.weight_decay):
             raise ConfigError("weight_decay", f"must be >= 0, got {self.weight_decay!r}")
         if (
@@ -70,6 +75,8 @@ def build_optimizer(config: OptimizerConfig, params: list[torch.Tensor]) -> torc
     of everything it steps (bench/scale_model.py), where per tensor they are one tensor's.
     """
     foreach = None if sum(p.numel() for p in params) <= FOREACH_MAX_NUMEL else False
+    if config.delayed:
+        return DelayedNesterov(params, lr=config.lr, momentum=config.momentum)
     if config.name == "sgd":
         return torch.optim.SGD(
             params,

@@ -54,6 +54,7 @@ class AdaptiveLink:
         old = self.client.compressor
         if old is not None:  # keep residuals, so nothing a lossy codec dropped is lost
             new.feedback = old.feedback
+            new.momentum = old.momentum
             new.raw_bytes, new.wire_bytes = old.raw_bytes, old.wire_bytes
             new.encode_seconds, new.decode_seconds = old.encode_seconds, old.decode_seconds
         self.client.compressor = new

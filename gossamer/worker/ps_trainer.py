@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from gossamer.compression.chunk_codec import ChunkCompressor
+from gossamer.compression.momentum_placement import density_warmup_steps, momentum_on_worker
+from gossamer.compression.worker_momentum import WorkerMomentum
 from gossamer.errors import ShardError
 from gossamer.faults import die_at
 from gossamer.paramserver import ShardClient
@@ -19,6 +21,7 @@ from gossamer.protocol import AssignmentUpdate
 from gossamer.transport.router import FAILED_PRECONDITION, REFORM
 from gossamer.worker import sampler
 from gossamer.worker.adaptive_link import AdaptiveLink
+from gossamer.worker.density_warmup import DensityWarmup
 from gossamer.worker.loader import Want
 from gossamer.worker.rank import Hook, RankContext, StepAbandoned
 from gossamer.worker.rank_trainer import OnSaved, RankTrainer
@@ -53,6 +56,9 @@ class ParameterServerTrainer(RankTrainer):
                 overrides=list(self.exp.compression_overrides.items()),
                 shapes=shapes,
                 seed=self.exp.seed * 1000 + ctx.worker_index,
+                # Sign and sparse codecs: the momentum runs here, before them (the shards run none).
+                momentum=WorkerMomentum(self.exp.momentum, nesterov=self.exp.nesterov)
+                if momentum_on_worker(self.exp) else None,
             )
         self.client = ShardClient(
             experiment=ctx.experiment_id,
@@ -71,6 +77,8 @@ class ParameterServerTrainer(RankTrainer):
             self.adaptive = AdaptiveLink(self.client, self.plan, shapes,
                                          target_share=self.exp.adaptive_target_share,
                                          seed=self.exp.seed * 1000 + ctx.worker_index)
+        warmup = density_warmup_steps(self.exp)
+        self.warmup = DensityWarmup(self.client, warmup) if warmup and compressor is not None else None
         self.client.on_wait = self._on_wait  # new endpoints reach a waiting request
         self.client.seed_source = self._copy_of_shard  # a shard rebuilt from its workers' copies
         self.profiler.watch(self.client.compressor, "encode", "decode")
@@ -202,6 +210,8 @@ class ParameterServerTrainer(RankTrainer):
             self.skipped_steps += 1
             return self.pull()
         grads = self.layout.chunk_grads()
+        if self.warmup is not None:
+            self.warmup.at(self.clock)
         if self.exp.overlap:
             done = self._exchange_overlapped(grads, compute_s)
         else:

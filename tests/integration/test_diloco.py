@@ -30,7 +30,8 @@ def test_diloco_defaults_follow_the_paper() -> None:
     assert cfg.optimizer.name == "sgd" and cfg.optimizer.nesterov and cfg.optimizer.lr == 0.7
     assert cfg.mode == "sync" and cfg.total_steps == 20  # 400 inner steps = 20 outer rounds
     asynchronous = ShardConfig.for_experiment(experiment(DILOCO, mode="diloco", outer_step="async"), "e", 0)
-    assert asynchronous.staleness_in_rounds and asynchronous.optimizer.momentum == 0
+    assert asynchronous.staleness_in_rounds and asynchronous.optimizer.momentum == 0.9
+    assert asynchronous.optimizer.delayed and not asynchronous.optimizer.nesterov  # Delayed Nesterov
 
 
 def test_diloco_h20_matches_sync_accuracy_with_15x_fewer_bytes() -> None:

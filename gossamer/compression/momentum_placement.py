@@ -1,0 +1,47 @@
+"""Where the experiment's momentum runs: on the shards, or on the worker before a codec that needs it there."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gossamer.compression.registry import ADAPTIVE, codec_entry, parse_spec
+from gossamer.modes import mode_of
+
+if TYPE_CHECKING:
+    from gossamer.experiment import Experiment
+
+__all__ = ["DGC_WARMUP_SHARE", "density_warmup_steps", "momentum_on_worker", "sparse_on_worker"]
+
+#: Without `warmup_steps`, DGC's density warm-up lasts this share of `total_steps` (its 4 of
+#: 90 ImageNet epochs, Lin et al. 2018).
+DGC_WARMUP_SHARE = 0.05
+
+
+def _specs(exp: Experiment) -> list[str]:
+    return [s for s in (exp.compression, *exp.compression_overrides.values()) if s != ADAPTIVE]
+
+
+def momentum_on_worker(exp: Experiment) -> bool:
+    """The worker applies `momentum` (and `nesterov`) before compressing, and the shards none.
+
+    True in the modes whose shards apply the experiment's optimizer (sync, async) when the
+    momentum is > 0 and any codec of the experiment (its `compression` or an override) is one
+    whose registry entry says `worker_momentum` (sign, topk, randk). Then every parameter's
+    momentum runs on the worker, so the shards hold none at all.
+    """
+    row = mode_of(exp)
+    if not row.servers or row.outer_optimizer or exp.optimizer != "sgd" or exp.momentum == 0:
+        return False
+    return any(codec_entry(parse_spec(s.strip())[0].name).worker_momentum for s in _specs(exp))
+
+
+def sparse_on_worker(exp: Experiment) -> bool:
+    """`momentum_on_worker` with a sparse codec (topk, randk): DGC's masking and warm-up apply."""
+    return momentum_on_worker(exp) and any(parse_spec(s.strip())[0].sparse for s in _specs(exp))
+
+
+def density_warmup_steps(exp: Experiment) -> int:
+    """Steps over which a sparse codec's density rises to its ratio: `warmup_steps`, or 5% of the run."""
+    if not sparse_on_worker(exp):
+        return 0
+    return exp.warmup_steps or round(DGC_WARMUP_SHARE * exp.total_steps)

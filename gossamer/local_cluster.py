@@ -86,11 +86,13 @@ class LocalCluster:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "gossamer.cli", *args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**self.env, **(env or {})}, start_new_session=True,
+                env={**self.env, **(env or {})}, process_group=0,
             )
         finally:
             log.close()
-        self._started.append(proc)  # its own session: its PID is its process group's id
+        # Its own process group (its PID is the group's id), in this session: a shared zygote
+        # (gossamer.worker.zygote) started here may place the node's role server in that group.
+        self._started.append(proc)
         return proc
 
     def start_coordinator(self, port: int | None = None, timeout: float = 30.0) -> str:
@@ -216,7 +218,7 @@ class LocalCluster:
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL `proc`'s process group (it was started in its own session: its PID is the group's id)."""
+    """SIGKILL `proc`'s process group (it was started in a group of its own: its PID is the group's id)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

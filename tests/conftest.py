@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,8 @@ import pytest
 
 from gossamer.experiment import Experiment
 from gossamer.local_cluster import LocalCluster
+from gossamer.worker import zygote
+from gossamer.worker.warm import start_shared
 from tests._fixtures import (
     CLUSTER_DEFAULTS,
     InProcessCoordinator,
@@ -22,6 +26,32 @@ from tests._postgres import PostgresServer, find_bin_dir
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cluster(**kw): LocalCluster keyword arguments of the `cluster` fixture")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every node a test starts in this session forks its role server from one warm interpreter.
+
+    A node's own fork server imports torch and the role code: about 4 s of CPU, for each of the
+    hundreds of nodes the suite starts (most of a cluster test's CPU). GOSSAMER_ZYGOTE=0 turns it off.
+    """
+    if os.environ.get(zygote.ENV) == "0":
+        os.environ.pop(zygote.ENV)
+        yield
+        return
+    proc, path = start_shared(tmp_path_factory.mktemp("zygote"), wait=False)
+    os.environ[zygote.ENV] = path
+    try:
+        yield
+    finally:
+        os.environ.pop(zygote.ENV, None)
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture

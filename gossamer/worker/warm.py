@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing as mp
+import os
+import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import Future
 from multiprocessing.context import ForkServerContext, SpawnContext
+from pathlib import Path
 
 from gossamer.errors import ConfigError
+from gossamer.worker import zygote
 
-__all__ = ["ROLE_MODULES", "check_preload", "role_context", "warm_up", "warm_up_in_background"]
+__all__ = ["ROLE_MODULES", "check_preload", "role_context", "start_shared", "warm_up", "warm_up_in_background"]
 
 #: What every role process imports before its first step (about 5 s of CPU here, 2.7 s of it torch).
 ROLE_MODULES = (
@@ -61,6 +65,9 @@ def warm_up(preload: tuple[str, ...] = ()) -> float:
     """
     _WARM.set_forkserver_preload([*ROLE_MODULES, *preload])
     t0 = time.monotonic()
+    shared = os.environ.get(zygote.ENV)
+    if shared:
+        zygote.adopt(shared, preload)  # a warm interpreter this host already runs, when it can join it
     p = _WARM.Process(target=_ready, name="gossamer-warm-up", daemon=True)
     p.start()
     p.join()
@@ -79,3 +86,9 @@ def warm_up_in_background(preload: tuple[str, ...] = ()) -> Future[float]:
 
     threading.Thread(target=run, name="gossamer-warm-up", daemon=True).start()
     return done
+
+
+def start_shared(state_dir: Path, preload: tuple[str, ...] = (), *,
+                 wait: bool = True) -> tuple[subprocess.Popen[bytes], str]:
+    """A zygote importing the role code and `preload`, for every node this session starts (`zygote.ENV`)."""
+    return zygote.start(state_dir, (*ROLE_MODULES, *preload), wait=wait)

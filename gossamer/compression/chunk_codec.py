@@ -253,7 +253,7 @@ class ChunkCompressor:
             payload = codec.encode(v, key=f"{seg.param}@{seg.param_offset}")
             if feedback:
                 if self.uses_error_feedback(seg.param):
-                    kept[lo:hi] = codec.decode(payload, seg.shape, torch.float32).reshape(-1)
+                    codec.decode(payload, seg.shape, torch.float32, out=kept[lo:hi])
                 else:
                     kept[lo:hi] = x[lo:hi]  # no feedback here: nothing is carried over
             for part, t in payload.tensors.items():
@@ -324,12 +324,14 @@ class ChunkCompressor:
                     f"the plan says {seg.param!r}[{seg.param_offset}:+{seg.numel}]"
                 )
             try:
-                value = self._codecs[seg.codec].decode(
-                    Payload(parts[s], m["meta"]), seg.shape, torch.float32
+                self._codecs[seg.codec].decode(
+                    Payload(parts[s], m["meta"]),
+                    seg.shape,
+                    torch.float32,
+                    out=out[seg.chunk_offset : seg.chunk_offset + seg.numel],
                 )
             except ProtocolError as e:
                 raise ProtocolError(f"{where}: {e}") from None
-            out[seg.chunk_offset : seg.chunk_offset + seg.numel] = value.reshape(-1)
         self.raw_bytes += 4 * numel
         self.wire_bytes += wire
         self.decode_seconds += time.perf_counter() - t0

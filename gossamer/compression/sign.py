@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from gossamer.compression.codec import Codec, Payload, fp32_slack, payload_tensor
+from gossamer.compression._kernels import Scratch, pack_signs, spans
+from gossamer.compression.codec import Codec, Payload, fp32_slack, into, payload_tensor
 from gossamer.errors import ProtocolError
 
 __all__ = ["SignCodec"]
@@ -44,19 +45,34 @@ class SignCodec(Codec):
     """
 
     name: ClassVar[str] = "sign"
+    checks_finite: ClassVar[bool] = True  # the fp64 sum of |x| is finite iff every x is
+    decodes_finite: ClassVar[bool] = True  # +-scale, a finite number
+
+    def __init__(self) -> None:
+        self._scratch = Scratch()
 
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:
         flat = x.reshape(-1)
-        scale = float(flat.double().abs().mean()) if flat.numel() else 0.0
+        n = flat.numel()
+        total = 0.0
+        for lo, hi in spans(n):
+            part = flat[lo:hi]
+            work = self._scratch.get(part.dtype, hi - lo)
+            # fp64 accumulation of the chunk in cache: the scale must be the exact mean to
+            # fp32 precision (`error_bound`), which an fp32 sum of 10**8 values is not.
+            total += float(torch.abs(part, out=work).sum(dtype=torch.float64))
+        if not math.isfinite(total):
+            raise ValueError(f"{self.spec}: cannot encode a tensor holding NaN or Inf")
+        scale = total / n if n else 0.0
         scale = min(scale, _F32_MAX)  # a mean never exceeds the largest |x|, bar round-off
         return Payload(
             {
-                "bits": pack_bits(flat >= 0),
+                "bits": pack_signs(flat, self._scratch),
                 "scale": torch.tensor([scale], dtype=torch.float32),
             }
         )
 
-    def _decode(self, p: Payload, shape: tuple[int, ...]) -> torch.Tensor:
+    def _decode(self, p: Payload, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
         n = math.prod(shape)
         nbytes = -(-n // 8)
         bits = payload_tensor(p, "bits", torch.uint8, (nbytes,))
@@ -65,8 +81,18 @@ class SignCodec(Codec):
             raise ProtocolError("sign: negative scale")
         if n % 8 and int(bits[-1]) & ((1 << (8 - n % 8)) - 1):
             raise ProtocolError("sign: padding bits of the last byte are set")
-        signs = unpack_bits(bits, n).float() * 2 - 1
-        return signs * scale
+        out = into(out, n)
+        whole = n // 8 * 8
+        if whole:
+            # Each byte indexes a row of 8 values +-scale: one gather writes the output.
+            table = (unpack_bits(torch.arange(256, dtype=torch.uint8), 2048).float() * 2 - 1) * scale
+            rows = out[:whole].view(-1, 8)
+            for lo, hi in spans(whole // 8):
+                index = self._scratch.get(torch.int32, hi - lo).copy_(bits[lo:hi])
+                torch.index_select(table.view(256, 8), 0, index, out=rows[lo:hi])
+        if whole < n:
+            out[whole:] = (unpack_bits(bits[-1:], n - whole).float() * 2 - 1) * scale
+        return out
 
     def _layout(self, shape: tuple[int, ...]) -> tuple[set[str], set[str]]:
         return {"bits", "scale"}, set()

@@ -30,9 +30,8 @@ import torch
 import zmq
 
 from gossamer.compression import Codec, Payload
-from gossamer.compression.codec import all_finite
 from gossamer.errors import AuthError, ProtocolError
-from gossamer.gossip.differences import REFS_PER_SENDER, value_mass
+from gossamer.gossip.differences import ReceivedValues
 from gossamer.protocol import CancelMeta, MassMeta, SnapMeta
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
@@ -137,8 +136,7 @@ class PeerIO:
 
         self.inbox: queue.SimpleQueue[Incoming] = queue.SimpleQueue()
         self.settled: queue.Queue[tuple[int, bool]] = queue.Queue()  # (hold id, restore?)
-        # Neighbours that NACKed a MASS for want of its reference (`gossip.differences`).
-        self.stale_refs: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.stale_refs: queue.SimpleQueue[str] = queue.SimpleQueue()  # NACKed: reference not held
         # (identity, rid, requester, light: step and done only, no parameters)
         self.snap_requests: queue.SimpleQueue[tuple[bytes, int, str, bool]] = queue.SimpleQueue()
         self.bytes_up = 0
@@ -176,9 +174,7 @@ class PeerIO:
         self._waiters_lock = threading.Lock()
 
         # I/O-thread state.
-        # The values of the last MASS applied from each sender incarnation, by id: a MASS
-        # sent as a difference names one of them as its reference (`MassMeta.ref`).
-        self._refs: OrderedDict[tuple[str, int], OrderedDict[int, torch.Tensor]] = OrderedDict()
+        self._values = ReceivedValues(_SEEN_SENDERS)  # references of MASSes sent as differences
         self._generation = 0
         self._refusing = False  # finished: incoming mass goes back to its sender
         self._dealers: dict[str, tuple[str, zmq.Socket]] = {}
@@ -597,17 +593,6 @@ class PeerIO:
             self._seen.move_to_end(key)
         return seen
 
-    def _sender_refs(self, sender: str, inc: int) -> OrderedDict[int, torch.Tensor]:
-        key = (sender, inc)
-        refs = self._refs.get(key)
-        if refs is None:
-            refs = self._refs[key] = OrderedDict()
-            while len(self._refs) > _SEEN_SENDERS:
-                self._refs.popitem(last=False)
-        else:
-            self._refs.move_to_end(key)
-        return refs
-
     def _remember(self, seen: OrderedDict[int, bool], hid: int, applied: bool) -> None:
         seen[hid] = applied
         while len(seen) > _SEEN_PER_SENDER:
@@ -638,16 +623,13 @@ class PeerIO:
             reason, text = "weight", f"weight {weight!r} is not in (0, {_MAX_WEIGHT:g}]"
         elif pmeta is None:
             reason, text = "malformed", "MASS payload meta must be a map"
+        elif m.ref is not None and not self._values.holds(msg.sender, m.inc, m.ref):
+            reason, text = "reference", f"reference MASS {m.ref} is not (or no longer) held"
         if reason:
             self._remember(seen, hid, False)
             self._refuse(identity, msg, reason, text)
             return
         assert self._numel is not None and pmeta is not None
-        refs = self._sender_refs(msg.sender, m.inc) if m.ref is not None else None
-        if refs is not None and m.ref is not None and m.ref >= 0 and m.ref not in refs:
-            self._remember(seen, hid, False)
-            self._refuse(identity, msg, "reference", f"reference MASS {m.ref} is not (or no longer) held")
-            return
         try:
             d = self.codec.decode(Payload(msg.tensors, pmeta), (self._numel,), torch.float32)
         except ProtocolError as e:
@@ -655,18 +637,12 @@ class PeerIO:
             self._remember(seen, hid, False)
             self._refuse(identity, msg, "nonfinite" if bad else "payload", str(e))
             return
-        if refs is not None and m.ref is not None:
-            value = d if m.ref < 0 else refs[m.ref] + d
-            d = value_mass(value, weight)
-            if not all_finite(d):
-                self._remember(seen, hid, False)
-                self._refuse(identity, msg, "nonfinite", "the value decodes beyond the fp32 range")
-                return
-            refs[hid] = value
-            while len(refs) > REFS_PER_SENDER:
-                refs.popitem(last=False)
-        self._remember(seen, hid, True)
-        self.inbox.put(Incoming(msg.sender, gen, m.step, weight, d))
+        mass = d if m.ref is None else self._values.mass(msg.sender, m.inc, m.ref, hid, d, weight)
+        self._remember(seen, hid, mass is not None)
+        if mass is None:
+            self._refuse(identity, msg, "nonfinite", "the value decodes beyond the fp32 range")
+            return
+        self.inbox.put(Incoming(msg.sender, gen, m.step, weight, mass))
         self._reply(identity, ACK, {"id": hid}, msg.sender)
 
     def _on_cancel(self, identity: bytes, msg: Message) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
-from gossamer.compression.codec import Codec, Payload
+from gossamer.compression.codec import Codec, Payload, all_finite
 
-__all__ = ["REFS_PER_SENDER", "References", "value_mass"]
+__all__ = ["REFS_PER_SENDER", "ReceivedValues", "References", "value_mass"]
 
 #: Values a receiver keeps per sender: a MASS may name any of the sender's last few applied
 #: ones (ACKs still in flight when it was sent); an older reference is NACKed and the sender
@@ -70,3 +72,42 @@ class References:
         """The id of the MASS whose value the next difference to `to` is taken against."""
         last = self._last.get(to)
         return None if last is None else last[0]
+
+
+class ReceivedValues:
+    """The receiver's side: the values of the last `REFS_PER_SENDER` MASSes applied from each
+    sender incarnation (at most `senders` of them, least recently heard from forgotten)."""
+
+    def __init__(self, senders: int = 1024) -> None:
+        self._senders = senders
+        self._by_sender: OrderedDict[tuple[str, int], OrderedDict[int, torch.Tensor]] = OrderedDict()
+
+    def _values(self, sender: str, inc: int) -> OrderedDict[int, torch.Tensor]:
+        key = (sender, inc)
+        values = self._by_sender.get(key)
+        if values is None:
+            values = self._by_sender[key] = OrderedDict()
+            while len(self._by_sender) > self._senders:
+                self._by_sender.popitem(last=False)
+        self._by_sender.move_to_end(key)
+        return values
+
+    def holds(self, sender: str, inc: int, ref: int) -> bool:
+        """Whether a MASS with reference `ref` (-1: none) from this sender can be decoded."""
+        return ref < 0 or ref in self._values(sender, inc)
+
+    def mass(
+        self, sender: str, inc: int, ref: int, hid: int, decoded: torch.Tensor, weight: float
+    ) -> torch.Tensor | None:
+        """The mass of MASS `hid` (its decoded payload plus its reference's value, times its
+        weight), kept as a reference for later ones; None when it is not finite (not kept).
+        `holds(sender, inc, ref)` must be true."""
+        values = self._values(sender, inc)
+        value = decoded if ref < 0 else values[ref] + decoded
+        d = value_mass(value, weight)
+        if not all_finite(d):
+            return None
+        values[hid] = value
+        while len(values) > REFS_PER_SENDER:
+            values.popitem(last=False)
+        return d

@@ -26,6 +26,7 @@ SAMPLED_MIN_NUMEL = 1 << 18
 _SAMPLE_SHARE = 0.01  # DGC samples 0.1 % to 1 %
 _MIN_SAMPLE = 1 << 14
 _OVERSHOOT = 1.25  # aim the threshold at 1.25 k candidates, so fewer than k is rare
+_GROUP = 16
 
 _INT16_LIMIT = 2**15 - 1
 _INT32_LIMIT = 2**31 - 1
@@ -85,18 +86,28 @@ def topk_indices(flat: torch.Tensor, k: int, scratch: Scratch | None = None) -> 
 
 
 def _above(flat: torch.Tensor, threshold: float, scratch: Scratch) -> torch.Tensor:
-    """Positions (int64, increasing) of the entries with |x| >= threshold, chunk by chunk."""
+    """Positions (int64, in no particular order) of the entries with |x| >= threshold.
+
+    Comparing into bool and `nonzero` cost 10x an fp32 `abs` per value here, so they only
+    run on the groups whose largest magnitude reaches the threshold (about a fifth of them
+    when 1 % of the values do). A chunk is viewed as 16 rows; group j is column j, whose max
+    over the rows is one vectorised pass (a max over rows of 16 adjacent values took 17x
+    longer).
+    """
     found = []
     for lo, hi in spans(flat.numel()):
-        work = scratch.get(flat.dtype, hi - lo)
-        mask = scratch.get(torch.bool, hi - lo)
-        torch.abs(flat[lo:hi], out=work)
+        work = torch.abs(flat[lo:hi], out=scratch.get(flat.dtype, hi - lo))
         if not bool(torch.isfinite(work.sum())):  # |x| summed in cache: NaN/Inf shows here
             raise ValueError("topk: cannot encode a tensor holding NaN or Inf")
-        torch.ge(work, threshold, out=mask)
-        idx = mask.nonzero().view(-1)
-        if idx.numel():
-            found.append(idx.add_(lo))
+        whole = (hi - lo) // _GROUP * _GROUP
+        rows = work[:whole].view(_GROUP, -1)
+        hot = (rows.amax(dim=0) >= threshold).nonzero().view(-1)
+        if hot.numel():
+            at = (rows.index_select(1, hot) >= threshold).nonzero()
+            found.append((at[:, 0] * rows.shape[1] + hot[at[:, 1]]).add_(lo))
+        tail = (work[whole:] >= threshold).nonzero().view(-1)
+        if tail.numel():
+            found.append(tail.add_(lo + whole))
     return torch.cat(found) if found else torch.zeros(0, dtype=torch.int64)
 
 

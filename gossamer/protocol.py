@@ -491,6 +491,15 @@ def _gossip_int(op: str, meta: Mapping[str, Any], key: str) -> int:
     return value
 
 
+def _gossip_ref(meta: Mapping[str, Any]) -> int | None:
+    if "ref" not in meta:
+        return None
+    ref = _gossip_int("MASS", meta, "ref")
+    if ref < -1:
+        raise ProtocolError(f"MASS meta 'ref' must be -1 or a message id, got {ref}")
+    return ref
+
+
 def _number(op: str, meta: Mapping[str, Any], key: str) -> float:
     value = meta.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -518,10 +527,16 @@ class MassMeta:
     codec: str | None
     #: The codec payload's meta (None: not a map).
     payload: dict[str, Any] | None
+    #: None: the payload is the mass itself. Else the payload is a value ``v`` of z, the mass
+    #: being ``weight * v``: with ``ref`` -1, ``v`` is the decoded payload; with ``ref`` = the
+    #: id of an earlier MASS of this sender that the receiver applied, ``v`` is that message's
+    #: value plus the decoded payload (a compressed difference, as CHOCO-SGD).
+    ref: int | None = None
 
     def to_meta(self) -> dict[str, Any]:
-        return {"id": self.id, "inc": self.inc, "gen": self.gen, "step": self.step, "weight": self.weight,
-                "codec": self.codec, "payload": self.payload}
+        out = {"id": self.id, "inc": self.inc, "gen": self.gen, "step": self.step, "weight": self.weight,
+               "codec": self.codec, "payload": self.payload}
+        return out if self.ref is None else {**out, "ref": self.ref}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> MassMeta:
@@ -529,7 +544,8 @@ class MassMeta:
         return cls(id=_gossip_int("MASS", meta, "id"), inc=_gossip_int("MASS", meta, "inc"),
                    gen=_gossip_int("MASS", meta, "gen"), step=_gossip_int("MASS", meta, "step"),
                    weight=_number("MASS", meta, "weight"), codec=codec if isinstance(codec, str) else None,
-                   payload=payload if isinstance(payload, dict) else None)
+                   payload=payload if isinstance(payload, dict) else None,
+                   ref=_gossip_ref(meta))
 
 
 @dataclass(frozen=True, kw_only=True)

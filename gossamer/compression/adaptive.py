@@ -50,18 +50,30 @@ class AdaptivePolicy:
     `decide()` re-plans every `decide_every` steps: all tensors start at the least lossy
     codec and the tensor with the most bytes moves one step down the ladder until the
     predicted transfer time fits the budget.
+
+    A codec's own time counts against the link it saves: with `cost` (codec spec -> encode
+    plus decode seconds per value, measured on this machine) a tensor's predicted cost is
+    its wire bytes plus its codec time times the bandwidth, in bytes of the link. A codec
+    whose time alone exceeds sending the raw fp32 value (cost * bandwidth >= 4 bytes) is
+    skipped: on a fast link top-k's selection takes longer than sending everything.
     """
 
     def __init__(
-        self, tensors: dict[str, int], ratio: dict[str, float], config: AdaptiveConfig | None = None
+        self,
+        tensors: dict[str, int],
+        ratio: dict[str, float],
+        config: AdaptiveConfig | None = None,
+        cost: dict[str, float] | None = None,
     ) -> None:
-        """`tensors`: name -> numel; `ratio`: codec spec -> nominal compression ratio."""
+        """`tensors`: name -> numel; `ratio`: codec spec -> nominal compression ratio;
+        `cost`: codec spec -> measured encode + decode seconds per value (default none)."""
         self.config = config or AdaptiveConfig()
         missing = [c for c in self.config.ladder if c not in ratio]
         if missing:
             raise ConfigError("ladder", f"no nominal ratio for {missing}")
         self.tensors = dict(tensors)
         self.ratio = ratio
+        self.cost = {spec: 0.0 for spec in self.config.ladder} | dict(cost or {})
         self.level = {name: 0 for name in self.tensors}
         self.compute_s: float | None = None
         self.bandwidth_bps: float | None = None
@@ -113,8 +125,17 @@ class AdaptivePolicy:
         return {name: self.codec(name) for name in self.tensors}
 
     def predicted_bytes(self, levels: dict[str, int]) -> float:
-        ladder = self.config.ladder
-        return sum(4 * n / self.ratio[ladder[levels[name]]] for name, n in self.tensors.items())
+        """Wire bytes per step, plus the codecs' time as bytes the link could have sent."""
+        return sum(self._tensor_bytes(name, levels[name]) for name in self.tensors)
+
+    def _tensor_bytes(self, name: str, level: int) -> float:
+        spec = self.config.ladder[level]
+        n = self.tensors[name]
+        return 4 * n / self.ratio[spec] + self.cost[spec] * n * (self.bandwidth_bps or 0.0)
+
+    def worth_it(self, spec: str) -> bool:
+        """Whether `spec`'s own time per value is under the time of sending the value raw."""
+        return self.cost[spec] * (self.bandwidth_bps or 0.0) < 4.0
 
     def due(self) -> bool:
         return self._steps > 0 and self._steps % self.config.decide_every == 0
@@ -126,15 +147,14 @@ class AdaptivePolicy:
         budget = self.config.target_share * self.compute_s * self.bandwidth_bps  # bytes per step
         top = len(self.config.ladder) - 1
         levels = {name: 0 for name in self.tensors}
+        ladder = self.config.ladder
+        usable = [lv for lv in range(1, top + 1) if self.worth_it(ladder[lv])]
         while self.predicted_bytes(levels) > budget:
-            movable = [n for n in self.tensors if levels[n] < top]
+            movable = [n for n in self.tensors if any(lv > levels[n] for lv in usable)]
             if not movable:
                 break
-            ladder = self.config.ladder
-            worst = max(
-                movable, key=lambda n: (4 * self.tensors[n] / self.ratio[ladder[levels[n]]], n)
-            )
-            levels[worst] += 1
+            worst = max(movable, key=lambda n: (self._tensor_bytes(n, levels[n]), n))
+            levels[worst] = min(lv for lv in usable if lv > levels[worst])
         # Hysteresis: only relax where the relaxed plan fits comfortably, so a noisy
         # measurement does not flip codecs back and forth.
         relaxed = {n: lv for n, lv in levels.items() if lv < self.level[n]}

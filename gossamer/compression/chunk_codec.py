@@ -267,8 +267,8 @@ class ChunkCompressor:
             decoded: torch.Tensor | None = None
             if feedback:
                 if self.uses_error_feedback(seg.param):
-                    decoded = codec.decode(payload, seg.shape, torch.float32).reshape(-1)
-                    kept[lo:hi] = decoded
+                    codec.decode(payload, seg.shape, torch.float32, out=kept[lo:hi])
+                    decoded = kept[lo:hi]
                 else:
                     kept[lo:hi] = x[lo:hi]  # no feedback here: nothing is carried over
             if self.momentum is not None and codec_entry(codec.name).sparse:
@@ -347,12 +347,14 @@ class ChunkCompressor:
                     f"the plan says {seg.param!r}[{seg.param_offset}:+{seg.numel}]"
                 )
             try:
-                value = self._codecs[seg.codec].decode(
-                    Payload(parts[s], m["meta"]), seg.shape, torch.float32
+                self._codecs[seg.codec].decode(
+                    Payload(parts[s], m["meta"]),
+                    seg.shape,
+                    torch.float32,
+                    out=out[seg.chunk_offset : seg.chunk_offset + seg.numel],
                 )
             except ProtocolError as e:
                 raise ProtocolError(f"{where}: {e}") from None
-            out[seg.chunk_offset : seg.chunk_offset + seg.numel] = value.reshape(-1)
         self.raw_bytes += 4 * numel
         self.wire_bytes += wire
         self.decode_seconds += time.perf_counter() - t0

@@ -22,6 +22,7 @@ __all__ = [
     "expect_float",
     "expect_int",
     "fp32_slack",
+    "into",
     "meta_float",
     "meta_int",
     "payload_nbytes",
@@ -133,6 +134,12 @@ class Codec(ABC):
     """
 
     name: ClassVar[str]
+    #: `_encode` itself raises ValueError on NaN/Inf, found on the way (a scale, a cast's
+    #: result), so `encode` skips its own pass over the input.
+    checks_finite: ClassVar[bool] = False
+    #: A decode of a validated payload is finite by construction (a cast, or values bounded by
+    #: a finite scale), so `decode` skips its pass over the output.
+    decodes_finite: ClassVar[bool] = False
 
     @classmethod
     def from_arg(cls, arg: int | float | None, *, seed: int | None = None) -> Codec:
@@ -171,15 +178,28 @@ class Codec(ABC):
         x = t.detach()
         if x.device.type != "cpu":
             x = x.cpu()
-        if not all_finite(x):
+        if not self.checks_finite and not all_finite(x):
             raise ValueError(f"{self.spec}: cannot encode a tensor holding NaN or Inf")
         return self._encode(x, tuple(x.shape), key)
 
-    def decode(self, p: Payload, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def decode(
+        self,
+        p: Payload,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Rebuild a tensor of `shape` and `dtype` from `p`, validating all of it.
 
         Decoding computes in fp32; into fp16/bf16 the result saturates at the dtype's
         largest finite value.
+
+        Args:
+            out: a contiguous fp32 tensor of `shape`'s size to decode into (fp32 only), so a
+                caller decoding often reuses one buffer instead of faulting in a new one;
+                the result is then `out` reshaped to `shape`. On a ProtocolError its
+                contents are unspecified.
 
         Raises:
             ProtocolError: `p` is malformed or does not fit `shape` (missing or extra
@@ -189,6 +209,14 @@ class Codec(ABC):
         shape = _check_shape(shape)
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"{self.spec}: cannot decode into {dtype}")
+        if out is not None and (
+            dtype != torch.float32
+            or out.dtype != torch.float32
+            or out.device.type != "cpu"
+            or not out.is_contiguous()
+            or out.numel() != math.prod(shape)
+        ):
+            raise ValueError(f"{self.spec}: out must be a contiguous fp32 CPU tensor of {shape}")
         if not isinstance(p, Payload):
             raise ProtocolError(f"{self.spec}: payload must be a Payload, got {_describe(p)}")
         if not isinstance(p.tensors, dict) or not isinstance(p.meta, dict):
@@ -207,12 +235,15 @@ class Codec(ABC):
                 f"{self.spec}: payload meta keys {sorted(map(str, p.meta))} "
                 f"!= expected {sorted(want_meta)}"
             )
-        out = self._decode(p, shape)
-        if out.numel() != math.prod(shape):  # a bug here, never the sender's doing
-            raise AssertionError(f"{self.spec} decoded {out.numel()} values for {shape}")
-        if not all_finite(out):
+        flat = None if out is None else out.view(-1)
+        res = self._decode(p, shape, flat)
+        if res.numel() != math.prod(shape):  # a bug here, never the sender's doing
+            raise AssertionError(f"{self.spec} decoded {res.numel()} values for {shape}")
+        if flat is not None and res.data_ptr() != flat.data_ptr():
+            res = flat.copy_(res.reshape(-1))  # a codec that ignored `out`
+        if not self.decodes_finite and not all_finite(res):
             raise ProtocolError(f"{self.spec}: payload decodes to values beyond the fp32 range")
-        out = out.reshape(shape)
+        out = res.reshape(shape)
         if dtype in (torch.float16, torch.bfloat16):
             # A legitimate payload may decode a little beyond the range of the original
             # dtype (QSGD levels reach the norm, PowerSGD rounds): saturate, as fp16 does.
@@ -240,8 +271,12 @@ class Codec(ABC):
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload: ...
 
     @abstractmethod
-    def _decode(self, p: Payload, shape: tuple[int, ...]) -> torch.Tensor:
-        """Decode `p`, whose tensor and meta key sets already match `_layout(shape)`."""
+    def _decode(self, p: Payload, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
+        """Decode `p`, whose tensor and meta key sets already match `_layout(shape)`.
+
+        Returns a flat or shaped fp32 tensor of the shape's size: `out` (flat fp32, written in
+        place) when it is given, else a new tensor.
+        """
 
     @abstractmethod
     def _layout(self, shape: tuple[int, ...]) -> tuple[set[str], set[str]]:
@@ -271,6 +306,11 @@ def expect_float(arg: object) -> float:
     if not isinstance(arg, int | float) or isinstance(arg, bool):
         raise ConfigError("codec", f"expected a number argument, got {arg!r}")
     return float(arg)
+
+
+def into(out: torch.Tensor | None, numel: int) -> torch.Tensor:
+    """`out`, or a new uninitialised flat fp32 tensor of `numel` values."""
+    return torch.empty(numel, dtype=torch.float32) if out is None else out
 
 
 def fp32_slack(x: torch.Tensor) -> torch.Tensor:

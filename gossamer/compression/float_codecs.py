@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from gossamer.compression._kernels import finite_sum, spans
 from gossamer.compression.codec import Codec, Payload, all_finite, fp32_slack, payload_tensor
 
 __all__ = ["BF16Codec", "FP16Codec", "NoneCodec"]
@@ -16,6 +17,7 @@ class _CastCodec(Codec):
     """Send `values`, the flattened tensor cast to `wire_dtype`."""
 
     wire_dtype: ClassVar[torch.dtype]
+    decodes_finite: ClassVar[bool] = True  # a finite value of a narrower float stays finite
 
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:
         flat = x.reshape(-1)
@@ -27,9 +29,17 @@ class _CastCodec(Codec):
     def _to_wire(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.to(self.wire_dtype)
 
-    def _decode(self, p: Payload, shape: tuple[int, ...]) -> torch.Tensor:
-        v = payload_tensor(p, "values", self.wire_dtype, (math.prod(shape),))
-        return v.float()
+    def _decode(self, p: Payload, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
+        n = math.prod(shape)
+        raw = p.tensors["values"]
+        if out is None or raw.dtype != self.wire_dtype or raw.shape != (n,):
+            v = payload_tensor(p, "values", self.wire_dtype, (n,))
+            return v.float() if out is None else out.copy_(v)
+        # Cast chunk by chunk and check the fp32 result while it is in cache: one pass.
+        for lo, hi in spans(n):
+            if not finite_sum(out[lo:hi].copy_(raw[lo:hi])) and not all_finite(out[lo:hi]):
+                payload_tensor(p, "values", self.wire_dtype, (n,))  # raises, naming the tensor
+        return out
 
     def _layout(self, shape: tuple[int, ...]) -> tuple[set[str], set[str]]:
         return {"values"}, set()
@@ -66,6 +76,31 @@ class _HalfCodec(_CastCodec):
 
     mantissa_bits: ClassVar[int]
     half_ulp_subnormal: ClassVar[float]
+    checks_finite: ClassVar[bool] = True
+
+    def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:
+        flat = x.reshape(-1)
+        if flat.dtype == self.wire_dtype:
+            if not all_finite(flat):
+                raise ValueError(f"{self.spec}: cannot encode a tensor holding NaN or Inf")
+            return Payload({"values": flat.clone()})
+        if flat.dtype != torch.float32:
+            if not all_finite(flat):
+                raise ValueError(f"{self.spec}: cannot encode a tensor holding NaN or Inf")
+            return Payload({"values": self._to_wire(flat)})
+        # fp32, the common case: check each chunk's range (NaN fails the comparison) and cast
+        # it while it is in cache. A NaN/Inf or a value past the wire dtype's range sends the
+        # whole tensor the careful way, which raises or clamps.
+        top = torch.finfo(self.wire_dtype).max
+        wire = torch.empty(flat.numel(), dtype=self.wire_dtype)
+        for lo, hi in spans(flat.numel()):
+            mn, mx = torch.aminmax(flat[lo:hi])
+            if not bool((mn >= -top) & (mx <= top)):
+                if not all_finite(flat):
+                    raise ValueError(f"{self.spec}: cannot encode a tensor holding NaN or Inf")
+                return Payload({"values": self._to_wire(flat)})
+            wire[lo:hi].copy_(flat[lo:hi])
+        return Payload({"values": wire})
 
     def _to_wire(self, flat: torch.Tensor) -> torch.Tensor:
         top = torch.finfo(self.wire_dtype).max

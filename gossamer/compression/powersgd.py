@@ -10,15 +10,19 @@ import torch
 from gossamer.compression.codec import (
     Codec,
     Payload,
+    all_finite,
     expect_int,
     fp32_slack,
+    into,
     meta_int,
     payload_tensor,
 )
 from gossamer.compression.sparsification import fits_fp16
-from gossamer.errors import ConfigError
+from gossamer.errors import ConfigError, ProtocolError
 
 __all__ = ["PowerSGDCodec"]
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class PowerSGDCodec(Codec):
@@ -85,18 +89,32 @@ class PowerSGDCodec(Codec):
         else:
             self._q.pop(key, None)
 
+    checks_finite: ClassVar[bool] = True  # NaN/Inf in M shows in M Q (see `_encode`)
+    decodes_finite: ClassVar[bool] = True  # `_decode` bounds P Q^T from the factors
+
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:
         r = self.low_rank(shape)
         if r == 0:
+            if not all_finite(x):
+                raise ValueError(f"{self.spec}: cannot encode a tensor holding NaN or Inf")
             return Payload({"values": x.reshape(-1).float().clone()}, {"rank": 0})
-        # float64 keeps QR and the products accurate over the whole fp32 range.
-        m = x.reshape(shape[0], -1).double()
         q = self._q.get(key) if key is not None else None
-        if q is None or q.shape != (m.shape[1], r):
-            q = torch.randn(m.shape[1], r, dtype=torch.float64, generator=self._gen)
-        p, _ = torch.linalg.qr(m @ q)
-        # (P^T M)^T, not M^T P: BLAS reads M row-major this way, 8x faster for a 1024x1024 M.
-        q = (p.T @ m).T
+        if q is None or q.shape != (math.prod(shape[1:]), r):
+            q = torch.randn(math.prod(shape[1:]), r, dtype=torch.float64, generator=self._gen)
+        # fp32 products read M twice and copy nothing; a NaN/Inf in M reaches M Q (0 * Inf
+        # is NaN, and every row of Q is nonzero or checked), as does an fp32 overflow, and
+        # both go the careful way: a check of M, then the products in fp64.
+        m = x.reshape(shape[0], -1)
+        result = None
+        if m.dtype == torch.float32 and bool(q.abs().sum(dim=1).gt(0).all()):
+            result = self._power_step(m, q.float())
+        if result is None:
+            if not all_finite(x):
+                raise ValueError(f"{self.spec}: cannot encode a tensor holding NaN or Inf")
+            result = self._power_step(m.double(), q.double())
+        if result is None:  # fp64 overflows only past any fp32 gradient
+            raise ValueError(f"{self.spec}: the power iteration overflows fp64")
+        p, q = result
         if key is not None:
             self._q[key] = q
         # P is orthonormal, so fp16 costs it nothing that matters; Q carries the scale and
@@ -107,15 +125,33 @@ class PowerSGDCodec(Codec):
             {"rank": r},
         )
 
-    def _decode(self, p: Payload, shape: tuple[int, ...]) -> torch.Tensor:
+    @staticmethod
+    def _power_step(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(P, Q) = (orthonormalize(M Q), M^T P), or None when either is not finite."""
+        mq = m @ q
+        if not all_finite(mq):
+            return None
+        p, _ = torch.linalg.qr(mq)
+        q = (p.T @ m).T.contiguous()  # M^T P; MKL takes 100x longer on M's transposed view
+        if not all_finite(q) or not all_finite(p):
+            return None
+        return p, q
+
+    def _decode(self, p: Payload, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
         r = self.low_rank(shape)
         meta_int(p, "rank", r, r)
         if r == 0:
-            return payload_tensor(p, "values", torch.float32, (math.prod(shape),)).clone()
+            values = payload_tensor(p, "values", torch.float32, (math.prod(shape),))
+            return values.clone() if out is None else out.copy_(values)
         n, m = shape[0], math.prod(shape[1:])
         pf = payload_tensor(p, "p", torch.float16, (n, r)).float()
         qf = payload_tensor(p, "q", _float_dtype(p.tensors.get("q")), (m, r)).float()
-        return pf @ qf.T
+        out = into(out, n * m)
+        torch.mm(pf, qf.T, out=out.view(n, m))
+        # |(P Q^T)_ij| <= r max|P| max|Q|: when that fits, no entry overflowed.
+        if r * float(pf.abs().max()) * float(qf.abs().max()) >= _F32_MAX and not all_finite(out):
+            raise ProtocolError(f"{self.spec}: payload decodes to values beyond the fp32 range")
+        return out
 
     def _layout(self, shape: tuple[int, ...]) -> tuple[set[str], set[str]]:
         return ({"p", "q"} if self.low_rank(shape) else {"values"}), {"rank"}

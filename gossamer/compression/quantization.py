@@ -7,11 +7,14 @@ from typing import ClassVar
 
 import torch
 
+from gossamer.compression._kernels import CHUNK, Scratch, finite_sum, spans
 from gossamer.compression.codec import (
     Codec,
     Payload,
+    all_finite,
     expect_int,
     fp32_slack,
+    into,
     meta_int,
     payload_tensor,
 )
@@ -61,7 +64,22 @@ class Int8Codec(Codec):
             flat = torch.cat([flat, flat.new_zeros(pad)])
         return flat.view(-1, INT8_BLOCK)
 
+    checks_finite: ClassVar[bool] = True
+    decodes_finite: ClassVar[bool] = True  # |q / 127 * scale| <= scale, a finite number
+
+    def __init__(self) -> None:
+        self._scratch = Scratch()
+
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:
+        if x.dtype == torch.float32 and x.numel() >= INT8_BLOCK:
+            fast = self._encode_chunked(x.reshape(-1))
+            if fast is not None:
+                return fast
+        if not all_finite(x):
+            raise ValueError(f"{self.spec}: cannot encode a tensor holding NaN or Inf")
+        return self._encode_whole(x)
+
+    def _encode_whole(self, x: torch.Tensor) -> Payload:
         n = x.numel()
         blocks = self._blocks(x)
         absmax = _scales(blocks.abs().amax(dim=1) if n else blocks.new_zeros(0))
@@ -74,11 +92,53 @@ class Int8Codec(Codec):
             {"block": INT8_BLOCK},
         )
 
-    def _decode(self, p: Payload, shape: tuple[int, ...]) -> torch.Tensor:
+    def _encode_chunked(self, flat: torch.Tensor) -> Payload | None:
+        """`_encode_whole`'s payload in one pass over `flat`, chunk by chunk in cache.
+
+        It bets that every scale fits fp16 (the usual case); None when it does not, or when
+        `flat` holds NaN/Inf, and the caller takes the careful path.
+        """
+        n = flat.numel()
+        whole = n // INT8_BLOCK * INT8_BLOCK
+        lo_s, hi_s = _FP16_SCALE_RANGE
+        q = torch.empty(n, dtype=torch.int8)
+        absmax = torch.empty(-(-n // INT8_BLOCK), dtype=torch.float16)
+        step = CHUNK // INT8_BLOCK * INT8_BLOCK
+        for lo, hi in spans(whole, step):
+            blocks = flat[lo:hi].view(-1, INT8_BLOCK)
+            work = self._scratch.get(torch.float32, hi - lo).view(-1, INT8_BLOCK)
+            amax = torch.abs(blocks, out=work).amax(dim=1)
+            nz = amax[amax > 0]
+            if not finite_sum(amax) or (
+                nz.numel() and not bool((nz.min() >= lo_s) & (nz.max() <= hi_s))
+            ):
+                return None
+            up = (amax * (1 + 2.0**-10)).half()  # as `_scales`: >= absmax after rounding
+            scale = torch.where(amax > 0, up, torch.zeros_like(up))
+            absmax[lo // INT8_BLOCK : hi // INT8_BLOCK] = scale
+            safe = torch.where(amax > 0, scale.float(), torch.ones_like(amax))
+            torch.div(blocks, safe[:, None], out=work).mul_(127).round_().clamp_(-127, 127)
+            q[lo:hi].copy_(work.view(-1))
+        if whole < n:
+            tail = flat[whole:]
+            if not all_finite(tail):
+                return None
+            t_amax = tail.abs().amax()
+            if t_amax > 0 and not bool((t_amax >= lo_s) & (t_amax <= hi_s)):
+                return None
+            up = (t_amax * (1 + 2.0**-10)).half()
+            scale = up if t_amax > 0 else torch.zeros_like(up)
+            absmax[-1] = scale
+            safe = scale.float() if t_amax > 0 else torch.ones_like(t_amax)
+            q[whole:] = torch.round(tail / safe * 127).clamp_(-127, 127).to(torch.int8)
+        if not bool((absmax > 0).any()):
+            absmax = absmax.float()  # `_scales` sends all-zero scales as fp32
+        return Payload({"q": q, "absmax": absmax}, {"block": INT8_BLOCK})
+
+    def _decode(self, p: Payload, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
         n = math.prod(shape)
         nblocks = -(-n // INT8_BLOCK)
         meta_int(p, "block", INT8_BLOCK, INT8_BLOCK)
-        q = payload_tensor(p, "q", torch.int8, (n,))
         sent = p.tensors.get("absmax")
         sdtype = (
             torch.float16
@@ -86,12 +146,27 @@ class Int8Codec(Codec):
             else torch.float32
         )
         absmax = payload_tensor(p, "absmax", sdtype, (nblocks,)).float()
-        if n and bool((q == -128).any()):
-            raise ProtocolError("int8: quantized value -128 is outside [-127, 127]")
         if nblocks and bool((absmax < 0).any()):
             raise ProtocolError("int8: negative absmax scale")
-        scale = absmax.repeat_interleave(INT8_BLOCK)[:n]
-        return q.float() / 127 * scale
+        raw = p.tensors["q"]
+        if raw.dtype != torch.int8 or raw.shape != (n,):
+            payload_tensor(p, "q", torch.int8, (n,))  # raises, naming what is wrong
+        out = into(out, n)
+        whole = n // INT8_BLOCK * INT8_BLOCK
+        step = CHUNK // INT8_BLOCK * INT8_BLOCK
+        # Chunk by chunk: widen, check the range (-128 is not a level) while it is in cache,
+        # then scale in place; the same arithmetic as q.float() / 127 * scale.
+        for lo, hi in [*spans(whole, step), *([(whole, n)] if whole < n else [])]:
+            part = out[lo:hi].copy_(raw[lo:hi])
+            if bool(part.min() < -127):
+                raise ProtocolError("int8: quantized value -128 is outside [-127, 127]")
+            part.div_(127)
+            b0 = lo // INT8_BLOCK
+            if hi - lo == (hi - lo) // INT8_BLOCK * INT8_BLOCK:
+                part.view(-1, INT8_BLOCK).mul_(absmax[b0 : hi // INT8_BLOCK, None])
+            else:
+                part.mul_(absmax[b0])
+        return out
 
     def _layout(self, shape: tuple[int, ...]) -> tuple[set[str], set[str]]:
         return {"q", "absmax"}, {"block"}
@@ -163,7 +238,7 @@ class QSGDCodec(Codec):
         signed = (torch.sign(flat) * level).to(torch.int8)
         return Payload({"norm": norm, "levels": signed}, {"levels": self.levels})
 
-    def _decode(self, p: Payload, shape: tuple[int, ...]) -> torch.Tensor:
+    def _decode(self, p: Payload, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
         n = math.prod(shape)
         meta_int(p, "levels", self.levels, self.levels)
         norm = payload_tensor(p, "norm", torch.float32, (1,))

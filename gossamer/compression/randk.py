@@ -13,6 +13,7 @@ from gossamer.compression.codec import (
     Payload,
     expect_float,
     fp32_slack,
+    into,
     meta_int,
     payload_tensor,
 )
@@ -106,6 +107,7 @@ class RandKCodec(Codec):
     """
 
     name: ClassVar[str] = "randk"
+    decodes_finite: ClassVar[bool] = True  # validated finite values and zeros
 
     def __init__(self, ratio: float, *, seed: int | None = None) -> None:
         if (
@@ -149,14 +151,14 @@ class RandKCodec(Codec):
             values = values.half()
         return Payload({"values": values.contiguous()}, {"seed": seed})
 
-    def _decode(self, p: Payload, shape: tuple[int, ...]) -> torch.Tensor:
+    def _decode(self, p: Payload, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
         n = math.prod(shape)
         k = topk_count(self.ratio, n)
         seed = meta_int(p, "seed", 0, SEED_MAX)
         raw = p.tensors.get("values")
         half = isinstance(raw, torch.Tensor) and raw.dtype == torch.float16
         values = payload_tensor(p, "values", torch.float16 if half else torch.float32, (k,))
-        out = torch.zeros(n, dtype=torch.float32)
+        out = into(out, n).zero_()
         if k:
             out[self._positions(seed, n, k)] = values.float()
         return out

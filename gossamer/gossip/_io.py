@@ -31,6 +31,7 @@ import zmq
 
 from gossamer.compression import Codec, Payload
 from gossamer.errors import AuthError, ProtocolError
+from gossamer.gossip.differences import ReceivedValues
 from gossamer.protocol import CancelMeta, MassMeta, SnapMeta
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
@@ -135,6 +136,7 @@ class PeerIO:
 
         self.inbox: queue.SimpleQueue[Incoming] = queue.SimpleQueue()
         self.settled: queue.Queue[tuple[int, bool]] = queue.Queue()  # (hold id, restore?)
+        self.stale_refs: queue.SimpleQueue[str] = queue.SimpleQueue()  # NACKed: reference not held
         # (identity, rid, requester, light: step and done only, no parameters)
         self.snap_requests: queue.SimpleQueue[tuple[bytes, int, str, bool]] = queue.SimpleQueue()
         self.bytes_up = 0
@@ -172,6 +174,7 @@ class PeerIO:
         self._waiters_lock = threading.Lock()
 
         # I/O-thread state.
+        self._values = ReceivedValues(_SEEN_SENDERS)  # references of MASSes sent as differences
         self._generation = 0
         self._refusing = False  # finished: incoming mass goes back to its sender
         self._dealers: dict[str, tuple[str, zmq.Socket]] = {}
@@ -531,7 +534,7 @@ class PeerIO:
         meta = msg.meta if msg is not None else {}
         hid = _int(meta, "id")
         if msg is not None and msg.op == MASS and hid is not None:
-            self._reply(identity, NACK, {"id": hid, "error": text}, sender)
+            self._reply(identity, NACK, {"id": hid, "error": text, "reason": reason}, sender)
             return
         err: dict[str, Any] = {"error": text, "code": _CODE_OF_REASON.get(reason, FAILED_PRECONDITION),
                                "reason": reason}
@@ -620,6 +623,8 @@ class PeerIO:
             reason, text = "weight", f"weight {weight!r} is not in (0, {_MAX_WEIGHT:g}]"
         elif pmeta is None:
             reason, text = "malformed", "MASS payload meta must be a map"
+        elif m.ref is not None and not self._values.holds(msg.sender, m.inc, m.ref):
+            reason, text = "reference", f"reference MASS {m.ref} is not (or no longer) held"
         if reason:
             self._remember(seen, hid, False)
             self._refuse(identity, msg, reason, text)
@@ -632,8 +637,12 @@ class PeerIO:
             self._remember(seen, hid, False)
             self._refuse(identity, msg, "nonfinite" if bad else "payload", str(e))
             return
-        self._remember(seen, hid, True)
-        self.inbox.put(Incoming(msg.sender, gen, m.step, weight, d))
+        mass = d if m.ref is None else self._values.mass(msg.sender, m.inc, m.ref, hid, d, weight)
+        self._remember(seen, hid, mass is not None)
+        if mass is None:
+            self._refuse(identity, msg, "nonfinite", "the value decodes beyond the fp32 range")
+            return
+        self.inbox.put(Incoming(msg.sender, gen, m.step, weight, mass))
         self._reply(identity, ACK, {"id": hid}, msg.sender)
 
     def _on_cancel(self, identity: bytes, msg: Message) -> None:
@@ -677,6 +686,8 @@ class PeerIO:
                     hid,
                     msg.meta.get("error", ""),
                 )
+            if msg.op == NACK and msg.meta.get("reason") == "reference" and peer is not None:
+                self.stale_refs.put(peer)  # before `settled`: the trainer drains both in order
             self.settled.put((hid, msg.op != ACK))
         elif msg.op in (SNAPSHOT, ERROR) and _int(msg.meta, "rid") is not None:
             if msg.op == ERROR:

@@ -42,6 +42,7 @@ import torch
 
 from gossamer.errors import ConfigError, ProtocolError
 from gossamer.gossip._io import MASS, SNAP, SNAPSHOT, Fault, PeerIO
+from gossamer.gossip.differences import References, value_mass
 from gossamer.gossip.value_codec import parse_value_codec
 from gossamer.protocol import MassMeta, SnapMeta, SnapshotMeta
 from gossamer.security import curve as curve_keys
@@ -82,6 +83,7 @@ class _Hold:
     generation: int  # -1: folded back without weight whatever the current generation
     d: torch.Tensor
     weight: float
+    value: torch.Tensor | None = None  # sent as a value (`differences`): the receiver's reference
 
 
 _DEFAULT_RATE = RateLimit()
@@ -113,6 +115,10 @@ class PushSumPeer:
             installed in this process, if any).
         rate_limit: per-neighbour message rate (None: unlimited); a peer over it gets
             ERROR "rate_limit" replies and nothing of its messages is decided.
+        differences: send each MASS as a compressed difference against the value of the last
+            one the neighbour applied (CHOCO-SGD, `gossamer.gossip.differences`), so a lossy
+            codec's error shrinks with the disagreement instead of staying proportional to
+            the parameters; None: on for every codec but "none".
 
     Raises:
         ConfigError: bad `codec`, `share` or `ack_timeout_s`.
@@ -132,6 +138,7 @@ class PushSumPeer:
         numel: int | None = None,
         curve: CurveKeyring | None = None,
         rate_limit: RateLimit | None = _DEFAULT_RATE,
+        differences: bool | None = None,
     ) -> None:
         if not 0.0 < share < 1.0:
             raise ConfigError("share", f"must be in (0, 1), got {share!r}")
@@ -144,6 +151,7 @@ class PushSumPeer:
         #: peer so QSGD's draws neither touch nor follow torch's global generator.
         self.codec = parse_value_codec(codec, seed=zlib.crc32(peer_id.encode()))
         self._numel = numel
+        self._refs = References() if (differences is None and self.codec.spec != "none") or differences else None
         self._io = PeerIO(
             experiment=experiment,
             peer_id=peer_id,
@@ -230,6 +238,8 @@ class PushSumPeer:
         peers = {pid: ep for pid, ep in peers.items() if pid != self.peer_id}
         removed = {pid for pid, ep in self._peers.items() if peers.get(pid) != ep}
         self._settle()
+        if self._refs is not None:
+            self._refs.keep_only(set(peers) - removed)
         for hid, hold in list(self._holds.items()):
             if hold.peer in removed:
                 del self._holds[hid]
@@ -258,11 +268,17 @@ class PushSumPeer:
         w = self.weight
         w_s = self.share * w
         with torch.no_grad():
-            payload = self.codec.encode(z.detach() * w_s)
-            d = self.codec.decode(payload, (z.numel(),), torch.float32)
+            value: torch.Tensor | None = None
+            ref: int | None = None
+            if self._refs is None:
+                payload = self.codec.encode(z.detach() * w_s)
+                d = self.codec.decode(payload, (z.numel(),), torch.float32)
+            else:
+                payload, ref, value = self._refs.encode(self.codec, z.detach().cpu(), to)
+                d = value_mass(value, w_s)
             hid = next(self._ids)
             meta = MassMeta(id=hid, inc=self._io.incarnation, gen=self.generation, step=step, weight=w_s,
-                            codec=self.codec.spec, payload=payload.meta).to_meta()
+                            codec=self.codec.spec, payload=payload.meta, ref=ref).to_meta()
             frames = encode(
                 Message(
                     op=MASS,
@@ -273,7 +289,7 @@ class PushSumPeer:
                     tensors=payload.tensors,
                 )
             )
-            self._holds[hid] = _Hold(to, self.generation, d, w_s)
+            self._holds[hid] = _Hold(to, self.generation, d, w_s, value)
             self.weight = w - w_s
             z.mul_(w).sub_(d.to(z.device)).div_(self.weight)
         raw_extra = 4 * z.numel() - payload.nbytes
@@ -351,6 +367,11 @@ class PushSumPeer:
         return True
 
     def _settle(self) -> None:
+        while self._refs is not None:
+            try:
+                self._refs.refused(self._io.stale_refs.get_nowait())
+            except queue.Empty:
+                break
         while True:
             try:
                 hid, restore = self._io.settled.get_nowait()
@@ -360,8 +381,12 @@ class PushSumPeer:
 
     def _settle_one(self, hid: int, restore: bool) -> None:
         hold = self._holds.pop(hid, None)
-        if hold is not None and restore:
-            self._returned.append(hold)
+        if hold is None:
+            return
+        if restore:
+            self._returned.append(hold)  # the receiver's references are as they were
+        elif self._refs is not None and hold.value is not None:
+            self._refs.applied(hold.peer, hid, hold.value)
 
     # -- snapshots ---------------------------------------------------------------------
     def serve(self, z: torch.Tensor, step: int, done: bool = False) -> None:

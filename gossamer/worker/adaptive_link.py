@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import glob
 import logging
+import math
 import time
+
+import torch
 
 from gossamer.compression.adaptive import AdaptiveConfig, AdaptivePolicy, ProbeSchedule
 from gossamer.compression.chunk_codec import ChunkCompressor
@@ -13,6 +16,27 @@ from gossamer.paramserver.client import ShardClient
 from gossamer.paramserver.shard_plan import ShardPlan
 
 log = logging.getLogger(__name__)
+
+_CALIBRATION_NUMEL = 1 << 20
+
+
+def codec_seconds_per_value(spec: str, numel: int) -> float:
+    """Encode + decode seconds per value of `spec` on this machine (best of two timed runs).
+
+    Measured on random values of the size of `numel` (at most 2**20: the per-value cost is
+    flat beyond), so the policy can count a codec's time against the link it saves.
+    """
+    n = max(1, min(numel, _CALIBRATION_NUMEL))
+    x = torch.randn(n) * 1e-3
+    out = torch.empty(n)
+    codec = parse_codec(spec)
+    best = math.inf
+    for _ in range(3):  # the first run pays for caches and allocations
+        t0 = time.perf_counter()
+        payload = codec.encode(x, key="calibration")
+        codec.decode(payload, (n,), torch.float32, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return best / n
 
 
 class AdaptiveLink:
@@ -42,7 +66,9 @@ class AdaptiveLink:
             codec = parse_codec(spec)
             wire = sum(4 * n / codec.nominal_ratio(n, shapes.get(name)) for name, n in tensors.items())
             ratio[spec] = raw / wire
-        self.policy = AdaptivePolicy(tensors, ratio, config)
+        biggest = max(tensors.values(), default=0)
+        cost = {spec: codec_seconds_per_value(spec, biggest) for spec in config.ladder}
+        self.policy = AdaptivePolicy(tensors, ratio, config, cost)
         self.latency_s = 0.0
         self.changes = 0
         self._install()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -71,6 +72,7 @@ class GossipTrainer(RankTrainer):
             self.peer.set_membership(dict(self.members), ctx.generation)
         self.consensus = float("nan")
         self.copied_from = ""
+        self._collecting: _SnapshotCollector | None = None
 
     # --- membership ----------------------------------------------------------------------
     def _apply_updates(self) -> AssignmentUpdate | None:
@@ -158,8 +160,14 @@ class GossipTrainer(RankTrainer):
             every = self.exp.eval_every
             if every and self.clock // every > self._last_eval and self.clock < self.exp.total_steps:
                 self._last_eval = self.clock // every
-                if self.ctx.lead and self.peer is not None:
-                    self._eval_average(self.clock)
+                if self.ctx.lead and self.peer is not None and self._collecting is None:
+                    self._collecting = _SnapshotCollector(self.peer, list(self.members), self.clock)
+            if self._collecting is not None and self._collecting.done():
+                self._eval_average(self._collecting.step, self._collecting.result())
+                self._collecting = None
+        if self._collecting is not None:
+            self._collecting.abandon()
+            self._collecting = None
         self.profiler.close(self.clock)
         self._finish_or_serve()
         self.finished = self.clock >= self.exp.total_steps  # the node's ranks share the clock
@@ -239,13 +247,20 @@ class GossipTrainer(RankTrainer):
         zs = [self.flat.clone(), *(s.z for s in got.values())]
         return zs, [self.peer.weight, *(s.weight for s in got.values())]
 
-    def _eval_average(self, step: int) -> None:
-        zs, ws = self._gather(wait_done=False, timeout=30.0)
+    def _eval_average(self, step: int, snaps: list[Snapshot]) -> None:
+        """Evaluate the push-sum average of this node's parameters now and the peers' snapshots
+        (asked for at `step`, under which it is reported; `eval_gathered_step` says when the
+        average was formed)."""
+        assert self.peer is not None
+        snaps = [s for s in snaps if s.z.numel() == self.flat.numel()]
+        zs = [self.flat.clone(), *(s.z for s in snaps)]
+        ws = [self.peer.weight, *(s.weight for s in snaps)]
         avg, self.consensus = consensus_distance(zs, ws)
         mine = self.flat.clone()
         self.flat.copy_(avg)
         self._params_changed()
-        self.on_metrics(step, {"consensus_distance": self.consensus, "gossip_peers": float(len(zs))})
+        self.on_metrics(step, {"consensus_distance": self.consensus, "gossip_peers": float(len(zs)),
+                               "eval_gathered_step": float(self.clock)})
         self._evaluate(step)
         self.flat.copy_(mine)
         self._params_changed()
@@ -290,3 +305,42 @@ class GossipTrainer(RankTrainer):
             values.update(loss=self.stats.loss, samples=float(self.stats.samples), samples_per_s=rate,
                           updates=float(self.stats.steps))
         self.on_metrics(self.clock, values)
+
+
+class _SnapshotCollector:
+    """Asks every peer for its parameters on a thread of its own, off the training path.
+
+    The lead's periodic evaluation used to block its training loop while it gathered every
+    peer's snapshot (2 s timeouts, one peer after another). `PushSumPeer.request_snapshot` may
+    be called from any thread, and the trainer keeps serving the peers' own requests between
+    its steps, so the lead now goes on training and evaluates once the snapshots are in.
+    """
+
+    def __init__(self, peer: PushSumPeer, members: list[str], step: int, timeout_s: float = 2.0) -> None:
+        self.step = step  # the evaluation is reported at the step that asked for it
+        self._peer = peer
+        self._snaps: list[Snapshot] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(members, timeout_s), daemon=True,
+                                        name="gossip-eval-gather")
+        self._thread.start()
+
+    def _run(self, members: list[str], timeout_s: float) -> None:
+        for pid in members:
+            if self._stop.is_set():
+                return
+            snap = self._peer.request_snapshot(pid, timeout=timeout_s)
+            if snap is not None:
+                self._snaps.append(snap)
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> list[Snapshot]:
+        return list(self._snaps)
+
+    def abandon(self) -> None:
+        """Stop asking (the run ended); returns once the thread has (at most one timeout)."""
+        self._stop.set()
+        self._thread.join()
+

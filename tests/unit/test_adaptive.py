@@ -103,3 +103,32 @@ def test_probe_schedule_refuses_nonsense() -> None:
 def test_no_decision_before_measurements() -> None:
     p = AdaptivePolicy(TENSORS, RATIO)
     assert not p.decide() and set(p.choices().values()) == {"none"}
+
+
+def test_a_codec_slower_than_sending_raw_bytes_is_never_chosen() -> None:
+    # top-k costs 100 ns a value: at 1 GB/s that is 100 bytes of link time, more than the 4
+    # bytes of sending the value raw; on a 1 MB/s link it is 0.1 byte and worth it.
+    cost = {spec: (100e-9 if spec.startswith("topk") else 0.0) for spec in LADDER}
+    fast = AdaptivePolicy(TENSORS, RATIO, AdaptiveConfig(decide_every=1), cost)
+    fast.observe_step(1e-4)  # a budget no codec can meet at 1 GB/s
+    fast.observe_transfer(1_000_000, 1e-3)
+    fast.decide()
+    assert not any(spec.startswith("topk") for spec in fast.choices().values())
+    assert fast.codec("big.weight") == "int8"
+    slow = AdaptivePolicy(TENSORS, RATIO, AdaptiveConfig(decide_every=1), cost)
+    slow.observe_step(1e-2)
+    slow.observe_transfer(1_000_000, 1.0)
+    slow.decide()
+    assert slow.codec("big.weight").startswith("topk")
+
+
+def test_codec_time_counts_against_the_budget() -> None:
+    costly = AdaptivePolicy(TENSORS, RATIO, AdaptiveConfig(decide_every=1), {"int8": 200e-9})
+    costly.observe_step(0.01)
+    costly.observe_transfer(1_000_000, 1_000_000 / 5e6)
+    at_int8 = {name: LADDER.index("int8") for name in TENSORS}
+    n = sum(TENSORS.values())
+    # 200 ns a value on a 5 MB/s link: 1 byte of link time per value on top of the wire bytes.
+    assert costly.predicted_bytes(at_int8) == pytest.approx(4 * n / RATIO["int8"] + n * 200e-9 * 5e6)
+    costly.decide()
+    assert costly.predicted_bytes(costly.level) <= 10_000

@@ -55,6 +55,8 @@ class Coordinator:
             e.progress_unix = now  # the time the coordinator was down is not the run's to account for
         self._seq = max((e.seq for e in exps), default=0)
         self._changed = asyncio.Event()  # replaced by a fresh one at every change
+        self._assignment_events: dict[str, asyncio.Event] = {}  # node id -> its stream's wake-up (assignment_event)
+        self._holding: set[str] = set()  # nodes whose stream last sent some roles
         self.import_checker = ImportChecker(config.import_check_concurrency)
         self.curve = config.data_plane_curve
         if self.curve:
@@ -71,15 +73,38 @@ class Coordinator:
     # An Event swapped at each change, not a Condition: on Python 3.11 a Condition.wait()
     # cancelled by wait_for at shutdown can leave its lock released, and `async with` then
     # raised "Lock is not acquired" in every stream handler, so SIGTERM did not end the process.
-    async def _notify(self) -> None:
+    async def _notify(self, *, assignments: bool = True) -> None:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+        if assignments:
+            self._wake_assignment_streams()
 
     async def wait_change(self, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+        await wait_event(self._changed, timeout)
+
+    def _wake_assignment_streams(self) -> None:
+        # Only the streams whose assignments can have changed: nodes holding a role in an active
+        # experiment, and nodes whose stream last sent roles (they may have lost them). An idle
+        # node's empty set changes only once it gets a role, so a join among 10,000 idle nodes
+        # wakes none of them (waking every stream made each join cost O(nodes)).
+        wake = set(self._holding)
+        for exp in self.exps.values():
+            if exp.active:
+                wake.update(r.node_id for r in exp.roles)
+        for node_id in wake:
+            if (event := self._assignment_events.pop(node_id, None)) is not None:
+                event.set()
+
+    def assignment_event(self, node_id: str) -> asyncio.Event:
+        """Set at the next change that may touch `node_id`'s assignments: take it before reading them."""
+        return self._assignment_events.setdefault(node_id, asyncio.Event())
+
+    def assignments_sent(self, node_id: str, held: bool) -> None:
+        """`node_id`'s stream sent a set of assignments: some roles (`held`) or none."""
+        if held:
+            self._holding.add(node_id)
+        else:
+            self._holding.discard(node_id)
 
     # --- membership ------------------------------------------------------------------------
     async def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
@@ -579,7 +604,7 @@ class Coordinator:
         if rows:
             await self.store.add_metrics(exp.id, rows)
             await self.store.save_experiment(exp)
-            await self._notify()
+            await self._notify(assignments=False)  # metrics never change a node's assignments
         return exp.active
 
     async def _note_discards(self, exp: ExpRec, source: str, old: dict[str, float], new: dict[str, float]) -> None:
@@ -611,6 +636,14 @@ class Coordinator:
             "checkpoint", f"{info.kind} checkpoint at step {info.step}: {info.path}",
             experiment_id=info.experiment_id,
         )
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> None:
+    """Wait for `event` at most `timeout` seconds."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except asyncio.TimeoutError:
+        pass
 
 
 def _curve_key(req: pb.JoinRequest, curve: bool) -> str:

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gossamer.coordinator import views
 from gossamer.coordinator._malformed import MalformedRequestInterceptor
 from gossamer.coordinator.config import CoordinatorConfig
-from gossamer.coordinator.core import Coordinator
+from gossamer.coordinator.core import Coordinator, wait_event
 from gossamer.coordinator.http import HttpConfig, StatusHttp
 from gossamer.coordinator.retention import keep_bounded
 from gossamer.errors import ConfigError, NotFoundError
@@ -54,12 +54,14 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         self.c.stream_opened(request.node_id)
         try:
             while True:
+                changed = self.c.assignment_event(request.node_id)  # before reading: no change slips by
                 assignments = self.c.assignments_for(request.node_id)
                 blob = b"".join(a.SerializeToString(deterministic=True) for a in assignments)
                 if blob != last:
                     last = blob
                     yield pb.AssignmentSet(serial=time.time_ns(), assignments=assignments)
-                await self.c.wait_change(timeout=5.0)
+                    self.c.assignments_sent(request.node_id, bool(assignments))
+                await wait_event(changed, timeout=15.0)
         finally:  # the node's connection is gone (or it reconnects): evidence for the reaper
             self.c.stream_closed(request.node_id)
 

@@ -55,6 +55,8 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, prefix: str = "/gossamer.") -> None:
         self.prefix = prefix
+        # method -> (the handler it was given, the wrapped one): wrapped once, not at every call
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -65,12 +67,18 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or not method.startswith(self.prefix):
             return handler
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = handler
         for kind in ("unary_unary", "stream_unary", "unary_stream", "stream_stream"):
             inner = getattr(handler, kind)
             if inner is not None:
                 wrap = _guard_stream if inspect.isasyncgenfunction(inner) else _guard_call
-                return handler._replace(**{kind: wrap(inner, method)})
-        return handler
+                wrapped = handler._replace(**{kind: wrap(inner, method)})
+                break
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
 
 def _guard_call(inner: Callable[..., Any], method: str) -> Callable[..., Awaitable[Any]]:

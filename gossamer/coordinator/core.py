@@ -296,10 +296,12 @@ class Coordinator:
     async def reconcile(self) -> None:
         """Start queued experiments and grow running async ones with free nodes."""
         head = ""  # the first queued experiment that could not start: later ones wait behind it (FIFO)
+        free: list[NodeRec] | None = None  # listed once, again only after an experiment took nodes
         for exp in sorted(self.exps.values(), key=lambda e: e.seq):
             if not exp.active:
                 continue
-            free = placement.free_nodes(self.nodes.values())
+            if free is None:
+                free = placement.free_nodes(self.nodes.values())
             if exp.state == pb.EXPERIMENT_STATE_QUEUED:
                 plan = None if head else placement.place_experiment(free, exp.spec, exp.mode)
                 if plan is None:
@@ -311,6 +313,7 @@ class Coordinator:
             # Behind a queued head a running experiment takes no free node (FIFO), as before.
             elif exp.state != pb.EXPERIMENT_STATE_RUNNING or not await self._resume(exp, [] if head else free):
                 continue
+            free = None
             await self.store.save_experiment(exp)
             for r in exp.roles:
                 await self.store.save_node(self.nodes[r.node_id])

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Protocol
 
 from gossamer.coordinator import failover, placement, views
+from gossamer.coordinator.beat_rate import BeatRate
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.import_checks import ImportChecker
 from gossamer.coordinator.records import ExpRec, NodeRec, RoleRec
 from gossamer.coordinator.store import Store
 from gossamer.coordinator.stragglers import StepRates, worker_speeds
+from gossamer.coordinator.streams import AssignmentStreams
 from gossamer.errors import ConfigError, NotFoundError
 from gossamer.experiment import Experiment
 from gossamer.v1 import coordinator_pb2 as pb
@@ -55,8 +57,9 @@ class Coordinator:
             e.progress_unix = now  # the time the coordinator was down is not the run's to account for
         self._seq = max((e.seq for e in exps), default=0)
         self._changed = asyncio.Event()  # replaced by a fresh one at every change
-        self._assignment_events: dict[str, asyncio.Event] = {}  # node id -> its stream's wake-up (assignment_event)
-        self._holding: set[str] = set()  # nodes whose stream last sent some roles
+        self.streams = AssignmentStreams()
+        self.beat_rate = BeatRate(interval_s=config.heartbeat_interval_s, window_s=config.lease_timeout_s)
+        self._behind = False
         self.import_checker = ImportChecker(config.import_check_concurrency)
         self.curve = config.data_plane_curve
         if self.curve:
@@ -77,34 +80,10 @@ class Coordinator:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
         if assignments:
-            self._wake_assignment_streams()
+            self.streams.wake(r.node_id for exp in self.exps.values() if exp.active for r in exp.roles)
 
     async def wait_change(self, timeout: float) -> None:
         await wait_event(self._changed, timeout)
-
-    def _wake_assignment_streams(self) -> None:
-        # Only the streams whose assignments can have changed: nodes holding a role in an active
-        # experiment, and nodes whose stream last sent roles (they may have lost them). An idle
-        # node's empty set changes only once it gets a role, so a join among 10,000 idle nodes
-        # wakes none of them (waking every stream made each join cost O(nodes)).
-        wake = set(self._holding)
-        for exp in self.exps.values():
-            if exp.active:
-                wake.update(r.node_id for r in exp.roles)
-        for node_id in wake:
-            if (event := self._assignment_events.pop(node_id, None)) is not None:
-                event.set()
-
-    def assignment_event(self, node_id: str) -> asyncio.Event:
-        """Set at the next change that may touch `node_id`'s assignments: take it before reading them."""
-        return self._assignment_events.setdefault(node_id, asyncio.Event())
-
-    def assignments_sent(self, node_id: str, held: bool) -> None:
-        """`node_id`'s stream sent a set of assignments: some roles (`held`) or none."""
-        if held:
-            self._holding.add(node_id)
-        else:
-            self._holding.discard(node_id)
 
     # --- membership ------------------------------------------------------------------------
     async def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
@@ -136,6 +115,7 @@ class Coordinator:
         if node is None or not node.alive:
             return False
         node.last_seen = time.time()
+        self.beat_rate.beat()
         return True
 
     async def leave(self, node_id: str, reason: str) -> None:
@@ -147,20 +127,35 @@ class Coordinator:
         await self._remove_node(node, pb.NODE_STATE_LEFT, f"left: {reason or 'no reason given'}")
 
     def stream_opened(self, node_id: str) -> None:
+        self.streams.opened(node_id)
         node = self.nodes.get(node_id)
         if node is not None:
             node.stream_lost_at = 0.0
 
     def stream_closed(self, node_id: str) -> None:
+        self.streams.closed(node_id)
         node = self.nodes.get(node_id)
         if node is not None and node.alive:
             node.stream_lost_at = time.time()
 
     async def reap_leases(self) -> None:
-        """Declare nodes lost whose lease expired or whose stream dropped with no heartbeat since."""
+        """Declare nodes lost whose lease expired or whose stream dropped with no heartbeat since.
+
+        While the coordinator serves fewer heartbeats than the nodes it heard from lately send
+        (`BeatRate.behind`: it is starved or backlogged), a lease does not expire for a node
+        whose assignment stream is still open: the silence is the coordinator's own.
+        """
         now = time.time()
+        lease = self.config.lease_timeout_s
+        recent = sum(1 for n in self.nodes.values() if n.alive and now - n.last_seen <= lease)
+        behind = self.beat_rate.behind(now, recent)
+        if behind != self._behind:
+            self._behind = behind
+            log.warning("coordinator %s", "behind its heartbeats: leases of nodes with an open stream held"
+                        if behind else "caught up with its heartbeats: leases expire again")
         for node in list(self.nodes.values()):
-            verdict = failover.lease_verdict(node, now=now, lease_timeout_s=self.config.lease_timeout_s,
+            held = behind and self.streams.is_open(node.id)
+            verdict = failover.lease_verdict(node, now=now, lease_timeout_s=math.inf if held else lease,
                                              heartbeat_interval_s=self.config.heartbeat_interval_s)
             if verdict is not None:
                 why, silent = verdict

@@ -54,13 +54,13 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         self.c.stream_opened(request.node_id)
         try:
             while True:
-                changed = self.c.assignment_event(request.node_id)  # before reading: no change slips by
+                changed = self.c.streams.event(request.node_id)  # before reading: no change slips by
                 assignments = self.c.assignments_for(request.node_id)
                 blob = b"".join(a.SerializeToString(deterministic=True) for a in assignments)
                 if blob != last:
                     last = blob
                     yield pb.AssignmentSet(serial=time.time_ns(), assignments=assignments)
-                    self.c.assignments_sent(request.node_id, bool(assignments))
+                    self.c.streams.sent(request.node_id, bool(assignments))
                 await wait_event(changed, timeout=15.0)
         finally:  # the node's connection is gone (or it reconnects): evidence for the reaper
             self.c.stream_closed(request.node_id)

@@ -1,0 +1,59 @@
+"""The coordinator never blames nodes for its own backlog: leases of nodes with an open stream hold while it is behind."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from gossamer.coordinator.beat_rate import BeatRate
+from gossamer.coordinator.config import CoordinatorConfig
+from gossamer.coordinator.core import Coordinator
+from gossamer.v1 import coordinator_pb2 as pb
+
+
+def test_beat_rate_is_behind_only_when_it_serves_less_than_the_share_due() -> None:
+    rate = BeatRate(interval_s=1.0, window_s=10.0)
+    assert not rate.behind(0.0, 100)
+    rate.served += 250  # 100 nodes for 3 s: 300 due
+    assert not rate.behind(3.0, 100)
+    rate.served += 100  # 350 of 600 due by t=6
+    assert rate.behind(6.0, 100)
+
+
+def test_beat_rate_needs_two_intervals_before_judging() -> None:
+    rate = BeatRate(interval_s=1.0, window_s=10.0)
+    rate.behind(0.0, 100)
+    assert not rate.behind(1.5, 100)
+
+
+def _silent_pair(tmp_path: Path, served: int) -> tuple[pb.NodeState.ValueType, pb.NodeState.ValueType]:
+    async def go() -> tuple[pb.NodeState.ValueType, pb.NodeState.ValueType]:
+        c = Coordinator(CoordinatorConfig(state_dir=str(tmp_path), check_imports=False, heartbeat_interval_s=0.5,
+                                          lease_timeout_s=2.0))
+        ids = [(await c.join(pb.JoinRequest(name=f"n{i}", address="127.0.0.1"))).node_id for i in range(10)]
+        now = time.time()
+        c.beat_rate.behind(now - 2.0, 10)  # the window opens 2 s ago
+        c.beat_rate.served += served
+        with_stream, without = ids[0], ids[1]
+        c.stream_opened(with_stream)
+        for node_id in (with_stream, without):
+            c.nodes[node_id].last_seen = now - 3.0  # silent past the 2 s lease
+        await c.reap_leases()
+        states = c.nodes[with_stream].state, c.nodes[without].state
+        c.store.close()
+        return states
+
+    return asyncio.run(go())
+
+
+def test_while_behind_a_node_with_an_open_stream_keeps_its_lease_and_one_without_is_lost(tmp_path: Path) -> None:
+    with_stream, without = _silent_pair(tmp_path, served=5)  # 32 due from the 8 nodes heard lately
+    assert with_stream != pb.NODE_STATE_LOST
+    assert without == pb.NODE_STATE_LOST
+
+
+def test_when_keeping_up_an_expired_lease_is_lost_even_with_an_open_stream(tmp_path: Path) -> None:
+    with_stream, without = _silent_pair(tmp_path, served=40)
+    assert with_stream == pb.NODE_STATE_LOST
+    assert without == pb.NODE_STATE_LOST

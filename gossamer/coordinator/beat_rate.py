@@ -26,7 +26,11 @@ class BeatRate:
         self.served += 1
 
     def behind(self, now: float, alive: int) -> bool:
-        """Whether, over the last window, fewer heartbeats were served than `min_share` of those due."""
+        """Whether, over the last window, fewer heartbeats were served than `min_share` of those due from `alive` nodes.
+
+        `alive` counts the nodes whose connection is open: counting those heard from lately
+        instead let a starved coordinator call itself caught up once enough nodes had fallen silent.
+        """
         self._samples.append((now, self.served, alive))
         while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
             self._samples.popleft()

@@ -141,14 +141,15 @@ class Coordinator:
     async def reap_leases(self) -> None:
         """Declare nodes lost whose lease expired or whose stream dropped with no heartbeat since.
 
-        While the coordinator serves fewer heartbeats than the nodes it heard from lately send
-        (`BeatRate.behind`: it is starved or backlogged), a lease does not expire for a node
-        whose assignment stream is still open: the silence is the coordinator's own.
+        While the coordinator serves fewer heartbeats than the nodes with an open assignment
+        stream send (`BeatRate.behind`: it is starved or backlogged), a lease does not expire
+        for a node whose stream is open: the silence is the coordinator's own. A node cut off
+        without its connection closing is caught once the server's keepalive closes it.
         """
         now = time.time()
         lease = self.config.lease_timeout_s
-        recent = sum(1 for n in self.nodes.values() if n.alive and now - n.last_seen <= lease)
-        behind = self.beat_rate.behind(now, recent)
+        connected = sum(1 for n in self.nodes.values() if n.alive and self.streams.is_open(n.id))
+        behind = self.beat_rate.behind(now, connected)
         if behind != self._behind:
             self._behind = behind
             log.warning("coordinator %s", "behind its heartbeats: leases of nodes with an open stream held"

@@ -201,7 +201,11 @@ class CoordinatorServer:
         assert self.coord is not None
         server = grpc.aio.server(
             interceptors=[*server_interceptors(self.config), self.malformed, ErrorStatusInterceptor()],
-            options=[("grpc.max_receive_message_length", self.config.max_message_bytes), ("grpc.so_reuseport", 0)],
+            options=[("grpc.max_receive_message_length", self.config.max_message_bytes), ("grpc.so_reuseport", 0),
+                     # A node cut off without its connection closing (a partition, a machine gone)
+                     # has its streams closed within about 30 s: evidence for the reaper when its
+                     # lease is held because the coordinator is behind (Coordinator.reap_leases).
+                     ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)],
         )
         pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(self.coord), server)
         pb_grpc.add_ExperimentServiceServicer_to_server(ExperimentServicer(self.coord), server)

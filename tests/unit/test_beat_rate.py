@@ -36,7 +36,9 @@ def _silent_pair(tmp_path: Path, served: int) -> tuple[pb.NodeState.ValueType, p
         c.beat_rate.behind(now - 2.0, 10)  # the window opens 2 s ago
         c.beat_rate.served += served
         with_stream, without = ids[0], ids[1]
-        c.stream_opened(with_stream)
+        for node_id in ids:
+            if node_id != without:
+                c.stream_opened(node_id)
         for node_id in (with_stream, without):
             c.nodes[node_id].last_seen = now - 3.0  # silent past the 2 s lease
         await c.reap_leases()
@@ -48,7 +50,7 @@ def _silent_pair(tmp_path: Path, served: int) -> tuple[pb.NodeState.ValueType, p
 
 
 def test_while_behind_a_node_with_an_open_stream_keeps_its_lease_and_one_without_is_lost(tmp_path: Path) -> None:
-    with_stream, without = _silent_pair(tmp_path, served=5)  # 32 due from the 8 nodes heard lately
+    with_stream, without = _silent_pair(tmp_path, served=5)  # 36 due from the 9 nodes with an open stream
     assert with_stream != pb.NODE_STATE_LOST
     assert without == pb.NODE_STATE_LOST
 

@@ -74,6 +74,8 @@ class Loader:
         return self.stubs[k], self.estubs[k]
 
     def _error(self, e: grpc.RpcError) -> None:
+        if self.stopping:  # the loader's own teardown cancels every call: not the coordinator's doing
+            return
         name = e.code().name if isinstance(e, grpc.aio.AioRpcError) else type(e).__name__
         self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
 

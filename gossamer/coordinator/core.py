@@ -138,25 +138,26 @@ class Coordinator:
         if node is not None and node.alive:
             node.stream_lost_at = time.time()
 
-    async def reap_leases(self) -> None:
+    async def reap_leases(self, lag_s: float = 0.0) -> None:
         """Declare nodes lost whose lease expired or whose stream dropped with no heartbeat since.
 
         While the coordinator serves fewer heartbeats than the nodes with an open assignment
-        stream send (`BeatRate.behind`: it is starved or backlogged), a lease does not expire
-        for a node whose stream is open: the silence is the coordinator's own. A node cut off
-        without its connection closing is caught once the server's keepalive closes it.
+        stream send and its loop runs late (`BeatRate.behind`, `lag_s`: how late this tick
+        is: it is starved or backlogged), no lease expires: the
+        silence is the coordinator's own (a node that joined in a storm may not have its stream
+        yet). A closed stream still counts at once, and a node cut off without its connection
+        closing is caught once the server's keepalive closes it, which also ends `behind`.
         """
         now = time.time()
         lease = self.config.lease_timeout_s
         connected = sum(1 for n in self.nodes.values() if n.alive and self.streams.is_open(n.id))
-        behind = self.beat_rate.behind(now, connected)
+        behind = self.beat_rate.behind(now, connected, lag_s)
         if behind != self._behind:
             self._behind = behind
-            log.warning("coordinator %s", "behind its heartbeats: leases of nodes with an open stream held"
+            log.warning("coordinator %s", "behind its heartbeats: leases held"
                         if behind else "caught up with its heartbeats: leases expire again")
         for node in list(self.nodes.values()):
-            held = behind and self.streams.is_open(node.id)
-            verdict = failover.lease_verdict(node, now=now, lease_timeout_s=math.inf if held else lease,
+            verdict = failover.lease_verdict(node, now=now, lease_timeout_s=math.inf if behind else lease,
                                              heartbeat_interval_s=self.config.heartbeat_interval_s)
             if verdict is not None:
                 why, silent = verdict

@@ -253,10 +253,12 @@ class CoordinatorServer:
 
     async def _reap(self) -> None:
         assert self.coord is not None
+        tick = min(0.5, self.config.heartbeat_interval_s)
         while True:
-            await asyncio.sleep(min(0.5, self.config.heartbeat_interval_s))
+            due = time.monotonic() + tick
+            await asyncio.sleep(tick)
             try:
-                await self.coord.reap_leases()
+                await self.coord.reap_leases(lag_s=time.monotonic() - due)
                 await self.coord.check_deadlines()
             except Exception:  # noqa: BLE001 — the reaper must survive anything
                 log.exception("lease reaper")

@@ -141,12 +141,9 @@ class Coordinator:
     async def reap_leases(self, lag_s: float = 0.0) -> None:
         """Declare nodes lost whose lease expired or whose stream dropped with no heartbeat since.
 
-        While the coordinator serves fewer heartbeats than the nodes with an open assignment
-        stream send and its loop runs late (`BeatRate.behind`, `lag_s`: how late this tick
-        is: it is starved or backlogged), no lease expires: the
-        silence is the coordinator's own (a node that joined in a storm may not have its stream
-        yet). A closed stream still counts at once, and a node cut off without its connection
-        closing is caught once the server's keepalive closes it, which also ends `behind`.
+        While the coordinator is starved or backlogged (`BeatRate.behind`; `lag_s`: how late
+        this tick is), no lease expires: the silence is its own. A closed stream still counts at
+        once; a node cut off without its connection closing is caught once keepalive closes it.
         """
         now = time.time()
         lease = self.config.lease_timeout_s

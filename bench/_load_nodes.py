@@ -76,7 +76,7 @@ class Loader:
     def _error(self, e: grpc.RpcError) -> None:
         if self.stopping:  # the loader's own teardown cancels every call: not the coordinator's doing
             return
-        name = e.code().name if isinstance(e, grpc.aio.AioRpcError) else type(e).__name__
+        name = f"{e.code().name} ({(e.details() or '')[:40]})" if isinstance(e, grpc.aio.AioRpcError) else type(e).__name__
         self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
 
     async def run(self) -> LoaderStats:

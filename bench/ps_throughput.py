@@ -50,7 +50,7 @@ def _shard_proc(plan_dict: dict, shard: int, q, stop) -> None:
     srv.close()
 
 
-def bench_ps(numel: int, shards: int, iters: int) -> float:
+def bench_ps(numel: int, shards: int, iters: int, start_timeout_s: float = 60.0) -> float:
     plan = ShardPlan.build([("flat", numel)], shards, -(-numel // 16))
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
@@ -59,8 +59,8 @@ def bench_ps(numel: int, shards: int, iters: int) -> float:
     ]
     for p in procs:
         p.start()
-    endpoints = dict(q.get(timeout=60) for _ in procs)
     try:
+        endpoints = dict(q.get(timeout=start_timeout_s) for _ in procs)
         client = ShardClient(
             experiment="bench",
             sender="bench",

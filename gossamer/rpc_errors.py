@@ -55,6 +55,8 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, prefix: str = "/gossamer.") -> None:
         self.prefix = prefix
+        # method -> (the handler it was given, the wrapped one): wrapped once, not at every call
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -65,7 +67,12 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or not method.startswith(self.prefix):
             return handler
-        return replace_behavior(handler, lambda inner, gen: (_guard_stream if gen else _guard_call)(inner, method))
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = replace_behavior(handler, lambda inner, gen: (_guard_stream if gen else _guard_call)(inner, method))
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
 
 def replace_behavior(handler: grpc.RpcMethodHandler,

@@ -28,6 +28,9 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         self.refused = 0
         self._log_every_s = log_every_s
         self._logged = 0.0
+        # method -> (the handler it was given, the wrapped one): the same handler is wrapped once,
+        # not at every call (a heartbeat per node per second made the wrapping a cost of its own).
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -37,8 +40,16 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
-        parse = handler.request_deserializer
         method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler, method)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        parse = handler.request_deserializer
 
         def tolerant(raw: bytes) -> Any:
             try:

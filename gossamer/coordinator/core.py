@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Protocol
 
 from gossamer.coordinator import failover, placement, views
+from gossamer.coordinator.beat_rate import BeatRate
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.import_checks import ImportChecker
 from gossamer.coordinator.records import ExpRec, NodeRec, RoleRec
 from gossamer.coordinator.store import Store
 from gossamer.coordinator.stragglers import StepRates, worker_speeds
+from gossamer.coordinator.streams import AssignmentStreams
 from gossamer.errors import ConfigError, NotFoundError
 from gossamer.experiment import Experiment
 from gossamer.protocol import RESTORE_SEEDING
@@ -56,6 +58,9 @@ class Coordinator:
             e.progress_unix = now  # the time the coordinator was down is not the run's to account for
         self._seq = max((e.seq for e in exps), default=0)
         self._changed = asyncio.Event()  # replaced by a fresh one at every change
+        self.streams = AssignmentStreams()
+        self.beat_rate = BeatRate(interval_s=config.heartbeat_interval_s, window_s=config.lease_timeout_s)
+        self._behind = False
         self.import_checker = ImportChecker(config.import_check_concurrency)
         self.curve = config.data_plane_curve
         if self.curve:
@@ -72,15 +77,14 @@ class Coordinator:
     # An Event swapped at each change, not a Condition: on Python 3.11 a Condition.wait()
     # cancelled by wait_for at shutdown can leave its lock released, and `async with` then
     # raised "Lock is not acquired" in every stream handler, so SIGTERM did not end the process.
-    async def _notify(self) -> None:
+    async def _notify(self, *, assignments: bool = True) -> None:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+        if assignments:
+            self.streams.wake(r.node_id for exp in self.exps.values() if exp.active for r in exp.roles)
 
     async def wait_change(self, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+        await wait_event(self._changed, timeout)
 
     # --- membership ------------------------------------------------------------------------
     async def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
@@ -112,6 +116,7 @@ class Coordinator:
         if node is None or not node.alive:
             return False
         node.last_seen = time.time()
+        self.beat_rate.beat()
         return True
 
     async def leave(self, node_id: str, reason: str) -> None:
@@ -122,21 +127,30 @@ class Coordinator:
             return
         await self._remove_node(node, pb.NODE_STATE_LEFT, f"left: {reason or 'no reason given'}")
 
-    def stream_opened(self, node_id: str) -> None:
+    def stream_changed(self, node_id: str, *, is_open: bool) -> None:
+        """A node's assignment stream opened or closed (a closed one is evidence for the reaper)."""
+        (self.streams.opened if is_open else self.streams.closed)(node_id)
         node = self.nodes.get(node_id)
-        if node is not None:
-            node.stream_lost_at = 0.0
+        if node is not None and (is_open or node.alive):
+            node.stream_lost_at = 0.0 if is_open else time.time()
 
-    def stream_closed(self, node_id: str) -> None:
-        node = self.nodes.get(node_id)
-        if node is not None and node.alive:
-            node.stream_lost_at = time.time()
+    async def reap_leases(self, lag_s: float = 0.0) -> None:
+        """Declare nodes lost whose lease expired or whose stream dropped with no heartbeat since.
 
-    async def reap_leases(self) -> None:
-        """Declare nodes lost whose lease expired or whose stream dropped with no heartbeat since."""
+        While the coordinator is starved or backlogged (`BeatRate.behind`; `lag_s`: how late
+        this tick is), no lease expires: the silence is its own. A closed stream still counts at
+        once; a node cut off without its connection closing is caught once keepalive closes it.
+        """
         now = time.time()
+        lease = self.config.lease_timeout_s
+        connected = sum(1 for n in self.nodes.values() if n.alive and self.streams.is_open(n.id))
+        behind = self.beat_rate.behind(now, connected, lag_s)
+        if behind != self._behind:
+            self._behind = behind
+            log.warning("coordinator %s", "behind its heartbeats: leases held"
+                        if behind else "caught up with its heartbeats: leases expire again")
         for node in list(self.nodes.values()):
-            verdict = failover.lease_verdict(node, now=now, lease_timeout_s=self.config.lease_timeout_s,
+            verdict = failover.lease_verdict(node, now=now, lease_timeout_s=math.inf if behind else lease,
                                              heartbeat_interval_s=self.config.heartbeat_interval_s)
             if verdict is not None:
                 why, silent = verdict
@@ -275,10 +289,12 @@ class Coordinator:
     async def reconcile(self) -> None:
         """Start queued experiments and grow running async ones with free nodes."""
         head = ""  # the first queued experiment that could not start: later ones wait behind it (FIFO)
+        free: list[NodeRec] | None = None  # listed once, again only after an experiment took nodes
         for exp in sorted(self.exps.values(), key=lambda e: e.seq):
             if not exp.active:
                 continue
-            free = placement.free_nodes(self.nodes.values())
+            if free is None:
+                free = placement.free_nodes(self.nodes.values())
             if exp.state == pb.EXPERIMENT_STATE_QUEUED:
                 plan = None if head else placement.place_experiment(free, exp.spec, exp.mode)
                 if plan is None:
@@ -290,6 +306,7 @@ class Coordinator:
             # Behind a queued head a running experiment takes no free node (FIFO), as before.
             elif exp.state != pb.EXPERIMENT_STATE_RUNNING or not await self._resume(exp, [] if head else free):
                 continue
+            free = None
             await self.store.save_experiment(exp)
             for r in exp.roles:
                 await self.store.save_node(self.nodes[r.node_id])
@@ -587,7 +604,7 @@ class Coordinator:
         if rows:
             await self.store.add_metrics(exp.id, rows)
             await self.store.save_experiment(exp)
-            await self._notify()
+            await self._notify(assignments=False)  # metrics never change a node's assignments
         return exp.active
 
     async def _note_discards(self, exp: ExpRec, source: str, old: dict[str, float], new: dict[str, float]) -> None:
@@ -619,6 +636,14 @@ class Coordinator:
             "checkpoint", f"{info.kind} checkpoint at step {info.step}: {info.path}",
             experiment_id=info.experiment_id,
         )
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> None:
+    """Wait for `event` at most `timeout` seconds."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except asyncio.TimeoutError:
+        pass
 
 
 def _curve_key(req: pb.JoinRequest, curve: bool) -> str:

@@ -37,7 +37,7 @@ def place(
     if len(free) < num_servers + min_workers:
         return None
     by_pref = sorted(free, key=_server_preference)
-    servers = by_pref[:num_servers]
+    servers = spread_servers(by_pref, num_servers)
     chosen = {n.id for n in servers}
     # Spot nodes train first: an on-demand node left over can hold a shard's backup.
     rest = sorted((n for n in free if n.id not in chosen), key=lambda n: (not n.spot, n.joined_unix, n.id))
@@ -103,28 +103,67 @@ def grow(free: list[NodeRec], *, current_workers: int, max_workers: int) -> list
     return sorted(free, key=lambda n: (n.joined_unix, n.id))[:room]
 
 
-def replica_host(
-    *, avoid: set[str], servers: list[NodeRec], free: list[NodeRec], workers: list[NodeRec]
-) -> NodeRec | None:
-    """Where a shard replica goes: another server node, else a free node, else a worker node.
+#: Node labels naming failure domains, widest first: a shard's replicas avoid sharing any of them.
+FAILURE_DOMAINS = ("zone", "rack")
 
-    On-demand, long-lived nodes first within each group; never a node in `avoid` (the
-    nodes already holding a replica of that shard), so the two replicas never share a fate.
+
+def shared_domains(node: NodeRec, others: Iterable[NodeRec]) -> tuple[bool, ...]:
+    """For each of FAILURE_DOMAINS: whether `node` shares it with one of `others` (an unlabelled node shares none)."""
+    return tuple(
+        bool(node.labels.get(key)) and any(o.labels.get(key) == node.labels[key] for o in others)
+        for key in FAILURE_DOMAINS
+    )
+
+
+def replica_host(
+    *, avoid: set[str], servers: list[NodeRec], free: list[NodeRec], workers: list[NodeRec],
+    replicas: Sequence[NodeRec] = (),
+) -> NodeRec | None:
+    """Where a shard replica goes, given the nodes holding its other `replicas`.
+
+    Never a node in `avoid` (the nodes already holding a replica of that shard). Failure
+    domains first: a node in another zone than every replica whenever one has room, then
+    another rack; within that, another server node, else a free node, else a worker node;
+    on-demand, long-lived nodes first within each group.
     """
-    for group in (servers, free, workers):
-        candidates = [n for n in group if n.id not in avoid and n.alive]
-        if candidates:
-            return sorted(candidates, key=_server_preference)[0]
-    return None
+    best: tuple[tuple[bool, ...], int, tuple[bool, float, str]] | None = None
+    chosen: NodeRec | None = None
+    for rank, group in enumerate((servers, free, workers)):
+        for n in group:
+            if n.id in avoid or not n.alive:
+                continue
+            key = (shared_domains(n, replicas), rank, _server_preference(n))
+            if best is None or key < best:
+                best, chosen = key, n
+    return chosen
+
+
+def spread_servers(by_pref: list[NodeRec], count: int) -> list[NodeRec]:
+    """`count` shard hosts from `by_pref` (best first): on-demand before spot as before, and within each, zones
+    taken in turn so that the loss of one zone takes as few primaries as it can."""
+    out: list[NodeRec] = []
+    for spot in (False, True):
+        zones: dict[str, list[NodeRec]] = {}
+        for n in by_pref:
+            if n.spot == spot:
+                zones.setdefault(n.labels.get(FAILURE_DOMAINS[0], ""), []).append(n)
+        queues = list(zones.values())
+        while len(out) < count and any(queues):
+            for q in queues:
+                if q and len(out) < count:
+                    out.append(q.pop(0))
+    return out
 
 
 def shard_host(roles: Sequence[RoleRec], index: int, nodes: Mapping[str, NodeRec],
                free: list[NodeRec]) -> NodeRec | None:
     """The node for a new replica of shard `index` of an experiment with `roles` (`replica_host`)."""
-    avoid = {r.node_id for r in roles if r.role == pb.ROLE_PARAMETER_SERVER and r.index == index}
+    mine = [r for r in roles if r.role == pb.ROLE_PARAMETER_SERVER and r.index == index]
+    avoid = {r.node_id for r in mine}
     servers = [nodes[r.node_id] for r in roles if r.role == pb.ROLE_PARAMETER_SERVER and r.node_id in nodes]
     workers = [nodes[r.node_id] for r in roles if r.role == pb.ROLE_WORKER and r.node_id in nodes]
-    return replica_host(avoid=avoid, servers=servers, free=free, workers=workers)
+    replicas = [nodes[r.node_id] for r in mine if r.node_id in nodes]
+    return replica_host(avoid=avoid, servers=servers, free=free, workers=workers, replicas=replicas)
 
 
 def lead_node(roles: Sequence[RoleRec]) -> str:

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gossamer.coordinator import views
 from gossamer.coordinator._malformed import MalformedRequestInterceptor
 from gossamer.coordinator.config import CoordinatorConfig
-from gossamer.coordinator.core import Coordinator
+from gossamer.coordinator.core import Coordinator, wait_event
 from gossamer.coordinator.election import Election
 from gossamer.coordinator.http import HttpConfig, StatusHttp
 from gossamer.coordinator.leader_gate import LeaderGate
@@ -60,17 +60,19 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         if request.node_id not in self.c.nodes:
             raise NotFoundError(f"node {request.node_id} is not known; join first")
         last: bytes | None = None
-        self.c.stream_opened(request.node_id)
+        self.c.stream_changed(request.node_id, is_open=True)
         try:
             while True:
+                changed = self.c.streams.event(request.node_id)  # before reading: no change slips by
                 assignments = self.c.assignments_for(request.node_id)
                 blob = b"".join(a.SerializeToString(deterministic=True) for a in assignments)
                 if blob != last:
                     last = blob
                     yield pb.AssignmentSet(serial=time.time_ns(), assignments=assignments)
-                await self.c.wait_change(timeout=5.0)
+                    self.c.streams.sent(request.node_id, bool(assignments))
+                await wait_event(changed, timeout=15.0)
         finally:  # the node's connection is gone (or it reconnects): evidence for the reaper
-            self.c.stream_closed(request.node_id)
+            self.c.stream_changed(request.node_id, is_open=False)
 
     async def ReportRole(self, request, context):  # type: ignore[no-untyped-def]
         await self.c.report_role(request)
@@ -280,7 +282,11 @@ class CoordinatorServer:
         """Build, bind and start the gRPC server on `port` (0: a free one); returns the bound port."""
         server = grpc.aio.server(
             interceptors=[*server_interceptors(self.config), self.malformed, LeaderGate(self), ErrorStatusInterceptor()],
-            options=[("grpc.max_receive_message_length", self.config.max_message_bytes), ("grpc.so_reuseport", 0)],
+            options=[("grpc.max_receive_message_length", self.config.max_message_bytes), ("grpc.so_reuseport", 0),
+                     # A node cut off without its connection closing (a partition, a machine gone)
+                     # has its streams closed within about 30 s: evidence for the reaper when its
+                     # lease is held because the coordinator is behind (Coordinator.reap_leases).
+                     ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)],
         )
         pb_grpc.add_NodeServiceServicer_to_server(NodeServicer(self), server)
         pb_grpc.add_ExperimentServiceServicer_to_server(ExperimentServicer(self), server)
@@ -328,10 +334,12 @@ class CoordinatorServer:
 
     async def _reap(self) -> None:
         assert self.coord is not None
+        tick = min(0.5, self.config.heartbeat_interval_s)
         while True:
-            await asyncio.sleep(min(0.5, self.config.heartbeat_interval_s))
+            due = time.monotonic() + tick
+            await asyncio.sleep(tick)
             try:
-                await self.coord.reap_leases()
+                await self.coord.reap_leases(lag_s=time.monotonic() - due)
                 await self.coord.check_deadlines()
             except Exception:  # noqa: BLE001 — the reaper must survive anything
                 log.exception("lease reaper")

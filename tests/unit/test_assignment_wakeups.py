@@ -1,0 +1,68 @@
+"""Which nodes' assignment streams a coordinator change wakes: only those whose assignments can have changed."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from gossamer.coordinator.config import CoordinatorConfig
+from gossamer.coordinator.core import Coordinator
+from gossamer.v1 import coordinator_pb2 as pb
+from tests._fixtures import experiment
+
+
+def _coordinator(tmp_path: Path) -> Coordinator:
+    return Coordinator(CoordinatorConfig(state_dir=str(tmp_path), check_imports=False))
+
+
+async def _join(c: Coordinator, name: str) -> str:
+    return (await c.join(pb.JoinRequest(name=name, address="127.0.0.1"))).node_id
+
+
+def test_a_join_wakes_no_idle_nodes_stream(tmp_path: Path) -> None:
+    async def go() -> None:
+        c = _coordinator(tmp_path)
+        idle = [await _join(c, f"n{i}") for i in range(3)]
+        events = [c.streams.event(n) for n in idle]
+        await _join(c, "newcomer")
+        assert not any(e.is_set() for e in events)
+        c.store.close()
+
+    asyncio.run(go())
+
+
+def test_nodes_given_roles_are_woken_and_metrics_wake_none(tmp_path: Path) -> None:
+    async def go() -> None:
+        c = _coordinator(tmp_path)
+        nodes = [await _join(c, f"n{i}") for i in range(3)]
+        events = {n: c.streams.event(n) for n in nodes}
+        exp_id = await c.submit(experiment(mode="async", num_ps_shards=1, min_workers=1, max_workers=1).to_json())
+        bound = {r.node_id for r in c.exps[exp_id].roles}
+        assert bound and all(events[n].is_set() for n in bound)
+        for n in bound:
+            c.streams.sent(n, bool(c.assignments_for(n)))
+        again = {n: c.streams.event(n) for n in nodes}
+        point = pb.MetricPoint(time_unix=1.0, step=1, source="w/0", values={"loss": 1.0})
+        await c.report_metrics(pb.ReportMetricsRequest(experiment_id=exp_id, points=[point]))
+        assert not any(e.is_set() for e in again.values())
+        c.store.close()
+
+    asyncio.run(go())
+
+
+def test_a_node_that_held_roles_is_woken_when_its_experiment_ends(tmp_path: Path) -> None:
+    async def go() -> None:
+        c = _coordinator(tmp_path)
+        nodes = [await _join(c, f"n{i}") for i in range(3)]
+        exp_id = await c.submit(experiment(mode="async", num_ps_shards=1, min_workers=1, max_workers=1).to_json())
+        holders = [n for n in nodes if c.assignments_for(n)]
+        assert holders
+        for n in nodes:
+            c.streams.sent(n, bool(c.assignments_for(n)))
+        events = {n: c.streams.event(n) for n in holders}
+        await c.cancel(exp_id)
+        assert all(e.is_set() for e in events.values())
+        assert all(c.assignments_for(n) == [] for n in holders)
+        c.store.close()
+
+    asyncio.run(go())

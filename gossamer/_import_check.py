@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+from multiprocessing.connection import Connection
 
 
 def resolve(path: str) -> object:
@@ -17,16 +19,32 @@ def resolve(path: str) -> object:
     return obj
 
 
-def main(argv: list[str]) -> int:
-    """Arguments are FIELD=PATH pairs (or bare model and dataset paths); prints "ok" or the first failure."""
+def verdict(argv: list[str]) -> str:
+    """Arguments are FIELD=PATH pairs (or bare model and dataset paths); "ok" or the first failure."""
     pairs = [a.partition("=")[::2] if "=" in a else (f, a) for f, a in zip(("model", "dataset", *argv), argv, strict=False)]
     for field, path in pairs:
         try:
             resolve(path)
         except Exception as e:  # noqa: BLE001 — any failure is the verdict
-            print(f"{field}: cannot import {path!r}: {type(e).__name__}: {e}")
-            return 0
-    print("ok")
+            return f"{field}: cannot import {path!r}: {type(e).__name__}: {e}"
+    return "ok"
+
+
+def send_verdict(argv: list[str], conn: Connection, env: dict[str, str]) -> None:
+    """`verdict` sent through `conn`: the target of a check forked from a warm interpreter.
+
+    `env` is the coordinator's environment now; its PYTHONPATH goes first on sys.path, as in
+    the fresh interpreter this stands in for.
+    """
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    conn.send(verdict(argv))
+
+
+def main(argv: list[str]) -> int:
+    """Prints the verdict (the coordinator reads stdout)."""
+    print(verdict(argv))
     return 0
 
 

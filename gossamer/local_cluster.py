@@ -91,7 +91,7 @@ class LocalCluster:
         finally:
             log.close()
         # Its own process group (its PID is the group's id), in this session: a shared zygote
-        # (gossamer.worker.zygote) started here may place the node's role server in that group.
+        # (gossamer.zygote) started here may place the node's role server in that group.
         self._started.append(proc)
         return proc
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from gossamer import zygote
 from gossamer.experiment import Experiment
 from gossamer.local_cluster import LocalCluster
-from gossamer.worker import zygote
 from gossamer.worker.warm import start_shared
 from tests._fixtures import (
     CLUSTER_DEFAULTS,

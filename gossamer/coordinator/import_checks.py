@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
+import os
 import sys
 import time
 
+from gossamer import zygote
+from gossamer._import_check import send_verdict
 from gossamer.errors import ConfigError, UnavailableError
 from gossamer.experiment import Experiment
 
@@ -61,21 +65,16 @@ class ImportChecker:
         await asyncio.shield(pending)
 
     async def _run(self, key: Key) -> None:
+        args = [f"{field}={path}" for field, path in key]
         async with self._slots:
             self.spawned += 1
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gossamer._import_check", *(f"{field}={path}" for field, path in key),
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-            )
-            try:
-                out, _ = await asyncio.wait_for(proc.communicate(), timeout=TIMEOUT_S)
-            except asyncio.TimeoutError:
-                proc.kill()
-                await proc.wait()
-                self._fail(key, ConfigError(key[0][0], f"importing {key[0][1]!r} and the rest took over "
-                                                       f"{TIMEOUT_S:.0f} s"))
-                return
-        verdict = out.decode().strip()
+            if _warm():
+                verdict = await asyncio.get_running_loop().run_in_executor(None, _warm_verdict, args)
+            else:
+                verdict = await _cold_verdict(args)
+        if verdict is None:
+            self._fail(key, ConfigError(key[0][0], f"importing {key[0][1]!r} and the rest took over {TIMEOUT_S:.0f} s"))
+            return
         if verdict == "ok":
             self._ok.add(key)
             return
@@ -89,3 +88,49 @@ class ImportChecker:
             for k in sorted(self._failed, key=lambda k: self._failed[k][0])[:512]:
                 del self._failed[k]
         raise error
+
+
+async def _cold_verdict(args: list[str]) -> str | None:
+    """The verdict of a fresh interpreter (None: it took over TIMEOUT_S and was killed)."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gossamer._import_check", *args,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=TIMEOUT_S)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return None
+    return out.decode().strip()
+
+
+_adopted: bool | None = None
+
+
+def _warm() -> bool:
+    """Whether checks fork from this host's zygote (`gossamer.zygote`; torch already imported there)."""
+    global _adopted
+    if _adopted is None:
+        path = os.environ.get(zygote.ENV)
+        _adopted = zygote.adopt(path) if path else False
+    return _adopted
+
+
+def _warm_verdict(args: list[str]) -> str | None:
+    """The verdict of a process forked from the zygote; blocks (run it in an executor)."""
+    ctx = mp.get_context("forkserver")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=send_verdict, args=(args, send, dict(os.environ)), name="gossamer-import-check", daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if not recv.poll(TIMEOUT_S):
+            return None
+        return str(recv.recv())
+    except EOFError:
+        proc.join(5)
+        return f"{args[0].partition('=')[0]}: the import check died (exit code {proc.exitcode}) importing it"
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        recv.close()

@@ -13,8 +13,8 @@ from concurrent.futures import Future
 from multiprocessing.context import ForkServerContext, SpawnContext
 from pathlib import Path
 
+from gossamer import zygote
 from gossamer.errors import ConfigError
-from gossamer.worker import zygote
 
 __all__ = ["ROLE_MODULES", "check_preload", "role_context", "start_shared", "warm_up", "warm_up_in_background"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gossamer.worker import zygote
+from gossamer import zygote
 from gossamer.worker.warm import start_shared
 
 #: A stand-in node: warms up as an agent does, starts two roles, reports what they saw, then
@@ -136,3 +136,48 @@ def test_an_unreachable_zygote_leaves_the_node_its_own_fork_server(tmp_path: Pat
     assert proc.wait(120) == 0
     role = out["role"]
     assert isinstance(role, dict) and role["torch"] is True and out["exit"] == 0
+
+
+CHECKS = r'''
+import asyncio, json, os
+from gossamer.coordinator.import_checks import ImportChecker
+from gossamer.errors import ConfigError
+from gossamer.experiment import Experiment
+
+async def main():
+    checker, out = ImportChecker(), {}
+    for name, model in (("good", "gossamer.examples.digits:mlp"), ("bad", "no_such_module_here:model"),
+                        ("user", "user_mod:model")):
+        exp = Experiment(name=name, model=model, dataset="gossamer.examples.digits:data", total_steps=10)
+        try:
+            await checker.check(exp)
+            out[name] = "ok"
+        except ConfigError as e:
+            out[name] = f"{e.field}: {e}"
+    print(json.dumps(out))
+
+if __name__ == "__main__":  # the checks fork and load this as __mp_main__ (as the CLI's main module is)
+    asyncio.run(main())
+'''
+
+
+def test_import_checks_give_the_same_verdicts_forked_from_the_zygote_as_in_a_fresh_interpreter(
+        tmp_path: Path, shared: str) -> None:
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "user_mod.py").write_text("def model():\n    return None\n")
+    (tmp_path / "checks.py").write_text(CHECKS)
+    verdicts = {}
+    for how in ("warm", "cold"):
+        env = {k: v for k, v in os.environ.items() if k != zygote.ENV}
+        # the user's module is on PYTHONPATH only: a fresh interpreter finds it, and so must a fork
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "mods"), *sys.path])
+        if how == "warm":
+            env[zygote.ENV] = shared
+        proc = subprocess.run([sys.executable, str(tmp_path / "checks.py")], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300, process_group=0)
+        assert proc.returncode == 0, proc.stderr
+        verdicts[how] = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert ("fork server" in proc.stderr) is False, proc.stderr  # the warm run did adopt the zygote
+    assert verdicts["warm"] == verdicts["cold"]
+    assert verdicts["warm"]["good"] == "ok" and verdicts["warm"]["user"] == "ok"
+    assert verdicts["warm"]["bad"].startswith("model") and "no_such_module_here" in verdicts["warm"]["bad"]

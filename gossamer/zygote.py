@@ -161,7 +161,7 @@ def start(state_dir: Path, modules: tuple[str, ...], *, wait: bool = True,
     its imports are done (nodes asking meanwhile wait for them), once its socket exists.
     """
     path = str(Path(state_dir) / "zygote.sock")
-    code = "import sys; from gossamer.worker.zygote import serve; serve(sys.argv[1], tuple(sys.argv[2:]))"
+    code = "import sys; from gossamer.zygote import serve; serve(sys.argv[1], tuple(sys.argv[2:]))"
     args = [sys.executable, "-c", code, path, *modules]
     proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, process_group=0)
     assert proc.stdout is not None

@@ -112,10 +112,17 @@ class ServerRole:
         self._report()
 
     def _serve(self) -> None:
-        thread = threading.Thread(target=self.server.serve, args=(self.stop,), daemon=True)
+        thread = threading.Thread(target=self.server.serve, args=(self.stop,), name=f"serve-shard-{self.shard}",
+                                  daemon=True)
         thread.start()
         next_metrics = time.monotonic()
         while not self.stop.wait(0.1):
+            if not thread.is_alive():
+                # Never stay alive and heartbeating without serving: fail the process, so the
+                # coordinator fails the shard over (promotes its backup, or restores it).
+                why = self.server.serve_failure
+                raise RuntimeError(f"the serve thread of shard {self.shard} died: "
+                                   f"{type(why).__name__ if why else 'exited'}: {why}")
             update = drain(self.conn)
             if update is not None:
                 refresh_keyring(self.keyring, update)  # members and server keys: read by the ZAP thread as well

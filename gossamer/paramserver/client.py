@@ -27,7 +27,7 @@ from gossamer.protocol import (
 from gossamer.security import curve as curve_keys
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
-from gossamer.transport.router import configure_socket
+from gossamer.transport.router import RESOURCE_EXHAUSTED, configure_socket
 from gossamer.transport.throttle import TokenBucket
 
 __all__ = ["PullResult", "ShardClient"]
@@ -104,6 +104,7 @@ class ShardClient:
         self._watch: dict[int, HandshakeMonitor] = {}
         self._refused: dict[int, str] = {}  # why a shard refused our last socket (kept across retries)
         self.handshake_retries = 0
+        self.busy_retries = 0  # requests sent again after a RESOURCE_EXHAUSTED answer
         self._socks: dict[int, zmq.Socket] = {s: self._connect(s) for s in self._endpoints}
         self._rid = 0
         self.throttle = throttle
@@ -428,12 +429,16 @@ class ShardClient:
         sent_to = {s: self._socks[s] for s in waiting}
         retry_at: dict[int, float] = {}
         retried: set[int] = set()  # reconnected after a refused handshake: resend, same deadline
+        busy: dict[int, float] = {}  # answered RESOURCE_EXHAUSTED (nothing applied): send again then
         replies: dict[int, Message] = {}
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while waiting:
             if self.on_wait is not None:
                 self.on_wait()
+            for s in [s for s, at in busy.items() if time.monotonic() >= at]:
+                del busy[s]
+                self._send_one(s, waiting[s])
             for s, msg in waiting.items():
                 if self._socks[s] is not sent_to[s]:  # moved: ask the new endpoint
                     self._send_one(s, msg)
@@ -491,6 +496,10 @@ class ShardClient:
                             "dropped a stale reply from shard %d (rid %r)", s, reply.meta.get("rid")
                         )
                         continue
+                    if reply.op == "ERROR" and reply.meta.get("code") == RESOURCE_EXHAUSTED:
+                        self.busy_retries += 1  # the shard holds its most in unread replies: back off
+                        busy[s] = time.monotonic() + min(1.0, 0.02 * self.busy_retries)
+                        break
                     replies[s] = reply
                     del waiting[s]
         errors = [

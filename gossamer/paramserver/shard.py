@@ -297,6 +297,7 @@ class ShardServer:
             "replicated": rep.replicated,
             "unreplicated": rep.unreplicated,
             "backup_detaches": rep.backup_detaches,
+            "resyncs": rep.resyncs,
             "promotions": rep.promotions,
             "generation": self._updates.generation,
             "applied": dict(self._state.applied),

@@ -96,6 +96,7 @@ def experiment_status(exp: ExpRec, nodes: Mapping[str, NodeRec], rates: Mapping[
                 replica=r.replica,
                 step_rate=rates.get(r.node_id, 0.0) if r.role == pb.ROLE_WORKER else 0.0,
                 straggler=r.role == pb.ROLE_WORKER and r.node_id in slow,
+                replicated=r.role == pb.ROLE_PARAMETER_SERVER and r.replica == 0 and r.replicated,
             )
             for r in exp.roles
         ],

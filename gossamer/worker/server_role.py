@@ -22,6 +22,7 @@ from gossamer.worker._role_process import drain, keyring_of, refresh_keyring
 from gossamer.worker.model import build
 from gossamer.worker.node_metrics import MetricsFeed
 from gossamer.worker.reporter import Reporter
+from gossamer.worker.roles import EXIT_REPORTED
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class ServerRole:
             self.reporter.role(self.spec.node_id, pb.ROLE_PARAMETER_SERVER, self.shard, pb.ROLE_STATE_FAILED,
                                message=f"{type(e).__name__}: {e}", retry_s=10)
             self.reporter.close()
-            raise SystemExit(1) from None
+            raise SystemExit(EXIT_REPORTED) from None
         finally:
             if self.checkpointer is not None:
                 self.checkpointer.close()

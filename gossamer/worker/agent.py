@@ -22,10 +22,10 @@ from gossamer.security.channel import ChannelSecurity, explain_rpc_error, open_a
 from gossamer.security.curve import CurveKeyPair
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+from gossamer.worker._role_process import EXIT_REPORTED
 from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
 from gossamer.worker.launcher import Launch, visible_cuda_devices
 from gossamer.worker.node_metrics import NodeMetrics
-from gossamer.worker.roles import EXIT_REPORTED
 from gossamer.worker.warm import role_context, warm_up_in_background
 
 log = logging.getLogger(__name__)

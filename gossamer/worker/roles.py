@@ -7,12 +7,7 @@ from multiprocessing.connection import Connection
 from gossamer.protocol import RoleSpec
 from gossamer.worker._role_process import setup, stop_on_signals
 
-__all__ = ["EXIT_REPORTED", "run_server", "run_worker_rank"]
-
-#: Exit status of a role process that reported its own failure to the coordinator (with the
-#: cause): the agent does not report it again, which the coordinator would take for a failure
-#: of the role it has meanwhile put in its place on this node.
-EXIT_REPORTED = 3
+__all__ = ["run_server", "run_worker_rank"]
 
 # The node agent imports this module for the spawn targets: the roles themselves (and torch)
 # are imported in the role process only, or the agent's event loop would stall for seconds

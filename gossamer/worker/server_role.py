@@ -18,11 +18,10 @@ from gossamer.metric_families import staleness_buckets
 from gossamer.paramserver import ShardConfig, ShardPlan, ShardServer, take_shard_values
 from gossamer.protocol import AssignmentUpdate, RoleSpec
 from gossamer.v1 import coordinator_pb2 as pb
-from gossamer.worker._role_process import drain, keyring_of, refresh_keyring
+from gossamer.worker._role_process import EXIT_REPORTED, drain, keyring_of, refresh_keyring
 from gossamer.worker.model import build
 from gossamer.worker.node_metrics import MetricsFeed
 from gossamer.worker.reporter import Reporter
-from gossamer.worker.roles import EXIT_REPORTED
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits, Message, decode, frames_nbytes
 from gossamer.transport.ratelimit import RateLimit
 from gossamer.transport.router import (
+    BUDGETED_SEND_DEPTH,
     FAILED_PRECONDITION,
     INTERNAL,
     INVALID_ARGUMENT,
@@ -82,8 +83,10 @@ class ServeLoop:
 
     def bind(self, host: str, port: int) -> str:
         self._ctx = zmq.Context()
+        # Its PARAMS replies are held back by the reply budget: the send queue holds small replies.
         self.router = Router(self._ctx, name=self._name, limits=self.limits, refusal_reply=self.replies.refusal,
-                             curve=self.curve, rate_limit=self.rate_limit, refused=self.refused)
+                             curve=self.curve, rate_limit=self.rate_limit, refused=self.refused,
+                             send_depth=BUDGETED_SEND_DEPTH)
         endpoint = self.router.bind(host, port)
         self.replies.socket = self.router.socket
         self.replication.context = self._ctx

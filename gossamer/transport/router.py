@@ -29,6 +29,7 @@ __all__ = [
     "REFORM",
     "UNIMPLEMENTED",
     "UNROUTABLE",
+    "BUDGETED_SEND_DEPTH",
     "QUEUE_BYTES",
     "RESOURCE_EXHAUSTED",
     "RefusalReply",
@@ -87,18 +88,24 @@ def queue_depth(limits: FrameLimits) -> int:
     return max(4, min(64, QUEUE_BYTES // limits.max_message_bytes))
 
 
-def configure_socket(sock: zmq.Socket, limits: FrameLimits) -> None:
+#: The send queue of a ROUTER whose large replies are held back by a reply budget (a shard's
+#: `ReplyBudget`): what is left to queue are small replies, so ZMQ's default depth.
+BUDGETED_SEND_DEPTH = 1000
+
+
+def configure_socket(sock: zmq.Socket, limits: FrameLimits, *, send_depth: int | None = None) -> None:
     """The options every data-plane socket (ROUTER or DEALER) gets.
 
     Finite queues both ways (`queue_depth`): a peer that stops reading fills its queue and no
     more. A ROUTER is set ZMQ_ROUTER_MANDATORY, so a send to a full queue or a gone peer
     raises instead of dropping silently; every send goes through `send_reply` (non-blocking),
     which counts the drop. A DEALER's full queue raises `zmq.Again` on a non-blocking send.
+    `send_depth`: the send queue's depth instead (`BUDGETED_SEND_DEPTH`).
     """
     sock.copy_threshold = ZERO_COPY_THRESHOLD  # pyzmq copies below this; see frames.py
     sock.setsockopt(zmq.LINGER, 0)
     depth = queue_depth(limits)
-    sock.setsockopt(zmq.SNDHWM, depth)
+    sock.setsockopt(zmq.SNDHWM, depth if send_depth is None else send_depth)
     sock.setsockopt(zmq.RCVHWM, depth)
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
     if sock.type == zmq.ROUTER:
@@ -140,10 +147,11 @@ class Router:
         curve: CurveKeyring | None = None,
         rate_limit: RateLimit | None = None,
         refused: Counter[str] | None = None,
+        send_depth: int | None = None,
     ) -> None:
         """`name`: how logs call the server; `refusal_reply` answers a refused request;
         `curve`: serve with CurveZMQ, accepting only the keyring's members; `refused`: the
-        counter to count refusals in (default: a new one)."""
+        counter to count refusals in (default: a new one); `send_depth`: see `configure_socket`."""
         self.name = name
         self.limits = limits
         self.curve = curve
@@ -154,7 +162,7 @@ class Router:
         self.socket = ctx.socket(zmq.ROUTER)
         self._auth: MembershipAuthenticator | None = None
         try:
-            configure_socket(self.socket, limits)
+            configure_socket(self.socket, limits, send_depth=send_depth)
             if curve is not None:
                 self._auth = curve.authenticator(ctx)
                 curve.secure_server(self.socket)

@@ -241,7 +241,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                           + ": slower than half the median step rate of the workers")
         table = Table("node", "role", "index", "steps/s", "endpoint")
         for r in st["roles"]:
-            role = f"{r['role']} (backup)" if r["role"] == "ps" and r.get("replica") else r["role"]
+            role = r["role"]
+            if role == "ps":  # a primary says whether its backup holds every acknowledged update
+                role = "ps (backup)" if r.get("replica") else "ps (replicated)" if r.get("replicated") else "ps (unreplicated)"
             rate = f"{r['step_rate']:.2f}" if r["role"] == "worker" and r.get("step_rate") else ""
             node = f"[red]{r['node']} (straggler)[/]" if r.get("straggler") else r["node"]
             table.add_row(node, role, str(r["index"]), rate, r["endpoint"])

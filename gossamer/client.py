@@ -63,7 +63,7 @@ def status_dict(s: pb.ExperimentStatus) -> dict[str, Any]:
         "metrics": json.loads(s.metrics_json or "{}"),
         "roles": [
             {"node_id": r.node_id, "node": r.node_name, "role": _role_name(r.role), "index": r.index, "replica": r.replica,
-             "endpoint": r.endpoint, "step_rate": r.step_rate, "straggler": r.straggler}
+             "endpoint": r.endpoint, "step_rate": r.step_rate, "straggler": r.straggler, "replicated": r.replicated}
             for r in s.roles
         ],
     }

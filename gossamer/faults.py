@@ -10,6 +10,9 @@ Syntax: comma-separated faults, each ``kind[:key=value...]``. Kinds:
   evaluation) once the matching step/version N is reached. Used to land a kill exactly
   in the middle of an exchange. With ``once=PATH`` it fires only if PATH does not exist yet
   (and creates it), so a replacement process does not die the same way.
+- ``fail:at=POINT[:step=N][:shard=S][:once=PATH]``: the thread at POINT raises `InjectedFault`
+  instead (``serve-loop``: a shard's serve thread, outside any request's handling), so a test
+  can check that a role whose serving thread dies fails its process.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import logging
 import os
 import signal
 
-__all__ = ["die_at", "fault", "parse_faults"]
+__all__ = ["InjectedFault", "die_at", "fail_at", "fault", "parse_faults"]
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +44,13 @@ def fault(kind: str, **match: int) -> dict[str, str] | None:
     return None
 
 
-def die_at(point: str, *, step: int, **match: int) -> None:
-    """SIGKILL this process if a ``die:at=point`` fault matches and `step` reached its ``step``."""
-    for kind, args in parse_faults():
-        if kind != "die" or args.get("at") != point:
+class InjectedFault(RuntimeError):
+    """Raised by a ``fail:at=POINT`` fault."""
+
+
+def _fires(kind: str, point: str, step: int, match: dict[str, int]) -> bool:
+    for k, args in parse_faults():
+        if k != kind or args.get("at") != point:
             continue
         if any(key in args and int(args[key]) != value for key, value in match.items()):
             continue
@@ -54,6 +60,20 @@ def die_at(point: str, *, step: int, **match: int) -> None:
                     os.close(os.open(args["once"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
                 except FileExistsError:
                     continue
-            log.warning("fault injection: dying at %s (step %d)", point, step)
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)
+            return True
+    return False
+
+
+def die_at(point: str, *, step: int, **match: int) -> None:
+    """SIGKILL this process if a ``die:at=point`` fault matches and `step` reached its ``step``."""
+    if _fires("die", point, step, match):
+        log.warning("fault injection: dying at %s (step %d)", point, step)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fail_at(point: str, *, step: int, **match: int) -> None:
+    """Raise `InjectedFault` if a ``fail:at=point`` fault matches and `step` reached its ``step``."""
+    if _fires("fail", point, step, match):
+        log.warning("fault injection: failing at %s (step %d)", point, step)
+        raise InjectedFault(f"injected fault at {point} (step {step})")

@@ -147,7 +147,7 @@ function renderDetail(e) {
     ["nodes lost", num(m.nodes_lost || 0)], ["promotions", num(m.promotions || 0)], ["restores", num(m.restores || 0)]];
   summary.replaceChildren(...items.map(([k, v]) => el("div", {}, el("b", {}, v), el("span", {}, k))));
   const rows = e.roles.map(r => {
-    const role = r.role === "ps" ? "shard" + (r.replica ? " (backup)" : "") : "worker";
+    const role = r.role === "ps" ? "shard" + (r.replica ? " (backup)" : r.replicated ? " (replicated)" : " (unreplicated)") : "worker";
     const node = el("td", {}, r.node);
     if (r.straggler) node.append(stragglerBadge());
     return el("tr", {class: r.straggler ? "straggler" : ""}, node, el("td", {}, role),

@@ -70,6 +70,7 @@ class Coordinator:
                 raise ConfigError("curve", "this pyzmq/libzmq was built without CURVE support")
         self._source_steps: dict[tuple[str, str], int] = {}  # (experiment, metric source) -> last step reported
         self.step_rates = StepRates()  # per-node step rates from workers' reports (stragglers)
+        self.suspicion = failover.ShardSuspicion()  # shards their workers time out on
         if nodes or exps:
             log.info("resumed state: %d nodes, %d experiments", len(nodes), len(exps))
 
@@ -437,6 +438,7 @@ class Coordinator:
         exp.message = message
         exp.finished_unix = time.time()
         self.step_rates.forget(exp.id)
+        self.suspicion.forget(exp.id)
         self._source_steps = {k: v for k, v in self._source_steps.items() if k[0] != exp.id}
         for r in exp.roles:
             node = self.nodes.get(r.node_id)
@@ -526,7 +528,10 @@ class Coordinator:
                 await self._finish(exp, pb.EXPERIMENT_STATE_FAILED,
                                    f"{what} failed: {req.message} ({exp.failures} role failures: giving up)")
                 return
+            workers = len(exp.roles_of(pb.ROLE_WORKER))
             await self._drop_role(exp, role, f"{what} failed: {req.message}")
+            if req.role == pb.ROLE_WORKER:
+                await self._suspect_shards(exp, role, req.message, workers)
             await self.reconcile()
             return
         if req.state == pb.ROLE_STATE_SERVING and req.message:  # e.g. a shard's checkpoint write failed
@@ -542,6 +547,16 @@ class Coordinator:
             await self._running(exp, "all shards serving: " + ", ".join(r.endpoint for r in servers))
         await self.store.save_experiment(exp)
         await self._notify()
+
+    async def _suspect_shards(self, exp: ExpRec, worker: RoleRec, message: str, workers: int) -> None:
+        """Workers that time out on the same shard get its primary failed over, not themselves replaced in a loop."""
+        for index in self.suspicion.timed_out(exp.id, f"{worker.node_id}:{worker.index}", message, time.time(),
+                                              workers=workers):
+            primary = next((r for r in exp.roles_of(pb.ROLE_PARAMETER_SERVER) if r.index == index and not r.replica),
+                           None)
+            if primary is not None:
+                await self._drop_role(exp, primary, f"parameter_server {index} on {self._name(primary.node_id)} "
+                                      f"suspected: its workers timed out on it ({message})")
 
     async def _shard_reported(self, exp: ExpRec, role: RoleRec, req: pb.ReportRoleRequest) -> None:
         """A shard's report: its backup attached or detached, it restored, its version."""
@@ -579,20 +594,8 @@ class Coordinator:
         for p in req.points:
             values = dict(p.values)
             rows.append((p.time_unix, p.step, p.source, values))
-            merged = exp.latest.setdefault(p.source, {})
-            if p.time_unix < merged.get("time_unix", 0.0):
-                # A point that arrives late (a role's flush overtook its reporter thread) never
-                # replaces a newer value of the same source.
-                for k, v in values.items():
-                    merged.setdefault(k, v)
-            else:
-                await self._note_discards(exp, p.source, merged, values)
-                merged.update(values)
-                merged["time_unix"] = p.time_unix
-            shard = p.source.rpartition("/ps")[2]
-            if shard.isdigit():
-                key = shard
-                exp.shard_versions[key] = max(exp.shard_versions.get(key, 0), int(p.step))
+            for kind, message in exp.merge_point(p.source, p.time_unix, p.step, values):
+                await self.store.add_event(kind, message, experiment_id=exp.id)  # nothing degrades silently
             # Progress: a source's step moved (after a roll-back the run's own count grows only once redone).
             if exp.active and p.step != self._source_steps.get((exp.id, p.source), -1):
                 self._source_steps[(exp.id, p.source)] = p.step
@@ -606,11 +609,6 @@ class Coordinator:
             await self.store.save_experiment(exp)
             await self._notify(assignments=False)  # metrics never change a node's assignments
         return exp.active
-
-    async def _note_discards(self, exp: ExpRec, source: str, old: dict[str, float], new: dict[str, float]) -> None:
-        """Every discarded update shows in the event log, by cause (nothing degrades silently)."""
-        for kind, message in views.discard_events(source, old, new):
-            await self.store.add_event(kind, message, experiment_id=exp.id)
 
     async def complete(self, req: pb.CompleteExperimentRequest) -> None:
         exp = self.get(req.experiment_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,3 +110,42 @@ def shard_lease_s(lease_timeout_s: float, heartbeat_interval_s: float) -> float:
     acknowledging before its backup may be promoted.
     """
     return lease_timeout_s - max(heartbeat_interval_s, 0.25 * lease_timeout_s)
+
+
+#: How a worker's failure names the shards that did not answer it (ShardClient's UnavailableError).
+_UNANSWERED = re.compile(r"shards \[([0-9, ]+)\] did not answer")
+
+
+class ShardSuspicion:
+    """Which shards their workers time out on (pure logic, time passed in).
+
+    A shard whose process lives but does not answer (stopped, wedged) keeps its node's lease:
+    only its workers see it, each failing with "shards [i] did not answer". When two distinct
+    workers (the only one, in a run of one worker) have failed so on shard i within `window_s`,
+    shard i is suspected and its primary is failed over, instead of the workers being replaced
+    over and over against a shard that never answers.
+    """
+
+    def __init__(self, window_s: float = 300.0) -> None:
+        self.window_s = window_s
+        self._seen: dict[tuple[str, int], dict[str, float]] = {}  # (experiment, shard) -> worker -> time
+
+    def timed_out(self, experiment: str, worker: str, message: str, now: float, *, workers: int) -> list[int]:
+        """Note `worker`'s failure `message`; the shards suspected now (`workers`: how many the run has)."""
+        found = _UNANSWERED.search(message)
+        if found is None:
+            return []
+        suspected = []
+        for index in sorted({int(x) for x in found.group(1).split(",") if x.strip()}):
+            seen = self._seen.setdefault((experiment, index), {})
+            seen[worker] = now
+            for w in [w for w, t in seen.items() if now - t > self.window_s]:
+                del seen[w]
+            if len(seen) >= min(2, max(1, workers)):
+                suspected.append(index)
+                del self._seen[(experiment, index)]
+        return suspected
+
+    def forget(self, experiment: str) -> None:
+        """`experiment` ended."""
+        self._seen = {k: v for k, v in self._seen.items() if k[0] != experiment}

@@ -129,6 +129,7 @@ def _experiment(coord: Coordinator, e: ExpRec, rates: dict[str, float], slow: se
             "state": pb.RoleState.Name(r.state).removeprefix("ROLE_STATE_").lower(), "endpoint": r.endpoint,
             "step_rate": rates.get(r.node_id) if r.role == pb.ROLE_WORKER else None,
             "straggler": r.role == pb.ROLE_WORKER and r.node_id in slow,
+            "replicated": r.role == pb.ROLE_PARAMETER_SERVER and r.replica == 0 and r.replicated,
         })
     return {
         "id": e.id, "name": e.name, "state": state_label(e.state), "mode": spec.get("mode", ""),

@@ -86,6 +86,20 @@ class RoleRec:
     version: int = 0
 
 
+def discard_events(source: str, old: dict[str, float], new: dict[str, float]) -> list[tuple[str, str]]:
+    """(kind, message) of the events a source's new counters call for: updates rolled back or not applied, by cause."""
+    out = []
+    lost = new.get("versions_lost", 0.0) - old.get("versions_lost", 0.0)
+    if lost > 0:
+        out.append(("lost-updates", f"{source}: {int(lost)} update(s) rolled back by a restore from checkpoint "
+                                    f"(total {int(new['versions_lost'])})"))
+    for k, v in new.items():
+        if k.startswith("discarded_") and v > old.get(k, 0.0):
+            out.append(("discard", f"{source}: {int(v - old.get(k, 0.0))} update(s) not applied, cause "
+                                   f"{k.removeprefix('discarded_')} (total {int(v)})"))
+    return out
+
+
 @dataclass
 class ExpRec:
     id: str
@@ -157,6 +171,24 @@ class ExpRec:
                 cur[k] = cur.get(k, 0.0) + v
         cur["time_unix"] = now
         return now, self.steps, "coordinator", {k: v for k, v in cur.items() if k != "time_unix"}
+
+    def merge_point(self, source: str, time_unix: float, step: int, values: dict[str, float]) -> list[tuple[str, str]]:
+        """Fold one metric point into `latest` and `shard_versions`; the (kind, message) events it calls for."""
+        merged = self.latest.setdefault(source, {})
+        events: list[tuple[str, str]] = []
+        if time_unix < merged.get("time_unix", 0.0):
+            # A point that arrives late (a role's flush overtook its reporter thread) never
+            # replaces a newer value of the same source.
+            for k, v in values.items():
+                merged.setdefault(k, v)
+        else:
+            events = discard_events(source, merged, values)
+            merged.update(values)
+            merged["time_unix"] = time_unix
+        shard = source.rpartition("/ps")[2]
+        if shard.isdigit():
+            self.shard_versions[shard] = max(self.shard_versions.get(shard, 0), int(step))
+        return events
 
     def roles_of(self, role: pb.Role.ValueType) -> list[RoleRec]:
         return sorted((r for r in self.roles if r.role == role), key=lambda r: r.index)

@@ -101,6 +101,7 @@ def experiment_status(exp: ExpRec, nodes: Mapping[str, NodeRec], rates: Mapping[
                 replica=r.replica,
                 step_rate=rates.get(r.node_id, 0.0) if r.role == pb.ROLE_WORKER else 0.0,
                 straggler=r.role == pb.ROLE_WORKER and r.node_id in slow,
+                replicated=r.role == pb.ROLE_PARAMETER_SERVER and r.replica == 0 and r.replicated,
             )
             for r in exp.roles
         ],
@@ -121,17 +122,3 @@ def node_info(n: NodeRec, exp: ExpRec | None, now: float) -> pb.NodeInfo:
         cpus=n.cpus, gpus=n.gpus, nproc_per_node=n.nproc_per_node, state=n.state, role=role,
         experiment_id=n.experiment_id, lease_age_s=max(0.0, now - n.last_seen), role_index=index,
     )
-
-
-def discard_events(source: str, old: dict[str, float], new: dict[str, float]) -> list[tuple[str, str]]:
-    """(kind, message) of the events a source's new counters call for: updates rolled back or not applied, by cause."""
-    out = []
-    lost = new.get("versions_lost", 0.0) - old.get("versions_lost", 0.0)
-    if lost > 0:
-        out.append(("lost-updates", f"{source}: {int(lost)} update(s) rolled back by a restore from checkpoint "
-                                    f"(total {int(new['versions_lost'])})"))
-    for k, v in new.items():
-        if k.startswith("discarded_") and v > old.get(k, 0.0):
-            out.append(("discard", f"{source}: {int(v - old.get(k, 0.0))} update(s) not applied, cause "
-                                   f"{k.removeprefix('discarded_')} (total {int(v)})"))
-    return out

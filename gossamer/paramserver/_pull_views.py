@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +19,10 @@ __all__ = ["PullViews"]
 class PullViews:
     """Per-sender views of the chunks, for the workers that asked for a pull codec.
 
+    Each view costs up to a copy of the shard, so views are kept only for current members
+    (the shard's `Updates.may_keep_view`) and freed when their sender leaves, is removed from
+    the membership, or expires (`worker_timeout_s`).
+
     A reply to such a worker carries the compressed difference between the current values
     and its view; the view then advances by exactly what the worker decodes, so what a lossy
     codec dropped stays in the next difference (error feedback through the view). Not locked:
@@ -31,9 +36,12 @@ class PullViews:
         self._encoders: dict[str, ChunkCompressor] = {}
         self._pull_of: dict[bytes, tuple[str, str]] = {}  # ZMQ identity -> (sender, pull codec)
 
-    def note_codec(self, identity: bytes, sender: str, spec: str) -> None:
-        """The pull codec the connection `identity` of `sender` asked for ("none": full values)."""
-        if spec == "none":
+    def note_codec(self, identity: bytes, sender: str, spec: str, *, keep_view: bool = True) -> None:
+        """The pull codec the connection `identity` of `sender` asked for ("none": full values).
+
+        `keep_view` False (the sender is not a current member): full values, and nothing kept.
+        """
+        if spec == "none" or not keep_view:
             self._pull_of.pop(identity, None)
             return
         if spec not in self._encoders:
@@ -50,10 +58,20 @@ class PullViews:
         for idx in chunks:
             self._views.pop((sender, idx), None)
 
+    def senders(self) -> int:
+        """Senders holding a view (each costs up to a copy of the shard)."""
+        return len({sender for sender, _ in self._views})
+
     def forget(self, sender: str) -> None:
         """`sender` left: its views go."""
-        for key in [k for k in self._views if k[0] == sender]:
+        self.retain(lambda s: s != sender)
+
+    def retain(self, keep: Callable[[str], bool]) -> None:
+        """Keep the views (and connections' codecs) of the senders `keep` accepts; free the rest."""
+        for key in [k for k in self._views if not keep(k[0])]:
             del self._views[key]
+        for identity in [i for i, (sender, _) in self._pull_of.items() if not keep(sender)]:
+            del self._pull_of[identity]
 
     def clear(self) -> None:
         """The values were rolled back: every worker starts from full values again."""

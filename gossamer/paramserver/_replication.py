@@ -4,8 +4,12 @@ A primary forwards every applied update (the dense gradient it applied, the lr f
 which worker clocks it covers) to its backup, which applies the same optimizer step and so
 holds bit-identical state. A worker's PUSH is acknowledged (its reply sent) only once the
 backup has acknowledged that version: an acknowledged update survives the loss of either
-replica. A backup that does not answer for `backup_timeout_s` is detached; the primary then
-acknowledges unreplicated (counted) until a new backup is attached with a full-state SYNC.
+replica. A backup that does not answer for `backup_timeout_s`, or whose queue is full (it does
+not keep up), is detached; the primary then acknowledges unreplicated (counted) and re-attaches
+it with a full-state SYNC after a backoff (1 s, doubling to 30 s; reset once a SYNC is
+acknowledged), until the coordinator names another backup. While a SYNC is on its way (it may
+take long: the whole state) replies are not held for it, so it is never timed as a stall: they
+are acknowledged unreplicated, and held again once the backup has acknowledged the SYNC.
 
 Authority: a replica's `epoch` is the coordinator's fencing epoch of the shard. A backup
 becomes primary only through `promote` with a newer epoch (the coordinator's word), and
@@ -46,6 +50,7 @@ __all__ = ["Replication"]
 logger = logging.getLogger(__name__)
 
 _RETRY_S = 1.0  # a backup that refused the CURVE handshake is dialled again this often
+_RESYNC_FIRST_S, _RESYNC_MAX_S = 1.0, 30.0  # backoff of re-attaching a detached backup
 
 
 class Replication:
@@ -87,6 +92,9 @@ class Replication:
         self.unreplicated = 0  # updates acknowledged to workers without a backup copy
         self.replicated_updates = 0
         self.backup_detaches = 0
+        self.resyncs = 0  # re-attachments of a detached backup (each with a full SYNC)
+        self._resync_at: float | None = None  # when a detached backup is attached again
+        self._resync_backoff = _RESYNC_FIRST_S
         self._name = f"shard {self.config.shard}"
 
     @property
@@ -125,6 +133,8 @@ class Replication:
         if endpoint == self.backup_endpoint and (self.socket is not None or not endpoint):
             return
         self.close()
+        if endpoint != self.backup_endpoint:  # another backup: it starts without a backoff
+            self._resync_at, self._resync_backoff = None, _RESYNC_FIRST_S
         self.backup_endpoint = endpoint
         if not endpoint:
             self._flush(replicated=False)
@@ -142,9 +152,8 @@ class Replication:
             self._watch = HandshakeMonitor(b)
         b.connect(endpoint)
         self.socket = b
-        self._synced = False
-        self._send_sync()
         logger.info("%s: backup %s attached at version %d", self._name, endpoint, self.state.version)
+        self._send_sync()
 
     def close(self) -> None:
         if self._watch is not None:
@@ -155,10 +164,13 @@ class Replication:
             self.socket = None
 
     def _send_sync(self) -> None:
+        self._synced = False
+        self._flush(replicated=False)  # nothing waits on a SYNC: it is not timed as a stall
         meta, tensors = self.state.export()
         self._send("SYNC", meta.to_meta(), tensors)
 
-    def _send(self, op: str, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> None:
+    def _send(self, op: str, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> bool:
+        """Send to the backup without blocking; a full queue detaches it (False)."""
         assert self.socket is not None
         sender = sender_tokens.primary_sender(self.config.shard)
         auth = sender_tokens.token_for(self.sender_key, sender) if self.sender_key else ""
@@ -166,8 +178,15 @@ class Replication:
                       sender=sender, meta={**meta, **Authority(auth=auth, epoch=self.epoch).to_meta()},
                       tensors=tensors)
         frames = encode(msg)
+        try:
+            self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.error("%s: the queue to backup %s is full (it does not keep up); detaching it", self._name,
+                         self.backup_endpoint)
+            self._detach()
+            return False
         self.bytes_out += frames_nbytes(frames)
-        self.socket.send_multipart(frames, copy=False)
+        return True
 
     def replicate(self, grads: dict[int, torch.Tensor], lr_factor: float, applied: list[tuple[str, int]],
                   *, delay: int = 0) -> None:
@@ -175,8 +194,8 @@ class Replication:
         if self.socket is None:
             return
         meta = ReplicateMeta(lr_factor=lr_factor, applied=tuple(applied), delay=delay)
-        self._send("REPLICATE", meta.to_meta(), {chunk_key(i): g for i, g in grads.items()})
-        self.replicated_updates += 1
+        if self._send("REPLICATE", meta.to_meta(), {chunk_key(i): g for i, g in grads.items()}):
+            self.replicated_updates += 1
 
     def on_replies(self, b: zmq.Socket) -> None:
         """Read the backup's ACKs (and refusals) on `b`."""
@@ -192,9 +211,13 @@ class Replication:
                 continue
             with self._lock:
                 if reply.op == "ACK":
-                    self._synced = True
+                    if not self._synced and reply.meta.get("synced"):
+                        self._synced = True
+                        self._resync_backoff = _RESYNC_FIRST_S
+                        logger.info("%s: backup %s synced at version %d", self._name, self.backup_endpoint,
+                                    reply.version)
                     self.acked = max(self.acked, reply.version)
-                    self._flush(replicated=True)
+                    self._flush(replicated=self._synced)
                 elif reply.meta.get("code") == OUT_OF_ORDER:
                     logger.warning("%s: backup out of order (%s); re-syncing", self._name, reply.meta.get("error"))
                     self._send_sync()
@@ -204,7 +227,8 @@ class Replication:
                     self._detach()
 
     def check(self, now: float) -> None:
-        """Redial a backup that refused the handshake; detach one silent for `backup_timeout_s`; say when fenced."""
+        """Redial a backup that refused the handshake; detach one silent for `backup_timeout_s`;
+        re-attach a detached one when its backoff is over; say when fenced."""
         fenced = self.fenced
         if fenced != self._said_fenced and self.is_primary:
             self._said_fenced = fenced
@@ -218,6 +242,13 @@ class Replication:
             for reply in withheld if not fenced else ():
                 self.unreplicated += int(self.config.expect_backup)
                 reply()
+        if self.socket is None and self.backup_endpoint and self._resync_at is not None and now >= self._resync_at:
+            self._resync_at = None
+            self.resyncs += 1
+            logger.warning("%s: re-attaching backup %s (attempt %d) with a full SYNC", self._name,
+                           self.backup_endpoint, self.resyncs)
+            self.set_backup(self.backup_endpoint)
+            return
         watch = self._watch
         if watch is not None and watch.check() is not None and watch.fatal and now >= self._retry_at:
             # libzmq gave up on this connection (the backup does not know our key yet, or
@@ -234,13 +265,17 @@ class Replication:
             self._detach()
 
     def _detach(self) -> None:
+        """Stop replicating to the backup; it is attached again (a full SYNC) after the backoff."""
         self.close()
+        self._synced = False
         self.backup_detaches += 1
+        self._resync_at = time.monotonic() + self._resync_backoff
+        self._resync_backoff = min(_RESYNC_MAX_S, 2 * self._resync_backoff)
         self._flush(replicated=False)
 
     def after_backup(self, reply: Callable[[], None]) -> None:
-        """Send `reply` now, or once the backup holds the current version."""
-        if self.socket is not None and self.state.version > self.acked:
+        """Send `reply` now, or once the backup holds the current version (not while a SYNC is on its way)."""
+        if self.socket is not None and self._synced and self.state.version > self.acked:
             self._awaiting.append((self.state.version, time.monotonic(), reply))
         elif self.fenced:
             self.fenced_replies += 1  # unreplicated and past the lease: held until it is renewed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,8 @@ from gossamer.paramserver._pull_views import PullViews
 from gossamer.paramserver._state import ShardState
 from gossamer.protocol import ErrorMeta
 from gossamer.transport.frames import Message, encode, frames_nbytes
+from gossamer.transport.outgoing import OutgoingReplies, ReplyBudget
+from gossamer.transport.router import send_reply
 
 __all__ = ["Replies"]
 
@@ -28,18 +31,32 @@ class Replies:
     """Sends a shard's replies on its ROUTER socket (set by `bind`) and counts them.
 
     Every reply carries the replica's fencing epoch (`epoch_of`): a worker ignores replies from an
-    older epoch than it knows.
+    older epoch than it knows. Sends never block: a reply to a full queue or a gone peer is
+    dropped and counted in `dropped`. PARAMS replies are tracked until ZMQ lets go of them
+    (`outgoing`).
     """
 
-    def __init__(self, state: ShardState, views: PullViews, epoch_of: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, state: ShardState, views: PullViews, budget: ReplyBudget, dropped: Counter[str],
+                 epoch_of: Callable[[], int] = lambda: 0) -> None:
         self.state = state
         self.views = views
         self.epoch_of = epoch_of
         self.socket: zmq.Socket | None = None
+        self.dropped = dropped
+        reply_bytes = 4 * sum(c.numel for c in state.chunks.values())
+        self.outgoing = OutgoingReplies(budget, reply_bytes)
         self.bytes_out = 0
         self.raw_bytes_out = 0  # what the PARAMS replies would have been as full fp32 values
         self.errors = 0
         self._name = f"shard {state.config.shard}"
+
+    def live_storages(self) -> set[int]:
+        """The storages of the current values (replies referencing them cost no extra memory)."""
+        return {p.data_ptr() for p in self.state.params.values()}
+
+    def over_budget(self, identity: bytes) -> str | None:
+        """Why `identity` may not get a PARAMS reply now (its or the server's reply budget), or None."""
+        return self.outgoing.refusal(identity, self.live_storages())
 
     def send(self, identity: bytes, op: str, meta: dict[str, Any],
              tensors: dict[str, torch.Tensor] | None = None, *, live: bool = False) -> None:
@@ -49,15 +66,22 @@ class Replies:
         msg = Message(op=op, experiment=config.experiment, shard=config.shard, version=self.state.version,
                       sender=f"shard-{config.shard}", meta={**meta, "epoch": self.epoch_of()}, tensors=tensors or {})
         frames: list[Any] = encode(msg)
-        self.bytes_out += frames_nbytes(frames)
+        nbytes = frames_nbytes(frames)
+        self.bytes_out += nbytes
         assert self.socket is not None
-        if live:
-            # Only memoryview frames reference the values (small tensors were copied to bytes).
-            frames = [zmq.Frame(f, track=True) if isinstance(f, memoryview) else f for f in frames]
-            tracked = [f for f in frames if isinstance(f, zmq.Frame)]
-            if tracked:
-                self.state.lend(zmq.MessageTracker(*tracked))
-        self.socket.send_multipart([identity, *frames], copy=False)
+        tracker: zmq.MessageTracker | None = None
+        shared: int | None = None
+        if tensors:
+            # Tensor frames are tracked: the reply is held (`outgoing`) until ZMQ lets go of them.
+            referenced = [isinstance(f, memoryview) for f in frames]
+            frames = [frames[0], *(zmq.Frame(f, track=True) for f in frames[1:])]
+            tracker = zmq.MessageTracker(*frames[1:])
+            lent = [f for f, ref in zip(frames, referenced, strict=True) if ref]
+            if live and lent:  # only memoryview frames reference the values (small ones were copied)
+                self.state.lend(zmq.MessageTracker(*lent))
+                shared = next(iter(tensors.values())).data_ptr()
+        if send_reply(self.socket, identity, frames, self.dropped) and tracker is not None:
+            self.outgoing.add(identity, [tracker], nbytes, shared)
 
     def params(self, identity: bytes, rid: Any, chunks: list[int], *, staleness: int | None = None,
                lead: int | None = None) -> None:
@@ -77,5 +101,5 @@ class Replies:
         """ERROR to a request refused before it was decoded (the router's admission gate)."""
         try:
             self.send(identity, "ERROR", {"rid": _rid(rid), **ErrorMeta(error=message, code=code).to_meta()})
-        except zmq.ZMQError as e:
+        except zmq.ZMQError as e:  # a closed socket at shutdown
             logger.warning("%s: could not send an error reply: %s", self._name, e)

@@ -57,12 +57,12 @@ class Seeding:
     def complete(self, seed: Seed) -> bool:
         return set(seed.values) == set(self.chunks)
 
-    def choice(self, now: float, members: set[str]) -> Seed | None:
+    def choice(self, now: float, members: frozenset[str] | None) -> Seed | None:
         """The freshest complete copy once the window has passed (or every member sent one); else None."""
         done = [s for s in self.seeds.values() if self.complete(s)]
         if not done or self._first_complete is None:
             return None
-        everyone = bool(members) and members <= {s.sender for s in done}
+        everyone = bool(members) and members is not None and members <= {s.sender for s in done}
         if not everyone and now - self._first_complete < self.window_s:
             return None
         return max(done, key=lambda s: s.version)

@@ -13,6 +13,7 @@ from typing import Any
 import zmq
 
 from gossamer.errors import ProtocolError
+from gossamer.faults import fail_at
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
@@ -24,12 +25,14 @@ from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits, Message, decode, frames_nbytes
 from gossamer.transport.ratelimit import RateLimit
 from gossamer.transport.router import (
+    BUDGETED_SEND_DEPTH,
     FAILED_PRECONDITION,
     FENCED,
     INTERNAL,
     INVALID_ARGUMENT,
     NOT_FOUND,
     NOT_PRIMARY,
+    RESOURCE_EXHAUSTED,
     SEEDING,
     UNAUTHENTICATED,
     UNIMPLEMENTED,
@@ -45,6 +48,8 @@ _EXPIRE_EVERY_S = 0.05
 _RECV_BATCH = 256
 #: Ops only the workers send: only a primary holding its lease serves them, and only to their own sender.
 _WORKER_OPS = ("HELLO", "PULL", "PUSH", "LEAVE", "SEED")
+#: Requests refused because the connection, or the server, holds its most in unread replies.
+OVER_BUDGET = "reply_budget"
 
 
 class ServeLoop:
@@ -66,7 +71,9 @@ class ServeLoop:
         self.rate_limit = rate_limit
         self.lock = lock
         self._stats = stats
-        self.refused: Counter[str] = Counter()  # by the router's gate: unroutable, not_member, rate_limit
+        # By the router's gate (unroutable, not_member, rate_limit), replies dropped (queue_full,
+        # peer_gone) and requests over the reply budget (reply_budget).
+        self.refused: Counter[str] = replies.dropped
         self.bytes_in = 0
         self._ctx: zmq.Context | None = None
         self.router: Router | None = None
@@ -76,6 +83,9 @@ class ServeLoop:
         #: Called under the lock on every expiry tick (e.g. to take a workers' copy once chosen).
         self.periodic: list[Callable[[float], None]] = []
         self._name = f"shard {self.config.shard}"
+        #: Why the serve loop ended other than by its stop event (its thread died), else None.
+        self.failure: BaseException | None = None
+        self._serving = False  # the loop owns the sockets from its start until it returns
 
     @property
     def curve_refused(self) -> int:
@@ -83,14 +93,20 @@ class ServeLoop:
 
     def bind(self, host: str, port: int) -> str:
         self._ctx = zmq.Context()
+        # Its PARAMS replies are held back by the reply budget: the send queue holds small replies.
         self.router = Router(self._ctx, name=self._name, limits=self.limits, refusal_reply=self.replies.refusal,
-                             curve=self.curve, rate_limit=self.rate_limit, refused=self.refused)
+                             curve=self.curve, rate_limit=self.rate_limit, refused=self.refused,
+                             send_depth=BUDGETED_SEND_DEPTH)
         endpoint = self.router.bind(host, port)
         self.replies.socket = self.router.socket
         self.replication.context = self._ctx
         return endpoint
 
     def close(self) -> None:
+        """Close the sockets (unless a serve loop still owns them: it closes them as it returns)."""
+        if self._serving:
+            logger.error("%s: close() while the serve loop still runs; its sockets stay with it", self._name)
+            return
         self.replication.close()
         if self.router is not None:
             self.router.close()
@@ -116,10 +132,27 @@ class ServeLoop:
                     logger.exception("%s: command failed", self._name)
 
     def serve(self, stop: threading.Event) -> None:
-        """The single-threaded poll loop; returns when `stop` is set."""
+        """The single-threaded poll loop; returns when `stop` is set.
+
+        The thread running it owns the shard's sockets (the ROUTER, the DEALER to the backup)
+        and closes them as it returns; an exception that ends it is kept in `failure`.
+        """
         if self.router is None:
             raise RuntimeError("bind() before serve()")
-        sock = self.router.socket
+        self._serving = True
+        try:
+            self._loop(stop, self.router.socket)
+        except BaseException as e:
+            self.failure = e
+            logger.critical("%s: the serve loop died: %s: %s", self._name, type(e).__name__, e)
+            raise
+        finally:
+            with self.lock:
+                self.replication.close()
+            self.router.close_socket()
+            self._serving = False
+
+    def _loop(self, stop: threading.Event, sock: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         polled_backup: zmq.Socket | None = None
@@ -145,6 +178,7 @@ class ServeLoop:
             now = time.monotonic()
             if now >= next_expire:
                 next_expire = now + _EXPIRE_EVERY_S
+                fail_at("serve-loop", step=self.state.version, shard=self.config.shard)
                 with self.lock:
                     self.updates.expire(now)
                     self.replication.check(now)
@@ -192,6 +226,9 @@ class ServeLoop:
         rid = msg.meta.get("rid")
         if msg.op in _WORKER_OPS:
             self._admit_worker_op(msg)
+            if msg.op in ("PULL", "PUSH") and (why := self.replies.over_budget(identity)) is not None:
+                self.refused[OVER_BUDGET] += 1
+                raise Reject(why, RESOURCE_EXHAUSTED, cause=OVER_BUDGET)
             if self.seeding is not None and msg.op in ("PULL", "PUSH"):
                 raise Reject(f"shard {self.config.shard} lost every replica and is rebuilt from its workers' "
                              "copies: send a SEED", SEEDING, "seeding")
@@ -204,7 +241,7 @@ class ServeLoop:
             self.replies.send(identity, "ACK", {"rid": rid})
         elif msg.op == "SYNC":
             self.replication.on_sync(msg)
-            self.replies.send(identity, "ACK", {"rid": rid})
+            self.replies.send(identity, "ACK", {"rid": rid, "synced": True})
         elif msg.op == "HELLO":
             self._on_hello(identity, msg, now)
         elif msg.op == "PULL":
@@ -214,7 +251,6 @@ class ServeLoop:
         elif msg.op == "STATS":
             self.replies.send(identity, "STATS", {"rid": rid, **self._stats()})
         elif msg.op == "LEAVE":
-            self.replies.views.forget(msg.sender)
             self.updates.leave(msg.sender, now)
             self.replies.send(identity, "BYE", {"rid": rid})
         else:
@@ -264,15 +300,23 @@ class ServeLoop:
         self.replies.send(identity, "WELCOME", {"rid": msg.meta.get("rid"), **welcome.to_meta()})
 
     def _on_pull(self, identity: bytes, msg: Message, now: float) -> None:
-        if msg.sender:
-            self.updates.gate.touch(msg.sender, now)
         if msg.tensors:
             raise Reject("PULL carries no tensors")
         meta = PullMeta.from_meta(msg.meta)
+        member = self.updates.is_member(msg.sender)
+        if member:
+            self.updates.gate.touch(msg.sender, now)
+        elif meta.pull_codec != "none":
+            # A view costs a copy of the shard: never for a sender the coordinator did not name.
+            raise Reject(f"pull_codec {meta.pull_codec!r}: sender {msg.sender!r} is not a current worker of "
+                         f"experiment {self.config.experiment!r}; pull compression keeps a view for current "
+                         "workers only", FAILED_PRECONDITION)
         chunks = sorted(self.state.chunks) if meta.chunks is None else list(meta.chunks)
         unknown = [i for i in chunks if i not in self.state.chunks]
         if unknown:
             raise Reject(f"chunks {unknown[:8]} are not on shard {self.config.shard}", NOT_FOUND)
-        self.replies.views.note_codec(identity, msg.sender, meta.pull_codec)
-        self.replies.views.restart(msg.sender, chunks)
+        keep = self.updates.may_keep_view(msg.sender)
+        self.replies.views.note_codec(identity, msg.sender, meta.pull_codec, keep_view=keep)
+        if keep:
+            self.replies.views.restart(msg.sender, chunks)
         self.replies.params(identity, msg.meta.get("rid"), chunks)

@@ -57,7 +57,6 @@ class Updates:
     """Validates pushes, gathers their parts into updates and applies them (under the shard's lock)."""
 
     def __init__(self, state: ShardState, replies: Replies, replication: Replication) -> None:
-        self.members: set[str] = set()  # the coordinator's current workers (empty until it says)
         config = state.config
         self.state = state
         self.config = config
@@ -83,6 +82,8 @@ class Updates:
         self._seen_since_restore: set[str] = set()
         self.versions_lost = 0
         self.on_snapshot: Callable[[int], None] | None = None  # called at checkpoint boundaries
+        #: The coordinator's current workers (`set_members`); None: never told (a shard run alone).
+        self.members: frozenset[str] | None = None
 
     @property
     def decode_seconds(self) -> float:
@@ -122,12 +123,22 @@ class Updates:
                 lambda i=identity, r=rid, c=chunks: self.replies.params(i, r, c, staleness=0)  # type: ignore[misc]
             )
 
+    # -- who may cost the shard memory ------------------------------------------------------------
+    def is_member(self, sender: str) -> bool:
+        """`sender` is one of the coordinator's current workers (any sender before it named them)."""
+        return bool(sender) and (self.members is None or sender in self.members)
+
+    def may_keep_view(self, sender: str) -> bool:
+        """A pull view (up to a copy of the shard) may be kept for `sender`: a current member
+        that this shard knows (it said HELLO, pushed or pulled, and has not expired or left)."""
+        return self.is_member(sender) and sender in self.gate.active
+
     # -- PUSH ------------------------------------------------------------------------------
     def on_push(self, identity: bytes, msg: Message, now: float) -> None:
         rid = msg.meta.get("rid")
         sync = self.config.barrier
         meta = PushMeta.from_meta(msg.meta, barrier=sync)
-        self.replies.views.note_codec(identity, msg.sender, meta.pull_codec)
+        self.replies.views.note_codec(identity, msg.sender, meta.pull_codec, keep_view=self.may_keep_view(msg.sender))
         sender = msg.sender
         if not sender:
             raise Reject("PUSH needs a sender id")
@@ -344,8 +355,8 @@ class Updates:
     def set_members(self, senders: list[str], generation: int | None, now: float) -> None:
         if self.config.barrier and generation is not None and generation > self.generation:
             self.reform(generation)
-        members = set(senders)
-        self.members = members
+        members = self.members = frozenset(senders)
+        self.replies.views.retain(lambda sender: sender in members)  # a worker killed without LEAVE too
         for worker in self.gate.active:
             if worker not in members:
                 logger.info("shard %d: worker %s is no longer a member", self.config.shard, worker)
@@ -353,6 +364,7 @@ class Updates:
                 self.send_released(self.gate.leave(worker, now))
 
     def leave(self, worker: str, now: float) -> None:
+        self.replies.views.forget(worker)
         self.discard_pending_of(worker)
         self.send_released(self.gate.leave(worker, now))
 
@@ -360,6 +372,7 @@ class Updates:
         """Drop workers silent for `worker_timeout_s`; release whoever waited on them."""
         dead, released = self.gate.expire(now)
         for worker in dead:
+            self.replies.views.forget(worker)
             self.discard_pending_of(worker)
         # Also whoever waited on a worker that has just turned suspect.
         self.send_released(released + self.gate.release(now))

@@ -27,7 +27,13 @@ from gossamer.protocol import (
 from gossamer.security import curve as curve_keys
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
-from gossamer.transport.router import FENCED, NOT_PRIMARY, SEEDING, configure_socket
+from gossamer.transport.router import (
+    FENCED,
+    NOT_PRIMARY,
+    RESOURCE_EXHAUSTED,
+    SEEDING,
+    configure_socket,
+)
 from gossamer.transport.throttle import TokenBucket
 
 __all__ = ["PullResult", "ShardClient"]
@@ -124,6 +130,7 @@ class ShardClient:
         self._watch: dict[int, HandshakeMonitor] = {}
         self._refused: dict[int, str] = {}  # why a shard refused our last socket (kept across retries)
         self.handshake_retries = 0
+        self.busy_retries = 0  # requests sent again after a RESOURCE_EXHAUSTED answer
         self._socks: dict[int, zmq.Socket] = {s: self._connect(s) for s in self._endpoints}
         self._rid = 0
         self.throttle = throttle
@@ -451,6 +458,7 @@ class ShardClient:
         sent_to = {s: self._socks[s] for s in waiting}
         retry_at: dict[int, float] = {}
         retried: set[int] = set()  # reconnected after a refused handshake: resend, same deadline
+        busy: dict[int, float] = {}  # answered RESOURCE_EXHAUSTED (nothing applied): send again then
         replies: dict[int, Message] = {}
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
@@ -458,6 +466,9 @@ class ShardClient:
         while waiting:
             if self.on_wait is not None:
                 self.on_wait()
+            for s in [s for s, at in busy.items() if time.monotonic() >= at]:
+                del busy[s]
+                self._send_one(s, waiting[s])
             for s, msg in waiting.items():
                 if self._socks[s] is sent_to[s] and time.monotonic() >= ask_again.get(s, float("inf")):
                     del ask_again[s]
@@ -485,20 +496,7 @@ class ShardClient:
                 poller.register(sock, zmq.POLLIN)
             ready = poller.poll(min(left_ms, 100))
             if not ready:
-                now = time.monotonic()
-                for s in waiting:
-                    watch = self._watch.get(s)
-                    if watch is None or watch.check() is None or not watch.fatal or now < retry_at.get(s, 0.0):
-                        continue
-                    # libzmq gave up on this connection (refused key, CURVE on one side only);
-                    # the shard may not have heard of this node yet: a new socket, once a second.
-                    (logger.debug if s in retry_at else logger.warning)(
-                        "shard %d refused the handshake (%s); retrying every second", s, watch.failure)
-                    retry_at[s] = now + 1.0
-                    retried.add(s)
-                    self._refused[s] = watch.failure or ""
-                    self.handshake_retries += 1
-                    self._reconnect(s)
+                self._redial_refused(waiting, retry_at, retried)
             for sock, _ in ready:
                 s = by_sock[sock]
                 while s in waiting:
@@ -519,6 +517,10 @@ class ShardClient:
                             "dropped a stale reply from shard %d (rid %r)", s, reply.meta.get("rid")
                         )
                         continue
+                    if reply.op == "ERROR" and reply.meta.get("code") == RESOURCE_EXHAUSTED:
+                        self.busy_retries += 1  # the shard holds its most in unread replies: back off
+                        busy[s] = time.monotonic() + min(1.0, 0.02 * self.busy_retries)
+                        break
                     if not self._current(s, reply):
                         ask_again[s] = time.monotonic() + _RETRY_S
                         break
@@ -534,6 +536,22 @@ class ShardClient:
             codes = {str(r.meta.get("code", "")) for r in replies.values() if r.op == "ERROR"}
             raise ShardError("; ".join(errors), codes)
         return replies
+
+    def _redial_refused(self, waiting: dict[int, Message], retry_at: dict[int, float], retried: set[int]) -> None:
+        """A new socket, once a second, to each waited-on shard whose handshake libzmq gave up on."""
+        now = time.monotonic()
+        for s in waiting:
+            watch = self._watch.get(s)
+            if watch is None or watch.check() is None or not watch.fatal or now < retry_at.get(s, 0.0):
+                continue
+            # Refused key, CURVE on one side only: the shard may not have heard of this node yet.
+            (logger.debug if s in retry_at else logger.warning)(
+                "shard %d refused the handshake (%s); retrying every second", s, watch.failure)
+            retry_at[s] = now + 1.0
+            retried.add(s)
+            self._refused[s] = watch.failure or ""
+            self.handshake_retries += 1
+            self._reconnect(s)
 
     def _current(self, s: int, reply: Message) -> bool:
         """Whether `reply` answers for shard `s` now: False for one from an older fencing epoch than

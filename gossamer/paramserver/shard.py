@@ -23,7 +23,7 @@ from gossamer.paramserver._pull_views import PullViews
 from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
 from gossamer.paramserver._seeding import Seeding
-from gossamer.paramserver._serve import ServeLoop
+from gossamer.paramserver._serve import OVER_BUDGET, ServeLoop
 from gossamer.paramserver._snapshot import PendingSnapshot, copy_in_background
 from gossamer.paramserver._state import ShardState
 from gossamer.paramserver._updates import Updates
@@ -32,7 +32,14 @@ from gossamer.paramserver.shard_plan import ShardPlan
 from gossamer.protocol import SyncMeta, chunk_key, parse_chunk_key
 from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits
-from gossamer.transport.router import FAILED_PRECONDITION, NOT_MEMBER, OVER_RATE, UNROUTABLE
+from gossamer.transport.router import (
+    FAILED_PRECONDITION,
+    NOT_MEMBER,
+    OVER_RATE,
+    PEER_GONE,
+    QUEUE_FULL,
+    UNROUTABLE,
+)
 
 __all__ = ["ShardConfig", "ShardServer", "chunk_key", "parse_chunk_key"]
 
@@ -72,7 +79,8 @@ class ShardServer:
         self._replication = Replication(self._state, self.limits, curve, self._lock, backup=backup,
                                         epoch=epoch)
         self._views = PullViews(plan, self._state.shapes)
-        self._replies = Replies(self._state, self._views, lambda: self._replication.epoch)
+        self._replies = Replies(self._state, self._views, config.reply_budget, Counter(),
+                                lambda: self._replication.epoch)
         self._updates = Updates(self._state, self._replies, self._replication)
         self._loop = ServeLoop(self._updates, self._replication, self._replies, limits=self.limits, curve=curve,
                                rate_limit=config.rate_limit, lock=self._lock, stats=self._stats)
@@ -113,8 +121,14 @@ class ShardServer:
         self._loop.close()
 
     def serve(self, stop: threading.Event) -> None:
-        """The single-threaded poll loop; returns when `stop` is set."""
+        """The single-threaded poll loop; returns when `stop` is set. The thread running it
+        owns the shard's sockets; an exception that ends it is kept in `serve_failure`."""
         self._loop.serve(stop)
+
+    @property
+    def serve_failure(self) -> BaseException | None:
+        """Why the serve loop died (None: it runs, or returned on its stop event)."""
+        return self._loop.failure
 
     # -- commands from other threads (role process: assignment updates) ------------------
     def post(self, fn: Callable[[], None]) -> None:
@@ -344,6 +358,7 @@ class ShardServer:
             "replicated": rep.replicated,
             "unreplicated": rep.unreplicated,
             "backup_detaches": rep.backup_detaches,
+            "resyncs": rep.resyncs,
             "promotions": rep.promotions,
             "refused_promotions": rep.refused_promotions,
             "epoch": rep.epoch,
@@ -355,4 +370,11 @@ class ShardServer:
             "rate_limited": refused[OVER_RATE],
             "not_member": refused[NOT_MEMBER],
             "curve_refused": self._loop.curve_refused,
+            "queue_full": refused[QUEUE_FULL],
+            "peer_gone": refused[PEER_GONE],
+            "over_budget": refused[OVER_BUDGET],
+            "held_replies": self._replies.outgoing.held_replies(),
+            "held_reply_bytes": self._replies.outgoing.held_bytes(self._replies.live_storages()),
+            "reply_budget_bytes": self._replies.outgoing.max_bytes,
+            "pull_views": self._views.senders(),
         }

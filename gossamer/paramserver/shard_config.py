@@ -12,6 +12,7 @@ from gossamer.lr_schedule import LR_SCHEDULES
 from gossamer.modes import BARRIER_CONSISTENCY, SHARD_CONSISTENCIES, mode_of
 from gossamer.paramserver.optimizer import OptimizerConfig
 from gossamer.transport.frames import FrameLimits
+from gossamer.transport.outgoing import ReplyBudget
 from gossamer.transport.ratelimit import RateLimit
 
 if TYPE_CHECKING:
@@ -47,6 +48,8 @@ class ShardConfig:
     limits: FrameLimits | None = None
     #: Per-peer message rate (None: unlimited); a peer over it gets ERROR "RATE_LIMITED".
     rate_limit: RateLimit | None = field(default_factory=RateLimit)
+    #: Replies held for peers that have not read them: per connection, and bytes in all.
+    reply_budget: ReplyBudget = field(default_factory=ReplyBudget)
 
     def __post_init__(self) -> None:
         if not isinstance(self.experiment, str) or not self.experiment:
@@ -73,6 +76,8 @@ class ShardConfig:
             raise ConfigError("limits", "must be a FrameLimits or None")
         if self.rate_limit is not None and not isinstance(self.rate_limit, RateLimit):
             raise ConfigError("rate_limit", "must be a RateLimit or None")
+        if not isinstance(self.reply_budget, ReplyBudget):
+            raise ConfigError("reply_budget", "must be a ReplyBudget")
 
     @property
     def barrier(self) -> bool:

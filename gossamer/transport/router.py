@@ -34,9 +34,14 @@ __all__ = [
     "UNAUTHENTICATED",
     "UNIMPLEMENTED",
     "UNROUTABLE",
+    "BUDGETED_SEND_DEPTH",
+    "QUEUE_BYTES",
+    "RESOURCE_EXHAUSTED",
     "RefusalReply",
     "Router",
     "configure_socket",
+    "queue_depth",
+    "send_reply",
 ]
 
 logger = logging.getLogger(__name__)
@@ -60,6 +65,8 @@ INTERNAL = "INTERNAL"
 ABORTED = "ABORTED"
 #: The sync barrier re-formed over a new membership: redo the step.
 REFORM = "REFORM"
+#: The server holds its most for this peer (or for all peers) in replies not yet read: read them first.
+RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 #: Replication (SYNC, REPLICATE) sent to a primary.
 NOT_BACKUP = "NOT_BACKUP"
 #: REPLICATE of a version the backup is not at: the primary re-syncs it.
@@ -78,6 +85,12 @@ SEEDING = "SEEDING"
 
 #: Why the admission gate refused a message (keys of the `refused` counter).
 UNROUTABLE, NOT_MEMBER, OVER_RATE = "unroutable", "not_member", "rate_limit"
+#: Why a reply was dropped (keys of the same counter): the peer's queue was full, the peer was gone.
+QUEUE_FULL, PEER_GONE = "queue_full", "peer_gone"
+
+#: What one socket's queue to (or from) one peer may hold, in bytes: ZMQ bounds queues in
+#: messages, so the depth is this over the largest message (`queue_depth`).
+QUEUE_BYTES = 256 << 20
 
 _LOG_EVERY_S = 5.0  # a flood of refused messages must not flood the log too
 
@@ -85,14 +98,50 @@ _LOG_EVERY_S = 5.0  # a flood of refused messages must not flood the log too
 RefusalReply = Callable[[bytes, Any, str, str], None]
 
 
-def configure_socket(sock: zmq.Socket, limits: FrameLimits) -> None:
-    """The options every data-plane socket (ROUTER or DEALER) gets."""
+def queue_depth(limits: FrameLimits) -> int:
+    """ZMQ's high-water mark (messages) of every data-plane queue: `QUEUE_BYTES` over the largest
+    message, 4 to 64. A queue to one peer then holds at most max(QUEUE_BYTES, 4 x max_message_bytes)."""
+    return max(4, min(64, QUEUE_BYTES // limits.max_message_bytes))
+
+
+#: The send queue of a ROUTER whose large replies are held back by a reply budget (a shard's
+#: `ReplyBudget`): what is left to queue are small replies, so ZMQ's default depth.
+BUDGETED_SEND_DEPTH = 1000
+
+
+def configure_socket(sock: zmq.Socket, limits: FrameLimits, *, send_depth: int | None = None) -> None:
+    """The options every data-plane socket (ROUTER or DEALER) gets.
+
+    Finite queues both ways (`queue_depth`): a peer that stops reading fills its queue and no
+    more. A ROUTER is set ZMQ_ROUTER_MANDATORY, so a send to a full queue or a gone peer
+    raises instead of dropping silently; every send goes through `send_reply` (non-blocking),
+    which counts the drop. A DEALER's full queue raises `zmq.Again` on a non-blocking send.
+    `send_depth`: the send queue's depth instead (`BUDGETED_SEND_DEPTH`).
+    """
     sock.copy_threshold = ZERO_COPY_THRESHOLD  # pyzmq copies below this; see frames.py
     sock.setsockopt(zmq.LINGER, 0)
-    # Unbounded queues: a full queue would drop (ROUTER) or block (DEALER) silently.
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    depth = queue_depth(limits)
+    sock.setsockopt(zmq.SNDHWM, depth if send_depth is None else send_depth)
+    sock.setsockopt(zmq.RCVHWM, depth)
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+    if sock.type == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+
+
+def send_reply(sock: zmq.Socket, identity: bytes, frames: Sequence[Any], dropped: Counter[str]) -> bool:
+    """Send `frames` to `identity` on a ROUTER without blocking; False (counted in `dropped` by
+    `QUEUE_FULL` or `PEER_GONE`) when the peer's queue is full or the peer is gone."""
+    try:
+        sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        dropped[QUEUE_FULL] += 1
+        return False
+    except zmq.ZMQError as e:
+        if e.errno != zmq.EHOSTUNREACH:
+            raise
+        dropped[PEER_GONE] += 1
+        return False
+    return True
 
 
 class Router:
@@ -114,10 +163,11 @@ class Router:
         curve: CurveKeyring | None = None,
         rate_limit: RateLimit | None = None,
         refused: Counter[str] | None = None,
+        send_depth: int | None = None,
     ) -> None:
         """`name`: how logs call the server; `refusal_reply` answers a refused request;
         `curve`: serve with CurveZMQ, accepting only the keyring's members; `refused`: the
-        counter to count refusals in (default: a new one)."""
+        counter to count refusals in (default: a new one); `send_depth`: see `configure_socket`."""
         self.name = name
         self.limits = limits
         self.curve = curve
@@ -128,7 +178,7 @@ class Router:
         self.socket = ctx.socket(zmq.ROUTER)
         self._auth: MembershipAuthenticator | None = None
         try:
-            configure_socket(self.socket, limits)
+            configure_socket(self.socket, limits, send_depth=send_depth)
             if curve is not None:
                 self._auth = curve.authenticator(ctx)
                 curve.secure_server(self.socket)

@@ -843,6 +843,7 @@ class RoleBinding(_message.Message):
     REPLICA_FIELD_NUMBER: _builtins.int
     STEP_RATE_FIELD_NUMBER: _builtins.int
     STRAGGLER_FIELD_NUMBER: _builtins.int
+    REPLICATED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Node id."""
     node_name: _builtins.str
@@ -863,6 +864,10 @@ class RoleBinding(_message.Message):
     """
     straggler: _builtins.bool
     """Worker: slower than half the median step rate of the experiment's workers."""
+    replicated: _builtins.bool
+    """Parameter server, primary: its backup is attached and synced (acknowledged updates are
+    on two replicas), as the primary last reported it.
+    """
     def __init__(
         self,
         *,
@@ -875,10 +880,11 @@ class RoleBinding(_message.Message):
         replica: _builtins.int = ...,
         step_rate: _builtins.float = ...,
         straggler: _builtins.bool = ...,
+        replicated: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "index", b"index", "node_id", b"node_id", "node_name", b"node_name", "replica", b"replica", "role", b"role", "state", b"state", "step_rate", b"step_rate", "straggler", b"straggler"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "index", b"index", "node_id", b"node_id", "node_name", b"node_name", "replica", b"replica", "replicated", b"replicated", "role", b"role", "state", b"state", "step_rate", b"step_rate", "straggler", b"straggler"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

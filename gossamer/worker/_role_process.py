@@ -16,6 +16,11 @@ from gossamer.security.curve import CurveKeyPair, CurveKeyring
 
 log = logging.getLogger(__name__)
 
+#: Exit status of a role process that reported its own failure to the coordinator (with the
+#: cause): the agent does not report it again, which the coordinator would take for a failure
+#: of the role it has meanwhile put in its place on this node.
+EXIT_REPORTED = 3
+
 
 def setup(spec: RoleSpec) -> None:
     from gossamer.logs import configure

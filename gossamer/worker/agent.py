@@ -28,6 +28,7 @@ from gossamer.security.channel import (
 from gossamer.security.curve import CurveKeyPair
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+from gossamer.worker._role_process import EXIT_REPORTED
 from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
 from gossamer.worker.launcher import Launch, visible_cuda_devices
 from gossamer.worker.node_metrics import NodeMetrics
@@ -114,6 +115,9 @@ class _Running:
     stopping: bool = False
     reported: bool = False
     failed_at: float = 0.0
+    #: An assignment of the same role that this process cannot take (a primary made a backup:
+    #: the coordinator put a new backup here after this process failed); started once it exits.
+    successor: pb.Assignment | None = None
 
 
 class NodeAgent:
@@ -374,6 +378,7 @@ class NodeAgent:
         wanted = {self._key(a): a for a in assignments}
         for key, run in list(self.running.items()):
             if key not in wanted:
+                run.successor = None
                 self._terminate(run)
         for key, a in wanted.items():
             if key in self.running:
@@ -440,6 +445,12 @@ class NodeAgent:
         self.running[self._key(a)] = _Running(procs, pipes, a)
 
     def _update(self, run: _Running, a: pb.Assignment) -> None:
+        if run.successor is not None or (a.role == pb.ROLE_PARAMETER_SERVER and a.replica > run.assignment.replica):
+            # A shard process never becomes a backup again: this is a new backup in place of a
+            # primary that failed here; it starts in a new process once the old one is gone.
+            run.successor = a
+            self._terminate(run)
+            return
         if a.SerializeToString(deterministic=True) == run.assignment.SerializeToString(deterministic=True):
             return
         run.assignment = a
@@ -480,7 +491,8 @@ class NodeAgent:
                 if failed and not run.stopping and not run.reported:
                     run.reported = True
                     run.failed_at = time.monotonic()
-                    await self._report_failure(run, failed[0])
+                    if failed[0] != EXIT_REPORTED:  # else the process told the coordinator why itself
+                        await self._report_failure(run, failed[0])
                     self._terminate(run)
                 elif run.failed_at and time.monotonic() - run.failed_at > 5.0:
                     # A sibling rank stuck in a collective with the dead one ignores SIGTERM.
@@ -491,7 +503,9 @@ class NodeAgent:
                     for pipe in run.pipes:
                         pipe.close()
                     del self.running[key]
-                    if not run.stopping:
+                    if run.successor is not None:
+                        self._start(run.successor)
+                    elif not run.stopping and not failed:  # a failed role starts again if assigned again
                         self.finished.add(key)
             if self.attached is not None and self.attached.lost and not self._stop.is_set():
                 # Its launcher process is gone: this node can no longer run the ranks it advertised.

@@ -24,7 +24,7 @@ from gossamer.protocol import (
     RoleSpec,
 )
 from gossamer.v1 import coordinator_pb2 as pb
-from gossamer.worker._role_process import drain, keyring_of, refresh_keyring
+from gossamer.worker._role_process import EXIT_REPORTED, drain, keyring_of, refresh_keyring
 from gossamer.worker.model import build
 from gossamer.worker.node_metrics import MetricsFeed
 from gossamer.worker.reporter import Reporter
@@ -79,7 +79,7 @@ class ServerRole:
             self.reporter.role(self.spec.node_id, pb.ROLE_PARAMETER_SERVER, self.shard, pb.ROLE_STATE_FAILED,
                                message=f"{type(e).__name__}: {e}", retry_s=10)
             self.reporter.close()
-            raise SystemExit(1) from None
+            raise SystemExit(EXIT_REPORTED) from None
         finally:
             if self.checkpointer is not None:
                 self.checkpointer.close()
@@ -122,10 +122,17 @@ class ServerRole:
         self._report()
 
     def _serve(self) -> None:
-        thread = threading.Thread(target=self.server.serve, args=(self.stop,), daemon=True)
+        thread = threading.Thread(target=self.server.serve, args=(self.stop,), name=f"serve-shard-{self.shard}",
+                                  daemon=True)
         thread.start()
         next_metrics = time.monotonic()
         while not self.stop.wait(0.1):
+            if not thread.is_alive():
+                # Never stay alive and heartbeating without serving: fail the process, so the
+                # coordinator fails the shard over (promotes its backup, or restores it).
+                why = self.server.serve_failure
+                raise RuntimeError(f"the serve thread of shard {self.shard} died: "
+                                   f"{type(why).__name__ if why else 'exited'}: {why}")
             update = drain(self.conn, self._lease)
             if update is not None:
                 refresh_keyring(self.keyring, update)  # members and server keys: read by the ZAP thread as well

@@ -248,3 +248,19 @@ def test_a_spec_stored_before_the_deadline_fields_existed_reads_their_defaults()
     old = ExpRec(id="e", seq=1, name="e", spec_json='{"mode": "async", "num_ps_shards": 2}')
     assert old.spec["num_ps_shards"] == 2
     assert old.spec["node_wait_timeout_s"] == Experiment.__dataclass_fields__["node_wait_timeout_s"].default
+
+
+def test_a_shard_is_suspected_once_two_workers_time_out_on_it_within_the_window() -> None:
+    from gossamer.coordinator.failover import ShardSuspicion
+
+    s = ShardSuspicion(window_s=100.0)
+    msg = "UnavailableError: shards [0, 2] did not answer within 60.0s"
+    assert s.timed_out("e", "n1:0", msg, 0.0, workers=3) == []
+    assert s.timed_out("e", "n1:0", msg, 1.0, workers=3) == []  # the same worker twice is one
+    assert s.timed_out("f", "n2:1", msg, 2.0, workers=3) == []  # another experiment's worker
+    assert s.timed_out("e", "n2:1", "ShardError: shard 0: bad push (INVALID_ARGUMENT)", 3.0, workers=3) == []
+    assert s.timed_out("e", "n2:1", "UnavailableError: shards [2] did not answer within 60.0s", 4.0,
+                       workers=3) == [2]
+    assert s.timed_out("e", "n3:2", "UnavailableError: shards [0] did not answer", 200.0, workers=3) == []  # n1's expired
+    alone = ShardSuspicion(window_s=100.0)  # a run of one worker: its timeout is every worker's
+    assert alone.timed_out("e", "n1:0", "UnavailableError: shards [0] did not answer", 5.0, workers=1) == [0]

@@ -105,7 +105,9 @@ def test_where_momentum_runs() -> None:
     assert momentum_on_worker(sign) and density_warmup_steps(sign) == 0
     assert ShardConfig.for_experiment(sign, "e", 0).optimizer.momentum == 0
     topk = Experiment(**BASE, mode="sync", compression="topk:0.01", momentum=0.9, nesterov=True)
-    assert momentum_on_worker(topk) and density_warmup_steps(topk) == 10  # 5% of 200 steps
+    assert momentum_on_worker(topk) and density_warmup_steps(topk) == 0  # no warm-up unless asked: it costs bytes
+    warm = Experiment(**BASE, mode="async", compression="topk:0.01", momentum=0.9, warmup_steps=20)
+    assert density_warmup_steps(warm) == 20
     assert ShardConfig.for_experiment(topk, "e", 0).optimizer.nesterov is False
     plain = Experiment(**BASE, mode="async", compression="int8", momentum=0.9)
     assert not momentum_on_worker(plain)

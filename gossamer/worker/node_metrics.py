@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 #: A datagram larger than this is not a report.
 MAX_DATAGRAM = 64 * 1024
+#: The per-node directory of the role-report socket, under the temp dir.
+FEED_PREFIX = "gossamer-metrics-"
 #: Distinct role processes remembered at once (a bound on what the feed socket can make us hold).
 MAX_ROLES = 1024
 #: A finished role's figures stay on /metrics this long.
@@ -95,6 +97,37 @@ class _RoleFigures:
     seen: float = 0.0  # the agent's clock
 
 
+def sweep_stale_feeds(tmp: str | None = None, min_age_s: float = 60.0, now: float | None = None) -> int:
+    """Remove this user's feed directories whose node is gone; how many.
+
+    A node killed with SIGKILL (a vanished machine, a chaos test) cannot remove its own: each
+    start removes those older than `min_age_s` whose socket no process holds any more.
+    """
+    tmp = tmp or tempfile.gettempdir()
+    now = time.time() if now is None else now
+    removed = 0
+    for name in os.listdir(tmp):
+        path = os.path.join(tmp, name)
+        try:
+            if not name.startswith(FEED_PREFIX) or os.stat(path).st_uid != os.getuid():
+                continue
+            if now - os.stat(path).st_mtime < min_age_s:
+                continue  # a node may be starting in it
+        except OSError:
+            continue
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect(os.path.join(path, "feed.sock"))
+                continue  # someone still reads it
+            except (ConnectionRefusedError, FileNotFoundError):
+                pass
+            except OSError:
+                continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    return removed
+
+
 class NodeMetrics:
     """The agent's view of its role processes, served as Prometheus text on /metrics.
 
@@ -121,7 +154,8 @@ class NodeMetrics:
         """Open the feed socket and serve /metrics and /healthz; returns the bound HTTP port."""
         import asyncio
 
-        self._dir = tempfile.mkdtemp(prefix="gossamer-metrics-")  # mode 0700: this user's processes only
+        sweep_stale_feeds()
+        self._dir = tempfile.mkdtemp(prefix=FEED_PREFIX)  # mode 0700: this user's processes only
         self.socket_path = os.path.join(self._dir, "feed.sock")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.bind(self.socket_path)

@@ -120,3 +120,33 @@ def test_chart_series_skip_a_long_quiet_stretch() -> None:
     assert len(out["steps"]) <= 301
     assert out["loss"][-1][1] == 0.5
 
+
+
+def test_feed_directories_of_killed_nodes_are_swept_and_live_or_young_ones_kept(tmp_path: Path) -> None:
+    import os
+    import socket
+
+    from gossamer.worker.node_metrics import FEED_PREFIX, sweep_stale_feeds
+
+    def feed(name: str, *, live: bool, age_s: float) -> tuple[Path, socket.socket | None]:
+        d = tmp_path / f"{FEED_PREFIX}{name}"
+        d.mkdir()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(str(d / "feed.sock"))
+        if not live:
+            s.close()  # what SIGKILL leaves: the socket file, no reader
+        t = time.time() - age_s
+        os.utime(d, (t, t))
+        return d, (s if live else None)
+
+    dead, _ = feed("dead", live=False, age_s=600)
+    live, sock = feed("live", live=True, age_s=600)
+    young, _ = feed("young", live=False, age_s=1)
+    other = tmp_path / "not-ours"
+    other.mkdir()
+    try:
+        assert sweep_stale_feeds(str(tmp_path)) == 1
+        assert not dead.exists() and live.exists() and young.exists() and other.exists()
+    finally:
+        assert sock is not None
+        sock.close()

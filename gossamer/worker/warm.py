@@ -79,6 +79,10 @@ def warm_up_in_background(preload: tuple[str, ...] = ()) -> Future[float]:
     done: Future[float] = Future()
 
     def run() -> None:
+        if not done.set_running_or_notify_cancel():
+            return  # the node stopped before the warm-up began
+        # Running: a node stopping now cannot cancel it, so setting its result below never raises
+        # (a cancelled future did: "Exception in thread gossamer-warm-up" in a stopped node's log).
         try:
             done.set_result(warm_up(preload))
         except BaseException as e:  # noqa: BLE001 - handed to whoever awaits the future

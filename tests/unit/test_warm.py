@@ -92,3 +92,20 @@ def test_a_forked_role_is_named_for_ps_and_top() -> None:
     send.close()
     assert recv.recv() == "gossamer-w3.1"
     p.join(30)
+
+
+def test_a_node_stopped_during_the_warm_up_leaves_no_error_in_its_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A node stopping cancels the future it awaits; the warm-up thread must not then raise on
+    # setting its result ("Exception in thread gossamer-warm-up" broke a JSON log).
+    import threading
+
+    from gossamer.worker.warm import warm_up_in_background
+
+    errors: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    done = warm_up_in_background()
+    done.cancel()
+    for t in threading.enumerate():
+        if t.name == "gossamer-warm-up":
+            t.join(120)
+    assert not errors, errors

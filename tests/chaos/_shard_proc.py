@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,6 +28,28 @@ def model() -> torch.nn.Module:
 def promote_file(endpoint_file: str) -> Path:
     """Where a test, playing the coordinator, writes the fencing epoch a backup is promoted at."""
     return Path(endpoint_file + ".promote")
+
+
+def start_shard(tmp: Path, name: str, *, backup: bool, backup_endpoint: str = "", fault: str = "",
+                sender_key: str = "") -> tuple[Any, str]:
+    """`serve` in a spawned process writing its endpoint to TMP/NAME.endpoint; the process and that endpoint."""
+    path = tmp / f"{name}.endpoint"
+    proc = mp.get_context("spawn").Process(target=serve, args=(str(path), backup, backup_endpoint, fault, sender_key),
+                                           daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert proc.is_alive() and time.monotonic() < deadline, f"{name} did not start"
+        time.sleep(0.05)
+    return proc, path.read_text()
+
+
+def promote(tmp: Path, name: str, epoch: int = 1) -> None:
+    """What the coordinator's promotion does: shard NAME (a backup) becomes primary at `epoch`."""
+    order = promote_file(str(tmp / f"{name}.endpoint"))
+    staged = Path(f"{order}.tmp")
+    staged.write_text(str(epoch))
+    staged.rename(order)  # whole, or not at all
 
 
 def _follow_promotion(server, endpoint_file: str) -> None:  # type: ignore[no-untyped-def]

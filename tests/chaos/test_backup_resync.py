@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -13,21 +12,9 @@ import pytest
 import torch
 
 from gossamer.paramserver import ShardClient, ShardPlan
-from tests.chaos._shard_proc import model, promote_file, serve, shard_config
+from tests.chaos._shard_proc import model, promote, shard_config, start_shard
 
 pytestmark = pytest.mark.timeout(300)
-_SPAWN = mp.get_context("spawn")
-
-
-def _start(tmp: Path, name: str, backup: bool, backup_endpoint: str = "") -> tuple[mp.Process, str]:
-    path = tmp / f"{name}.endpoint"
-    proc = _SPAWN.Process(target=serve, args=(str(path), backup, backup_endpoint), daemon=True)
-    proc.start()
-    deadline = time.monotonic() + 60
-    while not path.exists():
-        assert proc.is_alive() and time.monotonic() < deadline, f"{name} did not start"
-        time.sleep(0.05)
-    return proc, path.read_text()
 
 
 def _wait(pred, what: str, timeout: float = 90.0) -> None:  # type: ignore[no-untyped-def]
@@ -68,8 +55,8 @@ class _Pusher(threading.Thread):
 def test_backup_stopped_past_the_stall_timeout_is_resynced_and_then_takes_over_losing_nothing(tmp_path: Path) -> None:
     plan = ShardPlan.for_module(model(), 1, chunk_numel=200)
     stall_s = shard_config().backup_timeout_s
-    backup, backup_ep = _start(tmp_path, "backup", backup=True)
-    primary, primary_ep = _start(tmp_path, "primary", backup=False, backup_endpoint=backup_ep)
+    backup, backup_ep = start_shard(tmp_path, "backup", backup=True)
+    primary, primary_ep = start_shard(tmp_path, "primary", backup=False, backup_endpoint=backup_ep)
     observer = ShardClient(experiment="chaos", sender="observer", plan=plan, endpoints={0: primary_ep}, timeout_s=30)
     moved: dict[str, str] = {}
     pushers = [_Pusher(f"w{i}", plan, primary_ep, moved) for i in range(2)]
@@ -103,10 +90,7 @@ def test_backup_stopped_past_the_stall_timeout_is_resynced_and_then_takes_over_l
         acked_at_kill = {p.client.sender: (p.acked[-1] if p.acked else -1) for p in pushers}
         # What the coordinator's promotion does: the backup is promoted at epoch 1 (only its word
         # promotes) and the workers follow.
-        order = promote_file(str(tmp_path / "backup.endpoint"))
-        staged = Path(f"{order}.tmp")
-        staged.write_text("1")
-        staged.rename(order)
+        promote(tmp_path, "backup", epoch=1)
         moved["to"] = backup_ep
         total = sum(len(p.acked) for p in pushers)
         _wait(lambda: sum(len(p.acked) for p in pushers) >= total + 30 or any(p.error for p in pushers),

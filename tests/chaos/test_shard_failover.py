@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -13,25 +12,9 @@ import pytest
 import torch
 
 from gossamer.paramserver import ShardClient, ShardPlan
-from tests.chaos._shard_proc import model, promote_file, serve
+from tests.chaos._shard_proc import model, promote, start_shard
 
 pytestmark = pytest.mark.timeout(180)
-_SPAWN = mp.get_context("spawn")
-
-
-def _start(tmp: Path, name: str, backup: bool, backup_endpoint: str = "", fault: str = "") -> tuple[mp.Process, str]:
-    path = _endpoint_file(tmp, name)
-    proc = _SPAWN.Process(target=serve, args=(str(path), backup, backup_endpoint, fault), daemon=True)
-    proc.start()
-    deadline = time.monotonic() + 60
-    while not path.exists():
-        assert proc.is_alive() and time.monotonic() < deadline, f"{name} did not start"
-        time.sleep(0.05)
-    return proc, path.read_text()
-
-
-def _endpoint_file(tmp: Path, name: str) -> Path:
-    return tmp / f"{name}.endpoint"
 
 
 class _Pusher(threading.Thread):
@@ -70,8 +53,8 @@ class _Pusher(threading.Thread):
 @pytest.mark.parametrize("fault", ["", "die:at=after-apply:step=300"], ids=["kill-anywhere", "kill-between-apply-and-reply"])
 def test_primary_kill9_loses_no_acknowledged_update(tmp_path: Path, fault: str) -> None:
     plan = ShardPlan.for_module(model(), 1, chunk_numel=200)
-    backup, backup_ep = _start(tmp_path, "backup", backup=True)
-    primary, primary_ep = _start(tmp_path, "primary", backup=False, backup_endpoint=backup_ep, fault=fault)
+    backup, backup_ep = start_shard(tmp_path, "backup", backup=True)
+    primary, primary_ep = start_shard(tmp_path, "primary", backup=False, backup_endpoint=backup_ep, fault=fault)
     moved: dict[str, str] = {}
     pushers = [_Pusher(f"w{i}", plan, primary_ep, moved) for i in range(3)]
     try:
@@ -88,10 +71,7 @@ def test_primary_kill9_loses_no_acknowledged_update(tmp_path: Path, fault: str) 
         acked_at_kill = sum(len(p.acked) for p in pushers)
         # What the coordinator's promotion does: the backup is promoted at epoch 1 and the workers
         # follow at once; until the backup has taken it, it refuses them NOT_PRIMARY and they ask again.
-        order = promote_file(str(_endpoint_file(tmp_path, "backup")))
-        staged = Path(f"{order}.tmp")
-        staged.write_text("1")
-        staged.rename(order)
+        promote(tmp_path, "backup", epoch=1)
         moved["to"] = backup_ep
         deadline = time.monotonic() + 60
         while sum(len(p.acked) for p in pushers) < acked_at_kill + 150:

@@ -3,7 +3,6 @@ and no member speaks for another (issue 15, item 4)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,10 @@ from gossamer.security.sender_tokens import new_key, primary_sender, token_for
 from gossamer.transport.frames import FrameLimits, Message, decode, encode
 from gossamer.transport.router import NOT_PRIMARY, STALE_EPOCH, UNAUTHENTICATED
 from tests._fixtures import DIGITS, MakeCluster
-from tests.chaos._shard_proc import model, serve, shard_config
+from tests.chaos._shard_proc import model, shard_config, start_shard
 from tests.chaos._wait import wait_for, wait_steps
 
 pytestmark = pytest.mark.timeout(300)
-_SPAWN = mp.get_context("spawn")
 
 
 def _ask(endpoint: str, msg: Message, timeout_s: float = 20.0) -> Message:
@@ -45,17 +43,6 @@ def _refused(reply: Message, code: str) -> str:
     return str(reply.meta.get("error"))
 
 
-def _start(tmp: Path, name: str, backup: bool, key: str, backup_endpoint: str = "") -> tuple[Any, str]:
-    path = tmp / f"{name}.endpoint"
-    proc = _SPAWN.Process(target=serve, args=(str(path), backup, backup_endpoint, "", key), daemon=True)
-    proc.start()
-    deadline = time.monotonic() + 60
-    while not path.exists():
-        assert proc.is_alive() and time.monotonic() < deadline, f"{name} did not start"
-        time.sleep(0.05)
-    return proc, path.read_text()
-
-
 def _grads(plan: ShardPlan) -> dict[int, torch.Tensor]:
     return {c.index: torch.full((c.numel,), 0.01) for c in plan.chunks}
 
@@ -63,8 +50,8 @@ def _grads(plan: ShardPlan) -> dict[int, torch.Tensor]:
 def test_forged_leave_push_and_replication_are_refused_and_the_real_sender_is_unharmed(tmp_path: Path) -> None:
     key = new_key()  # this test plays the coordinator: it holds the experiment's sender key
     plan = ShardPlan.for_module(model(), 1, chunk_numel=200)
-    backup, backup_ep = _start(tmp_path, "backup", True, key)
-    primary, primary_ep = _start(tmp_path, "primary", False, key, backup_endpoint=backup_ep)
+    backup, backup_ep = start_shard(tmp_path, "backup", backup=True, sender_key=key)
+    primary, primary_ep = start_shard(tmp_path, "primary", backup=False, backup_endpoint=backup_ep, sender_key=key)
     a_id, b_id = "nodeA:0", "nodeB:1"
     clients = [ShardClient(experiment="chaos", sender=s, token=token_for(key, s), plan=plan,
                            endpoints={0: primary_ep}, timeout_s=30) for s in (a_id, b_id)]

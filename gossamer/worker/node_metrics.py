@@ -108,13 +108,14 @@ def sweep_stale_feeds(tmp: str | None = None, min_age_s: float = 60.0, now: floa
     removed = 0
     for name in os.listdir(tmp):
         path = os.path.join(tmp, name)
+        if not name.startswith(FEED_PREFIX):
+            continue
         try:
-            if not name.startswith(FEED_PREFIX) or os.stat(path).st_uid != os.getuid():
-                continue
-            if now - os.stat(path).st_mtime < min_age_s:
-                continue  # a node may be starting in it
+            st = os.stat(path)
         except OSError:
             continue
+        if st.st_uid != os.getuid() or now - st.st_mtime < min_age_s:
+            continue  # another user's, or a node may be starting in it
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
             try:
                 probe.connect(os.path.join(path, "feed.sock"))

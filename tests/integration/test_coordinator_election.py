@@ -87,6 +87,9 @@ def test_secure_replicas_nodes_and_clients_follow_the_leader(tmp_path: Path, mak
             leader = conn.execute("SELECT address FROM gossamer_leader").fetchone()[0]
         name = next(n for n, p in cluster.replica_ports.items() if f"127.0.0.1:{p}" == leader)
         node_id = client.nodes()[0]["id"]
+        # The leader stores the join before it answers: kill it only once the node has its answer,
+        # else the node joins the next leader afresh under a new id.
+        wait_for(lambda: f"as node {node_id}" in (cluster.log_dir / "n0.log").read_text(), 30, "n0's join answer")
         cluster.kill_coordinator(name)
         # The new leader knows the node from the shared state, and hears its heartbeats over mTLS.
         wait_for(lambda: [(n["id"], n["state"]) for n in client.nodes()] == [(node_id, "ready")], 30,

@@ -85,6 +85,9 @@ class DilocoTrainer(ParameterServerTrainer):
             self.inner.step()
             self.layout.params_stepped()
             self._count(node_samples)
+        # The gradient is not needed again before the next round's first backward: free it for the
+        # exchange, where the reply and the pseudo-gradient are held instead.
+        self.layout.release_gradients()
         return self.layout.chunk_delta(theta0)
 
     def _report(self, rate: float) -> None:

@@ -170,6 +170,10 @@ class NodeLayout:
     def zero_grad(self) -> None:
         self.module.zero_grad(set_to_none=True)
 
+    def release_gradients(self) -> None:
+        """Free the gradient until the next backward makes it again (DiLoCo's outer exchange needs none)."""
+        self.zero_grad()
+
     def grad_sq_norm(self) -> float:
         """The squared L2 norm of the node's whole gradient (collective for sharded layouts)."""
         local = torch.zeros((), dtype=torch.float64)
@@ -292,12 +296,14 @@ class NodeLayout:
             out[idx] = g[start : start + n].cpu() if g is not None else torch.zeros(n)
         return out
 
+    def _chunk_views(self) -> dict[int, torch.Tensor]:
+        """This rank's chunks as views of its parameters (on the device), by chunk index."""
+        return {idx: r.local()[start : start + self.plan.chunks[idx].numel]
+                for idx, (r, start) in self._chunk_slots().items()}
+
     def chunk_values(self) -> dict[int, torch.Tensor]:
         """Copies of the current values of this rank's chunks (on CPU), by chunk index."""
-        out: dict[int, torch.Tensor] = {}
-        for idx, (r, start) in self._chunk_slots().items():
-            out[idx] = r.local()[start : start + self.plan.chunks[idx].numel].detach().cpu().clone()
-        return out
+        return {idx: v.detach().to("cpu", copy=True) for idx, v in self._chunk_views().items()}
 
     def write_chunks(self, values: dict[int, torch.Tensor], done: bool) -> bool:
         """Write fresh values of this rank's chunks into its parameters; returns `done` as the ranks
@@ -317,9 +323,10 @@ class NodeLayout:
         raise NotImplementedError(f"{self.kind} ranks never give a round up alone")
 
     def chunk_delta(self, snapshot: Any) -> dict[int, torch.Tensor]:
-        """`snapshot` minus the current values, by chunk index (DiLoCo's pseudo-gradient)."""
-        now = self.chunk_values()
-        return {idx: snapshot[idx].sub_(now[idx]) for idx in snapshot}
+        """`snapshot` minus the current values, by chunk index (DiLoCo's pseudo-gradient), in `snapshot`'s
+        buffers: no copy of the current values is made (on a GPU, one chunk's at a time)."""
+        now = self._chunk_views()
+        return {idx: snapshot[idx].sub_(now[idx].cpu()) for idx in snapshot}
 
     def params_changed(self) -> None:
         """`flat` was written: copy it into the parameters where they are not views of it."""
@@ -595,6 +602,8 @@ class ReplicatedLayout(NodeLayout):
         super().__init__(model, exp, rank, world, device)
         self.flat = flatten_params(self.module).to(device)
         self.flat_grad: torch.Tensor | None = None
+        self._views = False  # parameters and gradients are views of `flat` and `flat_grad`
+        self._grad_released = False  # `release_gradients` freed the gradient views: the next backward binds new ones
         self._grad = torch.zeros(0)  # the node gradient of the last step (`flat_grad` or a copy)
         self._grad_copied = False  # `_grad` is a copy that was changed: `.grad` must be given it
         self._views_checked = False
@@ -609,13 +618,30 @@ class ReplicatedLayout(NodeLayout):
         params = [p for _, p in self.module.named_parameters()]
         if not params or any(p.dtype != torch.float32 for p in params):
             return  # mixed dtypes: keep the copying path
-        self.flat_grad = torch.zeros_like(self.flat)
         offset = 0
         for p in params:
             n = p.numel()
             p.data = self.flat[offset : offset + n].view_as(p)
+            offset += n
+        self._views = True
+        self._bind_grad()
+
+    def _bind_grad(self) -> None:
+        """A zeroed flat gradient buffer, every parameter's `.grad` a view of it."""
+        self.flat_grad = torch.zeros_like(self.flat)
+        offset = 0
+        for p in self.module.parameters():
+            n = p.numel()
             p.grad = self.flat_grad[offset : offset + n].view_as(p)
             offset += n
+        self._grad_released = False
+
+    def release_gradients(self) -> None:
+        """Free the flat gradient (and every `.grad`) until the next `node_gradient` binds a fresh one."""
+        self._grad_released = self._views
+        self.module.zero_grad(set_to_none=True)
+        self.flat_grad = None
+        self._grad = torch.zeros(0)
 
     def _grads_are_views(self) -> bool:
         if self.flat_grad is None:
@@ -628,6 +654,8 @@ class ReplicatedLayout(NodeLayout):
     # --- a training rank's node gradient ---------------------------------------------------
     def node_gradient(self, batch: Any, denom: int, samples: int, loss_scale: float,
                       before_reduce: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._grad_released:
+            self._bind_grad()  # zeroed, as zero_grad leaves it
         self.module.zero_grad(set_to_none=False)
         with self.autocast():
             out = self.objective.forward(self.module, batch)
@@ -637,7 +665,7 @@ class ReplicatedLayout(NodeLayout):
         if not self._views_checked and self.flat_grad is not None and not self._grads_are_views():
             # Checked once: autograd accumulates in place into an existing .grad, so if the
             # first backward kept the views, later ones do too.
-            self.flat_grad = None  # autograd replaced a .grad: fall back to copying
+            self.flat_grad, self._views = None, False  # autograd replaced a .grad: fall back to copying
             unflatten_into(self.module, self.flat)
         self._views_checked = True
         grad = self.flat_grad if self.flat_grad is not None else flatten_grads(self.module)
@@ -687,16 +715,17 @@ class ReplicatedLayout(NodeLayout):
                 for c in self.chunks()}
 
     def write_chunks(self, values: dict[int, torch.Tensor], done: bool) -> bool:
-        """Every rank wrote its own chunks: one all-reduce gathers them, and the end flag with them."""
-        if self.world == 1:
-            self.plan.scatter(self.flat, values)
-        else:
-            buf = torch.zeros(self.flat.numel() + 1, dtype=self.flat.dtype, device=self.flat.device)
-            self.plan.scatter(buf[:-1], {k: v.to(buf.device) for k, v in values.items()})
-            buf[-1] = float(done)
-            dist.all_reduce(buf)  # chunks are disjoint across ranks: the sum is a gather
-            self.flat.copy_(buf[:-1])
-            done = bool(buf[-1].item() > 0)
+        """Every rank writes its own chunks into `flat` and zeroes the others: an all-reduce in place
+        gathers them (chunks are disjoint across ranks), with no whole-model buffer."""
+        self.plan.scatter(self.flat, values)
+        if self.world > 1:
+            for c in self.plan.chunks:
+                if c.index not in values:
+                    self.flat[c.flat_offset : c.flat_offset + c.numel].zero_()
+            dist.all_reduce(self.flat)
+            flag = torch.tensor([float(done)], device=self.flat.device)
+            dist.all_reduce(flag)
+            done = bool(flag.item() > 0)
         self.params_changed()
         return done
 
@@ -712,12 +741,16 @@ class ReplicatedLayout(NodeLayout):
         return {c.index: delta[c.flat_offset : c.flat_offset + c.numel] for c in self.chunks()}
 
     def params_changed(self) -> None:
-        if self.flat_grad is None:
+        if not self._views:
             unflatten_into(self.module, self.flat)
 
     def params_stepped(self) -> None:
-        if self.flat_grad is None:
-            self.flat.copy_(flatten_params(self.module))
+        if not self._views:  # parameter by parameter: no whole-model flattened copy
+            offset = 0
+            for p in self.module.parameters():
+                n = p.numel()
+                self.flat[offset : offset + n].copy_(p.detach().reshape(-1))
+                offset += n
 
     # --- node checkpoints ----------------------------------------------------------------------
     def owned_regions(self) -> list[Region]:

@@ -1,0 +1,131 @@
+"""The copies a DiLoCo worker does not make: no gradient over the exchange, the pseudo-gradient in the round's start buffer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gossamer.experiment import Experiment
+from gossamer.paramserver import ShardPlan
+from gossamer.paramserver.local import LocalShards
+from gossamer.worker.diloco import DilocoTrainer
+from gossamer.worker.layout import NodeLayout, ReplicatedLayout, make_layout
+from gossamer.worker.rank import RankContext
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+DIGITS = dict(model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data")
+
+
+class NewStorageBytes(TorchDispatchMode):
+    """Counts the bytes of every storage a torch op creates (in-place ops and views create none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        made = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given}
+        self.bytes += sum(made.values())
+        return out
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def _layout(parallelism: str) -> NodeLayout:
+    exp = Experiment(name="m", mode="diloco", parallelism=parallelism, chunk_numel=100, **DIGITS)  # type: ignore[arg-type]
+    model = _model()
+    layout = make_layout(model, exp, 0, 1, torch.device("cpu"))
+    layout.use_plan(ShardPlan.for_experiment(model, exp))
+    return layout
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(12, 16, generator=g), torch.randint(0, 8, (12,), generator=g)
+
+
+def _backward(layout: NodeLayout) -> None:
+    layout.node_gradient(_batch(), 12, 12, 1.0, before_reduce=lambda: None)
+    layout.gradient_ready()
+
+
+def test_a_released_gradient_comes_back_zeroed_as_views_of_one_flat_buffer() -> None:
+    kept, released = _layout("ddp"), _layout("ddp")
+    assert isinstance(kept, ReplicatedLayout) and isinstance(released, ReplicatedLayout)
+    for layout in (kept, released):
+        _backward(layout)
+    released.release_gradients()
+    assert released.flat_grad is None and all(p.grad is None for p in released.module.parameters())
+    with NewStorageBytes() as alloc:
+        released.params_changed()  # the parameters are still views of `flat`: nothing to copy
+        released.params_stepped()
+    assert alloc.bytes == 0
+    for layout in (kept, released):
+        _backward(layout)
+    assert released.flat_grad is not None and kept.flat_grad is not None
+    assert torch.equal(released.flat_grad, kept.flat_grad)  # zeroed before backward, as if never released
+    base = released.flat_grad.untyped_storage().data_ptr()
+    assert all(p.grad is not None and p.grad.untyped_storage().data_ptr() == base
+               for p in released.module.parameters())
+    flat = released.flat.untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == flat for p in released.module.parameters())
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_the_pseudo_gradient_is_taken_in_the_round_start_buffer(parallelism: str) -> None:
+    layout = _layout(parallelism)
+    start = layout.snapshot()
+    with torch.no_grad():
+        for p in layout.module.parameters():
+            p.add_(0.5)
+    with NewStorageBytes() as alloc:
+        delta = layout.chunk_delta(start)
+    assert alloc.bytes == 0, f"chunk_delta made {alloc.bytes} bytes of copies"
+    starts = {t.untyped_storage().data_ptr() for t in (start.values() if isinstance(start, dict) else [start])}
+    assert {d.untyped_storage().data_ptr() for d in delta.values()} <= starts
+    for d in delta.values():  # theta_0 - theta_H
+        torch.testing.assert_close(d, torch.full_like(d, -0.5), rtol=0, atol=1e-6)
+
+
+def test_a_diloco_worker_pushes_without_a_gradient_and_from_the_round_start_buffer(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    exp = Experiment(name="d", mode="diloco", num_ps_shards=2, inner_steps=2, total_steps=6, eval_every=0,
+                     lr=0.003, seed=1, **DIGITS)  # type: ignore[arg-type]
+    shards = LocalShards(exp)
+    try:
+        trainer = DilocoTrainer(RankContext(experiment_id="e", experiment=exp, node_id="n", worker_index=0,
+                                            num_workers=1, endpoints=shards.endpoints,
+                                            checkpoint_dir=str(tmp_path)))
+        layout = trainer.layout
+        assert isinstance(layout, ReplicatedLayout)
+        seen: list[tuple[bool, set[int], int]] = []
+        push_pull = trainer.client.push_pull
+
+        def spy(grads: dict[int, torch.Tensor], **kw: Any) -> Any:
+            no_grad = layout.flat_grad is None and all(p.grad is None for p in trainer.model.parameters())
+            storages = {g.untyped_storage().data_ptr() for g in grads.values()}
+            seen.append((no_grad, storages, layout.flat.untyped_storage().data_ptr()))
+            return push_pull(grads, **kw)
+
+        trainer.client.push_pull = spy  # type: ignore[method-assign]
+        trainer.run()
+    finally:
+        shards.close()
+    assert trainer.rounds == 3 and len(seen) == 3, (trainer.rounds, len(seen))
+    for no_grad, storages, flat in seen:
+        assert no_grad, "the gradient was still held while the pseudo-gradient was exchanged"
+        assert len(storages) == 1 and flat not in storages, "the pushed chunks are not views of one round-start buffer"

@@ -35,6 +35,7 @@ from gossamer.gossip.differences import ReceivedValues
 from gossamer.protocol import CancelMeta, MassMeta, SnapMeta
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
+from gossamer.transport.outgoing import OutgoingReplies, ReplyBudget, Reservation, track
 from gossamer.transport.ratelimit import RateLimit
 from gossamer.transport.router import (
     FAILED_PRECONDITION,
@@ -43,6 +44,8 @@ from gossamer.transport.router import (
     OVER_RATE,
     PERMISSION_DENIED,
     RATE_LIMITED,
+    RESOURCE_EXHAUSTED,
+    UNAUTHENTICATED,
     Router,
     configure_socket,
 )
@@ -79,9 +82,14 @@ _SEEN_SENDERS = 1024
 #: of peers; one far above it (1e308 passed as finite) left the receiver unable to send again.
 _MAX_WEIGHT = float(1 << 20)
 _REDIAL_S = 1.0  # after a refused handshake, a neighbour's socket is opened again this often
+#: Why a snapshot request was refused: the connection, or the peer, holds its most in unread replies.
+OVER_BUDGET = "reply_budget"
+#: A snapshot reply's reservation of the reply budget and the storage of the values it references.
+_Budgeted = tuple[Reservation | None, int | None]
 # A gossip ERROR carries the data plane's one vocabulary of codes (transport/router.py) and,
 # as `reason`, the finer refusal reason it is counted under (`gossip_refused_<reason>`).
-_CODE_OF_REASON = {"malformed": INVALID_ARGUMENT, NOT_MEMBER: PERMISSION_DENIED, OVER_RATE: RATE_LIMITED}
+_CODE_OF_REASON = {"malformed": INVALID_ARGUMENT, NOT_MEMBER: PERMISSION_DENIED, OVER_RATE: RATE_LIMITED,
+                   "unauthenticated": UNAUTHENTICATED, OVER_BUDGET: RESOURCE_EXHAUSTED}
 _REASON_OF_CODE = {code: reason for reason, code in _CODE_OF_REASON.items()}
 
 
@@ -124,6 +132,7 @@ class PeerIO:
         numel: int | None,
         curve: CurveKeyring | None = None,
         rate_limit: RateLimit | None = None,
+        reply_budget: ReplyBudget | None = None,
     ) -> None:
         self.experiment = experiment
         self.peer_id = peer_id
@@ -138,7 +147,8 @@ class PeerIO:
         self.settled: queue.Queue[tuple[int, bool]] = queue.Queue()  # (hold id, restore?)
         self.stale_refs: queue.SimpleQueue[str] = queue.SimpleQueue()  # NACKed: reference not held
         # (identity, rid, requester, light: step and done only, no parameters)
-        self.snap_requests: queue.SimpleQueue[tuple[bytes, int, str, bool]] = queue.SimpleQueue()
+        # (..., the reply budget it holds until answered)
+        self.snap_requests: queue.SimpleQueue[tuple[bytes, int, str, bool, Reservation | None]] = queue.SimpleQueue()
         self.bytes_up = 0
         self.bytes_down = 0
         self.raw_bytes_up = 0
@@ -149,11 +159,14 @@ class PeerIO:
         self.handshake_failures = 0  # our connections a neighbour refused (CURVE key, mechanism)
         self._curve = curve
 
+        # A snapshot reply is one fp32 copy of z; the only large reply a peer sends.
+        self._snapshot_bytes = 4 * numel if numel else limits.max_message_bytes
+        outgoing = OutgoingReplies(reply_budget, self._snapshot_bytes) if reply_budget is not None else None
         self._ctx = zmq.Context()
         try:
             self._router = Router(self._ctx, name=f"gossip peer {peer_id}", limits=limits,
                                   refusal_reply=self._refusal_reply, curve=curve, rate_limit=rate_limit,
-                                  refused=self.rejected)
+                                  refused=self.rejected, outgoing=outgoing)
         except zmq.ZMQError:
             self._ctx.term()
             raise
@@ -184,7 +197,7 @@ class PeerIO:
         self._watched: dict[zmq.Socket, zmq.Socket] = {}  # monitor socket -> DEALER
         self._redial: dict[str, float] = {}  # neighbour -> when to open a new socket to it
         self._outstanding: dict[int, _Outstanding] = {}
-        self._delayed: list[tuple[float, int, zmq.Socket, bytes | None, list[Any], int]] = []
+        self._delayed: list[tuple[float, int, zmq.Socket, bytes | None, list[Any], int, _Budgeted | None]] = []
         self._seq = itertools.count()
         self._seen: OrderedDict[tuple[str, int], OrderedDict[int, bool]] = OrderedDict()
         self._poller = zmq.Poller()
@@ -304,8 +317,8 @@ class PeerIO:
                 if kind == "mass":
                     self._send_mass(*cmd[1:])
                 elif kind == "reply":
-                    _, identity, frames, info = cmd
-                    self._send(self._router.socket, identity, frames, SNAPSHOT, info)
+                    _, identity, frames, info, reserved, shared = cmd
+                    self._send(self._router.socket, identity, frames, SNAPSHOT, info, reply=(reserved, shared))
                 elif kind == "members":
                     self._set_members(cmd[1], cmd[2])
                 elif kind == "numel":
@@ -345,7 +358,9 @@ class PeerIO:
         op: str,
         info: dict[str, Any],
         raw_extra: int = 0,
+        reply: _Budgeted | None = None,
     ) -> None:
+        """`reply`: a snapshot reply's (reservation, storage of its values), held against the budget."""
         decision = None
         if self._fault is not None:
             try:
@@ -354,17 +369,35 @@ class PeerIO:
                 logger.exception("gossip peer %s: fault hook failed", self.peer_id)
         if decision == "drop":
             self.fault_dropped += 1
+            if reply is not None:
+                self._router.release(reply[0])
             return
         if decision and decision.startswith("delay:"):
             due = time.monotonic() + float(decision.split(":", 1)[1])
-            heapq.heappush(self._delayed, (due, next(self._seq), sock, identity, frames, raw_extra))
+            heapq.heappush(self._delayed, (due, next(self._seq), sock, identity, frames, raw_extra, reply))
             return
-        self._send_now(sock, identity, frames, raw_extra)
+        self._send_now(sock, identity, frames, raw_extra, reply)
 
     def _send_now(
-        self, sock: zmq.Socket, identity: bytes | None, frames: list[Any], raw_extra: int
+        self, sock: zmq.Socket, identity: bytes | None, frames: list[Any], raw_extra: int,
+        reply: _Budgeted | None = None,
     ) -> None:
         if sock.closed:
+            if reply is not None:
+                self._router.release(reply[0])
+            return
+        if reply is not None and identity is not None:
+            n = frames_nbytes(frames)
+            if len(frames) > 1:  # tensors: held against the reply budget until ZMQ lets go of them
+                frames, tracker = track(frames)
+                sent = self._router.send_tracked(identity, frames, tracker, n, shared=reply[1], reserved=reply[0])
+            else:
+                sent = self._router.send_tracked(identity, frames, None, n, reserved=reply[0])
+            if not sent:
+                self.send_failures += 1
+                return
+            self.bytes_up += n
+            self.raw_bytes_up += n + raw_extra
             return
         try:
             sock.send_multipart(
@@ -402,8 +435,8 @@ class PeerIO:
                 del self._dealers[pid]
                 self._dial(pid, entry[0])
         while self._delayed and self._delayed[0][0] <= now:
-            _, _, sock, identity, frames, raw_extra = heapq.heappop(self._delayed)
-            self._send_now(sock, identity, frames, raw_extra)
+            _, _, sock, identity, frames, raw_extra, reply = heapq.heappop(self._delayed)
+            self._send_now(sock, identity, frames, raw_extra, reply)
         for hid, out in self._outstanding.items():
             if out.deadline > now:
                 continue
@@ -568,6 +601,10 @@ class PeerIO:
                 "experiment",
                 f"experiment {msg.experiment!r} is not {self.experiment!r}",
             )
+        elif not self._router.speaks_for(self._router.peer_key(payload), msg.sender):
+            # Before any outcome is remembered under that sender: a forger must not settle its mass.
+            self._refuse(identity, msg, "unauthenticated",
+                         f"this connection's CURVE key is not the key of peer {msg.sender!r}'s node")
         elif msg.op == MASS:
             self._on_mass(identity, msg)
         elif msg.op == CANCEL:
@@ -578,7 +615,12 @@ class PeerIO:
             except ProtocolError as e:
                 self._refuse(identity, msg, "malformed", str(e))
                 return
-            self.snap_requests.put((identity, msg.meta["rid"], msg.sender, snap.light))
+            why = self._router.over_budget(identity)
+            if why is not None:
+                self._refuse(identity, msg, OVER_BUDGET, why)
+                return
+            reserved = self._router.reserve(identity, 0 if snap.light else self._snapshot_bytes)
+            self.snap_requests.put((identity, msg.meta["rid"], msg.sender, snap.light, reserved))
         else:
             self._refuse(identity, msg, "unknown_op", f"unknown op {msg.op!r}")
 

@@ -127,6 +127,11 @@ class Updates:
                 lambda i=identity, r=rid, c=chunks: self.replies.params(i, r, c, staleness=0)  # type: ignore[misc]
             )
 
+    @property
+    def gathering(self) -> int:
+        """Updates with some parts received and others still missing."""
+        return len(self._pending)
+
     # -- who may cost the shard memory ------------------------------------------------------------
     def is_member(self, sender: str) -> bool:
         """`sender` is one of the coordinator's current workers (any sender before it named them)."""

@@ -104,6 +104,38 @@ class Incoming:
     d: torch.Tensor
 
 
+def _outcomes(seen_by: OrderedDict[tuple[str, int], OrderedDict[int, bool]], sender: str,
+              inc: int) -> OrderedDict[int, bool]:
+    """The outcomes remembered for one sender incarnation (the least recent forgotten past `_SEEN_SENDERS`)."""
+    key = (sender, inc)
+    seen = seen_by.get(key)
+    if seen is None:
+        seen = seen_by[key] = OrderedDict()
+        while len(seen_by) > _SEEN_SENDERS:
+            seen_by.popitem(last=False)
+    else:
+        seen_by.move_to_end(key)
+    return seen
+
+
+def _remember(seen: OrderedDict[int, bool], hid: int, applied: bool) -> None:
+    seen[hid] = applied
+    while len(seen) > _SEEN_PER_SENDER:
+        seen.popitem(last=False)
+
+
+def _send_budgeted(router: Router, identity: bytes, frames: list[Any], reply: _Budgeted) -> int | None:
+    """Send a snapshot reply held against `router`'s reply budget (its tensors tracked); its size, or None: dropped."""
+    reserved, shared = reply
+    n = frames_nbytes(frames)
+    if len(frames) > 1:  # tensors: held until ZMQ lets go of them
+        frames, tracker = track(frames)
+        sent = router.send_tracked(identity, frames, tracker, n, shared=shared, reserved=reserved)
+    else:
+        sent = router.send_tracked(identity, frames, None, n, reserved=reserved)
+    return n if sent else None
+
+
 @dataclass
 class _Outstanding:
     peer: str
@@ -387,17 +419,12 @@ class PeerIO:
                 self._router.release(reply[0])
             return
         if reply is not None and identity is not None:
-            n = frames_nbytes(frames)
-            if len(frames) > 1:  # tensors: held against the reply budget until ZMQ lets go of them
-                frames, tracker = track(frames)
-                sent = self._router.send_tracked(identity, frames, tracker, n, shared=reply[1], reserved=reply[0])
-            else:
-                sent = self._router.send_tracked(identity, frames, None, n, reserved=reply[0])
-            if not sent:
+            sent = _send_budgeted(self._router, identity, frames, reply)
+            if sent is None:
                 self.send_failures += 1
-                return
-            self.bytes_up += n
-            self.raw_bytes_up += n + raw_extra
+            else:
+                self.bytes_up += sent
+                self.raw_bytes_up += sent + raw_extra
             return
         try:
             sock.send_multipart(
@@ -557,13 +584,8 @@ class PeerIO:
         """Count and log a refused request; NACK a MASS with an id, else an ERROR reply."""
         self.rejected[reason] += 1
         sender = msg.sender if msg is not None else "?"
-        logger.warning(
-            "gossip peer %s: refused %s from %r: %s",
-            self.peer_id,
-            msg.op if msg is not None else "a message",
-            sender,
-            text,
-        )
+        logger.warning("gossip peer %s: refused %s from %r: %s", self.peer_id,
+                       msg.op if msg is not None else "a message", sender, text)
         meta = msg.meta if msg is not None else {}
         hid = _int(meta, "id")
         if msg is not None and msg.op == MASS and hid is not None:
@@ -624,22 +646,6 @@ class PeerIO:
         else:
             self._refuse(identity, msg, "unknown_op", f"unknown op {msg.op!r}")
 
-    def _outcomes(self, sender: str, inc: int) -> OrderedDict[int, bool]:
-        key = (sender, inc)
-        seen = self._seen.get(key)
-        if seen is None:
-            seen = self._seen[key] = OrderedDict()
-            while len(self._seen) > _SEEN_SENDERS:
-                self._seen.popitem(last=False)
-        else:
-            self._seen.move_to_end(key)
-        return seen
-
-    def _remember(self, seen: OrderedDict[int, bool], hid: int, applied: bool) -> None:
-        seen[hid] = applied
-        while len(seen) > _SEEN_PER_SENDER:
-            seen.popitem(last=False)
-
     def _on_mass(self, identity: bytes, msg: Message) -> None:
         try:
             m = MassMeta.from_meta(msg.meta)
@@ -647,7 +653,7 @@ class PeerIO:
             self._refuse(identity, msg, "malformed", str(e))
             return
         hid, gen, weight, pmeta = m.id, m.gen, m.weight, m.payload
-        seen = self._outcomes(msg.sender, m.inc)
+        seen = _outcomes(self._seen, msg.sender, m.inc)
         if hid in seen:  # a duplicate: answer as the first time
             self.duplicates += 1
             self._reply(identity, ACK if seen[hid] else NACK, {"id": hid}, msg.sender)
@@ -668,7 +674,7 @@ class PeerIO:
         elif m.ref is not None and not self._values.holds(msg.sender, m.inc, m.ref):
             reason, text = "reference", f"reference MASS {m.ref} is not (or no longer) held"
         if reason:
-            self._remember(seen, hid, False)
+            _remember(seen, hid, False)
             self._refuse(identity, msg, reason, text)
             return
         assert self._numel is not None and pmeta is not None
@@ -676,11 +682,11 @@ class PeerIO:
             d = self.codec.decode(Payload(msg.tensors, pmeta), (self._numel,), torch.float32)
         except ProtocolError as e:
             bad = "NaN" in str(e) or "beyond the fp32 range" in str(e)
-            self._remember(seen, hid, False)
+            _remember(seen, hid, False)
             self._refuse(identity, msg, "nonfinite" if bad else "payload", str(e))
             return
         mass = d if m.ref is None else self._values.mass(msg.sender, m.inc, m.ref, hid, d, weight)
-        self._remember(seen, hid, mass is not None)
+        _remember(seen, hid, mass is not None)
         if mass is None:
             self._refuse(identity, msg, "nonfinite", "the value decodes beyond the fp32 range")
             return
@@ -694,11 +700,11 @@ class PeerIO:
             self._refuse(identity, msg, "malformed", str(e))
             return
         hid = cancel.id
-        seen = self._outcomes(msg.sender, cancel.inc)
+        seen = _outcomes(self._seen, msg.sender, cancel.inc)
         if hid in seen:
             self._reply(identity, ACK if seen[hid] else NACK, {"id": hid}, msg.sender)
         else:  # never arrived: a late copy will be NACKed
-            self._remember(seen, hid, False)
+            _remember(seen, hid, False)
             self._reply(identity, CANCELLED, {"id": hid}, msg.sender)
 
     # -- receiving: replies on the DEALERs -------------------------------------------------
@@ -721,31 +727,15 @@ class PeerIO:
             assert hid is not None
             del self._outstanding[hid]
             if msg.op == NACK:
-                logger.info(
-                    "gossip peer %s: %s NACKed mass %d: %s",
-                    self.peer_id,
-                    peer,
-                    hid,
-                    msg.meta.get("error", ""),
-                )
+                logger.info("gossip peer %s: %s NACKed mass %d: %s", self.peer_id, peer, hid, msg.meta.get("error", ""))
             if msg.op == NACK and msg.meta.get("reason") == "reference" and peer is not None:
                 self.stale_refs.put(peer)  # before `settled`: the trainer drains both in order
             self.settled.put((hid, msg.op != ACK))
         elif msg.op in (SNAPSHOT, ERROR) and _int(msg.meta, "rid") is not None:
             if msg.op == ERROR:
-                logger.warning(
-                    "gossip peer %s: %r answered an error: %s",
-                    self.peer_id,
-                    peer,
-                    msg.meta.get("error"),
-                )
+                logger.warning("gossip peer %s: %r answered an error: %s", self.peer_id, peer, msg.meta.get("error"))
             self._resolve(msg.meta["rid"], msg if msg.op == SNAPSHOT else None)
         else:
             if msg.op == ERROR:
-                logger.warning(
-                    "gossip peer %s: %r answered an error: %s",
-                    self.peer_id,
-                    peer,
-                    msg.meta.get("error"),
-                )
+                logger.warning("gossip peer %s: %r answered an error: %s", self.peer_id, peer, msg.meta.get("error"))
             self.rejected["bad_reply"] += 1

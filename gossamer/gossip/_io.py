@@ -82,6 +82,7 @@ _SEEN_SENDERS = 1024
 #: of peers; one far above it (1e308 passed as finite) left the receiver unable to send again.
 _MAX_WEIGHT = float(1 << 20)
 _REDIAL_S = 1.0  # after a refused handshake, a neighbour's socket is opened again this often
+_LOG_EVERY_S = 5.0
 #: Why a snapshot request was refused: the connection, or the peer, holds its most in unread replies.
 OVER_BUDGET = "reply_budget"
 #: A snapshot reply's reservation of the reply budget and the storage of the values it references.
@@ -102,6 +103,21 @@ class Incoming:
     step: int
     weight: float
     d: torch.Tensor
+
+
+class _Every:
+    """Says when `interval_s` has passed since it last said so: a flood must not flood the log too."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last = -interval_s
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return False
+        self._last = now
+        return True
 
 
 def _outcomes(seen_by: OrderedDict[tuple[str, int], OrderedDict[int, bool]], sender: str,
@@ -190,6 +206,7 @@ class PeerIO:
         self.send_failures = 0
         self.handshake_failures = 0  # our connections a neighbour refused (CURVE key, mechanism)
         self._curve = curve
+        self._rare = _Every(_LOG_EVERY_S)
 
         # A snapshot reply is one fp32 copy of z; the only large reply a peer sends.
         self._snapshot_bytes = 4 * numel if numel else limits.max_message_bytes
@@ -432,7 +449,8 @@ class PeerIO:
             )
         except zmq.ZMQError as e:
             self.send_failures += 1
-            logger.warning("gossip peer %s: send failed: %s", self.peer_id, e)
+            if self._rare.due():  # a peer that never reads fills its queue: one line per interval, not per reply
+                logger.warning("gossip peer %s: send failed: %s (%d so far)", self.peer_id, e, self.send_failures)
             return
         n = frames_nbytes(frames)
         self.bytes_up += n
@@ -584,8 +602,9 @@ class PeerIO:
         """Count and log a refused request; NACK a MASS with an id, else an ERROR reply."""
         self.rejected[reason] += 1
         sender = msg.sender if msg is not None else "?"
-        logger.warning("gossip peer %s: refused %s from %r: %s", self.peer_id,
-                       msg.op if msg is not None else "a message", sender, text)
+        (logger.warning if self._rare.due() else logger.debug)(
+            "gossip peer %s: refused %s from %r: %s", self.peer_id, msg.op if msg is not None else "a message",
+            sender, text)
         meta = msg.meta if msg is not None else {}
         hid = _int(meta, "id")
         if msg is not None and msg.op == MASS and hid is not None:

@@ -553,6 +553,8 @@ def test_secured_cluster_runs_curve_and_refuses_strangers_end_to_end(tmp_path: P
     assert result.status == "completed", result
     assert result.metrics["eval_accuracy"] >= 0.9, result.metrics
     assert "over CurveZMQ" in logs
+    # The primary replicates under `shard-0`, bound to its own node's key: the backup took it.
+    assert "backup synced at version" in logs and "backup refused replication" not in logs, logs[-3000:]
 
 
 @pytest.mark.timeout(420)

@@ -92,6 +92,8 @@ class AssignmentUpdate:
     sender_token: str = ""
     #: Shard: the key the senders' tokens are checked with ("": senders are not checked).
     sender_key: str = ""
+    #: CURVE: sender id -> the public key of the node that alone may speak as it.
+    curve_senders: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -458,7 +458,7 @@ class Coordinator:
         exp = self.exps.get(node.experiment_id)
         if exp is None or not exp.active:
             return []
-        keys = views.curve_keys(exp, self.nodes) if self.curve else ({}, [])
+        keys = views.curve_keys(exp, self.nodes) if self.curve else ({}, [], {})
         return views.assignments(exp, node_id, checkpoint_root=self.checkpoint_root, curve_keys=keys)
 
     # --- experiments -----------------------------------------------------------------------

@@ -6,12 +6,15 @@ import json
 from collections.abc import Mapping
 
 from gossamer.coordinator.records import ExpRec, NodeRec
-from gossamer.security.sender_tokens import token_for
+from gossamer.security.sender_tokens import primary_sender, token_for
 from gossamer.v1 import coordinator_pb2 as pb
+
+#: What `curve_keys` returns: (server keys by endpoint, member keys, sender keys by sender id).
+CurveKeys = tuple[dict[str, str], list[str], dict[str, str]]
 
 
 def assignments(exp: ExpRec, node_id: str, *, checkpoint_root: str,
-                curve_keys: tuple[dict[str, str], list[str]] = ({}, [])) -> list[pb.Assignment]:
+                curve_keys: CurveKeys = ({}, [], {})) -> list[pb.Assignment]:
     """The roles node `node_id` holds in `exp` (workers only once it runs), as the node runs them.
 
     `curve_keys` is `curve_keys(exp, nodes)` when the data plane runs CurveZMQ.
@@ -23,7 +26,7 @@ def assignments(exp: ExpRec, node_id: str, *, checkpoint_root: str,
     workers = exp.roles_of(pb.ROLE_WORKER)
     senders = [f"{w.node_id}:{w.index}" for w in workers]
     peers = {w.index: w.endpoint for w in workers if w.endpoint} if not exp.mode.servers else {}
-    server_keys, members = curve_keys
+    server_keys, members, curve_senders = curve_keys
     spec = exp.spec
     epochs = {int(k): v for k, v in exp.shard_epochs.items()}
     out = []
@@ -56,21 +59,34 @@ def assignments(exp: ExpRec, node_id: str, *, checkpoint_root: str,
                 shard_epochs=epochs if not ps else {r.index: epochs.get(r.index, 0)},
                 sender_token=token_for(exp.sender_key, f"{r.node_id}:{r.index}") if not ps else "",
                 sender_key=exp.sender_key if ps else "",
+                curve_senders=curve_senders,
             )
         )
     return out
 
 
-def curve_keys(exp: ExpRec, nodes: Mapping[str, NodeRec]) -> tuple[dict[str, str], list[str]]:
-    """CurveZMQ: (endpoint -> public key of the node serving it, public keys of the members).
+def curve_keys(exp: ExpRec, nodes: Mapping[str, NodeRec]) -> CurveKeys:
+    """CurveZMQ: (endpoint -> public key of the node serving it, public keys of the members,
+    data-plane sender id -> public key of the node that alone may speak as it).
 
     Members are the nodes holding a role in `exp` now: a node that is lost, leaves or
-    loses its role drops out, and the shards and peers refuse its key from then on.
+    loses its role drops out, and the shards and peers refuse its key from then on. Senders:
+    each worker's id (`node_id:index` to shards, its index to gossip peers) and each shard
+    primary's `shard-N`, so a member's key speaks only for its own node's roles.
     """
     keys = {r.node_id: nodes[r.node_id].curve_key for r in exp.roles
             if r.node_id in nodes and nodes[r.node_id].curve_key}
     endpoints = {r.endpoint: keys[r.node_id] for r in exp.roles if r.endpoint and r.node_id in keys}
-    return endpoints, sorted(set(keys.values()))
+    senders: dict[str, str] = {}
+    for r in exp.roles:
+        key = keys.get(r.node_id)
+        if key is None:
+            continue
+        if r.role == pb.ROLE_WORKER:
+            senders[f"{r.node_id}:{r.index}" if exp.mode.servers else str(r.index)] = key
+        elif r.replica == 0:
+            senders[primary_sender(r.index)] = key
+    return endpoints, sorted(set(keys.values())), senders
 
 
 def experiment_status(exp: ExpRec, nodes: Mapping[str, NodeRec], rates: Mapping[str, float],

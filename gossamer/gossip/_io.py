@@ -35,6 +35,7 @@ from gossamer.gossip.differences import ReceivedValues
 from gossamer.protocol import CancelMeta, MassMeta, SnapMeta
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
+from gossamer.transport.outgoing import OutgoingReplies, ReplyBudget, Reservation, track
 from gossamer.transport.ratelimit import RateLimit
 from gossamer.transport.router import (
     FAILED_PRECONDITION,
@@ -43,6 +44,8 @@ from gossamer.transport.router import (
     OVER_RATE,
     PERMISSION_DENIED,
     RATE_LIMITED,
+    RESOURCE_EXHAUSTED,
+    UNAUTHENTICATED,
     Router,
     configure_socket,
 )
@@ -79,9 +82,15 @@ _SEEN_SENDERS = 1024
 #: of peers; one far above it (1e308 passed as finite) left the receiver unable to send again.
 _MAX_WEIGHT = float(1 << 20)
 _REDIAL_S = 1.0  # after a refused handshake, a neighbour's socket is opened again this often
+_LOG_EVERY_S = 5.0
+#: Why a snapshot request was refused: the connection, or the peer, holds its most in unread replies.
+OVER_BUDGET = "reply_budget"
+#: A snapshot reply's reservation of the reply budget and the storage of the values it references.
+_Budgeted = tuple[Reservation | None, int | None]
 # A gossip ERROR carries the data plane's one vocabulary of codes (transport/router.py) and,
 # as `reason`, the finer refusal reason it is counted under (`gossip_refused_<reason>`).
-_CODE_OF_REASON = {"malformed": INVALID_ARGUMENT, NOT_MEMBER: PERMISSION_DENIED, OVER_RATE: RATE_LIMITED}
+_CODE_OF_REASON = {"malformed": INVALID_ARGUMENT, NOT_MEMBER: PERMISSION_DENIED, OVER_RATE: RATE_LIMITED,
+                   "unauthenticated": UNAUTHENTICATED, OVER_BUDGET: RESOURCE_EXHAUSTED}
 _REASON_OF_CODE = {code: reason for reason, code in _CODE_OF_REASON.items()}
 
 
@@ -94,6 +103,53 @@ class Incoming:
     step: int
     weight: float
     d: torch.Tensor
+
+
+class _Every:
+    """Says when `interval_s` has passed since it last said so: a flood must not flood the log too."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last = -interval_s
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return False
+        self._last = now
+        return True
+
+
+def _outcomes(seen_by: OrderedDict[tuple[str, int], OrderedDict[int, bool]], sender: str,
+              inc: int) -> OrderedDict[int, bool]:
+    """The outcomes remembered for one sender incarnation (the least recent forgotten past `_SEEN_SENDERS`)."""
+    key = (sender, inc)
+    seen = seen_by.get(key)
+    if seen is None:
+        seen = seen_by[key] = OrderedDict()
+        while len(seen_by) > _SEEN_SENDERS:
+            seen_by.popitem(last=False)
+    else:
+        seen_by.move_to_end(key)
+    return seen
+
+
+def _remember(seen: OrderedDict[int, bool], hid: int, applied: bool) -> None:
+    seen[hid] = applied
+    while len(seen) > _SEEN_PER_SENDER:
+        seen.popitem(last=False)
+
+
+def _send_budgeted(router: Router, identity: bytes, frames: list[Any], reply: _Budgeted) -> int | None:
+    """Send a snapshot reply held against `router`'s reply budget (its tensors tracked); its size, or None: dropped."""
+    reserved, shared = reply
+    n = frames_nbytes(frames)
+    if len(frames) > 1:  # tensors: held until ZMQ lets go of them
+        frames, tracker = track(frames)
+        sent = router.send_tracked(identity, frames, tracker, n, shared=shared, reserved=reserved)
+    else:
+        sent = router.send_tracked(identity, frames, None, n, reserved=reserved)
+    return n if sent else None
 
 
 @dataclass
@@ -124,6 +180,7 @@ class PeerIO:
         numel: int | None,
         curve: CurveKeyring | None = None,
         rate_limit: RateLimit | None = None,
+        reply_budget: ReplyBudget | None = None,
     ) -> None:
         self.experiment = experiment
         self.peer_id = peer_id
@@ -138,7 +195,8 @@ class PeerIO:
         self.settled: queue.Queue[tuple[int, bool]] = queue.Queue()  # (hold id, restore?)
         self.stale_refs: queue.SimpleQueue[str] = queue.SimpleQueue()  # NACKed: reference not held
         # (identity, rid, requester, light: step and done only, no parameters)
-        self.snap_requests: queue.SimpleQueue[tuple[bytes, int, str, bool]] = queue.SimpleQueue()
+        # (..., the reply budget it holds until answered)
+        self.snap_requests: queue.SimpleQueue[tuple[bytes, int, str, bool, Reservation | None]] = queue.SimpleQueue()
         self.bytes_up = 0
         self.bytes_down = 0
         self.raw_bytes_up = 0
@@ -148,12 +206,16 @@ class PeerIO:
         self.send_failures = 0
         self.handshake_failures = 0  # our connections a neighbour refused (CURVE key, mechanism)
         self._curve = curve
+        self._rare = _Every(_LOG_EVERY_S)
 
+        # A snapshot reply is one fp32 copy of z; the only large reply a peer sends.
+        self._snapshot_bytes = 4 * numel if numel else limits.max_message_bytes
+        outgoing = OutgoingReplies(reply_budget, self._snapshot_bytes) if reply_budget is not None else None
         self._ctx = zmq.Context()
         try:
             self._router = Router(self._ctx, name=f"gossip peer {peer_id}", limits=limits,
                                   refusal_reply=self._refusal_reply, curve=curve, rate_limit=rate_limit,
-                                  refused=self.rejected)
+                                  refused=self.rejected, outgoing=outgoing)
         except zmq.ZMQError:
             self._ctx.term()
             raise
@@ -184,7 +246,7 @@ class PeerIO:
         self._watched: dict[zmq.Socket, zmq.Socket] = {}  # monitor socket -> DEALER
         self._redial: dict[str, float] = {}  # neighbour -> when to open a new socket to it
         self._outstanding: dict[int, _Outstanding] = {}
-        self._delayed: list[tuple[float, int, zmq.Socket, bytes | None, list[Any], int]] = []
+        self._delayed: list[tuple[float, int, zmq.Socket, bytes | None, list[Any], int, _Budgeted | None]] = []
         self._seq = itertools.count()
         self._seen: OrderedDict[tuple[str, int], OrderedDict[int, bool]] = OrderedDict()
         self._poller = zmq.Poller()
@@ -304,8 +366,8 @@ class PeerIO:
                 if kind == "mass":
                     self._send_mass(*cmd[1:])
                 elif kind == "reply":
-                    _, identity, frames, info = cmd
-                    self._send(self._router.socket, identity, frames, SNAPSHOT, info)
+                    _, identity, frames, info, reserved, shared = cmd
+                    self._send(self._router.socket, identity, frames, SNAPSHOT, info, reply=(reserved, shared))
                 elif kind == "members":
                     self._set_members(cmd[1], cmd[2])
                 elif kind == "numel":
@@ -345,7 +407,9 @@ class PeerIO:
         op: str,
         info: dict[str, Any],
         raw_extra: int = 0,
+        reply: _Budgeted | None = None,
     ) -> None:
+        """`reply`: a snapshot reply's (reservation, storage of its values), held against the budget."""
         decision = None
         if self._fault is not None:
             try:
@@ -354,17 +418,30 @@ class PeerIO:
                 logger.exception("gossip peer %s: fault hook failed", self.peer_id)
         if decision == "drop":
             self.fault_dropped += 1
+            if reply is not None:
+                self._router.release(reply[0])
             return
         if decision and decision.startswith("delay:"):
             due = time.monotonic() + float(decision.split(":", 1)[1])
-            heapq.heappush(self._delayed, (due, next(self._seq), sock, identity, frames, raw_extra))
+            heapq.heappush(self._delayed, (due, next(self._seq), sock, identity, frames, raw_extra, reply))
             return
-        self._send_now(sock, identity, frames, raw_extra)
+        self._send_now(sock, identity, frames, raw_extra, reply)
 
     def _send_now(
-        self, sock: zmq.Socket, identity: bytes | None, frames: list[Any], raw_extra: int
+        self, sock: zmq.Socket, identity: bytes | None, frames: list[Any], raw_extra: int,
+        reply: _Budgeted | None = None,
     ) -> None:
         if sock.closed:
+            if reply is not None:
+                self._router.release(reply[0])
+            return
+        if reply is not None and identity is not None:
+            sent = _send_budgeted(self._router, identity, frames, reply)
+            if sent is None:
+                self.send_failures += 1
+            else:
+                self.bytes_up += sent
+                self.raw_bytes_up += sent + raw_extra
             return
         try:
             sock.send_multipart(
@@ -372,7 +449,8 @@ class PeerIO:
             )
         except zmq.ZMQError as e:
             self.send_failures += 1
-            logger.warning("gossip peer %s: send failed: %s", self.peer_id, e)
+            if self._rare.due():  # a peer that never reads fills its queue: one line per interval, not per reply
+                logger.warning("gossip peer %s: send failed: %s (%d so far)", self.peer_id, e, self.send_failures)
             return
         n = frames_nbytes(frames)
         self.bytes_up += n
@@ -402,8 +480,8 @@ class PeerIO:
                 del self._dealers[pid]
                 self._dial(pid, entry[0])
         while self._delayed and self._delayed[0][0] <= now:
-            _, _, sock, identity, frames, raw_extra = heapq.heappop(self._delayed)
-            self._send_now(sock, identity, frames, raw_extra)
+            _, _, sock, identity, frames, raw_extra, reply = heapq.heappop(self._delayed)
+            self._send_now(sock, identity, frames, raw_extra, reply)
         for hid, out in self._outstanding.items():
             if out.deadline > now:
                 continue
@@ -524,13 +602,9 @@ class PeerIO:
         """Count and log a refused request; NACK a MASS with an id, else an ERROR reply."""
         self.rejected[reason] += 1
         sender = msg.sender if msg is not None else "?"
-        logger.warning(
-            "gossip peer %s: refused %s from %r: %s",
-            self.peer_id,
-            msg.op if msg is not None else "a message",
-            sender,
-            text,
-        )
+        (logger.warning if self._rare.due() else logger.debug)(
+            "gossip peer %s: refused %s from %r: %s", self.peer_id, msg.op if msg is not None else "a message",
+            sender, text)
         meta = msg.meta if msg is not None else {}
         hid = _int(meta, "id")
         if msg is not None and msg.op == MASS and hid is not None:
@@ -568,6 +642,10 @@ class PeerIO:
                 "experiment",
                 f"experiment {msg.experiment!r} is not {self.experiment!r}",
             )
+        elif not self._router.speaks_for(self._router.peer_key(payload), msg.sender):
+            # Before any outcome is remembered under that sender: a forger must not settle its mass.
+            self._refuse(identity, msg, "unauthenticated",
+                         f"this connection's CURVE key is not the key of peer {msg.sender!r}'s node")
         elif msg.op == MASS:
             self._on_mass(identity, msg)
         elif msg.op == CANCEL:
@@ -578,25 +656,14 @@ class PeerIO:
             except ProtocolError as e:
                 self._refuse(identity, msg, "malformed", str(e))
                 return
-            self.snap_requests.put((identity, msg.meta["rid"], msg.sender, snap.light))
+            why = self._router.over_budget(identity)
+            if why is not None:
+                self._refuse(identity, msg, OVER_BUDGET, why)
+                return
+            reserved = self._router.reserve(identity, 0 if snap.light else self._snapshot_bytes)
+            self.snap_requests.put((identity, msg.meta["rid"], msg.sender, snap.light, reserved))
         else:
             self._refuse(identity, msg, "unknown_op", f"unknown op {msg.op!r}")
-
-    def _outcomes(self, sender: str, inc: int) -> OrderedDict[int, bool]:
-        key = (sender, inc)
-        seen = self._seen.get(key)
-        if seen is None:
-            seen = self._seen[key] = OrderedDict()
-            while len(self._seen) > _SEEN_SENDERS:
-                self._seen.popitem(last=False)
-        else:
-            self._seen.move_to_end(key)
-        return seen
-
-    def _remember(self, seen: OrderedDict[int, bool], hid: int, applied: bool) -> None:
-        seen[hid] = applied
-        while len(seen) > _SEEN_PER_SENDER:
-            seen.popitem(last=False)
 
     def _on_mass(self, identity: bytes, msg: Message) -> None:
         try:
@@ -605,7 +672,7 @@ class PeerIO:
             self._refuse(identity, msg, "malformed", str(e))
             return
         hid, gen, weight, pmeta = m.id, m.gen, m.weight, m.payload
-        seen = self._outcomes(msg.sender, m.inc)
+        seen = _outcomes(self._seen, msg.sender, m.inc)
         if hid in seen:  # a duplicate: answer as the first time
             self.duplicates += 1
             self._reply(identity, ACK if seen[hid] else NACK, {"id": hid}, msg.sender)
@@ -626,7 +693,7 @@ class PeerIO:
         elif m.ref is not None and not self._values.holds(msg.sender, m.inc, m.ref):
             reason, text = "reference", f"reference MASS {m.ref} is not (or no longer) held"
         if reason:
-            self._remember(seen, hid, False)
+            _remember(seen, hid, False)
             self._refuse(identity, msg, reason, text)
             return
         assert self._numel is not None and pmeta is not None
@@ -634,11 +701,11 @@ class PeerIO:
             d = self.codec.decode(Payload(msg.tensors, pmeta), (self._numel,), torch.float32)
         except ProtocolError as e:
             bad = "NaN" in str(e) or "beyond the fp32 range" in str(e)
-            self._remember(seen, hid, False)
+            _remember(seen, hid, False)
             self._refuse(identity, msg, "nonfinite" if bad else "payload", str(e))
             return
         mass = d if m.ref is None else self._values.mass(msg.sender, m.inc, m.ref, hid, d, weight)
-        self._remember(seen, hid, mass is not None)
+        _remember(seen, hid, mass is not None)
         if mass is None:
             self._refuse(identity, msg, "nonfinite", "the value decodes beyond the fp32 range")
             return
@@ -652,11 +719,11 @@ class PeerIO:
             self._refuse(identity, msg, "malformed", str(e))
             return
         hid = cancel.id
-        seen = self._outcomes(msg.sender, cancel.inc)
+        seen = _outcomes(self._seen, msg.sender, cancel.inc)
         if hid in seen:
             self._reply(identity, ACK if seen[hid] else NACK, {"id": hid}, msg.sender)
         else:  # never arrived: a late copy will be NACKed
-            self._remember(seen, hid, False)
+            _remember(seen, hid, False)
             self._reply(identity, CANCELLED, {"id": hid}, msg.sender)
 
     # -- receiving: replies on the DEALERs -------------------------------------------------
@@ -679,31 +746,15 @@ class PeerIO:
             assert hid is not None
             del self._outstanding[hid]
             if msg.op == NACK:
-                logger.info(
-                    "gossip peer %s: %s NACKed mass %d: %s",
-                    self.peer_id,
-                    peer,
-                    hid,
-                    msg.meta.get("error", ""),
-                )
+                logger.info("gossip peer %s: %s NACKed mass %d: %s", self.peer_id, peer, hid, msg.meta.get("error", ""))
             if msg.op == NACK and msg.meta.get("reason") == "reference" and peer is not None:
                 self.stale_refs.put(peer)  # before `settled`: the trainer drains both in order
             self.settled.put((hid, msg.op != ACK))
         elif msg.op in (SNAPSHOT, ERROR) and _int(msg.meta, "rid") is not None:
             if msg.op == ERROR:
-                logger.warning(
-                    "gossip peer %s: %r answered an error: %s",
-                    self.peer_id,
-                    peer,
-                    msg.meta.get("error"),
-                )
+                logger.warning("gossip peer %s: %r answered an error: %s", self.peer_id, peer, msg.meta.get("error"))
             self._resolve(msg.meta["rid"], msg if msg.op == SNAPSHOT else None)
         else:
             if msg.op == ERROR:
-                logger.warning(
-                    "gossip peer %s: %r answered an error: %s",
-                    self.peer_id,
-                    peer,
-                    msg.meta.get("error"),
-                )
+                logger.warning("gossip peer %s: %r answered an error: %s", self.peer_id, peer, msg.meta.get("error"))
             self.rejected["bad_reply"] += 1

@@ -48,6 +48,7 @@ from gossamer.protocol import MassMeta, SnapMeta, SnapshotMeta
 from gossamer.security import curve as curve_keys
 from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits, Message, encode
+from gossamer.transport.outgoing import ReplyBudget
 from gossamer.transport.ratelimit import RateLimit
 
 __all__ = ["MixStats", "PushSumPeer", "Snapshot"]
@@ -87,6 +88,7 @@ class _Hold:
 
 
 _DEFAULT_RATE = RateLimit()
+_DEFAULT_BUDGET = ReplyBudget()
 
 
 def _limits_for(numel: int | None) -> FrameLimits:
@@ -115,6 +117,9 @@ class PushSumPeer:
             installed in this process, if any).
         rate_limit: per-neighbour message rate (None: unlimited); a peer over it gets
             ERROR "rate_limit" replies and nothing of its messages is decided.
+        reply_budget: what snapshot replies not yet read may hold (per connection, and in
+            bytes over all; None: unbounded); a snapshot request over it gets ERROR
+            RESOURCE_EXHAUSTED (reason "reply_budget") and is not answered.
         differences: send each MASS as a compressed difference against the value of the last
             one the neighbour applied (CHOCO-SGD, `gossamer.gossip.differences`), so a lossy
             codec's error shrinks with the disagreement instead of staying proportional to
@@ -139,6 +144,7 @@ class PushSumPeer:
         curve: CurveKeyring | None = None,
         rate_limit: RateLimit | None = _DEFAULT_RATE,
         differences: bool | None = None,
+        reply_budget: ReplyBudget | None = _DEFAULT_BUDGET,
     ) -> None:
         if not 0.0 < share < 1.0:
             raise ConfigError("share", f"must be in (0, 1), got {share!r}")
@@ -163,6 +169,7 @@ class PushSumPeer:
             numel=numel,
             curve=curve if curve is not None else curve_keys.installed(),
             rate_limit=rate_limit,
+            reply_budget=reply_budget,
         )
         self.endpoint = self._io.endpoint
         self.weight = 1.0
@@ -396,7 +403,7 @@ class PushSumPeer:
         snap = z.detach().to("cpu", torch.float32).reshape(-1).clone()
         while True:
             try:
-                identity, rid, requester, light = self._io.snap_requests.get_nowait()
+                identity, rid, requester, light, reserved = self._io.snap_requests.get_nowait()
             except queue.Empty:
                 return
             meta = {"rid": rid, **SnapshotMeta(weight=self.weight, step=step, done=done, gen=self.generation).to_meta()}
@@ -410,7 +417,8 @@ class PushSumPeer:
                     tensors={} if light else {"z": snap},
                 )
             )
-            self._io.post("reply", identity, frames, {"peer": requester, "rid": rid})
+            self._io.post("reply", identity, frames, {"peer": requester, "rid": rid}, reserved,
+                          None if light else snap.data_ptr())
 
     def _ask_snapshot(self, endpoint: str | None, light: bool) -> tuple[int, Any] | None:
         """Send a SNAP request; (request id, future of the reply), or None if there is no one to ask."""

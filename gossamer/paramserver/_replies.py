@@ -14,8 +14,8 @@ from gossamer.paramserver._pull_views import PullViews
 from gossamer.paramserver._state import ShardState
 from gossamer.protocol import ErrorMeta
 from gossamer.transport.frames import Message, encode, frames_nbytes
-from gossamer.transport.outgoing import OutgoingReplies, ReplyBudget
-from gossamer.transport.router import send_reply
+from gossamer.transport.outgoing import OutgoingReplies, ReplyBudget, track
+from gossamer.transport.router import Router, send_reply
 
 __all__ = ["Replies"]
 
@@ -28,12 +28,12 @@ def _rid(rid: Any) -> Any:
 
 
 class Replies:
-    """Sends a shard's replies on its ROUTER socket (set by `bind`) and counts them.
+    """Sends a shard's replies on its ROUTER (`router`, set by `bind`) and counts them.
 
     Every reply carries the replica's fencing epoch (`epoch_of`): a worker ignores replies from an
     older epoch than it knows. Sends never block: a reply to a full queue or a gone peer is
-    dropped and counted in `dropped`. PARAMS replies are tracked until ZMQ lets go of them
-    (`outgoing`).
+    dropped and counted in `dropped`. PARAMS replies are held against the router's reply budget
+    (`outgoing`, handed to the router at bind) until ZMQ lets go of them.
     """
 
     def __init__(self, state: ShardState, views: PullViews, budget: ReplyBudget, dropped: Counter[str],
@@ -41,7 +41,7 @@ class Replies:
         self.state = state
         self.views = views
         self.epoch_of = epoch_of
-        self.socket: zmq.Socket | None = None
+        self.router: Router | None = None
         self.dropped = dropped
         reply_bytes = 4 * sum(c.numel for c in state.chunks.values())
         self.outgoing = OutgoingReplies(budget, reply_bytes)
@@ -56,7 +56,8 @@ class Replies:
 
     def over_budget(self, identity: bytes) -> str | None:
         """Why `identity` may not get a PARAMS reply now (its or the server's reply budget), or None."""
-        return self.outgoing.refusal(identity, self.live_storages())
+        assert self.router is not None
+        return self.router.over_budget(identity, self.live_storages())
 
     def send(self, identity: bytes, op: str, meta: dict[str, Any],
              tensors: dict[str, torch.Tensor] | None = None, *, live: bool = False) -> None:
@@ -68,20 +69,19 @@ class Replies:
         frames: list[Any] = encode(msg)
         nbytes = frames_nbytes(frames)
         self.bytes_out += nbytes
-        assert self.socket is not None
-        tracker: zmq.MessageTracker | None = None
+        assert self.router is not None
+        if not tensors:
+            send_reply(self.router.socket, identity, frames, self.dropped)
+            return
+        # Tensor frames are tracked: the reply is held (`outgoing`) until ZMQ lets go of them.
+        referenced = [isinstance(f, memoryview) for f in frames]
+        frames, tracker = track(frames)
         shared: int | None = None
-        if tensors:
-            # Tensor frames are tracked: the reply is held (`outgoing`) until ZMQ lets go of them.
-            referenced = [isinstance(f, memoryview) for f in frames]
-            frames = [frames[0], *(zmq.Frame(f, track=True) for f in frames[1:])]
-            tracker = zmq.MessageTracker(*frames[1:])
-            lent = [f for f, ref in zip(frames, referenced, strict=True) if ref]
-            if live and lent:  # only memoryview frames reference the values (small ones were copied)
-                self.state.lend(zmq.MessageTracker(*lent))
-                shared = next(iter(tensors.values())).data_ptr()
-        if send_reply(self.socket, identity, frames, self.dropped) and tracker is not None:
-            self.outgoing.add(identity, [tracker], nbytes, shared)
+        lent = [f for f, ref in zip(frames, referenced, strict=True) if ref]
+        if live and lent:  # only memoryview frames reference the values (small ones were copied)
+            self.state.lend(zmq.MessageTracker(*lent))
+            shared = next(iter(tensors.values())).data_ptr()
+        self.router.send_tracked(identity, frames, tracker, nbytes, shared=shared)
 
     def params(self, identity: bytes, rid: Any, chunks: list[int], *, staleness: int | None = None,
                lead: int | None = None) -> None:

@@ -48,6 +48,8 @@ _EXPIRE_EVERY_S = 0.05
 _RECV_BATCH = 256
 #: Ops only the workers send: only a primary holding its lease serves them, and only to their own sender.
 _WORKER_OPS = ("HELLO", "PULL", "PUSH", "LEAVE", "SEED")
+#: Ops that speak for their sender: with CURVE, only over the connection of that sender's node key.
+_SENDER_OPS = (*_WORKER_OPS, "SYNC", "REPLICATE")
 #: Requests refused because the connection, or the server, holds its most in unread replies.
 OVER_BUDGET = "reply_budget"
 
@@ -96,9 +98,9 @@ class ServeLoop:
         # Its PARAMS replies are held back by the reply budget: the send queue holds small replies.
         self.router = Router(self._ctx, name=self._name, limits=self.limits, refusal_reply=self.replies.refusal,
                              curve=self.curve, rate_limit=self.rate_limit, refused=self.refused,
-                             send_depth=BUDGETED_SEND_DEPTH)
+                             send_depth=BUDGETED_SEND_DEPTH, outgoing=self.replies.outgoing)
         endpoint = self.router.bind(host, port)
-        self.replies.socket = self.router.socket
+        self.replies.router = self.router
         self.replication.context = self._ctx
         return endpoint
 
@@ -203,7 +205,7 @@ class ServeLoop:
             msg = decode(payload, self.limits)
             rid, op = msg.meta.get("rid"), msg.op
             with self.lock:
-                self._dispatch(identity, msg)
+                self._dispatch(identity, msg, self.router.peer_key(payload))
         except ProtocolError as e:
             if op == "PUSH" or not op:
                 self.updates.discarded["nonfinite" if "finite" in str(e) else "rejected"] += 1
@@ -216,7 +218,7 @@ class ServeLoop:
             logger.exception("%s: internal error handling a request", self._name)
             self.replies.error(identity, rid, f"internal error: {type(e).__name__}: {e}", INTERNAL)
 
-    def _dispatch(self, identity: bytes, msg: Message) -> None:
+    def _dispatch(self, identity: bytes, msg: Message, key: str | None = None) -> None:
         if msg.experiment != self.config.experiment:
             raise Reject(f"experiment {msg.experiment!r} does not match this shard's {self.config.experiment!r}",
                          FAILED_PRECONDITION)
@@ -224,6 +226,11 @@ class ServeLoop:
             raise Reject(f"message for shard {msg.shard} reached shard {self.config.shard}")
         now = time.monotonic()
         rid = msg.meta.get("rid")
+        if msg.op in _SENDER_OPS:
+            assert self.router is not None
+            if not self.router.speaks_for(key, msg.sender):
+                raise Reject(f"{msg.op} from {msg.sender!r} refused: this connection's CURVE key is not the key of "
+                             "that sender's node", UNAUTHENTICATED, "unauthenticated")
         if msg.op in _WORKER_OPS:
             self._admit_worker_op(msg)
             if msg.op in ("PULL", "PUSH") and (why := self.replies.over_budget(identity)) is not None:

@@ -21,13 +21,17 @@ from gossamer.paramserver._state import ShardState
 from gossamer.paramserver.consistency import SSPGate
 from gossamer.protocol import PushCompression, PushMeta, parse_chunk_key
 from gossamer.transport.frames import Message, check_finite
-from gossamer.transport.router import ABORTED, FAILED_PRECONDITION, NOT_FOUND, REFORM
+from gossamer.transport.router import ABORTED, FAILED_PRECONDITION, NOT_A_WORKER, NOT_FOUND, REFORM
 
 __all__ = ["Updates"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_DECODERS = 64  # an adaptive sender changes codecs; the cache of decoders stays bounded
+#: Updates one worker may have half-gathered at once: the one it sends and one it gave up on (a
+#: part lost, the update sent again under a new clock). Starting a third aborts its oldest, so a
+#: worker holds at most this many times the shard's gradients in parts.
+GATHERING_PER_SENDER = 2
 
 #: What a held (SSP-waiting) reply needs: ZMQ identity, request id, chunks.
 Held = tuple[bytes, Any, list[int]]
@@ -123,6 +127,11 @@ class Updates:
                 lambda i=identity, r=rid, c=chunks: self.replies.params(i, r, c, staleness=0)  # type: ignore[misc]
             )
 
+    @property
+    def gathering(self) -> int:
+        """Updates with some parts received and others still missing."""
+        return len(self._pending)
+
     # -- who may cost the shard memory ------------------------------------------------------------
     def is_member(self, sender: str) -> bool:
         """`sender` is one of the coordinator's current workers (any sender before it named them)."""
@@ -137,11 +146,16 @@ class Updates:
     def on_push(self, identity: bytes, msg: Message, now: float) -> None:
         rid = msg.meta.get("rid")
         sync = self.config.barrier
-        meta = PushMeta.from_meta(msg.meta, barrier=sync)
-        self.replies.views.note_codec(identity, msg.sender, meta.pull_codec, keep_view=self.may_keep_view(msg.sender))
         sender = msg.sender
         if not sender:
             raise Reject("PUSH needs a sender id")
+        if not self.is_member(sender):
+            # Checked before anything is decoded or gathered: parts are held only for the
+            # coordinator's current workers (a sender it never named would be held until it expired).
+            raise Reject(f"PUSH from {sender!r} refused: not a current worker of experiment {self.config.experiment!r} "
+                         "at this shard; nothing of it is kept", NOT_A_WORKER, cause="not_member")
+        meta = PushMeta.from_meta(msg.meta, barrier=sync)
+        self.replies.views.note_codec(identity, sender, meta.pull_codec, keep_view=self.may_keep_view(sender))
         step = meta.step or 0
         key = (sender, step if sync else meta.clock)
         try:
@@ -180,6 +194,9 @@ class Updates:
     def _gather(self, key: tuple[str, int], part: _Part, meta: PushMeta, now: float) -> None:
         update = self._pending.get(key)
         if update is None:
+            mine = [k for k in self._pending if k[0] == key[0]]
+            if len(mine) >= GATHERING_PER_SENDER:
+                self._abort(mine[0], f"{key[0]} started update {key[1]} with {len(mine)} others still incomplete")
             update = self._pending[key] = _Update(sender=key[0], key=key[1])
         overlap = update.covered.intersection(part.grads)
         if overlap:

@@ -29,6 +29,7 @@ from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
 from gossamer.transport.router import (
     FENCED,
+    NOT_A_WORKER,
     NOT_PRIMARY,
     RESOURCE_EXHAUSTED,
     SEEDING,
@@ -41,8 +42,9 @@ __all__ = ["PullResult", "ShardClient"]
 logger = logging.getLogger(__name__)
 
 #: Refusals that say "not here yet": a backup the coordinator promoted that has not heard so
-#: yet, a primary whose lease lapsed (renewed, or replaced by a promotion). Asked again this often.
-_RETRY_CODES = (NOT_PRIMARY, FENCED, SEEDING)
+#: yet, a primary whose lease lapsed (renewed, or replaced by a promotion), a shard that has not
+#: heard yet that this worker is one. Asked again this often.
+_RETRY_CODES = (NOT_PRIMARY, FENCED, SEEDING, NOT_A_WORKER)
 _RETRY_S = 0.2
 
 
@@ -129,6 +131,7 @@ class ShardClient:
         self.curve = curve if curve is not None else curve_keys.installed()
         self._watch: dict[int, HandshakeMonitor] = {}
         self._refused: dict[int, str] = {}  # why a shard refused our last socket (kept across retries)
+        self._asked_again: dict[int, str] = {}  # the last "ask again" refusal of each shard (said at a timeout)
         self.handshake_retries = 0
         self.busy_retries = 0  # requests sent again after a RESOURCE_EXHAUSTED answer
         self._socks: dict[int, zmq.Socket] = {s: self._connect(s) for s in self._endpoints}
@@ -387,6 +390,9 @@ class ShardClient:
         """Why requests to `shards` got no reply, as far as the socket monitors know."""
         notes = []
         for s in shards:
+            if s in self._asked_again:
+                notes.append(f"shard {s} refused for now, asked again until the timeout: {self._asked_again[s]}")
+                continue
             watch = self._watch.get(s)
             if watch is None:
                 continue
@@ -396,6 +402,7 @@ class ShardClient:
                 failure = self._refused[s]
             if failure is not None:
                 notes.append(f"shard {s} at {self._endpoints.get(s)} did not complete the ZMQ handshake: {failure}")
+
             elif watch.dropped:
                 notes.append(f"shard {s} at {self._endpoints.get(s)} dropped the connection {watch.dropped} time(s): "
                              "it stopped, or refused a message over its size limit (MAXMSGSIZE)")
@@ -455,6 +462,8 @@ class ShardClient:
         request to a moved shard is sent again to its new endpoint.
         """
         waiting = dict(reqs)
+        for s in waiting:
+            self._asked_again.pop(s, None)
         sent_to = {s: self._socks[s] for s in waiting}
         retry_at: dict[int, float] = {}
         retried: set[int] = set()  # reconnected after a refused handshake: resend, same deadline
@@ -525,6 +534,7 @@ class ShardClient:
                         ask_again[s] = time.monotonic() + _RETRY_S
                         break
                     self._note_answer(s, reply)
+                    self._asked_again.pop(s, None)
                     replies[s] = reply
                     del waiting[s]
         errors = [
@@ -565,6 +575,7 @@ class ShardClient:
             self._send_seed(s, epoch if isinstance(epoch, int) else 0)
         if reply.op == "ERROR" and reply.meta.get("code") in _RETRY_CODES:
             self.retried += 1
+            self._asked_again[s] = f"{reply.meta.get('error')} ({reply.meta.get('code')})"
             (logger.debug if self.retried % 50 else logger.info)(
                 "shard %d: %s; asking again", s, reply.meta.get("error"))
             return False

@@ -377,4 +377,5 @@ class ShardServer:
             "held_reply_bytes": self._replies.outgoing.held_bytes(self._replies.live_storages()),
             "reply_budget_bytes": self._replies.outgoing.max_bytes,
             "pull_views": self._views.senders(),
+            "gathering": self._updates.gathering,
         }

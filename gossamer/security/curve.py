@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 #: Keys in a role process's spec (and in the assignment updates the agent pipes to it).
 SPEC_PUBLIC, SPEC_SECRET = "curve_public", "curve_secret"
-SPEC_SERVER_KEYS, SPEC_MEMBERS = "curve_server_keys", "curve_members"
+SPEC_SERVER_KEYS, SPEC_MEMBERS, SPEC_SENDERS = "curve_server_keys", "curve_members", "curve_senders"
 
 _Z85_KEY_LEN = 40
 
@@ -83,12 +83,22 @@ def peer_key(frame: zmq.Frame) -> str | None:
     return key if isinstance(key, str) else None
 
 
+@dataclass(frozen=True)
+class _Keys:
+    """What the coordinator last said, replaced whole so other threads read one consistent view."""
+
+    server_keys: Mapping[str, str] = field(default_factory=dict)
+    members: frozenset[str] = frozenset()
+    senders: Mapping[str, str] = field(default_factory=dict)
+
+
 class CurveKeyring:
     """What one process needs for CURVE: its node's key pair, the public key of every
-    server endpoint it may connect to, and the member keys its own servers accept.
+    server endpoint it may connect to, the member keys its own servers accept, and which
+    key may speak as each data-plane sender id.
 
-    The coordinator sends the last two with every assignment; `update` replaces them
-    whole, so other threads (ZAP handlers, I/O loops) read them without a lock.
+    The coordinator sends the last three with every assignment; `update` replaces them
+    whole (one view), so other threads (ZAP handlers, I/O loops) read them without a lock.
     """
 
     def __init__(
@@ -97,33 +107,46 @@ class CurveKeyring:
         *,
         server_keys: Mapping[str, str] | None = None,
         members: Iterable[str] = (),
+        senders: Mapping[str, str] | None = None,
     ) -> None:
         self.keypair = keypair
-        self._server_keys: dict[str, str] = dict(server_keys or {})
-        self._members: frozenset[str] = frozenset(members)
+        self._keys = _Keys(dict(server_keys or {}), frozenset(members), dict(senders or {}))
 
     @property
     def members(self) -> frozenset[str]:
         """Public keys of the experiment's current members (accepted as clients)."""
-        return self._members
+        return self._keys.members
 
     def is_member(self, key: str | None) -> bool:
-        return key is not None and key in self._members
+        return key is not None and key in self._keys.members
 
     def server_key(self, endpoint: str) -> str | None:
-        return self._server_keys.get(endpoint)
+        return self._keys.server_keys.get(endpoint)
+
+    def speaks_for(self, key: str | None, sender: str) -> bool:
+        """Whether a message authenticated with CURVE key `key` may name `sender` as its sender:
+        the coordinator bound `sender` to that key (`curve_senders`). A sender bound to no key is
+        refused, except while the coordinator has bound none at all (a server run without one)."""
+        senders = self._keys.senders
+        if not senders:
+            return True
+        return key is not None and senders.get(sender) == key
 
     def update(
-        self, *, server_keys: Mapping[str, str] | None = None, members: Iterable[str] | None = None
+        self, *, server_keys: Mapping[str, str] | None = None, members: Iterable[str] | None = None,
+        senders: Mapping[str, str] | None = None,
     ) -> None:
-        if server_keys is not None:
-            self._server_keys = dict(server_keys)
-        if members is not None:
-            self._members = frozenset(members)
+        old = self._keys
+        self._keys = _Keys(
+            dict(server_keys) if server_keys is not None else old.server_keys,
+            frozenset(members) if members is not None else old.members,
+            dict(senders) if senders is not None else old.senders,
+        )
 
     def update_from(self, update: Mapping[str, Any]) -> None:
         """Take the key fields of an assignment update (the agent's `_update_of`)."""
-        self.update(server_keys=update.get(SPEC_SERVER_KEYS), members=update.get(SPEC_MEMBERS))
+        self.update(server_keys=update.get(SPEC_SERVER_KEYS), members=update.get(SPEC_MEMBERS),
+                    senders=update.get(SPEC_SENDERS))
 
     # -- sockets ------------------------------------------------------------------------
     def secure_server(self, sock: zmq.Socket) -> None:
@@ -138,7 +161,7 @@ class CurveKeyring:
         Raises:
             AuthError: the coordinator named no public key for `endpoint`.
         """
-        server = self._server_keys.get(endpoint)
+        server = self._keys.server_keys.get(endpoint)
         if server is None:
             raise AuthError(f"no CURVE server key for {endpoint}: the coordinator did not name this endpoint")
         sock.curve_secretkey = self.keypair.secret.encode("ascii")
@@ -277,6 +300,7 @@ def keyring_from_spec(spec: Mapping[str, Any]) -> CurveKeyring | None:
         CurveKeyPair(public=public, secret=secret),
         server_keys=spec.get(SPEC_SERVER_KEYS) or {},
         members=spec.get(SPEC_MEMBERS) or (),
+        senders=spec.get(SPEC_SENDERS) or {},
     )
 
 

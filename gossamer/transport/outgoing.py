@@ -1,14 +1,23 @@
-"""What a server's large replies still hold in ZMQ's queues: a cap per peer and a byte budget over all peers."""
+"""What a server's large replies still hold in ZMQ's queues (or will, once answered): a cap per peer and a byte budget over all peers."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
 from gossamer.errors import ConfigError
 
-__all__ = ["OutgoingReplies", "ReplyBudget"]
+__all__ = ["OutgoingReplies", "Reservation", "ReplyBudget", "track"]
+
+
+def track(frames: Sequence[Any]) -> tuple[list[Any], zmq.MessageTracker]:
+    """`frames` with every frame after the header (frame 0) a tracked `zmq.Frame`, and the
+    tracker that is done once libzmq has let go of all of them."""
+    tracked = [frames[0], *(zmq.Frame(f, track=True) for f in frames[1:])]
+    return tracked, zmq.MessageTracker(*tracked[1:])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,16 +50,19 @@ class ReplyBudget:
         return max(64 << 20, 8 * reply_bytes)
 
 
-@dataclass
-class _Held:
+@dataclass(eq=False)
+class Reservation:
+    """A reply held against the budget: sent and tracked, or (`pending`) answered later."""
+
     identity: bytes
     trackers: list[Any]  # zmq.MessageTracker (anything with `.done`)
     nbytes: int
     shared: int | None  # the storage a reply of live values references (counted once), else None
+    pending: bool = False  # reserved for a request not answered yet (`OutgoingReplies.reserve`)
 
     @property
     def done(self) -> bool:
-        return all(t.done for t in self.trackers)
+        return not self.pending and all(t.done for t in self.trackers)
 
 
 class OutgoingReplies:
@@ -59,7 +71,7 @@ class OutgoingReplies:
     def __init__(self, budget: ReplyBudget, reply_bytes: int) -> None:
         self.budget = budget
         self.max_bytes = budget.max_bytes if budget.max_bytes is not None else ReplyBudget.default_bytes(reply_bytes)
-        self._held: list[_Held] = []
+        self._held: list[Reservation] = []
         self._per_peer: dict[bytes, int] = {}
 
     def _prune(self) -> None:
@@ -103,9 +115,32 @@ class OutgoingReplies:
                     "(ReplyBudget.max_bytes): retry later")
         return None
 
-    def add(self, identity: bytes, trackers: list[Any], nbytes: int, shared: int | None) -> None:
-        """A reply just sent: held until every one of `trackers` is done."""
+    def add(self, identity: bytes, trackers: list[Any], nbytes: int, shared: int | None,
+            *, reserved: Reservation | None = None) -> None:
+        """A reply just sent: held until every one of `trackers` is done. `reserved`: the
+        reservation the request took (`reserve`), now this reply (released without trackers)."""
+        if reserved is not None:
+            if not trackers:
+                self.release(reserved)
+                return
+            reserved.trackers, reserved.nbytes, reserved.shared, reserved.pending = trackers, nbytes, shared, False
+            return
         if not trackers:
             return
-        self._held.append(_Held(identity, trackers, nbytes, shared))
+        self._held.append(Reservation(identity, trackers, nbytes, shared))
         self._per_peer[identity] = self._per_peer.get(identity, 0) + 1
+
+    def reserve(self, identity: bytes, nbytes: int) -> Reservation:
+        """Hold `nbytes` for a request of `identity` answered later (another thread builds the
+        reply): it counts against both bounds until `add(..., reserved=)` or `release`."""
+        held = Reservation(identity, [], nbytes, None, pending=True)
+        self._held.append(held)
+        self._per_peer[identity] = self._per_peer.get(identity, 0) + 1
+        return held
+
+    def release(self, reserved: Reservation) -> None:
+        """Give back a reservation whose reply was not sent, or carried nothing to track."""
+        if not reserved.pending:
+            return
+        reserved.pending = False
+        self._prune()

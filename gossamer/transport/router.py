@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import zmq
 
 from gossamer.security.curve import CurveKeyring, MembershipAuthenticator, peer_key
 from gossamer.transport.frames import ZERO_COPY_THRESHOLD, FrameLimits, peek_header
+from gossamer.transport.outgoing import OutgoingReplies, Reservation
 from gossamer.transport.ratelimit import PeerRateLimiter, RateLimit
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "INVALID_ARGUMENT",
     "NOT_BACKUP",
     "NOT_FOUND",
+    "NOT_A_WORKER",
     "NOT_MEMBER",
     "NOT_PRIMARY",
     "OUT_OF_ORDER",
@@ -82,6 +84,9 @@ STALE_EPOCH = "STALE_EPOCH"
 UNAUTHENTICATED = "UNAUTHENTICATED"
 #: The shard is rebuilt from its workers' copies (no replica, no checkpoint): send a SEED, then ask again.
 SEEDING = "SEEDING"
+#: A PUSH from a sender that is not (yet, or any more) one of the coordinator's current workers at
+#: this shard: nothing of it is kept. A new worker's shard may not have heard of it yet: it asks again.
+NOT_A_WORKER = "NOT_A_WORKER"
 
 #: Why the admission gate refused a message (keys of the `refused` counter).
 UNROUTABLE, NOT_MEMBER, OVER_RATE = "unroutable", "not_member", "rate_limit"
@@ -150,7 +155,10 @@ class Router:
     The gate drops a message without a routable identity, refuses one whose connection's
     CURVE key is no longer a member (PERMISSION_DENIED) and one over its peer's rate
     (RATE_LIMITED, answered at most once per `RateLimit.answer_every_s`); each is counted in
-    `refused` by `UNROUTABLE`, `NOT_MEMBER` or `OVER_RATE`. Not thread-safe: one loop owns it.
+    `refused` by `UNROUTABLE`, `NOT_MEMBER` or `OVER_RATE`. With CURVE, `speaks_for` says
+    whether a decoded message's sender is the connection's own. Large replies go through
+    `send_tracked` and are held against the server's reply budget (`outgoing`), which a request
+    for one checks first (`over_budget`). Not thread-safe: one loop owns it.
     """
 
     def __init__(
@@ -164,11 +172,14 @@ class Router:
         rate_limit: RateLimit | None = None,
         refused: Counter[str] | None = None,
         send_depth: int | None = None,
+        outgoing: OutgoingReplies | None = None,
     ) -> None:
         """`name`: how logs call the server; `refusal_reply` answers a refused request;
         `curve`: serve with CurveZMQ, accepting only the keyring's members; `refused`: the
-        counter to count refusals in (default: a new one); `send_depth`: see `configure_socket`."""
+        counter to count refusals in (default: a new one); `send_depth`: see `configure_socket`;
+        `outgoing`: the reply budget large replies are held against (None: not bounded)."""
         self.name = name
+        self.outgoing = outgoing
         self.limits = limits
         self.curve = curve
         self.refused: Counter[str] = refused if refused is not None else Counter()
@@ -218,6 +229,42 @@ class Router:
                              f"rate limit: over {self._rate.limit.messages_per_s:g} messages/s from this peer")
             return None
         return identity, payload
+
+    def peer_key(self, payload: Sequence[Any]) -> str | None:
+        """The CURVE public key (z85) the admitted message's connection authenticated with (None: plaintext)."""
+        return peer_key(payload[0]) if self.curve is not None else None
+
+    def speaks_for(self, key: str | None, sender: str) -> bool:
+        """Whether a message that came with CURVE key `key` (`peer_key`) may name `sender`: with
+        CURVE only the key the coordinator bound to `sender`; without CURVE any (the servers check
+        sender tokens instead)."""
+        return self.curve is None or self.curve.speaks_for(key, sender)
+
+    def over_budget(self, identity: bytes, live: Collection[int] = ()) -> str | None:
+        """Why `identity` may not be given a large reply now (its cap or the server's bytes), or None."""
+        return self.outgoing.refusal(identity, live) if self.outgoing is not None else None
+
+    def reserve(self, identity: bytes, nbytes: int) -> Reservation | None:
+        """Hold `nbytes` of the reply budget for a request of `identity` answered later (None: no budget)."""
+        return self.outgoing.reserve(identity, nbytes) if self.outgoing is not None else None
+
+    def release(self, reserved: Reservation | None) -> None:
+        """Give back a reservation whose reply will not be sent."""
+        if reserved is not None and self.outgoing is not None:
+            self.outgoing.release(reserved)
+
+    def send_tracked(self, identity: bytes, frames: Sequence[Any], tracker: zmq.MessageTracker | None, nbytes: int,
+                     *, shared: int | None = None, reserved: Reservation | None = None) -> bool:
+        """Send a reply whose tensor frames are tracked (`outgoing.track`): it is held against the
+        reply budget until ZMQ lets go of them. `shared`: the storage of values it references
+        (counted once); `reserved`: the request's reservation, now this reply. False: dropped."""
+        sent = send_reply(self.socket, identity, frames, self.refused)
+        if self.outgoing is not None:
+            if sent and tracker is not None:
+                self.outgoing.add(identity, [tracker], nbytes, shared, reserved=reserved)
+            elif reserved is not None:
+                self.outgoing.release(reserved)
+        return sent
 
     def _refuse(self, identity: bytes, head: Any, code: str, message: str) -> None:
         """Answer a request refused before decoding, with its rid so the client can match it."""

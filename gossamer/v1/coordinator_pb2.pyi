@@ -562,6 +562,26 @@ class Assignment(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class CurveSendersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     EXPERIMENT_ID_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
@@ -582,6 +602,7 @@ class Assignment(_message.Message):
     SHARD_EPOCHS_FIELD_NUMBER: _builtins.int
     SENDER_TOKEN_FIELD_NUMBER: _builtins.int
     SENDER_KEY_FIELD_NUMBER: _builtins.int
+    CURVE_SENDERS_FIELD_NUMBER: _builtins.int
     experiment_id: _builtins.str
     """Experiment id."""
     role: Global___Role.ValueType
@@ -648,6 +669,14 @@ class Assignment(_message.Message):
         worker ignores replies from an older epoch than it knows.
         """
 
+    @_builtins.property
+    def curve_senders(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """CurveZMQ (empty without): data-plane sender id -> public key (z85) of the node that alone
+        may speak as it: each worker's "node_id:index" (gossip: its index) and each shard
+        primary's "shard-N". A server refuses a message naming a sender over another key's
+        connection (UNAUTHENTICATED), whatever token it carries.
+        """
+
     def __init__(
         self,
         *,
@@ -671,10 +700,11 @@ class Assignment(_message.Message):
         shard_epochs: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
         sender_token: _builtins.str = ...,
         sender_key: _builtins.str = ...,
+        curve_senders: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_endpoint", b"backup_endpoint", "checkpoint_dir", b"checkpoint_dir", "curve_members", b"curve_members", "curve_server_keys", b"curve_server_keys", "experiment_id", b"experiment_id", "experiment_json", b"experiment_json", "generation", b"generation", "index", b"index", "lead", b"lead", "num_workers", b"num_workers", "peer_endpoints", b"peer_endpoints", "replica", b"replica", "restore_epoch", b"restore_epoch", "role", b"role", "sender_key", b"sender_key", "sender_token", b"sender_token", "shard_endpoints", b"shard_endpoints", "shard_epochs", b"shard_epochs", "worker_rank", b"worker_rank", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_endpoint", b"backup_endpoint", "checkpoint_dir", b"checkpoint_dir", "curve_members", b"curve_members", "curve_senders", b"curve_senders", "curve_server_keys", b"curve_server_keys", "experiment_id", b"experiment_id", "experiment_json", b"experiment_json", "generation", b"generation", "index", b"index", "lead", b"lead", "num_workers", b"num_workers", "peer_endpoints", b"peer_endpoints", "replica", b"replica", "restore_epoch", b"restore_epoch", "role", b"role", "sender_key", b"sender_key", "sender_token", b"sender_token", "shard_endpoints", b"shard_endpoints", "shard_epochs", b"shard_epochs", "worker_rank", b"worker_rank", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -66,12 +66,14 @@ def keyring_of(spec: RoleSpec) -> CurveKeyring | None:
     if not spec.curve_public or not spec.curve_secret:
         return None
     return CurveKeyring(CurveKeyPair(public=spec.curve_public, secret=spec.curve_secret),
-                        server_keys=spec.assignment.curve_server_keys, members=spec.assignment.curve_members)
+                        server_keys=spec.assignment.curve_server_keys, members=spec.assignment.curve_members,
+                        senders=spec.assignment.curve_senders)
 
 
 def refresh_keyring(keyring: CurveKeyring | None, update: AssignmentUpdate) -> None:
     if keyring is not None:
-        keyring.update(server_keys=update.curve_server_keys, members=update.curve_members)
+        keyring.update(server_keys=update.curve_server_keys, members=update.curve_members,
+                       senders=update.curve_senders)
 
 
 def fault_bandwidth() -> Any:

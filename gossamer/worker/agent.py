@@ -410,7 +410,7 @@ class NodeAgent:
             peers={int(k): v for k, v in a.peer_endpoints.items()},
             curve_server_keys=dict(a.curve_server_keys), curve_members=tuple(a.curve_members),
             shard_epochs={int(k): int(v) for k, v in a.shard_epochs.items()}, sender_token=a.sender_token,
-            sender_key=a.sender_key,
+            sender_key=a.sender_key, curve_senders=dict(a.curve_senders),
         )
 
     def _start(self, a: pb.Assignment) -> None:

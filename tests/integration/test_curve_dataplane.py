@@ -457,8 +457,11 @@ def test_coordinator_hands_out_member_and_server_keys_and_drops_a_leaver(
         wk_stream = nodes.WatchAssignments(pb.WatchAssignmentsRequest(node_id=wk.node_id), timeout=30)
         (w,) = _latest(wk_stream, lambda x: len(x) == 1)
         assert dict(w.curve_server_keys) == {ep: ps_keys.public} and dict(w.shard_endpoints) == {0: ep}
+        # Each sender id is bound to its own node's key: the worker's, and the primary's replication id.
+        assert dict(w.curve_senders) == {f"{wk.node_id}:{w.index}": wk_keys.public, "shard-0": ps_keys.public}
         nodes.Leave(pb.LeaveRequest(node_id=wk.node_id, reason="test"), timeout=5)
         (a,) = _latest(ps_stream, lambda x: len(x) == 1 and list(x[0].curve_members) == [ps_keys.public])
+        assert dict(a.curve_senders) == {"shard-0": ps_keys.public}
         ps_stream.cancel()
         wk_stream.cancel()
     finally:
@@ -550,6 +553,8 @@ def test_secured_cluster_runs_curve_and_refuses_strangers_end_to_end(tmp_path: P
     assert result.status == "completed", result
     assert result.metrics["eval_accuracy"] >= 0.9, result.metrics
     assert "over CurveZMQ" in logs
+    # The primary replicates under `shard-0`, bound to its own node's key: the backup took it.
+    assert "backup synced at version" in logs and "backup refused replication" not in logs, logs[-3000:]
 
 
 @pytest.mark.timeout(420)

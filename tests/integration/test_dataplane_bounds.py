@@ -1,4 +1,4 @@
-"""A shard's memory is bounded whatever its peers do: peers that never read, invented senders, workers killed without LEAVE.
+"""A shard's (and a gossip peer's) memory is bounded whatever its peers do: peers that never read, invented senders, workers killed without LEAVE.
 
 Real processes and sockets: the shard (1M parameters, 4 MiB) runs in its own process and its
 memory is its /proc/PID/status VmRSS; floods come from raw ZMQ DEALERs in this process.
@@ -24,6 +24,9 @@ from gossamer.paramserver import ShardClient
 from gossamer.protocol import PullMeta
 from gossamer.transport.frames import Message, decode, encode
 from gossamer.transport.router import FAILED_PRECONDITION
+from tests.integration._bounded_peer import EXPERIMENT as PEER_EXPERIMENT
+from tests.integration._bounded_peer import NUMEL as PEER_NUMEL
+from tests.integration._bounded_peer import serve as serve_peer
 from tests.integration._bounded_shard import EXPERIMENT, NUMEL, plan, pull_forever, rss_bytes, serve
 
 pytestmark = pytest.mark.timeout(300)
@@ -196,3 +199,65 @@ def test_invented_senders_keep_no_pull_view_and_a_worker_killed_without_leave_ha
         ctx.destroy(linger=0)
         killed.kill()
         killed.join(timeout=10)
+
+
+def test_gossip_peers_that_never_read_snapshots_cost_a_bounded_amount_of_memory_and_a_reader_is_then_served(
+    tmp_path: Path,
+) -> None:
+    """The gossip peer's one large reply is a snapshot (a copy of the model); before, every
+    request was answered and queued, one copy per trainer step, for peers that never read."""
+    path = tmp_path / "endpoint"
+    proc = _SPAWN.Process(target=serve_peer, args=(str(path),), daemon=True)
+    proc.start()
+    ctx = zmq.Context()
+    try:
+        _wait(lambda: path.exists() or not proc.is_alive(), "the gossip peer did not start", 120)
+        assert proc.is_alive()
+        endpoint = path.read_text()
+        base = rss_bytes(proc.pid)
+        floods = [_never_reading(ctx, endpoint) for _ in range(8)]
+        peak = base
+        for rnd in range(100):
+            for sock in floods:
+                snap = Message(op="SNAP", experiment=PEER_EXPERIMENT, sender="flood", meta={"rid": rnd, "light": False})
+                try:
+                    sock.send_multipart(encode(snap), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+            peak = max(peak, rss_bytes(proc.pid))
+            time.sleep(0.01)
+        deadline = time.monotonic() + 2.0  # the last requests are answered at the trainer's next serve()
+        while time.monotonic() < deadline:
+            peak = max(peak, rss_bytes(proc.pid))
+            time.sleep(0.05)
+        # Now they read: each got a snapshot or a refusal (or nothing, its queue full).
+        answers: dict[str, int] = {}
+        for sock in floods:
+            while sock.poll(300):
+                msg = decode(sock.recv_multipart())
+                kind = msg.op if msg.op != "ERROR" else f"ERROR {msg.meta.get('reason')}"
+                answers[kind] = answers.get(kind, 0) + 1
+        reader = ctx.socket(zmq.DEALER)
+        reader.setsockopt(zmq.LINGER, 0)
+        reader.connect(endpoint)
+        served = None
+        for rid in range(1000, 1100):  # the flood's replies leave as its sockets read: the budget frees
+            reader.send_multipart(encode(Message(op="SNAP", experiment=PEER_EXPERIMENT, sender="reader",
+                                                 meta={"rid": rid, "light": False})))
+            assert reader.poll(30_000), "no answer to the reader's snapshot request"
+            served = decode(reader.recv_multipart())
+            if served.op == "SNAPSHOT":
+                break
+            time.sleep(0.05)
+    finally:
+        ctx.destroy(linger=0)
+        proc.kill()
+        proc.join(timeout=10)
+    reply = 4 * PEER_NUMEL
+    bound = max(64 * _MIB, 8 * reply) + reply  # ReplyBudget's default B, plus one reply admitted under it
+    growth = peak - base
+    print(f"gossip peer RSS {base / _MIB:.0f} MiB -> peak {peak / _MIB:.0f} MiB (growth {growth / _MIB:.1f} MiB, "
+          f"bound {bound / _MIB:.0f} MiB + slack {_SLACK / _MIB:.0f}); answers {answers}")
+    assert answers.get("ERROR reply_budget", 0) > 0, answers  # the flood did exceed the budget
+    assert growth < bound + _SLACK, (growth, bound)
+    assert served is not None and served.op == "SNAPSHOT", served

@@ -92,6 +92,8 @@ class AssignmentUpdate:
     sender_token: str = ""
     #: Shard: the key the senders' tokens are checked with ("": senders are not checked).
     sender_key: str = ""
+    #: Restoring shard: checkpoint file server endpoint -> fetch token, of the nodes holding its files.
+    checkpoint_sources: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -20,7 +20,6 @@ from gossamer.coordinator.stragglers import StepRates, worker_speeds
 from gossamer.coordinator.streams import AssignmentStreams
 from gossamer.errors import ConfigError, NotFoundError
 from gossamer.experiment import Experiment
-from gossamer.protocol import RESTORE_SEEDING
 from gossamer.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -569,21 +568,15 @@ class Coordinator:
                 f"shard {req.index}: backup {'attached' if req.replicated else 'detached'} at version {req.version}",
                 experiment_id=exp.id, node_id=req.node_id,
             )
-        if req.restored_from == RESTORE_SEEDING:
-            await self.store.add_event(
-                "restore", f"shard {req.index}: no checkpoint found; rebuilding it from the freshest worker's copy",
-                experiment_id=exp.id, node_id=req.node_id)
-        elif req.restored_from or (role.restore_epoch and req.version == 0 and not role.version):
-            last = exp.shard_versions.get(str(req.index), 0)
-            lost = max(0, last - int(req.version))
-            await self._recovery_metric(exp, {"versions_lost_min": float(lost)})
-            await self.store.add_event(
-                "restored", f"shard {req.index} restored from {req.restored_from or 'its initial values'} at "
-                f"version {req.version}; at least {lost} version(s) lost (last reported version {last}; the "
-                "exact count follows as workers return)",
-                experiment_id=exp.id, node_id=req.node_id,
-            )
-            if lost and not req.version:  # never silently from initial values
+        restore = failover.restore_outcome(exp.roles, role, index=req.index, version=int(req.version),
+                                           source=req.restored_from,
+                                           last=exp.shard_versions.get(str(req.index), 0))
+        if restore is not None:
+            kind, message, lost = restore
+            if kind == "restored":
+                await self._recovery_metric(exp, {"versions_lost_min": float(lost)})
+            await self.store.add_event(kind, message, experiment_id=exp.id, node_id=req.node_id)
+            if kind == "restored" and lost and not req.version:  # never silently from initial values
                 await self._finish(exp, pb.EXPERIMENT_STATE_FAILED, _no_source(exp, req.index, lost))
         role.version = int(req.version)
 

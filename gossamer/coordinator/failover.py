@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gossamer.coordinator.records import NodeRec, RoleRec
+from gossamer.protocol import RESTORE_SEEDING
 from gossamer.v1 import coordinator_pb2 as pb
 
 
@@ -93,6 +94,26 @@ def roll_back_together(roles: Sequence[RoleRec], index: int, *, barrier: bool) -
     if not barrier:
         return [index]
     return sorted({index} | {r.index for r in roles if r.role == pb.ROLE_PARAMETER_SERVER})
+
+
+def restore_outcome(roles: Sequence[RoleRec], shard: RoleRec, *, index: int, version: int, source: str,
+                    last: int) -> tuple[str, str, int] | None:
+    """The event a shard's report of restoring calls for: (kind, message, versions lost), or None.
+
+    `source`: where the shard said it restored from (RESTORE_SEEDING: it waits for the workers'
+    copies); `last`: the highest version the coordinator heard of before the loss.
+    """
+    if source == RESTORE_SEEDING:
+        if any(r.role == pb.ROLE_WORKER for r in roles):
+            return "restore", f"shard {index}: no checkpoint found; rebuilding it from the freshest worker's copy", 0
+        # No worker left to hold a copy, so none can come (a new worker holds the initial values).
+        source = "(none: no checkpoint, and no worker left to hold a copy)"
+    elif not (source or (shard.restore_epoch and version == 0 and not shard.version)):
+        return None
+    lost = max(0, last - version)
+    return ("restored", f"shard {index} restored from {source or 'its initial values'} at version {version}; at "
+            f"least {lost} version(s) lost (last reported version {last}; the exact count follows as workers "
+            "return)", lost)
 
 
 def gives_up(failures: int, max_workers: int) -> bool:

@@ -15,6 +15,7 @@ from gossamer.coordinator.failover import (
     lease_verdict,
     recovery_for,
     replacement_order,
+    restore_outcome,
     roll_back_together,
 )
 from gossamer.coordinator.placement import (
@@ -33,6 +34,7 @@ from gossamer.coordinator.placement import (
 )
 from gossamer.coordinator.records import NodeRec, RoleRec
 from gossamer.modes import resolve
+from gossamer.protocol import RESTORE_SEEDING
 from gossamer.v1 import coordinator_pb2 as pb
 
 PS, WORKER = pb.ROLE_PARAMETER_SERVER, pb.ROLE_WORKER
@@ -159,6 +161,21 @@ def test_a_lost_primary_whose_backup_is_unsynced_or_not_serving_restores_from_th
     assert isinstance(recovery, RestoreShard) and recovery.stale == (starting,)
     recovery = recovery_for(_shard("a", 0), [_shard("c", 1)])
     assert isinstance(recovery, RestoreShard) and recovery.stale == ()
+
+
+def test_a_shard_seeding_waits_for_workers_copies_only_while_a_worker_is_left_to_send_one() -> None:
+    shard = _shard("n", 0)
+    worker = RoleRec(node_id="w", role=WORKER, index=0)
+    kind, message, lost = restore_outcome([shard, worker], shard, index=0, version=0, source=RESTORE_SEEDING,
+                                          last=185) or ("", "", -1)
+    assert (kind, lost) == ("restore", 0) and "freshest worker's copy" in message
+    # No worker left: no copy can come (a new worker holds the initial values), so it is a restore
+    # from initial values now, not after the seeding deadline.
+    kind, message, lost = restore_outcome([shard], shard, index=0, version=0, source=RESTORE_SEEDING,
+                                          last=185) or ("", "", -1)
+    assert (kind, lost) == ("restored", 185) and "no worker left to hold a copy" in message
+    assert restore_outcome([shard, worker], shard, index=0, version=7, source="", last=9) is None
+    assert restore_outcome([shard], shard, index=0, version=190, source="/ck/step-190", last=185)[:1] == ("restored",)
 
 
 def test_in_a_barrier_mode_every_shard_rolls_back_with_a_restored_one() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,3 +114,20 @@ def test_a_file_that_does_not_match_the_manifest_is_not_placed(
     assert not (step_dir(here, 20) / "shard-001").exists()
     assert latest_good(here)[0] == step_dir(here, 10)
     assert not (step_dir(here, 20) / "shard-001" / MANIFEST).exists()
+
+
+def test_a_holder_that_never_answers_costs_no_more_than_the_deadline(tmp_path: Path) -> None:
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # takes requests, answers none
+    silent.linger = 0
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        t0 = time.monotonic()
+        note = fetch_newest(tmp_path / EXP / "shards", EXP, [Source(f"tcp://127.0.0.1:{port}", "x" * 64)],
+                            timeout_s=1.0)
+        took = time.monotonic() - t0
+    finally:
+        silent.close()
+        ctx.term()
+    assert note.startswith("no checkpoint fetched") and "did not answer list" in note, note
+    assert took < 10.0, took  # bounded by the deadline, not by the 10 s a request may wait

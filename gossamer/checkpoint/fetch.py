@@ -51,12 +51,16 @@ class _Conn:
         self.broken = ""  # a request went unanswered: a late answer would be taken for the next one's
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.linger = 0
-        self.sock.maxmsgsize = CHUNK + (64 << 10)  # a server cannot make this side hold more than a chunk
-        if src.server_key:
-            public, secret = zmq.curve_keypair()  # a throwaway identity: the token is the authority
-            self.sock.curve_publickey, self.sock.curve_secretkey = public, secret
-            self.sock.curve_serverkey = src.server_key.encode("ascii")
-        self.sock.connect(src.endpoint)
+        try:
+            self.sock.maxmsgsize = CHUNK + (64 << 10)  # a server cannot make this side hold more than a chunk
+            if src.server_key:
+                public, secret = zmq.curve_keypair()  # a throwaway identity: the token is the authority
+                self.sock.curve_publickey, self.sock.curve_secretkey = public, secret
+                self.sock.curve_serverkey = src.server_key.encode("ascii")
+            self.sock.connect(src.endpoint)
+        except BaseException:
+            self.sock.close()  # else the context's term() would wait for it for ever
+            raise
 
     def ask(self, op: str, **fields: Any) -> tuple[dict[str, Any], bytes]:
         if self.broken:
@@ -127,9 +131,16 @@ def fetch_newest(root: str | os.PathLike[str], experiment: str, sources: Sequenc
     deadline = time.monotonic() + timeout_s
     local = _local(root)
     ctx = zmq.Context()
-    conns = {s.endpoint: _Conn(ctx, s, experiment, deadline) for s in sources}
+    conns: dict[str, _Conn] = {}
+    bad = []
+    for src in sources:
+        try:
+            conns[src.endpoint] = _Conn(ctx, src, experiment, deadline)
+        except (zmq.ZMQError, ValueError) as e:  # a malformed endpoint or key: that source is skipped
+            bad.append(f"{src.endpoint}: {e}")
     try:
         held, nums, notes = _listing(conns)
+        notes = bad + notes
         newest_here = max((s for s, shards in local.items() if nums.get(s) and len(shards) >= nums[s]), default=-1)
         for step in sorted((s for s in held if s > newest_here), reverse=True):
             num = nums[step]

@@ -175,7 +175,10 @@ class ServerRole:
         fetched = ""
         if update.checkpoint_sources:
             sources = [Source(e, t, update.curve_server_keys.get(e, "")) for e, t in update.checkpoint_sources.items()]
-            fetched = fetch_newest(self.root, self.spec.experiment_id, sources)
+            try:
+                fetched = fetch_newest(self.root, self.spec.experiment_id, sources)
+            except Exception as e:  # noqa: BLE001 — a failed fetch must not fail the restore
+                fetched = f"no checkpoint fetched (the fetch failed: {type(e).__name__}: {e})"
             log.info("shard %d: %s", self.shard, fetched)
         path, refused = latest_good(self.root)
         for bad, why in refused:

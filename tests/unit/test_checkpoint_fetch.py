@@ -131,3 +131,12 @@ def test_a_holder_that_never_answers_costs_no_more_than_the_deadline(tmp_path: P
         ctx.term()
     assert note.startswith("no checkpoint fetched") and "did not answer list" in note, note
     assert took < 10.0, took  # bounded by the deadline, not by the 10 s a request may wait
+
+
+def test_a_malformed_source_is_skipped_and_the_others_still_serve(
+        tmp_path: Path, holder: tuple[CheckpointFileServer, Path, str]) -> None:
+    server, _, key = holder
+    here = tmp_path / "here" / EXP / "shards"
+    bad = Source("tcp://no-port-here", "x" * 64, "not a key")
+    note = fetch_newest(here, EXP, [bad, Source(server.endpoint, fetch_token(server.secret, EXP), key)])
+    assert note.startswith("fetched shard(s) [0, 1] of checkpoint step 20") and "no-port-here" in note, note

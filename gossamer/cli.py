@@ -126,7 +126,7 @@ def cmd_worker_join(args: argparse.Namespace) -> int:
         nproc_per_node=nproc, spot=args.spot, labels=parse_labels(args.labels),
         grace_s=args.grace, threads_per_role=args.threads, log_level=args.log_level.upper(), log_format=args.log_format,
         launch=launch, run_dir=args.run_dir, attach_timeout_s=args.attach_timeout, warm_roles=args.warm_roles,
-        preload=tuple(args.preload),
+        preload=tuple(args.preload), checkpoint_dir=args.checkpoint_dir,
     )
     if config.warm_roles:
         from gossamer.worker.warm import check_preload

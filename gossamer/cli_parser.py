@@ -236,6 +236,10 @@ def _worker_parser(sub: Any) -> None:
                    help="seconds to keep trying to reach the coordinator before giving up with exit code 2 "
                         "(0: keep trying)")
     j.add_argument("--threads", type=int, default=_env("THREADS", 1), help="torch threads per role process")
+    j.add_argument("--checkpoint-dir", default=_env("CHECKPOINT_DIR", ""),
+                   help="where this node's roles write checkpoints, in place of the experiment's checkpoint_dir "
+                        "(a disk local to this node; a shard restored elsewhere fetches its files from here) "
+                        "(env GOSSAMER_CHECKPOINT_DIR)")
     j.add_argument("--run-dir", default=_env("RUN_DIR", ""),
                    help="under torchrun/srun: private directory of the socket where local ranks attach to local "
                         "rank 0's agent (default $TMPDIR/gossamer-UID; env GOSSAMER_RUN_DIR)")

@@ -94,6 +94,8 @@ class AssignmentUpdate:
     sender_key: str = ""
     #: CURVE: sender id -> the public key of the node that alone may speak as it.
     curve_senders: dict[str, str] = field(default_factory=dict)
+    #: Restoring shard: checkpoint file server endpoint -> fetch token, of the nodes holding its files.
+    checkpoint_sources: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -14,7 +14,7 @@ from gossamer.coordinator import failover, placement, views
 from gossamer.coordinator.beat_rate import BeatRate
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.import_checks import ImportChecker
-from gossamer.coordinator.records import ExpRec, NodeRec, RoleRec
+from gossamer.coordinator.records import ExpRec, NodeRec, RoleRec, checkpoint_server
 from gossamer.coordinator.store import Store
 from gossamer.coordinator.stragglers import StepRates, worker_speeds
 from gossamer.coordinator.streams import AssignmentStreams
@@ -94,6 +94,7 @@ class Coordinator:
         if node is not None and node.alive:
             node.last_seen = now
             node.curve_key = curve_key  # the same key after a coordinator restart; assignments follow a new one
+            node.checkpoint_endpoint, node.checkpoint_secret, node.checkpoint_key = checkpoint_server(req)
             await self.store.add_event("rejoin", f"node {node.name} re-attached", node_id=node.id)
         else:
             node_id = req.node_id or uuid.uuid4().hex[:12]
@@ -459,7 +460,8 @@ class Coordinator:
         if exp is None or not exp.active:
             return []
         keys = views.curve_keys(exp, self.nodes) if self.curve else ({}, [], {})
-        return views.assignments(exp, node_id, checkpoint_root=self.checkpoint_root, curve_keys=keys)
+        return views.assignments(exp, node_id, checkpoint_root=self.checkpoint_root, curve_keys=keys,
+                                 holders=views.checkpoint_holders(exp, self.nodes))
 
     # --- experiments -----------------------------------------------------------------------
     async def submit(self, experiment_json: str) -> str:
@@ -621,8 +623,11 @@ class Coordinator:
 
     # --- checkpoints -----------------------------------------------------------------------
     async def register_checkpoint(self, info: pb.CheckpointInfo) -> None:
-        self.get(info.experiment_id)
+        exp = self.get(info.experiment_id)
         await self.store.add_checkpoint(info.experiment_id, info.step, info.path, info.kind)
+        if info.kind == "shard" and info.node_id in self.nodes:  # its disk holds it: a restore may fetch it there
+            exp.checkpoint_holders[info.node_id] = max(exp.checkpoint_holders.get(info.node_id, 0), int(info.step))
+            await self.store.save_experiment(exp)
         await self.store.add_event(
             "checkpoint", f"{info.kind} checkpoint at step {info.step}: {info.path}",
             experiment_id=info.experiment_id,

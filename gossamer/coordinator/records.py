@@ -51,6 +51,10 @@ class NodeRec:
     experiment_id: str = ""
     stream_lost_at: float = 0.0  # when its assignment stream dropped (fast failure detection)
     curve_key: str = ""  # public CURVE key (z85) the node joined with; "" without CURVE
+    #: Its checkpoint file server ("" none), the secret fetch tokens are made with, its CURVE key.
+    checkpoint_endpoint: str = ""
+    checkpoint_secret: str = ""
+    checkpoint_key: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -58,10 +62,12 @@ class NodeRec:
     @classmethod
     def from_join(cls, req: pb.JoinRequest, node_id: str, now: float, curve_key: str) -> NodeRec:
         """A node that just joined, as its JoinRequest describes it."""
+        files = checkpoint_server(req)
         return cls(id=node_id, name=req.name or f"{req.hostname or 'node'}-{node_id[:6]}",
                    address=req.address or "127.0.0.1", hostname=req.hostname, spot=req.spot, labels=dict(req.labels),
                    cpus=req.cpus, gpus=req.gpus, nproc_per_node=max(1, req.nproc_per_node),
-                   state=pb.NODE_STATE_READY, joined_unix=now, last_seen=now, curve_key=curve_key)
+                   state=pb.NODE_STATE_READY, joined_unix=now, last_seen=now, curve_key=curve_key,
+                   checkpoint_endpoint=files[0], checkpoint_secret=files[1], checkpoint_key=files[2])
 
     @classmethod
     def from_json(cls, text: str) -> NodeRec:
@@ -130,6 +136,8 @@ class ExpRec:
     shard_epochs: dict[str, int] = field(default_factory=dict)
     #: The data-plane key shards check workers' sender tokens with (a record stored without one gets one).
     sender_key: str = field(default_factory=new_key)
+    #: Node id -> newest step of this experiment's shard checkpoints it registered (its disk holds them).
+    checkpoint_holders: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -230,3 +238,28 @@ class ExpRec:
         if out.get("bytes_down") and "raw_bytes_down" in out:
             out["pull_compression_ratio"] = out["raw_bytes_down"] / out["bytes_down"]
         return out
+
+
+def checkpoint_server(req: pb.JoinRequest) -> tuple[str, str, str]:
+    """A joining node's checkpoint file server: (endpoint, secret, CURVE key), all "" unless endpoint and secret are sound."""
+    endpoint, secret = req.checkpoint_endpoint, req.checkpoint_secret
+    try:
+        sound = endpoint.startswith("tcp://") and len(endpoint) <= 256 and 32 <= len(bytes.fromhex(secret)) <= 64
+    except ValueError:
+        sound = False
+    if not sound:
+        return "", "", ""
+    return endpoint, secret, _checked_key(req.curve_public_key)
+
+
+def _checked_key(key: str) -> str:
+    """A node's public CURVE key if well formed, else "" (its checkpoint file server is then reached in plaintext)."""
+    if not key:
+        return ""
+    from gossamer.errors import ConfigError
+    from gossamer.security.curve import check_public_key
+
+    try:
+        return check_public_key(key)
+    except ConfigError:
+        return ""

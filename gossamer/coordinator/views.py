@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping
 
 from gossamer.coordinator.records import ExpRec, NodeRec
-from gossamer.security.sender_tokens import primary_sender, token_for
+from gossamer.security.sender_tokens import fetch_token, primary_sender, token_for
 from gossamer.v1 import coordinator_pb2 as pb
 
 #: What `curve_keys` returns: (server keys by endpoint, member keys, sender keys by sender id).
@@ -14,10 +14,12 @@ CurveKeys = tuple[dict[str, str], list[str], dict[str, str]]
 
 
 def assignments(exp: ExpRec, node_id: str, *, checkpoint_root: str,
-                curve_keys: CurveKeys = ({}, [], {})) -> list[pb.Assignment]:
+                curve_keys: CurveKeys = ({}, [], {}),
+                holders: Mapping[str, tuple[str, str, str]] | None = None) -> list[pb.Assignment]:
     """The roles node `node_id` holds in `exp` (workers only once it runs), as the node runs them.
 
-    `curve_keys` is `curve_keys(exp, nodes)` when the data plane runs CurveZMQ.
+    `curve_keys` is `curve_keys(exp, nodes)` when the data plane runs CurveZMQ; `holders` is
+    `checkpoint_holders(exp, nodes)`, the sources a restoring shard may fetch checkpoint files from.
     """
     servers = exp.roles_of(pb.ROLE_PARAMETER_SERVER)
     primaries = {r.index: r for r in servers if r.replica == 0}
@@ -37,6 +39,8 @@ def assignments(exp: ExpRec, node_id: str, *, checkpoint_root: str,
             continue  # workers start once every shard serves
         ps = r.role == pb.ROLE_PARAMETER_SERVER
         backup = backups.get(r.index) if ps and r.replica == 0 else None
+        sources = {e: (t, k) for n, (e, t, k) in (holders or {}).items() if n != r.node_id} \
+            if ps and r.restore_epoch else {}
         out.append(
             pb.Assignment(
                 experiment_id=exp.id,
@@ -54,14 +58,25 @@ def assignments(exp: ExpRec, node_id: str, *, checkpoint_root: str,
                 restore_epoch=r.restore_epoch,
                 worker_rank=workers.index(r) if not ps else 0,
                 peer_endpoints={i: e for i, e in peers.items() if i != r.index} if not ps else {},
-                curve_server_keys=server_keys,
+                curve_server_keys={**server_keys, **{e: k for e, (_, k) in sources.items() if k}},
                 curve_members=members,
                 shard_epochs=epochs if not ps else {r.index: epochs.get(r.index, 0)},
                 sender_token=token_for(exp.sender_key, f"{r.node_id}:{r.index}") if not ps else "",
                 sender_key=exp.sender_key if ps else "",
                 curve_senders=curve_senders,
+                checkpoint_sources={e: t for e, (t, _) in sources.items()},
             )
         )
+    return out
+
+
+def checkpoint_holders(exp: ExpRec, nodes: Mapping[str, NodeRec]) -> dict[str, tuple[str, str, str]]:
+    """Node id -> (file server endpoint, fetch token, CURVE key) of each live node holding `exp`'s shard checkpoints."""
+    out = {}
+    for node_id in exp.checkpoint_holders:
+        n = nodes.get(node_id)
+        if n is not None and n.alive and n.checkpoint_endpoint and n.checkpoint_secret:
+            out[node_id] = (n.checkpoint_endpoint, fetch_token(n.checkpoint_secret, exp.id), n.checkpoint_key)
     return out
 
 

@@ -6,7 +6,7 @@ import hashlib
 import hmac
 import secrets
 
-__all__ = ["new_key", "primary_sender", "token_for", "verify"]
+__all__ = ["fetch_subject", "fetch_token", "new_key", "primary_sender", "token_for", "verify"]
 
 
 def new_key() -> str:
@@ -27,3 +27,13 @@ def verify(key: str, sender: str, token: object) -> bool:
 def primary_sender(shard: int) -> str:
     """The sender id a shard's primary replicates under (its backup checks the token of this id)."""
     return f"shard-{shard}"
+
+
+def fetch_subject(experiment: str) -> str:
+    """What a checkpoint fetch token proves: its holder may read `experiment`'s shard checkpoints."""
+    return f"checkpoint-fetch:{experiment}"
+
+
+def fetch_token(node_secret: str, experiment: str) -> str:
+    """The token, under a node's checkpoint secret, that lets a restoring shard read `experiment`'s files there."""
+    return token_for(node_secret, fetch_subject(experiment))

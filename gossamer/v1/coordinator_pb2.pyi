@@ -285,6 +285,8 @@ class JoinRequest(_message.Message):
     NPROC_PER_NODE_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
     CURVE_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_ENDPOINT_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_SECRET_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Human name; empty means hostname-pid."""
     address: _builtins.str
@@ -305,6 +307,14 @@ class JoinRequest(_message.Message):
     """Public CURVE key (z85, 40 characters) of the key pair this node generated for the data
     plane; its secret never leaves the node. Required by a coordinator running with CURVE.
     """
+    checkpoint_endpoint: _builtins.str
+    """ZMQ endpoint where this node serves the checkpoint files it holds to a restoring shard
+    ("" = not served; docs/reliability.md).
+    """
+    checkpoint_secret: _builtins.str
+    """Secret (hex) this node checks fetch tokens with; the coordinator hands a restoring shard
+    an HMAC of "fetch:EXPERIMENT" under it. Sent only over the coordinator channel.
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Free-form labels."""
@@ -322,10 +332,12 @@ class JoinRequest(_message.Message):
         nproc_per_node: _builtins.int = ...,
         node_id: _builtins.str = ...,
         curve_public_key: _builtins.str = ...,
+        checkpoint_endpoint: _builtins.str = ...,
+        checkpoint_secret: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cpus", b"cpus", "curve_public_key", b"curve_public_key", "gpus", b"gpus", "hostname", b"hostname", "labels", b"labels", "name", b"name", "node_id", b"node_id", "nproc_per_node", b"nproc_per_node", "spot", b"spot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "checkpoint_endpoint", b"checkpoint_endpoint", "checkpoint_secret", b"checkpoint_secret", "cpus", b"cpus", "curve_public_key", b"curve_public_key", "gpus", b"gpus", "hostname", b"hostname", "labels", b"labels", "name", b"name", "node_id", b"node_id", "nproc_per_node", b"nproc_per_node", "spot", b"spot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -582,6 +594,26 @@ class Assignment(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class CheckpointSourcesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     EXPERIMENT_ID_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
@@ -603,6 +635,7 @@ class Assignment(_message.Message):
     SENDER_TOKEN_FIELD_NUMBER: _builtins.int
     SENDER_KEY_FIELD_NUMBER: _builtins.int
     CURVE_SENDERS_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_SOURCES_FIELD_NUMBER: _builtins.int
     experiment_id: _builtins.str
     """Experiment id."""
     role: Global___Role.ValueType
@@ -677,6 +710,12 @@ class Assignment(_message.Message):
         connection (UNAUTHENTICATED), whatever token it carries.
         """
 
+    @_builtins.property
+    def checkpoint_sources(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Parameter server restoring (restore_epoch > 0): endpoint -> fetch token of every other live
+        node that registered checkpoint files of this experiment, to fetch the files it lacks.
+        """
+
     def __init__(
         self,
         *,
@@ -701,10 +740,11 @@ class Assignment(_message.Message):
         sender_token: _builtins.str = ...,
         sender_key: _builtins.str = ...,
         curve_senders: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        checkpoint_sources: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_endpoint", b"backup_endpoint", "checkpoint_dir", b"checkpoint_dir", "curve_members", b"curve_members", "curve_senders", b"curve_senders", "curve_server_keys", b"curve_server_keys", "experiment_id", b"experiment_id", "experiment_json", b"experiment_json", "generation", b"generation", "index", b"index", "lead", b"lead", "num_workers", b"num_workers", "peer_endpoints", b"peer_endpoints", "replica", b"replica", "restore_epoch", b"restore_epoch", "role", b"role", "sender_key", b"sender_key", "sender_token", b"sender_token", "shard_endpoints", b"shard_endpoints", "shard_epochs", b"shard_epochs", "worker_rank", b"worker_rank", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup_endpoint", b"backup_endpoint", "checkpoint_dir", b"checkpoint_dir", "checkpoint_sources", b"checkpoint_sources", "curve_members", b"curve_members", "curve_senders", b"curve_senders", "curve_server_keys", b"curve_server_keys", "experiment_id", b"experiment_id", "experiment_json", b"experiment_json", "generation", b"generation", "index", b"index", "lead", b"lead", "num_workers", b"num_workers", "peer_endpoints", b"peer_endpoints", "replica", b"replica", "restore_epoch", b"restore_epoch", "role", b"role", "sender_key", b"sender_key", "sender_token", b"sender_token", "shard_endpoints", b"shard_endpoints", "shard_epochs", b"shard_epochs", "worker_rank", b"worker_rank", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1551,6 +1591,7 @@ class CheckpointInfo(_message.Message):
     PATH_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     TIME_UNIX_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
     experiment_id: _builtins.str
     """Experiment id."""
     step: _builtins.int
@@ -1561,6 +1602,8 @@ class CheckpointInfo(_message.Message):
     """"periodic" or "final"."""
     time_unix: _builtins.float
     """When it was registered."""
+    node_id: _builtins.str
+    """Node whose disk holds it ("" = not said)."""
     def __init__(
         self,
         *,
@@ -1569,10 +1612,11 @@ class CheckpointInfo(_message.Message):
         path: _builtins.str = ...,
         kind: _builtins.str = ...,
         time_unix: _builtins.float = ...,
+        node_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["experiment_id", b"experiment_id", "kind", b"kind", "path", b"path", "step", b"step", "time_unix", b"time_unix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["experiment_id", b"experiment_id", "kind", b"kind", "node_id", b"node_id", "path", b"path", "step", b"step", "time_unix", b"time_unix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

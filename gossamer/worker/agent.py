@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from gossamer.checkpoint.file_server import CheckpointFileServer
 from gossamer.coordinator.failover import shard_lease_s
 from gossamer.errors import AuthError, ConfigError, UnavailableError
 from gossamer.protocol import AssignmentUpdate, LeaseRenewal, RoleSpec
@@ -26,6 +27,7 @@ from gossamer.security.channel import (
     open_aio_channel,
 )
 from gossamer.security.curve import CurveKeyPair
+from gossamer.security.sender_tokens import new_key
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from gossamer.worker._role_process import EXIT_REPORTED
@@ -68,6 +70,8 @@ class AgentConfig:
     preload: tuple[str, ...] = ()
     #: Give up (UnavailableError, exit code 2) when the coordinator has not answered a join for this long; 0: never.
     join_timeout_s: float = 0.0
+    #: Where this node's roles write checkpoints, in place of the assignment's checkpoint_dir ("": that one).
+    checkpoint_dir: str = ""
 
     def __post_init__(self) -> None:
         for one in coordinator_addresses(self.coordinator):  # several: one leads (docs/ha.md)
@@ -140,6 +144,12 @@ class NodeAgent:
         self._stub: pb_grpc.NodeServiceStub | None = None
         # This node's data-plane identity; its secret goes only to this node's role processes.
         self.curve_keys = _curve_keypair()
+        # Lends this node's shard checkpoint files to a shard restored on another node (docs/reliability.md).
+        self.files = CheckpointFileServer(new_key(), (self.curve_keys.public, self.curve_keys.secret)
+                                          if self.curve_keys else None)
+        if config.checkpoint_dir:
+            self.files.add_root(config.checkpoint_dir)
+        self.files_endpoint = ""
         self.curve = False  # the coordinator's answer: the data plane runs CurveZMQ
         #: The other local ranks of a torchrun/srun launch (None: this agent spawns every rank).
         self.attached: AttachedRanks | None = None
@@ -185,6 +195,13 @@ class NodeAgent:
         return True
 
     async def _run(self) -> None:
+        self.files_endpoint = self.files.start(self.address)
+        try:
+            await self._serve_node()
+        finally:
+            self.files.stop()
+
+    async def _serve_node(self) -> None:
         self._channel = open_aio_channel(self.config.coordinator, self.config.security)
         self._stub = pb_grpc.NodeServiceStub(self._channel)
         self._warm = asyncio.create_task(self._warm_up())  # beside the join: a node is warm by its first role
@@ -269,6 +286,7 @@ class NodeAgent:
             labels=self.config.labels, cpus=os.cpu_count() or 1, gpus=visible_cuda_devices(),
             nproc_per_node=self.config.nproc_per_node, node_id=self.node_id,
             curve_public_key=self.curve_keys.public if self.curve_keys else "",
+            checkpoint_endpoint=self.files_endpoint, checkpoint_secret=self.files.secret,
         )
         delay, t0, next_note = 0.5, time.monotonic(), 0.0
         while not self._stop.is_set():
@@ -392,13 +410,19 @@ class NodeAgent:
         return RoleSpec(
             coordinator=self.config.coordinator, node_id=self.node_id, address=self.address,
             experiment_id=a.experiment_id, index=a.index, experiment_json=a.experiment_json,
-            checkpoint_dir=a.checkpoint_dir, node_name=self.name, threads=self.config.threads_per_role,
+            checkpoint_dir=self._checkpoint_dir(a), node_name=self.name, threads=self.config.threads_per_role,
             metrics_socket=self.metrics.socket_path if self.metrics else "",
             log_level=self.config.log_level, log_format=self.config.log_format,
             security=self.config.security.spec() if self.config.security else None,
             curve_public=keys.public if keys else "", curve_secret=keys.secret if keys else "",
             assignment=self._update_of(a), lease_until=self.lease_until,
         )
+
+    def _checkpoint_dir(self, a: pb.Assignment) -> str:
+        """Where `a`'s role writes checkpoints; the file server lends what lies there to restoring shards."""
+        path = self.config.checkpoint_dir or a.checkpoint_dir
+        self.files.add_root(path)
+        return path
 
     @staticmethod
     def _update_of(a: pb.Assignment) -> AssignmentUpdate:
@@ -411,6 +435,7 @@ class NodeAgent:
             curve_server_keys=dict(a.curve_server_keys), curve_members=tuple(a.curve_members),
             shard_epochs={int(k): int(v) for k, v in a.shard_epochs.items()}, sender_token=a.sender_token,
             sender_key=a.sender_key, curve_senders=dict(a.curve_senders),
+            checkpoint_sources=dict(a.checkpoint_sources),
         )
 
     def _start(self, a: pb.Assignment) -> None:

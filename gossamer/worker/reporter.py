@@ -114,8 +114,9 @@ class Reporter:
         )
         self._retry(lambda: self._exps.Complete(req, timeout=10.0), retry_s)
 
-    def checkpoint(self, step: int, path: str, kind: str) -> None:
-        info = pb.CheckpointInfo(experiment_id=self.experiment_id, step=step, path=path, kind=kind)
+    def checkpoint(self, step: int, path: str, kind: str, node_id: str = "") -> None:
+        """Register a checkpoint written on node `node_id`'s disk ("": not said)."""
+        info = pb.CheckpointInfo(experiment_id=self.experiment_id, step=step, path=path, kind=kind, node_id=node_id)
         self._retry(lambda: self._ckpt.Register(pb.RegisterCheckpointRequest(checkpoint=info), timeout=5.0), 30.0)
 
     def _retry(self, call, retry_s: float) -> None:  # type: ignore[no-untyped-def]

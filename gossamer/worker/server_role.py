@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from gossamer.checkpoint.fetch import Source, fetch_newest
 from gossamer.checkpoint.sharded import AsyncCheckpointer, latest_good
 from gossamer.experiment import Experiment
 from gossamer.metric_families import staleness_buckets
@@ -64,6 +65,7 @@ class ServerRole:
         self._snapshot_open_s = 0.0
         self.restored_epoch = 0
         self.restored_path = ""  # a restore the coordinator has not heard of yet
+        self.fetch_note = ""  # why no checkpoint could be fetched, for the coordinator's events
         self.endpoint = ""
         self._sent: tuple[bool | None, bool | None] = (None, None)  # (replicated, primary) the coordinator knows
         self._ckpt_failures_sent = 0  # checkpoint write failures the coordinator was told of
@@ -112,7 +114,7 @@ class ServerRole:
             if early.replica == 0:
                 self.server.promote("assigned as primary before it served", early.shard_epochs.get(self.shard))
         if assignment.restore_epoch:
-            self._restore(assignment.restore_epoch)
+            self._restore(assignment)
         self.endpoint = self.server.bind(host=self.spec.address, port=0)
         log.info("shard %d (%s) of %s serving %d parameters on %s%s", self.shard,
                  "primary" if self.server.is_primary else "backup", self.spec.experiment_id,
@@ -153,7 +155,7 @@ class ServerRole:
         if update.sender_key:
             self.server.set_sender_key(update.sender_key)
         if update.restore_epoch > self.restored_epoch:
-            self._restore(update.restore_epoch)
+            self._restore(update)
         if update.replica == 0:
             self.server.promote("promoted by the coordinator", update.shard_epochs.get(self.shard))
         if self.server.is_primary:
@@ -163,9 +165,21 @@ class ServerRole:
         """The agent renewed (or, `until` 0, revoked for good) this node's lease."""
         self.server.renew_lease(lease.until)
 
-    def _restore(self, epoch: int) -> None:
-        """Load the newest good checkpoint (a corrupt one is refused, the previous used)."""
-        self.restored_epoch = epoch
+    def _restore(self, update: AssignmentUpdate) -> None:
+        """Load the newest good checkpoint (a corrupt one is refused, the previous used).
+
+        Files this host lacks are fetched first from the nodes that hold them (within
+        `FETCH_TIMEOUT_S`); without a checkpoint the shard is rebuilt from the workers' copies.
+        """
+        self.restored_epoch = update.restore_epoch
+        fetched = ""
+        if update.checkpoint_sources:
+            sources = [Source(e, t, update.curve_server_keys.get(e, "")) for e, t in update.checkpoint_sources.items()]
+            try:
+                fetched = fetch_newest(self.root, self.spec.experiment_id, sources)
+            except Exception as e:  # noqa: BLE001 — a failed fetch must not fail the restore
+                fetched = f"no checkpoint fetched (the fetch failed: {type(e).__name__}: {e})"
+            log.info("shard %d: %s", self.shard, fetched)
         path, refused = latest_good(self.root)
         for bad, why in refused:
             log.error("checkpoint %s refused: %s", bad, why)
@@ -175,9 +189,10 @@ class ServerRole:
             self.server.on_seeded = self._seeded
             self.server.await_seed()
             self.restored_path = RESTORE_SEEDING
+            self.fetch_note = f"shard {self.shard} restore: {fetched}" if fetched else ""
             return
         self.server.restore(str(path))
-        self.restored_path = str(path)
+        self.restored_path = f"{path} ({fetched})" if fetched.startswith("fetched") else str(path)
 
     def _seeded(self, sender: str, version: int) -> None:
         """The rebuild from the workers' copies ended (serve thread): the coordinator hears from where."""
@@ -193,6 +208,7 @@ class ServerRole:
 
     def _report(self, state: pb.RoleState.ValueType = pb.ROLE_STATE_SERVING, message: str = "") -> None:
         replicated, primary = self.server.replicated, self.server.is_primary
+        message, self.fetch_note = message or self.fetch_note, "" if not message else self.fetch_note
         self.reporter.role(self.spec.node_id, pb.ROLE_PARAMETER_SERVER, self.shard, state, endpoint=self.endpoint,
                            message=message,
                            replica=0 if primary else 1, replicated=replicated,
@@ -218,7 +234,7 @@ class ServerRole:
         self._snapshot_open_s += time.perf_counter() - t0
 
     def _saved(self, path: Path, snap: Any, seconds: float) -> None:
-        self.reporter.checkpoint(snap.step, str(path), "shard")
+        self.reporter.checkpoint(snap.step, str(path), "shard", node_id=self.spec.node_id)
 
     def _metrics(self) -> None:
         st = self.server.stats()

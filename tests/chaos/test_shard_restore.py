@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +125,57 @@ def test_shard_lost_with_no_source_at_all_fails_the_run_saying_why(tmp_path: Pat
     assert version == 0 and lost > 0, text  # a lower bound: the shard reports its version once a second
     assert result.metrics["versions_lost"] == lost, (result.metrics, text)
     assert f"would lose {lost} version(s)" in result.message, result
+
+
+def test_shard_lost_on_a_host_without_its_checkpoint_fetches_the_files_from_the_node_that_holds_them(
+        tmp_path: Path, make_cluster: MakeCluster) -> None:
+    # Each node writes checkpoints to its own disk (--checkpoint-dir): no host ever holds a
+    # complete step of a 2-shard run. Shard 1's process fails on its node (which lives on);
+    # shard 1 is restored on the other shard's node, which has shard 0's files only. Before,
+    # it found no checkpoint there and was rebuilt from the worker's copy (no optimizer state).
+    disks = {name: tmp_path / f"disk-{name}" for name in ("ps-a", "ps-b", "w0")}
+    once = tmp_path / "serve-loop-failed"
+    fault = f"fail:at=serve-loop:step=450:shard=1:once={once}"  # whichever node hosts shard 1, once
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
+        client = Client(cluster.start_coordinator(port=0))
+        for name in ("ps-a", "ps-b"):
+            cluster.add_node(name, env={"GOSSAMER_CHECKPOINT_DIR": str(disks[name]), "GOSSAMER_FAULT": fault})
+        wait_for(lambda: len(client.nodes()) == 2, 60, "the shard nodes")
+        cluster.add_node("w0", spot=True, env={"GOSSAMER_CHECKPOINT_DIR": str(disks["w0"])})
+        wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 3, 60, "nodes")
+        job = client.submit({
+            "name": "fetch", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
+            "mode": "async", "lr": 0.05, "momentum": 0.5, "num_ps_shards": 2, "ps_backup": False,
+            "min_workers": 1, "max_workers": 1, "total_steps": 1000, "eval_every": 0, "checkpoint_every": 100,
+            "chunk_numel": 512,
+        })
+
+        def shard_1_lost() -> str:
+            return next((e["message"] for e in job.events() if e["kind"] == "lost"
+                         and e["message"].startswith("parameter_server 1 on ")), "")
+
+        wait_for(shard_1_lost, 180, "shard 1's process failing")
+        lost = shard_1_lost()
+        holder = lost.split(" on ")[1].split(" ")[0]
+        restorer = next(n for n in ("ps-a", "ps-b") if n != holder)
+        # Shard 1 writes no more on the holder: the newest step its files and shard 0's on the
+        # restorer complete is the one to restore (shard 0 may have skipped a busy save).
+        held = disks[holder] / job.id / "shards"
+        own = disks[restorer] / job.id / "shards"
+        newest = max(p.parent.parent for p in held.glob("step-*/shard-001/manifest.json")
+                     if (own / p.parent.parent.name / "shard-000" / "manifest.json").is_file())
+        version = json.loads((newest / "shard-001" / "manifest.json").read_text())["version"]
+        result = job.wait(timeout=240)
+        events = job.events()
+    text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
+    assert once.exists(), text
+    assert result.status == "completed", (result, text)
+    restored, at, lost_min = _restored_event(events)
+    # From the holder's newest checkpoint, fetched: not the worker's copy, not the initial values.
+    assert restored.startswith(f"shard 1 restored from {disks[restorer] / job.id / 'shards' / newest.name} "), \
+        (restored, newest)
+    assert f"fetched shard(s) [1] of checkpoint step {int(newest.name[5:])} from tcp://" in restored, restored
+    assert at == version >= 100, (restored, version)  # every version the checkpoint held is kept
+    assert not any("worker's copy" in e["message"] for e in events), text
+    assert result.metrics["versions_lost"] >= lost_min, (result.metrics, restored)
+    assert result.metrics["restores"] == 1

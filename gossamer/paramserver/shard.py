@@ -205,9 +205,10 @@ class ShardServer:
     def snapshot_later(self, step: int, deliver: Callable[[ShardSnapshot], object]) -> threading.Thread:
         """This version's state for a checkpoint, copied beside serving; `deliver` gets it once whole.
 
-        Call on the serve thread (under the lock): nothing is copied here. A thread copies one
-        chunk per hold of the lock, so requests are served between chunks; the next update
-        first copies whatever is left (`ShardState.before_write`). Returns the copier thread.
+        Call on the serve thread (under the lock): nothing is copied here, nor by later updates,
+        which write what the snapshot still holds out of place (`PendingSnapshot`). A thread
+        copies the chunks no update has moved off yet, outside the lock, and takes the lock
+        only to hand each copy over. Returns the copier thread.
         """
         pending = self._state.open_snapshot(step)
         if self._snapshot_finish is not None:
@@ -220,7 +221,8 @@ class ShardServer:
 
     @property
     def snapshot_serve_seconds(self) -> float:
-        """Time the serve thread spent finishing snapshots the copier had not (all snapshots so far)."""
+        """Time the serve thread spent copying for snapshots (all so far): only writes with no
+        out-of-place twin copy (none of torch's SGD/AdamW or DelayedNesterov's)."""
         with self._lock:
             return self._finish_s + (self._snapshot_finish.finish_seconds if self._snapshot_finish else 0.0)
 

@@ -1,0 +1,90 @@
+"""Copy-on-write for a shard's tensors: a write to a storage still being read runs out of place instead of in it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["WritesAside", "storage_of"]
+
+
+def storage_of(t: torch.Tensor) -> int:
+    """The address of `t`'s storage: tensors sharing it share their values."""
+    return int(t.untyped_storage().data_ptr())
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors `func` writes into (its schema's mutable arguments)."""
+    out: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, list | tuple):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
+
+
+def _functional(func: Any) -> Any | None:
+    """`aten.add.Tensor` for `aten.add_.Tensor` (the same kernel writing a new tensor), or None."""
+    name = func.overloadpacket.__name__
+    if not name.endswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    return getattr(packet, func._overloadname, None) if packet is not None else None
+
+
+def _move(t: torch.Tensor, to: torch.Tensor) -> None:
+    """`t` takes `to`'s storage (other tensors on `t`'s old storage keep it)."""
+    t.set_(to.untyped_storage(), to.storage_offset(), to.size(), to.stride())
+
+
+class WritesAside(TorchDispatchMode):
+    """While active, an in-place write to a tensor on a `frozen` storage runs out of place.
+
+    ``p.add_(g, alpha=-lr)`` on a frozen ``p`` becomes ``p.set_(torch.add(p, g, alpha=-lr))``:
+    the same kernel, so the same bits, written to new memory that ``p`` then uses; every other
+    tensor on the old storage (a checkpoint snapshot's piece, a reply ZMQ still sends) keeps the
+    old values, and nothing is copied. Later writes to ``p`` are in place again (its new storage
+    is not frozen). A write this cannot turn around (an ``out=`` argument, an op without a
+    functional twin) first moves the tensor to a copy, counted in `copies`.
+
+    Any torch optimizer works under it unchanged (they write with in-place ops); the shard's
+    writes run under it only while something reads the live values (`ShardState.writes`).
+    """
+
+    def __init__(self, frozen: set[int]) -> None:
+        super().__init__()
+        self.frozen = frozen
+        self.moved = 0  # tensors written out of place
+        self.copies = 0  # tensors copied first (writes with no out-of-place twin)
+        self.copy_s = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        written = _written(func, args, kwargs)
+        if not any(storage_of(t) in self.frozen for t in written):
+            return func(*args, **kwargs)
+        functional = _functional(func)
+        first = args[0] if args else None
+        targets: list[torch.Tensor] = list(first) if isinstance(first, list | tuple) else [first]
+        if functional is not None and all(any(t is w for w in targets) for t in written):
+            result = functional(*args, **kwargs)
+            results = result if isinstance(first, list | tuple) else [result]
+            for t, r in zip(targets, results, strict=True):
+                _move(t, r)
+            self.moved += len(targets)
+            return None if isinstance(first, list | tuple) else first  # as the in-place op returns
+        t0 = time.perf_counter()
+        for t in written:
+            if storage_of(t) in self.frozen:
+                _move(t, t.clone())
+                self.copies += 1
+        self.copy_s += time.perf_counter() - t0
+        return func(*args, **kwargs)

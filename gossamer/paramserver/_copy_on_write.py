@@ -72,7 +72,7 @@ class WritesAside(TorchDispatchMode):
         if not any(storage_of(t) in self.frozen for t in written):
             return func(*args, **kwargs)
         functional = _functional(func)
-        first = args[0] if args else None
+        first: Any = args[0] if args else None
         targets: list[torch.Tensor] = list(first) if isinstance(first, list | tuple) else [first]
         if functional is not None and all(any(t is w for w in targets) for t in written):
             result = functional(*args, **kwargs)

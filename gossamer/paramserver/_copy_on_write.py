@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,9 +59,12 @@ class WritesAside(TorchDispatchMode):
     writes run under it only while something reads the live values (`ShardState.writes`).
     """
 
-    def __init__(self, frozen: set[int]) -> None:
+    def __init__(self, frozen: set[int], release: Callable[[int], set[int]] | None = None) -> None:
+        """`release(storage)`: called before writing a frozen storage; returns the storages the
+        reader let go of meanwhile (a snapshot whose copy of them is ready), written in place."""
         super().__init__()
         self.frozen = frozen
+        self.release = release
         self.moved = 0  # tensors written out of place
         self.copies = 0  # tensors copied first (writes with no out-of-place twin)
         self.copy_s = 0.0
@@ -69,7 +73,12 @@ class WritesAside(TorchDispatchMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         written = _written(func, args, kwargs)
-        if not any(storage_of(t) in self.frozen for t in written):
+        hit = [storage_of(t) for t in written if storage_of(t) in self.frozen]
+        if hit and self.release is not None:
+            for ptr in hit:
+                self.frozen -= self.release(ptr)
+            hit = [ptr for ptr in hit if ptr in self.frozen]
+        if not hit:
             return func(*args, **kwargs)
         functional = _functional(func)
         first: Any = args[0] if args else None

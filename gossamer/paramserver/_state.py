@@ -137,7 +137,14 @@ class ShardState:
             yield
             return
         t0 = time.perf_counter()
-        mode = WritesAside(frozen)
+        release = None
+        if len(self._pending) == 1:  # a copy the copier has ready lets the write stay in place
+            pending = self._pending[0]
+
+            def release(ptr: int) -> set[int]:
+                return pending.release(ptr) - lent
+
+        mode = WritesAside(frozen, release)
         with mode:
             yield
         if lent:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -78,7 +79,7 @@ def test_updates_during_a_snapshot_copy_nothing_and_keep_the_bits_of_in_place_up
     assert pending.copied == 1 and pending.adopted == len(state.chunks) - 1
     _assert_same_snapshot(pending.snapshot, expected)
     for off, entry in pending.snapshot.pieces.items():  # the update left its storage to the snapshot
-        if off != min(held):
+        if off != max(held):  # the copier's first: the last chunk
             assert storage_of(entry["param"]) == held[off]
 
 
@@ -109,6 +110,32 @@ def test_the_snapshot_stays_at_its_version_while_the_copier_races_updates() -> N
     ptrs = [storage_of(p) for p in state.params.values()]
     state.step(_grads(state, seed), 1.0, schedule=False)
     assert [storage_of(p) for p in state.params.values()] == ptrs
+
+
+def test_an_update_takes_the_copiers_published_copies_and_writes_in_place() -> None:
+    reference, state = _state(OPTIMIZERS["momentum"]), _state(OPTIMIZERS["momentum"])
+    for s in (reference, state):
+        s.step(_grads(s, 0), 1.0, schedule=False)
+    expected = state.snapshot(2)
+    lock = threading.RLock()
+    got: list[ShardSnapshot] = []
+    with lock:  # the serve thread holds the lock: the copier copies and publishes, but cannot hand over
+        pending = state.open_snapshot(2)
+        copier = threading.Thread(target=copy_in_background, args=(pending, lock, got.append))
+        copier.start()
+        deadline = time.monotonic() + 60
+        while pending.published < len(state.chunks) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pending.published == len(state.chunks)
+        ptrs = [storage_of(p) for p in state.params.values()]
+        state.step(_grads(state, 1), 1.0, schedule=False)
+        assert [storage_of(p) for p in state.params.values()] == ptrs  # in place: the copies were ready
+        assert pending.copied == len(state.chunks) and pending.adopted == 0 and pending.serve_copies == 0
+    copier.join(timeout=30)
+    reference.step(_grads(reference, 1), 1.0, schedule=False)
+    _assert_same_state(reference, state)
+    assert len(got) == 1
+    _assert_same_snapshot(got[0], expected)
 
 
 @pytest.mark.parametrize("foreach", [True, False])

@@ -17,13 +17,18 @@ def storage_of(t: torch.Tensor) -> int:
     return int(t.untyped_storage().data_ptr())
 
 
+_MUTABLE: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of the arguments it writes
+
+
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors `func` writes into (its schema's mutable arguments)."""
+    mutable = _MUTABLE.get(func)
+    if mutable is None:
+        mutable = _MUTABLE[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                         if a.alias_info is not None and a.alias_info.is_write)
     out: list[torch.Tensor] = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
+    for i, name in mutable:
+        value = args[i] if i < len(args) else kwargs.get(name)
         if isinstance(value, torch.Tensor):
             out.append(value)
         elif isinstance(value, list | tuple):

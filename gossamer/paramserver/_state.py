@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -83,7 +84,9 @@ class ShardState:
         # MessageTracker, and the storages it reads) and a snapshot still pending. A write
         # leaves what they read alone (`writes`).
         self._lent: list[tuple[Any, set[int]]] = []
-        self._pending: list[PendingSnapshot] = []
+        # Weak: the copier thread (or whoever opened it) keeps a snapshot alive until it is whole; once
+        # handed over, its pieces must not be freed later on the serve thread, nor kept between checkpoints.
+        self._pending: list[weakref.ref[PendingSnapshot]] = []
         self.cow_copies = 0  # writes that ran out of place for a send still reading the values
         self.cow_s = 0.0  # the time of those writes (the update's own arithmetic included)
         self.applied: dict[str, int] = {}  # sender -> last applied clock (async) / step (sync)
@@ -132,14 +135,15 @@ class ShardState:
         everything else in place."""
         self._lent = [(r, ptrs) for r, ptrs in self._lent if not r.done]
         lent = set().union(*(ptrs for _, ptrs in self._lent))
-        frozen = lent.union(*(p.frozen() for p in self._pending))
+        pendings = self._pendings()
+        frozen = lent.union(*(p.frozen() for p in pendings))
         if not frozen:
             yield
             return
         t0 = time.perf_counter()
         release = None
-        if len(self._pending) == 1:  # a copy the copier has ready lets the write stay in place
-            pending = self._pending[0]
+        if len(pendings) == 1:  # a copy the copier has ready lets the write stay in place
+            pending = pendings[0]
 
             def release(ptr: int) -> set[int]:
                 return pending.release(ptr) - lent
@@ -150,9 +154,16 @@ class ShardState:
         if lent:
             self.cow_copies += 1
             self.cow_s += time.perf_counter() - t0
-        for pending in self._pending:
-            pending.note_write(mode.copies, mode.copy_s)
-        self._pending = [p for p in self._pending if not p.done]
+        for p in pendings:
+            p.note_write(mode.copies, mode.copy_s)
+        del pendings
+        self._pendings()
+
+    def _pendings(self) -> list[PendingSnapshot]:
+        """The snapshots still pending (forgets the rest)."""
+        alive = [p for r in self._pending if (p := r()) is not None and not p.done]
+        self._pending = [weakref.ref(p) for p in alive]
+        return alive
 
     def open_snapshot(self, step: int) -> PendingSnapshot:
         """This version's state for a checkpoint, with no copy here (`PendingSnapshot`)."""
@@ -165,7 +176,7 @@ class ShardState:
         sources = [(c.flat_offset, self.params[idx], dict(self.optimizer.state.get(self.params[idx], {})))
                    for idx, c in sorted(self.chunks.items())]
         pending = PendingSnapshot(skeleton, sources)
-        self._pending = [p for p in self._pending if not p.done] + [pending]
+        self._pending = [*(weakref.ref(p) for p in self._pendings()), weakref.ref(pending)]
         return pending
 
     def remember(self, applied: list[tuple[str, int]] | tuple[tuple[str, int], ...], *, latest: bool) -> None:

@@ -214,7 +214,17 @@ class ShardServer:
         if self._snapshot_finish is not None:
             self._finish_s += self._snapshot_finish.finish_seconds
         self._snapshot_finish = pending
-        thread = threading.Thread(target=copy_in_background, args=(pending, self._lock, deliver),
+
+        def hand_over(snap: ShardSnapshot) -> None:
+            # Forget it here: its pieces are the checkpointer's to free once written, not kept
+            # until the next checkpoint (a whole copy of the state) nor freed on the serve thread.
+            with self._lock:
+                if self._snapshot_finish is pending:
+                    self._finish_s += pending.finish_seconds
+                    self._snapshot_finish = None
+            deliver(snap)
+
+        thread = threading.Thread(target=copy_in_background, args=(pending, self._lock, hand_over),
                                   name=f"snapshot-shard-{self.config.shard}", daemon=True)
         thread.start()
         return thread

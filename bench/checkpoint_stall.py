@@ -97,7 +97,9 @@ def _server(q: Any, stop: Any, ckpt_on: Any, numel: int, every: int, root: str) 
     ck.wait(120)
     q.put({"steps": steps, "opens": opens, "saved": ck.saved, "skipped": ck.skipped, "failed": ck.failed,
            "write_s": ck.last_seconds, "serve_copy_s": server.snapshot_serve_seconds,
-           "stats": {k: v for k, v in server.stats().items() if k in ("cow_copies", "cow_s", "apply_s")}})
+           "stats": {k: v for k, v in server.stats().items() if k in ("cow_copies", "cow_s", "apply_s",
+                                                                         "snapshot_chunks_copied",
+                                                                         "snapshot_chunks_adopted")}})
     server.close()
 
 
@@ -195,6 +197,8 @@ def summarise(label: str, numel: int, every: int, r: dict[str, Any]) -> dict[str
         "push_max_ms_on": max(lat_on) * ms,
         "push_mean_ms_pending": statistics.mean(lat_pending) * ms if lat_pending else float("nan"),
         "write_s": r["write_s"], "cow_copies": r["stats"].get("cow_copies", 0),
+        "chunks_copied": r["stats"].get("snapshot_chunks_copied", ""),
+        "chunks_left_by_writes": r["stats"].get("snapshot_chunks_adopted", ""),
     }
 
 

@@ -89,6 +89,9 @@ class ShardServer:
         self.endpoint = ""
         self._snapshot_finish: PendingSnapshot | None = None  # the newest snapshot_later's
         self._finish_s = 0.0
+        # Chunks of delivered snapshots: copied by the copier / left to the snapshot by an update
+        # that wrote them out of place (new memory on the serve thread, no copy).
+        self._snapshot_chunks = {"copied": 0, "adopted": 0}
         #: Called (serve thread) when a rebuild from the workers' copies ends: (sender, version), or ("", 0)
         #: when no copy came before the deadline.
         self.on_seeded: Callable[[str, int], None] | None = None
@@ -219,6 +222,8 @@ class ShardServer:
             # Forget it here: its pieces are the checkpointer's to free once written, not kept
             # until the next checkpoint (a whole copy of the state) nor freed on the serve thread.
             with self._lock:
+                self._snapshot_chunks["copied"] += pending.copied
+                self._snapshot_chunks["adopted"] += pending.adopted
                 if self._snapshot_finish is pending:
                     self._finish_s += pending.finish_seconds
                     self._snapshot_finish = None
@@ -353,6 +358,8 @@ class ShardServer:
             "apply_s": self._state.apply_s,
             "cow_copies": self._state.cow_copies,
             "cow_s": self._state.cow_s,
+            "snapshot_chunks_copied": self._snapshot_chunks["copied"],
+            "snapshot_chunks_adopted": self._snapshot_chunks["adopted"],
             "staleness": hist["staleness"],
             "version_staleness": hist["version_staleness"],
             "waits": hist["waits"],

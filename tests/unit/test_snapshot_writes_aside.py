@@ -166,3 +166,27 @@ def test_torch_optimizers_step_out_of_place_with_the_same_bits(name: str, foreac
             assert torch.equal(t, b)  # untouched
         for p, q in zip(ref, params, strict=True):
             assert torch.equal(p, q)
+
+
+def test_the_shard_keeps_no_snapshot_once_it_is_handed_over() -> None:
+    import gc
+    import weakref
+
+    from gossamer.paramserver import ShardServer
+
+    state = _state(OPTIMIZERS["momentum"])
+    config = ShardConfig(experiment="cow", shard=0, mode="async", staleness=None, optimizer=OPTIMIZERS["momentum"],
+                         total_steps=1000)
+    server = ShardServer(config, state.plan, {i: p.clone() for i, p in state.params.items()}, own_init=True)
+    try:
+        got: list[ShardSnapshot] = []
+        with server._lock:  # noqa: SLF001 — snapshot_later runs on the serve thread, under the lock
+            copier = server.snapshot_later(1, got.append)
+        copier.join(timeout=30)
+        assert len(got) == 1 and server.stats()["snapshot_chunks_copied"] == len(state.chunks)
+        piece = weakref.ref(next(iter(got[0].pieces.values()))["param"])
+        got.clear()  # the checkpointer is done with it
+        gc.collect()
+        assert piece() is None  # freed where the checkpointer let go, not kept until the next checkpoint
+    finally:
+        server.close()

@@ -130,7 +130,10 @@ class PendingSnapshot:
     def _put_copy(self, c: _Chunk, copies: dict[str, torch.Tensor]) -> None:
         still = set(c.still_live())  # a tensor a write moved off keeps its alias: nothing writes it
         self._put(c, {name: copies[name] if name in still else held for name, held in c.held.items()})
-        self.copied += 1
+        if still:
+            self.copied += 1
+        else:  # every tensor moved off before the copy was handed over: the copy goes unused
+            self.adopted += 1
 
     def _put(self, c: _Chunk, tensors: dict[str, torch.Tensor]) -> None:
         self.snapshot.pieces[c.offset] = tensors

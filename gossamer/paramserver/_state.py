@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -11,6 +14,7 @@ from gossamer.checkpoint.sharded import ShardSnapshot, restore_range, verify_ste
 from gossamer.envinfo import fingerprint
 from gossamer.errors import ConfigError
 from gossamer.lr_schedule import lr_multiplier
+from gossamer.paramserver._copy_on_write import WritesAside, storage_of
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._snapshot import PendingSnapshot
 from gossamer.paramserver.delayed_nesterov import DelayedNesterov
@@ -77,11 +81,14 @@ class ShardState:
         self.updates = 0
         self.apply_s = 0.0  # seconds in optimizer steps
         # Readers of the live values: sends still reading them (anything with `.done`, a ZMQ
-        # MessageTracker) and a snapshot still being copied. A write first gives them their own.
-        self._lent: list[Any] = []
-        self._pending: PendingSnapshot | None = None
-        self.cow_copies = 0  # writes that had to copy the values aside for a send still reading them
-        self.cow_s = 0.0
+        # MessageTracker, and the storages it reads) and a snapshot still pending. A write
+        # leaves what they read alone (`writes`).
+        self._lent: list[tuple[Any, set[int]]] = []
+        # Weak: the copier thread (or whoever opened it) keeps a snapshot alive until it is whole; once
+        # handed over, its pieces must not be freed later on the serve thread, nor kept between checkpoints.
+        self._pending: list[weakref.ref[PendingSnapshot]] = []
+        self.cow_copies = 0  # writes that ran out of place for a send still reading the values
+        self.cow_s = 0.0  # the time of those writes (the update's own arithmetic included)
         self.applied: dict[str, int] = {}  # sender -> last applied clock (async) / step (sync)
 
     @property
@@ -100,7 +107,6 @@ class ShardState:
         `schedule`: multiply in the lr schedule at this version (a primary does; its backup
         replays the factor it is sent).
         """
-        self.before_write()
         t0 = time.perf_counter()
         for idx, p in self.params.items():
             p.grad = grads[idx]
@@ -108,7 +114,8 @@ class ShardState:
             lr_factor *= lr_multiplier(self.version, self.config.total_steps, self.config.lr_schedule,
                                        self.config.warmup_steps)
         set_lr_factor(self.optimizer, self.config.optimizer.lr, lr_factor)
-        self.optimizer.step()
+        with self.writes():
+            self.optimizer.step()
         for p in self.params.values():
             p.grad = None
         self.version += 1
@@ -119,28 +126,47 @@ class ShardState:
     # -- readers of the live values -----------------------------------------------------
     def lend(self, reader: Any) -> None:
         """A send reads the live chunk values until `reader.done` (values sent without a copy)."""
-        self._lent.append(reader)
+        self._lent.append((reader, {storage_of(p) for p in self.params.values()}))
 
-    def before_write(self) -> None:
-        """About to change the values: a snapshot being copied takes the rest of its copies, and
-        sends still reading keep the current storage while the values move to a copy."""
-        in_flight = any(not r.done for r in self._lent)
-        if self._pending is not None:
-            if in_flight:  # the values move to a copy below: the snapshot keeps the old storage
-                self._pending.adopt_values()
-            self._pending.finish()
-            self._pending = None
-        if in_flight:
-            t0 = time.perf_counter()
-            for p in self.params.values():
-                p.data = p.data.clone()  # the sends hold the old storage until they are done
+    @contextmanager
+    def writes(self) -> Iterator[None]:
+        """Change the state inside this: the storages a send or a pending snapshot still reads
+        are written out of place (`WritesAside`: the same arithmetic into new memory, no copy),
+        everything else in place."""
+        self._lent = [(r, ptrs) for r, ptrs in self._lent if not r.done]
+        lent = set().union(*(ptrs for _, ptrs in self._lent))
+        pendings = self._pendings()
+        frozen = lent.union(*(p.frozen() for p in pendings))
+        if not frozen:
+            yield
+            return
+        t0 = time.perf_counter()
+        release = None
+        if len(pendings) == 1:  # a copy the copier has ready lets the write stay in place
+            pending = pendings[0]
+
+            def release(ptr: int) -> set[int]:
+                return pending.release(ptr) - lent
+
+        mode = WritesAside(frozen, release)
+        with mode:
+            yield
+        if lent:
             self.cow_copies += 1
             self.cow_s += time.perf_counter() - t0
-        self._lent = []
+        for p in pendings:
+            p.note_write(mode.copies, mode.copy_s)
+        del pendings
+        self._pendings()
+
+    def _pendings(self) -> list[PendingSnapshot]:
+        """The snapshots still pending (forgets the rest)."""
+        alive = [p for r in self._pending if (p := r()) is not None and not p.done]
+        self._pending = [weakref.ref(p) for p in alive]
+        return alive
 
     def open_snapshot(self, step: int) -> PendingSnapshot:
-        """This version's state for a checkpoint, to be copied chunk by chunk (`PendingSnapshot`)."""
-        self.before_write()  # a previous one still being copied completes first
+        """This version's state for a checkpoint, with no copy here (`PendingSnapshot`)."""
         layout = [(name, list(self.shapes.get(name, (numel,)))) for name, numel in self.plan.params]
         skeleton = ShardSnapshot(
             experiment=self.config.experiment, step=step, shard=self.config.shard,
@@ -149,8 +175,9 @@ class ShardState:
         )
         sources = [(c.flat_offset, self.params[idx], dict(self.optimizer.state.get(self.params[idx], {})))
                    for idx, c in sorted(self.chunks.items())]
-        self._pending = PendingSnapshot(skeleton, sources)
-        return self._pending
+        pending = PendingSnapshot(skeleton, sources)
+        self._pending = [*(weakref.ref(p) for p in self._pendings()), weakref.ref(pending)]
+        return pending
 
     def remember(self, applied: list[tuple[str, int]] | tuple[tuple[str, int], ...], *, latest: bool) -> None:
         """Note the worker updates a version covered (`latest`: keep the highest seen)."""
@@ -184,7 +211,6 @@ class ShardState:
             t = tensors.get(chunk_key(idx))
             if t is None or t.numel() != c.numel:
                 raise Reject(f"state lacks chunk {idx} or has the wrong size")
-        self.before_write()
         state: dict[int, dict[str, Any]] = {}
         for i, idx in enumerate(sorted(self.params)):
             entry: dict[str, Any] = {}
@@ -199,10 +225,11 @@ class ShardState:
                     entry[key.split("/", 1)[1]] = torch.tensor(float(val))
             if entry:
                 state[i] = entry
-        for idx, p in self.params.items():
-            p.copy_(tensors[chunk_key(idx)].reshape(-1))
-        groups = self.optimizer.state_dict()["param_groups"]
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        with self.writes():
+            for idx, p in self.params.items():
+                p.copy_(tensors[chunk_key(idx)].reshape(-1))
+            groups = self.optimizer.state_dict()["param_groups"]
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         self.version = int(meta.state_version)
         self.applied = dict(meta.applied)
 
@@ -264,8 +291,8 @@ class ShardState:
         """Restore what `state_dict` returned (same plan and shard)."""
         if state.get("plan_fingerprint") != self.plan.fingerprint():
             raise ConfigError("plan", "checkpoint was taken with a different shard plan")
-        self.before_write()
-        for idx, p in self.params.items():
-            p.copy_(state["values"][idx])
-        self.optimizer.load_state_dict(state["optimizer"])
+        with self.writes():
+            for idx, p in self.params.items():
+                p.copy_(state["values"][idx])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])

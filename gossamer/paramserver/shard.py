@@ -89,6 +89,9 @@ class ShardServer:
         self.endpoint = ""
         self._snapshot_finish: PendingSnapshot | None = None  # the newest snapshot_later's
         self._finish_s = 0.0
+        # Chunks of delivered snapshots: copied by the copier / left to the snapshot by an update
+        # that wrote them out of place (new memory on the serve thread, no copy).
+        self._snapshot_chunks = {"copied": 0, "adopted": 0}
         #: Called (serve thread) when a rebuild from the workers' copies ends: (sender, version), or ("", 0)
         #: when no copy came before the deadline.
         self.on_seeded: Callable[[str, int], None] | None = None
@@ -205,22 +208,36 @@ class ShardServer:
     def snapshot_later(self, step: int, deliver: Callable[[ShardSnapshot], object]) -> threading.Thread:
         """This version's state for a checkpoint, copied beside serving; `deliver` gets it once whole.
 
-        Call on the serve thread (under the lock): nothing is copied here. A thread copies one
-        chunk per hold of the lock, so requests are served between chunks; the next update
-        first copies whatever is left (`ShardState.before_write`). Returns the copier thread.
+        Call on the serve thread (under the lock): nothing is copied here, nor by later updates,
+        which write what the snapshot still holds out of place (`PendingSnapshot`). A thread
+        copies the chunks no update has moved off yet, outside the lock, and takes the lock
+        only to hand each copy over. Returns the copier thread.
         """
         pending = self._state.open_snapshot(step)
         if self._snapshot_finish is not None:
             self._finish_s += self._snapshot_finish.finish_seconds
         self._snapshot_finish = pending
-        thread = threading.Thread(target=copy_in_background, args=(pending, self._lock, deliver),
+
+        def hand_over(snap: ShardSnapshot) -> None:
+            # Forget it here: its pieces are the checkpointer's to free once written, not kept
+            # until the next checkpoint (a whole copy of the state) nor freed on the serve thread.
+            with self._lock:
+                self._snapshot_chunks["copied"] += pending.copied
+                self._snapshot_chunks["adopted"] += pending.adopted
+                if self._snapshot_finish is pending:
+                    self._finish_s += pending.finish_seconds
+                    self._snapshot_finish = None
+            deliver(snap)
+
+        thread = threading.Thread(target=copy_in_background, args=(pending, self._lock, hand_over),
                                   name=f"snapshot-shard-{self.config.shard}", daemon=True)
         thread.start()
         return thread
 
     @property
     def snapshot_serve_seconds(self) -> float:
-        """Time the serve thread spent finishing snapshots the copier had not (all snapshots so far)."""
+        """Time the serve thread spent copying for snapshots (all so far): only writes with no
+        out-of-place twin copy (none of torch's SGD/AdamW or DelayedNesterov's)."""
         with self._lock:
             return self._finish_s + (self._snapshot_finish.finish_seconds if self._snapshot_finish else 0.0)
 
@@ -341,6 +358,8 @@ class ShardServer:
             "apply_s": self._state.apply_s,
             "cow_copies": self._state.cow_copies,
             "cow_s": self._state.cow_s,
+            "snapshot_chunks_copied": self._snapshot_chunks["copied"],
+            "snapshot_chunks_adopted": self._snapshot_chunks["adopted"],
             "staleness": hist["staleness"],
             "version_staleness": hist["version_staleness"],
             "waits": hist["waits"],

@@ -222,7 +222,8 @@ class ServerRole:
 
         Skipped while the previous save still runs (its copy would be dropped, after holding
         another copy of the state meanwhile). `ckpt_snapshot_s` is what the serve thread pays:
-        opening the snapshot and copying whatever the copier had not reached by the next update.
+        opening the snapshot and any copy a write had to make for it (updates write what the
+        snapshot still holds out of place instead, `PendingSnapshot`).
         """
         ck = self.checkpointer
         assert ck is not None

@@ -3,6 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pytest-xdist workers for the suite
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint proto bench bench-wan clean
 
@@ -22,7 +24,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check gossamer tests bench
 	$(BIN)/mypy gossamer > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
-	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15 -m 'not quiet' tests; rc=$$?; \
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m 'not quiet' tests; rc=$$?; \
 	wait $$mypy; mypy_rc=$$?; cat $(VENV)/mypy.log; \
 	test $$rc -eq 0 && test $$mypy_rc -eq 0
 	$(BIN)/pytest -q -m quiet tests

@@ -10,6 +10,8 @@ Syntax: comma-separated faults, each ``kind[:key=value...]``. Kinds:
   evaluation) once the matching step/version N is reached. Used to land a kill exactly
   in the middle of an exchange. With ``once=PATH`` it fires only if PATH does not exist yet
   (and creates it), so a replacement process does not die the same way.
+- ``slow-start:seconds=S``: a shard role of this node sleeps S s before it builds and serves (a
+  slow host), so a test can start workers while a restored shard is not serving yet.
 - ``fail:at=POINT[:step=N][:shard=S][:once=PATH]``: the thread at POINT raises `InjectedFault`
   instead (``serve-loop``: a shard's serve thread, outside any request's handling), so a test
   can check that a role whose serving thread dies fails its process.

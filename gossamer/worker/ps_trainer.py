@@ -64,7 +64,7 @@ class ParameterServerTrainer(RankTrainer):
             experiment=ctx.experiment_id,
             sender=f"{ctx.node_id}:{ctx.worker_index}",
             plan=self.plan,
-            endpoints=ctx.endpoints,
+            endpoints=self._shard_endpoints(),
             chunks=[c.index for c in self.mine],
             compressor=compressor,
             pull_codec=self.exp.pull_compression,
@@ -337,6 +337,26 @@ class ParameterServerTrainer(RankTrainer):
     def _stopping(self) -> bool:
         """ddp: this rank's stop flag; sharded layouts: the flag the node's ranks agreed on."""
         return self.should_stop() if self.layout.holds_full_model else self._node_stop
+
+    def _shard_endpoints(self, wait_s: float = 120.0) -> dict[int, str]:
+        """The endpoints of the shards this rank exchanges with, waiting (at most `wait_s`) for any
+        shard not serving yet: a worker started beside a shard being restored (nodes returned to a
+        run that had lost them all) would otherwise fail and be respawned until the run gave up."""
+        need = {self.plan.chunks[c.index].shard for c in self.mine}
+        endpoints = dict(self.ctx.endpoints)
+        deadline = time.monotonic() + wait_s
+        said = False
+        while need - set(endpoints) and time.monotonic() < deadline and not self.should_stop():
+            if not said:
+                log.warning("shards %s not serving yet: waiting for their endpoints", sorted(need - set(endpoints)))
+                said = True
+            upd = super()._apply_updates()
+            if upd is not None and upd.endpoints:
+                endpoints = dict(upd.endpoints)
+                self.ctx.shard_epochs.update(upd.shard_epochs)
+            else:
+                time.sleep(0.05)
+        return endpoints
 
     def _copy_of_shard(self, shard: int) -> tuple[int, dict[int, torch.Tensor]]:
         """The shard version this rank last pulled and its values of its chunks of `shard` (its model's)."""

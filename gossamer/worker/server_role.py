@@ -15,6 +15,7 @@ import torch
 from gossamer.checkpoint.fetch import Source, fetch_newest
 from gossamer.checkpoint.sharded import AsyncCheckpointer, latest_good
 from gossamer.experiment import Experiment
+from gossamer.faults import fault
 from gossamer.metric_families import staleness_buckets
 from gossamer.paramserver import ShardConfig, ShardPlan, ShardServer, take_shard_values
 from gossamer.protocol import (
@@ -90,6 +91,8 @@ class ServerRole:
 
     def _start(self) -> None:
         """Build the shard from the seeded model, restore it if asked, bind, report SERVING."""
+        if (slow := fault("slow-start")) is not None:
+            time.sleep(float(slow.get("seconds", "0")))
         model, _, _ = build(self.exp, torch.device("cpu"))
         plan = ShardPlan.for_experiment(model, self.exp)
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}

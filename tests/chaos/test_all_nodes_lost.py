@@ -41,9 +41,13 @@ def test_all_nodes_killed_the_run_waits_then_resumes_from_its_newest_checkpoint_
         st = job.status()
         assert st["state"] == "running" and st["message"] == waiting["message"], st
         newest = complete_steps(root)[0]
-        cluster.add_node("ps2")
+        # The returning shard host is slow to serve: the worker starts first and must wait for the
+        # restored shard's endpoint (it used to fail 'no endpoint' until the run gave up).
+        cluster.add_node("ps2", env={"GOSSAMER_FAULT": "slow-start:seconds=12"})
         cluster.add_node("w1", spot=True, env=SLOW)
         wait_event(job, lambda e: e["kind"] == "resumed", 60, "the resumed event")
+        wait_for(lambda: "not serving yet: waiting for their endpoints" in (cluster.log_dir / "w1.log").read_text(),
+                 60, "the worker to wait for the restored shard")
         result = job.wait(timeout=240)
         events = job.events()
     text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)

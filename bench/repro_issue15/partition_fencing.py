@@ -1,0 +1,70 @@
+"""No fencing under a partition: an isolated primary keeps acknowledging while its promoted backup does the same.
+
+Issue 15: "an agent keeps its roles running when heartbeats fail (agent.py:277), so an isolated
+primary may keep acknowledging while its promoted backup does the same". A one-sided partition
+without network namespaces (tests/netns cuts a real link): the primary's node agent is frozen
+(SIGSTOP), so its heartbeats stop and the coordinator promotes the backup, while the primary's
+shard process runs on and stays reachable. Coordinator, 2 on-demand nodes, 1 spot worker.
+PASS: once the backup is promoted, the old primary no longer acknowledges (it reports itself
+fenced, or not primary, and applies nothing more).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from _common import (
+    Outcome,
+    Stranger,
+    cluster,
+    digits_experiment,
+    main,
+    ps_roles,
+    stats,
+    wait_for,
+    wait_running,
+)
+
+NAME = "partition_fencing"
+
+
+def run(label: str) -> Outcome:
+    with cluster(NAME, label) as c:
+        c.add_nodes(["ps0", "ps1"], ["w0"])
+        job = c.submit(digits_experiment(NAME, ps_backup=True))
+        st = wait_running(job, steps=50, replicas=2)
+        roles = ps_roles(st)
+        old_ep = roles[0]["endpoint"]
+        agent = c.lc.nodes[roles[0]["node"]]
+        s = Stranger()
+        try:
+            wait_for(lambda: stats(s, old_ep, job.id)["replicated"], 60, "the backup to sync")
+            t_stop = time.time()
+            os.kill(agent.pid, signal.SIGSTOP)
+            try:
+                promoted = wait_for(lambda: [e for e in job.events(since_unix=t_stop - 1) if e["kind"] == "promote"],
+                                    90, "the coordinator to promote the backup")
+                first = stats(s, old_ep, job.id)
+                time.sleep(5.0)
+                later = stats(s, old_ep, job.id)
+                new = stats(s, roles[1]["endpoint"], job.id)
+            finally:
+                os.kill(agent.pid, signal.SIGCONT)
+        finally:
+            s.close()
+        job.cancel()
+    applied_after = later["updates"] - first["updates"]
+    acknowledging = bool(first["primary"]) and not first.get("fenced", False)
+    passed = not acknowledging and applied_after == 0
+    figure = (f"after the promote ({promoted[0]['message'][:60]}): isolated primary primary={first['primary']} "
+              f"fenced={first.get('fenced', 'n/a')} epoch={first.get('epoch', 'n/a')}, applied {applied_after} updates "
+              f"in the next 5 s; promoted backup primary={new['primary']} epoch={new.get('epoch', 'n/a')}")
+    return Outcome(NAME, passed, figure, {"old_primary": {k: first.get(k) for k in
+                                                         ("primary", "fenced", "epoch", "version", "updates")},
+                                          "new_primary": {k: new.get(k) for k in ("primary", "epoch", "version")}})
+
+
+if __name__ == "__main__":
+    main(NAME, run)

@@ -15,11 +15,14 @@ import os
 import signal
 import time
 
+import numpy as np
 from _common import (
     Outcome,
     Stranger,
+    chunk_layout,
     cluster,
     digits_experiment,
+    frames,
     main,
     ps_roles,
     stats,
@@ -28,6 +31,12 @@ from _common import (
 )
 
 NAME = "partition_fencing"
+
+
+def _layout() -> dict[int, int]:
+    from gossamer.experiment import Experiment
+
+    return chunk_layout({}, 1, 0, Experiment.__dataclass_fields__["chunk_numel"].default)
 
 
 def run(label: str) -> Outcome:
@@ -47,6 +56,9 @@ def run(label: str) -> Outcome:
                 promoted = wait_for(lambda: [e for e in job.events(since_unix=t_stop - 1) if e["kind"] == "promote"],
                                     90, "the coordinator to promote the backup")
                 first = stats(s, old_ep, job.id)
+                # Anyone's push it still acknowledges (an unauthenticated one where senders are not bound).
+                probe, _ = s.ask(old_ep, frames("PUSH", job.id, 0, "probe", {"rid": 9, "clock": 0, "basis": 0},
+                                                {f"c{i}": np.zeros(n, dtype=np.float32) for i, n in _layout().items()}))
                 time.sleep(5.0)
                 later = stats(s, old_ep, job.id)
                 new = stats(s, roles[1]["endpoint"], job.id)
@@ -57,10 +69,10 @@ def run(label: str) -> Outcome:
         job.cancel()
     applied_after = later["updates"] - first["updates"]
     acknowledging = bool(first["primary"]) and not first.get("fenced", False)
-    passed = not acknowledging and applied_after == 0
+    passed = not acknowledging and applied_after == 0 and probe["op"] != "PARAMS"
     figure = (f"after the promote ({promoted[0]['message'][:60]}): isolated primary primary={first['primary']} "
               f"fenced={first.get('fenced', 'n/a')} epoch={first.get('epoch', 'n/a')}, applied {applied_after} updates "
-              f"in the next 5 s; promoted backup primary={new['primary']} epoch={new.get('epoch', 'n/a')}")
+              f"in the next 5 s, a probe PUSH got {probe['op']}; promoted backup primary={new['primary']} epoch={new.get('epoch', 'n/a')}")
     return Outcome(NAME, passed, figure, {"old_primary": {k: first.get(k) for k in
                                                          ("primary", "fenced", "epoch", "version", "updates")},
                                           "new_primary": {k: new.get(k) for k in ("primary", "epoch", "version")}})

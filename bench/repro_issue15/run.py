@@ -10,6 +10,7 @@ side) and a markdown table in bench/results/repro_issue15.md.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import subprocess
@@ -61,6 +62,13 @@ def run_one(name: str, label: str, timeout: float) -> dict:  # type: ignore[type
 
 def write_results(label: str, results: list[dict]) -> None:  # type: ignore[type-arg]
     RESULTS.mkdir(exist_ok=True)
+    # Runs against two trees may finish together: one read-modify-write at a time.
+    with open(Path(tempfile.gettempdir()) / "repro_issue15.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _merge(label, results)
+
+
+def _merge(label: str, results: list[dict]) -> None:  # type: ignore[type-arg]
     path = RESULTS / "repro_issue15.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     runs = data.setdefault("runs", {})

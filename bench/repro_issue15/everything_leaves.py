@@ -19,12 +19,17 @@ SLOW = {"GOSSAMER_FAULT": "delay:seconds=0.02"}
 
 
 def run(label: str) -> Outcome:
-    with cluster(NAME, label) as c:
+    return leave_and_return(label, NAME)
+
+
+def leave_and_return(label: str, name: str, shard_host_env: dict[str, str] | None = None) -> Outcome:
+    """All nodes leave after a checkpoint; 20 s later a shard node (with `shard_host_env`) and a worker node join."""
+    with cluster(name, label) as c:
         c.lc.add_node("ps0")
         c.wait_nodes(1)
         c.lc.add_node("w0", spot=True, env=SLOW)
         c.wait_nodes(2)
-        job = c.submit(digits_experiment(NAME, checkpoint_every=100, total_steps=200_000))
+        job = c.submit(digits_experiment(name, checkpoint_every=100, total_steps=200_000))
         wait_running(job, steps=1)
         # Periodic checkpoints are the shard's: an event each (the status names the final one only).
         ckpts = wait_for(lambda: [e for e in job.events() if e["kind"] == "checkpoint"], 240, "a checkpoint")
@@ -33,7 +38,7 @@ def run(label: str) -> Outcome:
             c.lc.stop_node(name)
         time.sleep(20.0)
         gone = job.status()
-        c.lc.add_node("ps1")
+        c.lc.add_node("ps1", env=shard_host_env)
         c.wait_nodes(1)
         c.lc.add_node("w1", spot=True, env=SLOW)
         floor = gone["steps"]
@@ -52,7 +57,7 @@ def run(label: str) -> Outcome:
     passed = gone["state"] != "failed" and back["state"] == "running" and back["steps"] > floor + 50
     figure = (f"all nodes left after checkpoint {checkpoint.split(':')[0]}: {gone['state']} "
               f"({gone['message'][:80]}); nodes back: {back['state']} at step {back['steps']}")
-    return Outcome(NAME, passed, figure, {"checkpoint": checkpoint, "while_gone": gone["message"],
+    return Outcome(name, passed, figure, {"checkpoint": checkpoint, "while_gone": gone["message"],
                                           "after": back["message"]})
 
 

@@ -34,8 +34,8 @@ def leave_and_return(label: str, name: str, shard_host_env: dict[str, str] | Non
         # Periodic checkpoints are the shard's: an event each (the status names the final one only).
         ckpts = wait_for(lambda: [e for e in job.events() if e["kind"] == "checkpoint"], 240, "a checkpoint")
         checkpoint = ckpts[-1]["message"]
-        for name in ("w0", "ps0"):
-            c.lc.stop_node(name)
+        for node in ("w0", "ps0"):
+            c.lc.stop_node(node)
         time.sleep(20.0)
         gone = job.status()
         c.lc.add_node("ps1", env=shard_host_env)

@@ -26,6 +26,18 @@ def _wait_state(client: Client, name: str, state: str, timeout: float) -> float:
     return time.monotonic() - t0
 
 
+def _wait_heartbeat(client: Client, name: str, timeout: float) -> None:
+    """Until the coordinator has renewed `name`'s lease by a heartbeat (its lease age went down)."""
+    def age() -> float:
+        return next(n["lease_age_s"] for n in client.nodes() if n["name"] == name)
+
+    t0, last = time.monotonic(), age()
+    while (now := age()) >= last:
+        assert time.monotonic() - t0 < timeout, f"no heartbeat from {name} in {timeout}s"
+        last = now
+        time.sleep(0.05)
+
+
 def test_kill9_is_detected_fast_and_a_frozen_node_by_its_lease(tmp_path, make_cluster: MakeCluster) -> None:  # type: ignore[no-untyped-def]
     lease = 4.0
     with make_cluster(state_dir=tmp_path / "state", heartbeat_interval=0.5, lease_timeout=lease) as cluster:
@@ -34,6 +46,10 @@ def test_kill9_is_detected_fast_and_a_frozen_node_by_its_lease(tmp_path, make_cl
         frozen = cluster.add_node("freezes")
         _wait_state(client, "dies", "ready", 60)
         _wait_state(client, "freezes", "ready", 60)
+        # Ready counts from the Join; a node killed before it opened its assignment stream is seen
+        # by its lease only. The stream opens before the first heartbeat is sent: wait for one.
+        _wait_heartbeat(client, "dies", 30)
+        _wait_heartbeat(client, "freezes", 30)
 
         cluster.kill_node("dies")  # the process is gone: its connections close at once
         killed = _wait_state(client, "dies", "lost", lease + 5)

@@ -25,6 +25,8 @@ demo: $(STAMP)
 # it runs beside the tests, and the target fails after them if it found anything.
 test: $(STAMP)
 	$(BIN)/ruff check gossamer tests bench
+	@# Bytecode once, for the hundreds of processes the suite starts (PYTHONDONTWRITEBYTECODE may be set)
+	$(BIN)/python -m compileall -q gossamer tests
 	$(BIN)/mypy gossamer > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m 'not quiet' tests; rc=$$?; \
 	wait $$mypy; mypy_rc=$$?; cat $(VENV)/mypy.log; \

@@ -115,6 +115,9 @@ class Experiment:
     node_wait_timeout_s: float = 3600.0
     #: Seconds without a step reported before its status and an event say it makes no progress.
     progress_timeout_s: float = 600.0
+    #: Seconds a worker waits for a shard's answer before the request fails: the worker is replaced and
+    #: the coordinator counts the timeout against the shard (two workers timing out on one shard fail it over).
+    shard_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         # In this order: each group may rely on the fields an earlier group checked.
@@ -392,7 +395,7 @@ def _check_outputs(exp: Experiment) -> None:
 
 def _check_deadlines(exp: Experiment) -> None:
     """How long the coordinator waits on a start, on lost nodes and on progress before it says or does something."""
-    for f in ("start_timeout_s", "node_wait_timeout_s", "progress_timeout_s"):
+    for f in ("start_timeout_s", "node_wait_timeout_s", "progress_timeout_s", "shard_timeout_s"):
         v = getattr(exp, f)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 1 <= v <= 30 * 86400:
             raise ConfigError(f, f"must be a number of seconds in 1..{30 * 86400} (30 days), got {v!r}")

@@ -71,6 +71,7 @@ class ParameterServerTrainer(RankTrainer):
             throttle=ctx.throttle,
             token=ctx.sender_token,
             epochs=ctx.shard_epochs,
+            timeout_s=self.exp.shard_timeout_s,
         )
         self.adaptive: AdaptiveLink | None = None
         if self.exp.compression == "adaptive" and self.mine:

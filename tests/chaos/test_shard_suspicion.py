@@ -48,7 +48,7 @@ def test_workers_timing_out_on_a_stopped_primary_get_it_suspected_and_failed_ove
             "name": "suspect", "model": "gossamer.examples.digits:mlp",
             "dataset": "gossamer.examples.digits:data", "mode": "async", "lr": 0.05, "momentum": 0.5,
             "num_ps_shards": 1, "min_workers": 2, "max_workers": 2, "total_steps": 1_000_000,
-            "eval_every": 100_000, "chunk_numel": 512,
+            "eval_every": 100_000, "chunk_numel": 512, "shard_timeout_s": 15,
         })
 
         def text() -> str:
@@ -64,7 +64,7 @@ def test_workers_timing_out_on_a_stopped_primary_get_it_suspected_and_failed_ove
             stopped = _role_pid(ps_a.pid, "gossamer-ps0")
             assert stopped is not None, "no primary shard process under ps-a"
             os.kill(stopped, signal.SIGSTOP)  # alive, its node heartbeating, answering nothing
-            # Each worker times out after 60 s; the second timeout gets the shard suspected.
+            # Each worker times out after shard_timeout_s (15 s); the second timeout gets the shard suspected.
             try:
                 wait_for(lambda: seen("lost", "parameter_server 0 on ps-a suspected"), 400, "the shard suspected")
             except AssertionError:

@@ -42,6 +42,8 @@ def test_defaults_round_trip_through_json() -> None:
         ("node_wait_timeout_s", True),
         ("progress_timeout_s", "600"),
         ("progress_timeout_s", 31 * 86400),
+        ("shard_timeout_s", 0),
+        ("shard_timeout_s", math.nan),
         ("compression", "zip"),
         ("compression", "topk:abc"),
         ("optimizer", "lbfgs"),

@@ -32,6 +32,9 @@ REPRODUCTIONS = [
     "silent_restart", "partition_fencing", "lead_lost_at_end", "everything_leaves", "smaller",
     # Not a bullet: a bug of main found while reproducing everything_leaves (see its docstring).
     "resume_before_shard_serves",
+    # The rest of "Smaller" and "STARTING forever", cheapest first.
+    "import_checks", "dcp_metadata", "ckpt_failures", "pruning", "metric_series", "starting_forever",
+    "final_ckpt_replace",
 ]
 
 

@@ -7,9 +7,8 @@ worker". Here, through the CLI:
              listens on 127.0.0.1 only;
   secure_regen: a coordinator started with `--secure DIR`, stopped, DIR/client/token removed,
              started again: PASS if it refuses to start naming the file (the CA is not replaced).
-Not reproduced here (no outside view of them): metric retention and paging, the final
-checkpoint's replacement order, checkpoint write failures as events, crafted DCP metadata,
-import-check caching, pruning of lost nodes and finished experiments.
+The other items have scripts of their own: import_checks, dcp_metadata, ckpt_failures, pruning,
+metric_series, final_ckpt_replace.
 """
 
 from __future__ import annotations

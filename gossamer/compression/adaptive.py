@@ -145,6 +145,21 @@ class AdaptivePolicy:
         if self.compute_s is None or self.bandwidth_bps is None:
             return False
         budget = self.config.target_share * self.compute_s * self.bandwidth_bps  # bytes per step
+        levels = self._plan(budget)
+        # Hysteresis: a tensor goes more lossy as soon as the budget needs it, but less lossy
+        # only as far as the plan for a tighter budget (`hysteresis` of it) allows, so a noisy
+        # measurement does not flip codecs back and forth. Each tensor relaxes on its own: an
+        # all-or-nothing rule kept every tensor at the top of the ladder after a throttle was
+        # lifted whenever the exact plan sat just over the tighter budget.
+        tight = self._plan(self.config.hysteresis * budget)
+        levels = {n: max(levels[n], min(self.level[n], tight[n])) for n in levels}
+        changed = levels != self.level
+        self.level = levels
+        self.decisions += 1
+        return changed
+
+    def _plan(self, budget: float) -> dict[str, int]:
+        """Least lossy levels whose predicted bytes fit `budget`: the biggest tensor moves first."""
         top = len(self.config.ladder) - 1
         levels = {name: 0 for name in self.tensors}
         ladder = self.config.ladder
@@ -155,16 +170,7 @@ class AdaptivePolicy:
                 break
             worst = max(movable, key=lambda n: (self._tensor_bytes(n, levels[n]), n))
             levels[worst] = min(lv for lv in usable if lv > levels[worst])
-        # Hysteresis: only relax where the relaxed plan fits comfortably, so a noisy
-        # measurement does not flip codecs back and forth.
-        relaxed = {n: lv for n, lv in levels.items() if lv < self.level[n]}
-        if relaxed and self.predicted_bytes(levels) > self.config.hysteresis * budget:
-            for n in relaxed:
-                levels[n] = self.level[n]
-        changed = levels != self.level
-        self.level = levels
-        self.decisions += 1
-        return changed
+        return levels
 
     def mean_level(self) -> float:
         total = sum(self.tensors.values()) or 1
@@ -172,13 +178,39 @@ class AdaptivePolicy:
 
 
 @dataclass(kw_only=True)
+class BaseLatency:
+    """The link's round-trip latency without payload: the least bare round trip of `window_s`.
+
+    A probe's transmission time is its padded round trip minus this. Subtracting the bare
+    trip measured just before it instead made the noise two-sided: a bare trip that hit a
+    stall left a padded one that looked almost free, read as 20-90 GB/s on loopback, and the
+    bandwidth estimate (a max filter) kept the outlier. Noise only ever lengthens a trip, so
+    the least one is the latency (as BBR's min_rtt); the window lets a real rise show.
+    """
+
+    window_s: float = 10.0
+    _samples: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def observe(self, seconds: float, now: float) -> float:
+        """Add a bare round trip measured at `now`; returns the latency estimate."""
+        if seconds >= 0 and math.isfinite(seconds):
+            self._samples.append((now, seconds))
+        while len(self._samples) > 1 and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+        return min((s for _, s in self._samples), default=0.0)
+
+
+@dataclass(kw_only=True)
 class ProbeSchedule:
-    """When to spend bytes measuring the link: probing costs at most `share` of its capacity.
+    """When to spend bytes measuring the link: probing costs at most `share` of its capacity
+    and at most `share` of the worker's time.
 
     A probe of `probe_bytes` is due once `probe_bytes / (share * bandwidth)` seconds have
-    passed since the last one, capped at `max_interval_s`: on a fast link that is every
-    decision, so a sudden throttle shows within a few steps; on a slow link it is rare, so
-    probing does not eat the bytes it is meant to save. A big push much slower per byte than
+    passed since the last one, and at least `took / share` (the last probe's own duration),
+    capped at `max_interval_s`: on a fast link that is a few times a second, so a sudden
+    throttle shows within a few steps; on a slow link it is rare, so probing does not eat
+    the bytes it is meant to save. (Bytes alone made a fast link probe at every decision:
+    two to six round trips every 5 steps of a small model.) A big push much slower per byte than
     the pushes since the last probe hints that the link changed and makes a probe due at once.
     Pushes are only hints, never bandwidth samples: their time includes the shard's decode
     and apply and the reply's download, which read 10-40x under the link's rate on a loaded
@@ -190,6 +222,7 @@ class ProbeSchedule:
     max_interval_s: float = 2.0
     slowdown: float = 4.0
     last: float = -math.inf
+    took: float = 0.0  # seconds the last probe took
     urgent: bool = False
     probes: int = 0
     _costs: deque[float] = field(default_factory=lambda: deque(maxlen=16))
@@ -201,14 +234,16 @@ class ProbeSchedule:
     def interval(self, bandwidth_bps: float | None) -> float:
         if not bandwidth_bps:
             return 0.0
-        return min(self.max_interval_s, self.probe_bytes / (self.share * bandwidth_bps))
+        return min(self.max_interval_s, max(self.probe_bytes / (self.share * bandwidth_bps), self.took / self.share))
 
     def due(self, bandwidth_bps: float | None, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         return self.urgent or now - self.last >= self.interval(bandwidth_bps)
 
-    def probed(self, now: float | None = None) -> None:
+    def probed(self, now: float | None = None, took_s: float = 0.0) -> None:
+        """A probe started at `now` and took `took_s` seconds."""
         self.last = time.monotonic() if now is None else now
+        self.took = max(0.0, took_s)
         self.probes += 1
         self.urgent = False
         self._costs.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -313,21 +314,24 @@ class ShardClient:
             meta[key] = {int(k): v for k, v in meta.get(key, {}).items()}
         return meta
 
-    def probe(self, nbytes: int = 256 * 1024) -> tuple[float, float]:
-        """Measure the link to the first shard: (round-trip latency s, transmission s of `nbytes`).
+    def probe(self, nbytes: int = 256 * 1024, repeats: int = 1) -> tuple[float, float]:
+        """Measure the link to the first shard: (bare round trip s, round trip s with `nbytes`).
 
-        Two round trips through the same socket (and throttle) as pushes: a tiny STATS, then
-        one carrying `nbytes` of padding; the difference is what the bytes cost (0 when the
-        padded trip was no slower: too fast to resolve, which a bandwidth estimate skips).
+        Pairs of round trips through the same socket (and throttle) as pushes: a tiny STATS,
+        then one carrying `nbytes` of padding; the least of `repeats` of each (a stall of
+        either process only ever lengthens a trip). What the bytes cost is the padded trip
+        minus the link's latency (`compression.adaptive.BaseLatency` keeps it from bare trips).
         """
         shard = self.shards[0]
-        t0 = time.perf_counter()
-        self._request({shard: self._msg("STATS", shard)})
-        latency = time.perf_counter() - t0
         pad = torch.zeros(nbytes, dtype=torch.uint8)
-        t0 = time.perf_counter()
-        self._request({shard: self._msg("STATS", shard, tensors={"probe": pad})})
-        return latency, max(0.0, time.perf_counter() - t0 - latency)
+        bare = padded = math.inf
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            self._request({shard: self._msg("STATS", shard)})
+            t1 = time.perf_counter()
+            self._request({shard: self._msg("STATS", shard, tensors={"probe": pad})})
+            bare, padded = min(bare, t1 - t0), min(padded, time.perf_counter() - t1)
+        return bare, padded
 
     def leave(self, timeout_s: float = 3.0) -> None:
         """Leave the active set of every involved shard (releases SSP waits on us).
@@ -468,6 +472,7 @@ class ShardClient:
         retry_at: dict[int, float] = {}
         retried: set[int] = set()  # reconnected after a refused handshake: resend, same deadline
         busy: dict[int, float] = {}  # answered RESOURCE_EXHAUSTED (nothing applied): send again then
+        refusals: dict[int, int] = {}  # RESOURCE_EXHAUSTED answers to this request, by shard
         replies: dict[int, Message] = {}
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
@@ -527,8 +532,11 @@ class ShardClient:
                         )
                         continue
                     if reply.op == "ERROR" and reply.meta.get("code") == RESOURCE_EXHAUSTED:
-                        self.busy_retries += 1  # the shard holds its most in unread replies: back off
-                        busy[s] = time.monotonic() + min(1.0, 0.02 * self.busy_retries)
+                        # The shard holds its most in unread replies (its release can lag our read): back
+                        # off, doubling per refusal of this request (a lifetime count grew to 1 s waits).
+                        self.busy_retries += 1
+                        refusals[s] = refusals.get(s, 0) + 1
+                        busy[s] = time.monotonic() + min(1.0, 0.002 * 2 ** refusals[s])
                         break
                     if not self._current(s, reply):
                         ask_again[s] = time.monotonic() + _RETRY_S

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from gossamer.compression.adaptive import AdaptiveConfig, AdaptivePolicy, ProbeSchedule
+from gossamer.compression.adaptive import AdaptiveConfig, AdaptivePolicy, BaseLatency, ProbeSchedule
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.compression.codec_spec import parse_codec
 from gossamer.paramserver.client import ShardClient
@@ -70,6 +70,7 @@ class AdaptiveLink:
         cost = {spec: codec_seconds_per_value(spec, biggest) for spec in config.ladder}
         self.policy = AdaptivePolicy(tensors, ratio, config, cost)
         self.latency_s = 0.0
+        self.base_latency = BaseLatency()
         self.changes = 0
         self._install()
 
@@ -94,9 +95,15 @@ class AdaptiveLink:
             return
         now = time.monotonic()
         if self.schedule.due(self.policy.bandwidth_bps, now):
-            self.schedule.probed(now)
-            self.latency_s, transfer_s = self.client.probe(self.schedule.probe_bytes)
-            self.policy.observe_transfer(self.schedule.probe_bytes, transfer_s, now)  # skips 0 s
+            # A probe that a fast link carries in under 20 ms is repeated, the least trip kept: a
+            # few ms of scheduling stall (a loaded machine) would otherwise read as a slow link.
+            bw = self.policy.bandwidth_bps
+            quick = bw is None or self.schedule.probe_bytes / bw < 0.02
+            bare_s, padded_s = self.client.probe(self.schedule.probe_bytes, repeats=3 if quick else 1)
+            self.schedule.probed(now, took_s=time.monotonic() - now)
+            self.latency_s = self.base_latency.observe(bare_s, now)
+            # 0 s (the padded trip no slower than the latency: too fast to resolve) is skipped.
+            self.policy.observe_transfer(self.schedule.probe_bytes, max(0.0, padded_s - self.latency_s), now)
             # A suspected drop is confirmed or dismissed by the very next decision's probe.
             self.schedule.urgent = self.policy.drop_pending is not None
         if self.policy.decide():

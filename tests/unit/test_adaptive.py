@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from gossamer.compression.adaptive import LADDER, AdaptiveConfig, AdaptivePolicy, ProbeSchedule
+from gossamer.compression.adaptive import (
+    LADDER,
+    AdaptiveConfig,
+    AdaptivePolicy,
+    BaseLatency,
+    ProbeSchedule,
+)
 from gossamer.errors import ConfigError
 
 RATIO = {"none": 1.0, "bf16": 2.0, "int8": 3.9, "topk:0.1": 6.0, "topk:0.01": 60.0, "topk:0.001": 600.0}
@@ -132,3 +138,36 @@ def test_codec_time_counts_against_the_budget() -> None:
     assert costly.predicted_bytes(at_int8) == pytest.approx(4 * n / RATIO["int8"] + n * 200e-9 * 5e6)
     costly.decide()
     assert costly.predicted_bytes(costly.level) <= 10_000
+
+
+def test_after_a_throttle_each_tensor_relaxes_as_far_as_the_tighter_budget_allows() -> None:
+    """The exact plan just over the hysteresis budget must not pin every tensor at the top."""
+    p = AdaptivePolicy(TENSORS, RATIO, AdaptiveConfig(decide_every=1, smoothing=1.0))
+    p.observe_step(0.01)
+    p.observe_transfer(10**6, 10**6 / 1e6, now=0.0)  # throttled from the start
+    p.decide()
+    assert p.codec("big.weight") == LADDER[-1]
+    # Lifted to a link where exact values take 90% of the budget: over the 70% hysteresis share.
+    exact = 4 * sum(TENSORS.values())
+    p.observe_transfer(10**6, 10**6 / (exact / (0.9 * 0.2 * 0.01)), now=10.0)
+    assert p.decide()
+    budget = 0.2 * 0.01 * p.bandwidth_bps
+    assert p.predicted_bytes(p.level) <= 0.7 * budget  # relaxed to the comfortable plan
+    assert p.codec("big.weight") in ("bf16", "int8")  # not left at top-k 0.001
+    assert not p.decide()  # and stays there: no flapping at the same measurement
+
+
+def test_base_latency_is_the_least_bare_round_trip_of_its_window() -> None:
+    b = BaseLatency(window_s=10.0)
+    assert b.observe(0.0003, now=0.0) == 0.0003
+    assert b.observe(0.0050, now=1.0) == 0.0003  # a stalled bare trip is not the latency
+    assert b.observe(0.0004, now=12.0) == 0.0004  # the old minimum left the window
+    assert b.observe(float("nan"), now=13.0) == 0.0004
+
+
+def test_probes_take_at_most_their_share_of_the_workers_time() -> None:
+    s = ProbeSchedule(probe_bytes=128 * 1024, share=0.02, max_interval_s=2.0)
+    s.probed(now=0.0, took_s=0.002)  # a 2 ms probe on a 10 GB/s link: bytes alone would allow it at once
+    assert not s.due(10e9, now=0.05) and s.due(10e9, now=0.1)
+    s.probed(now=1.0, took_s=1.0)  # a very slow probe: still at most `max_interval_s` apart
+    assert s.due(10e9, now=3.0)

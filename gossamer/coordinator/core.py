@@ -14,7 +14,7 @@ from gossamer.coordinator import failover, placement, views
 from gossamer.coordinator.beat_rate import BeatRate
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.import_checks import ImportChecker
-from gossamer.coordinator.records import ExpRec, NodeRec, RoleRec, checkpoint_server
+from gossamer.coordinator.records import ExpRec, NodeRec, RoleRec, check_node_id, checkpoint_server
 from gossamer.coordinator.store import Store
 from gossamer.coordinator.stragglers import StepRates, worker_speeds
 from gossamer.coordinator.streams import AssignmentStreams
@@ -90,7 +90,7 @@ class Coordinator:
     async def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
         now = time.time()
         curve_key = _curve_key(req, self.curve)
-        node = self.nodes.get(req.node_id) if req.node_id else None
+        node = self.nodes.get(check_node_id(req.node_id)) if req.node_id else None
         if node is not None and node.alive:
             node.last_seen = now
             node.curve_key = curve_key  # the same key after a coordinator restart; assignments follow a new one

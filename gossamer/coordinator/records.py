@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from gossamer.errors import ConfigError
 from gossamer.experiment import Experiment
 from gossamer.modes import Mode, resolve
 from gossamer.security.sender_tokens import new_key
@@ -32,6 +34,16 @@ COUNTER_PREFIXES = ("discarded_",)
 RATES = ("samples_per_s",)
 #: Experiment fields' defaults: a spec stored before a field existed reads as that default.
 _SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Experiment) if f.default is not dataclasses.MISSING}
+
+
+_NODE_ID = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]{0,63}")
+
+
+def check_node_id(node_id: str) -> str:
+    """`node_id` as a node may propose it in Join (letters, digits, `_.-`, at most 64), or ConfigError."""
+    if not _NODE_ID.fullmatch(node_id):
+        raise ConfigError("node_id", f"must be 1 to 64 letters, digits, '_', '.' or '-', got {node_id[:80]!r}")
+    return node_id
 
 
 @dataclass

@@ -302,7 +302,9 @@ class JoinRequest(_message.Message):
     nproc_per_node: _builtins.int
     """Local ranks per worker role."""
     node_id: _builtins.str
-    """Previous id when re-joining; empty for a new node."""
+    """Previous id when re-joining; for a new node, an id it proposes (letters, digits, "_.-", at
+    most 64) so that a Join retried after a lost answer re-attaches, or empty: one is made up.
+    """
     curve_public_key: _builtins.str
     """Public CURVE key (z85, 40 characters) of the key pair this node generated for the data
     plane; its secret never leaves the node. Required by a coordinator running with CURVE.

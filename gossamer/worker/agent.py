@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -131,6 +132,9 @@ class NodeAgent:
         self.config = config
         self.address = config.address or route_address(config.coordinator)
         self.node_id = ""
+        # Proposed in the first Join, so a retry after a lost answer re-attaches to the record
+        # that Join made instead of making a second node (an orphan left READY until its lease ran out).
+        self._join_id = uuid.uuid4().hex[:12]
         self.name = config.name
         self.heartbeat_s = 1.0
         self.lease_s = 0.0  # how long a heartbeat the coordinator acknowledged lets this node's shards acknowledge
@@ -284,7 +288,7 @@ class NodeAgent:
         req = pb.JoinRequest(
             name=self.config.name, address=self.address, hostname=socket.gethostname(), spot=self.config.spot,
             labels=self.config.labels, cpus=os.cpu_count() or 1, gpus=visible_cuda_devices(),
-            nproc_per_node=self.config.nproc_per_node, node_id=self.node_id,
+            nproc_per_node=self.config.nproc_per_node, node_id=self.node_id or self._join_id,
             curve_public_key=self.curve_keys.public if self.curve_keys else "",
             checkpoint_endpoint=self.files_endpoint, checkpoint_secret=self.files.secret,
         )

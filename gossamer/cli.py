@@ -62,7 +62,8 @@ def _retention_config(args: argparse.Namespace) -> dict[str, Any]:
     """The retention and import-check fields of CoordinatorConfig from `coordinator serve` flags."""
     out: dict[str, Any] = {field: getattr(args, flag.removeprefix("--").replace("-", "_"))
                            for flag, field, _, _ in RETENTION_FLAGS}
-    return {**out, "import_check_concurrency": args.import_check_concurrency}
+    return {**out, "import_check_concurrency": args.import_check_concurrency,
+            "import_check_timeout_s": args.import_check_timeout}
 
 
 def _curve_flag(args: argparse.Namespace) -> bool | None:

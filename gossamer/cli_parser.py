@@ -179,6 +179,9 @@ def _add_retention_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--import-check-concurrency", type=int, default=_env("IMPORT_CHECK_CONCURRENCY", 2),
                    help="submit-time import checks (child processes running the user's code) at once "
                         "(env GOSSAMER_IMPORT_CHECK_CONCURRENCY)")
+    g.add_argument("--import-check-timeout", type=float, default=_env("IMPORT_CHECK_TIMEOUT", 120.0),
+                   help="seconds one import check may run; a slower one is killed and the experiment queued "
+                        "unchecked, with an event saying so (env GOSSAMER_IMPORT_CHECK_TIMEOUT)")
 
 
 def _coordinator_parser(sub: Any) -> None:

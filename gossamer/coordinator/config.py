@@ -44,6 +44,8 @@ class CoordinatorConfig:
     curve: bool | None = None
     #: Import checks (child processes running user code) at once; more wait (docs/security.md).
     import_check_concurrency: int = 2
+    #: A check still running after this is killed and the submit queued unchecked (an event says so).
+    import_check_timeout_s: float = 120.0
     #: Metric points older than this are downsampled to one per source per `metrics_bucket_s`.
     metrics_retention_s: float = 6 * 3600.0
     metrics_bucket_s: float = 60.0
@@ -82,6 +84,8 @@ class CoordinatorConfig:
             raise ConfigError("rate_burst", "must be >= 1")
         if self.import_check_concurrency < 1:
             raise ConfigError("import_check_concurrency", f"must be >= 1, got {self.import_check_concurrency}")
+        if not 0 < self.import_check_timeout_s < float("inf"):
+            raise ConfigError("import_check_timeout_s", f"must be a number of seconds > 0, got {self.import_check_timeout_s}")
         if not self.metrics_bucket_s > 0:
             raise ConfigError("metrics_bucket_s", f"must be > 0, got {self.metrics_bucket_s}")
         for name in ("metrics_retention_s", "event_retention_s", "finished_retention_s", "lost_node_retention_s"):

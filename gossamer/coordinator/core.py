@@ -60,7 +60,7 @@ class Coordinator:
         self.streams = AssignmentStreams()
         self.beat_rate = BeatRate(interval_s=config.heartbeat_interval_s, window_s=config.lease_timeout_s)
         self._behind = False
-        self.import_checker = ImportChecker(config.import_check_concurrency)
+        self.import_checker = ImportChecker(config.import_check_concurrency, timeout_s=config.import_check_timeout_s)
         self.curve = config.data_plane_curve
         if self.curve:
             import zmq  # not at import time: a plaintext coordinator never loads ZMQ
@@ -466,8 +466,7 @@ class Coordinator:
     # --- experiments -----------------------------------------------------------------------
     async def submit(self, experiment_json: str) -> str:
         exp = Experiment.from_json(experiment_json)
-        if self.config.check_imports:
-            await self._check_imports(exp)
+        checked = await self.import_checker.check(exp) if self.config.check_imports else True
         self._seq += 1
         rec = ExpRec(
             id=f"{_slug(exp.name)}-{uuid.uuid4().hex[:6]}",
@@ -479,12 +478,13 @@ class Coordinator:
         self.exps[rec.id] = rec
         await self.store.save_experiment(rec)
         await self.store.add_event("submit", f"experiment {rec.name} queued", experiment_id=rec.id)
+        if not checked:
+            await self.store.add_event("import_check", f"importing its code took over {self.import_checker.timeout_s:g} s "
+                                       "here: queued "
+                                       "unchecked; a worker that cannot import it fails the run saying why",
+                                       experiment_id=rec.id)
         await self.reconcile()
         return rec.id
-
-    async def _check_imports(self, exp: Experiment) -> None:
-        """Import the experiment's user code (model, dataset, loss, collate, metrics) in a child interpreter (never torch in here)."""
-        await self.import_checker.check(exp)
 
     def get(self, exp_id: str) -> ExpRec:
         exp = self.exps.get(exp_id)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing as mp
 import os
 import sys
 import time
+from typing import NoReturn
 
 from gossamer import zygote
 from gossamer._import_check import send_verdict
@@ -15,10 +17,11 @@ from gossamer.experiment import Experiment
 
 #: How long a failed check's verdict is reused (a fixed module is checked again after this).
 FAILURE_TTL_S = 30.0
-#: Seconds one check may take before it is killed and the submit refused.
+#: Seconds one check may take before it is killed (the submit is then queued unchecked).
 TIMEOUT_S = 120.0
 
 Key = tuple[tuple[str, str], ...]
+log = logging.getLogger(__name__)
 
 
 class TooManyChecks(UnavailableError):
@@ -38,20 +41,26 @@ class ImportChecker:
     failure for FAILURE_TTL_S. So a flood of submits costs at most `concurrency` processes.
     """
 
-    def __init__(self, concurrency: int = 2, max_waiting: int = 64) -> None:
+    def __init__(self, concurrency: int = 2, max_waiting: int = 64, timeout_s: float = TIMEOUT_S) -> None:
         self.concurrency = concurrency
+        self.timeout_s = timeout_s
         self.max_waiting = max_waiting
         self._slots = asyncio.Semaphore(concurrency)
         self._ok: set[Key] = set()
         self._failed: dict[Key, tuple[float, ConfigError]] = {}
-        self._inflight: dict[Key, asyncio.Future[None]] = {}
+        self._inflight: dict[Key, asyncio.Future[bool]] = {}
         self.spawned = 0  # child processes started (for tests and /metrics)
 
-    async def check(self, exp: Experiment) -> None:
-        """Return if every import path of `exp` imports; else ConfigError naming the field."""
+    async def check(self, exp: Experiment) -> bool:
+        """True if every import path of `exp` imports; ConfigError naming the field if one does
+        not; False if the check took over `timeout_s` (nothing known, nothing cached).
+
+        A check that times out says nothing about the user's code: on a loaded host a valid
+        submit's check took over 120 s and the submit was refused as if the code were wrong.
+        """
         key = import_paths(exp)
         if key in self._ok:
-            return
+            return True
         failed = self._failed.get(key)
         if failed is not None and time.monotonic() - failed[0] < FAILURE_TTL_S:
             raise failed[1]
@@ -62,27 +71,27 @@ class ImportChecker:
             pending = asyncio.ensure_future(self._run(key))
             self._inflight[key] = pending
             pending.add_done_callback(lambda _f, k=key: self._inflight.pop(k, None))  # type: ignore[misc]
-        await asyncio.shield(pending)
+        return await asyncio.shield(pending)
 
-    async def _run(self, key: Key) -> None:
+    async def _run(self, key: Key) -> bool:
         args = [f"{field}={path}" for field, path in key]
         async with self._slots:
             self.spawned += 1
             if _warm():
-                verdict = await asyncio.get_running_loop().run_in_executor(None, _warm_verdict, args)
+                verdict = await asyncio.get_running_loop().run_in_executor(None, _warm_verdict, args, self.timeout_s)
             else:
-                verdict = await _cold_verdict(args)
+                verdict = await _cold_verdict(args, self.timeout_s)
         if verdict is None:
-            self._fail(key, ConfigError(key[0][0], f"importing {key[0][1]!r} and the rest took over {TIMEOUT_S:.0f} s"))
-            return
+            log.warning("import check of %s took over %g s: not judged", ", ".join(p for _, p in key), self.timeout_s)
+            return False
         if verdict == "ok":
             self._ok.add(key)
-            return
+            return True
         field, _, msg = verdict.partition(": ")
         fields = [f for f, _ in key]
-        self._fail(key, ConfigError(field if field in fields else fields[0], msg or verdict))
+        return self._fail(key, ConfigError(field if field in fields else fields[0], msg or verdict))
 
-    def _fail(self, key: Key, error: ConfigError) -> None:
+    def _fail(self, key: Key, error: ConfigError) -> NoReturn:
         self._failed[key] = (time.monotonic(), error)
         if len(self._failed) > 1024:  # bounded: forget the oldest verdicts
             for k in sorted(self._failed, key=lambda k: self._failed[k][0])[:512]:
@@ -90,12 +99,12 @@ class ImportChecker:
         raise error
 
 
-async def _cold_verdict(args: list[str]) -> str | None:
-    """The verdict of a fresh interpreter (None: it took over TIMEOUT_S and was killed)."""
+async def _cold_verdict(args: list[str], timeout_s: float) -> str | None:
+    """The verdict of a fresh interpreter (None: it took over `timeout_s` and was killed)."""
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gossamer._import_check", *args,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout=TIMEOUT_S)
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
     except asyncio.TimeoutError:
         proc.kill()
         await proc.wait()
@@ -115,7 +124,7 @@ def _warm() -> bool:
     return _adopted
 
 
-def _warm_verdict(args: list[str]) -> str | None:
+def _warm_verdict(args: list[str], timeout_s: float) -> str | None:
     """The verdict of a process forked from the zygote; blocks (run it in an executor)."""
     ctx = mp.get_context("forkserver")
     recv, send = ctx.Pipe(duplex=False)
@@ -123,7 +132,7 @@ def _warm_verdict(args: list[str]) -> str | None:
     proc.start()
     send.close()
     try:
-        if not recv.poll(TIMEOUT_S):
+        if not recv.poll(timeout_s):
             return None
         return str(recv.recv())
     except EOFError:

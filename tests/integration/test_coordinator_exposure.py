@@ -222,3 +222,21 @@ def test_import_checks_are_capped_in_concurrency_and_cached(start_coordinator: S
     assert outcomes["slow0-9"] == "ok" and "does not import" in outcomes["broken0-9"]
     assert len(log.read_text().split("\n")[:-1]) == len(lines), "a cached check ran again"
     assert c.server.coord.import_checker.spawned == len(names)
+
+
+def test_an_import_check_that_times_out_queues_the_experiment_unchecked_saying_so(
+        start_coordinator: StartCoordinator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow check says nothing about the user's code: it must not refuse a valid submit."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "glacial.py").write_text("import time\ntime.sleep(600)\ndef model(): pass\ndef data(): pass\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(mods), os.environ.get("PYTHONPATH", "")]))
+    c = start_coordinator(check_imports=True, import_check_timeout_s=2.0)
+    client = Client(c.address)
+    job = client.submit({"name": "glacial", "model": "glacial:model", "dataset": "glacial:data", "total_steps": 10})
+    assert job.status()["state"] == "queued"
+    notes = [e["message"] for e in job.events() if e["kind"] == "import_check"]
+    assert len(notes) == 1 and "over 2 s" in notes[0] and "unchecked" in notes[0], job.events()
+    assert c.server.coord.import_checker.spawned == 1
+    with pytest.raises(ConfigError, match="import_check_timeout_s"):
+        start_coordinator(check_imports=True, import_check_timeout_s=0.0)

@@ -17,7 +17,7 @@ import msgpack
 import zmq
 
 from gossamer.checkpoint.file_server import CHUNK, MAX_MANIFEST
-from gossamer.checkpoint.manifest import MANIFEST, fsync_dir, replace_dir
+from gossamer.checkpoint.manifest import MANIFEST, fsync_dir, replace_dir, write_synced
 from gossamer.checkpoint.sharded import FORMAT, step_dir
 
 __all__ = ["FETCH_TIMEOUT_S", "FetchError", "Source", "fetch_newest"]
@@ -188,10 +188,7 @@ def _fetch_shard(conn: _Conn, dest: Path, step: int, shard: int) -> None:
     try:
         for name, (size, digest) in files.items():
             _read_file(conn, tmp / name, step, shard, name, size, digest)
-        with open(tmp / MANIFEST, "wb") as f:  # last, as a writer does: a directory with one is complete
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp / MANIFEST, raw)  # last, as a writer does: a directory with one is complete
         fsync_dir(tmp)
         replace_dir(tmp, dest)
     except BaseException:

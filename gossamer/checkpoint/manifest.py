@@ -27,6 +27,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_synced(path: Path, data: bytes) -> None:
+    """Write `data` to `path` and fsync it (its directory entry is made durable apart)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _sha256_of(path: Path) -> tuple[str, int]:
     """sha256 and size of a file, read in 1 MiB pieces."""
     h, n = hashlib.sha256(), 0
@@ -59,17 +67,11 @@ def write_atomic_dir(dest: str | os.PathLike[str], files: dict[str, bytes | Call
                     os.fsync(f.fileno())
                 digest, size = _sha256_of(tmp / name)
             else:
-                with open(tmp / name, "wb") as f:
-                    f.write(blob)
-                    f.flush()
-                    os.fsync(f.fileno())
+                write_synced(tmp / name, blob)
                 digest, size = hashlib.sha256(blob).hexdigest(), len(blob)
             entries[name] = {"sha256": digest, "bytes": size}
         manifest = {"format": FORMAT, "files": entries, "created_unix": time.time(), **meta}
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         fsync_dir(tmp)
         replace_dir(tmp, dest)
     except BaseException:

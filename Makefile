@@ -12,10 +12,9 @@ TEST_WORKERS ?= 3
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# the pinned CPU build first, so nothing pulls a multi-GB CUDA torch
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	# one resolve, the pinned CPU build in it, so nothing pulls a multi-GB CUDA torch (the venv's own
+	# pip is new enough: editable installs from pyproject need 21.3)
+	$(BIN)/pip install -q torch==2.13.0 -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -12,8 +12,10 @@ TEST_WORKERS ?= 3
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	# one resolve, the pinned CPU build in it, so nothing pulls a multi-GB CUDA torch (the venv's own
-	# pip is new enough: editable installs from pyproject need 21.3)
+	@# editable installs from pyproject need pip >= 21.3: upgrade only an older one (Python 3.10.0's)
+	$(BIN)/python -c "import pip, sys; sys.exit(tuple(map(int, pip.__version__.split('.')[:2])) < (21, 3))" \
+		|| $(BIN)/pip install -q --upgrade pip
+	# one resolve, the pinned CPU build in it, so nothing pulls a multi-GB CUDA torch
 	$(BIN)/pip install -q torch==2.13.0 -e '.[dev]'
 	touch $(STAMP)
 

@@ -611,28 +611,18 @@ class Coordinator:
 
     async def complete(self, req: pb.CompleteExperimentRequest) -> None:
         exp = self.get(req.experiment_id)
-        if not exp.active:
-            return
-        steps = req.final_metrics.get("steps", float(exp.steps))
-        if not (math.isfinite(steps) and 0 <= steps < 2**63):  # else every later status() of it fails
-            raise ConfigError("final_metrics", f"'steps' must be a step count, got {steps!r}")
-        if exp.completing_unix:
-            return  # a retried or second lead's Complete: the first stands
-        exp.final_metrics, exp.checkpoint, exp.steps = dict(req.final_metrics), req.checkpoint, int(steps)
-        exp.completing_unix = time.time()
-        exp.awaiting_final = final_reports.awaited_at_complete(exp, req.node_id)
-        await self.store.save_experiment(exp)
-        await self.settle_completion(exp)
+        if exp.active and final_reports.begin(exp, req, now=time.time()):
+            await self.store.save_experiment(exp)
+            await self.settle_completion(exp)
 
     async def settle_completion(self, exp: ExpRec) -> None:
         """Mark `exp` COMPLETED once every other worker's final counters are in, or given up on."""
-        settled = final_reports.settle(exp, now=time.time(), timeout_s=self.config.final_report_timeout_s,
-                                       names={n.id: n.name for n in self.nodes.values()})
-        if settled.done:
-            message, warning = final_reports.outcome(exp, settled)
-            if warning:
-                await self.store.add_event("incomplete-metrics", warning, experiment_id=exp.id)
-            await self._finish(exp, pb.EXPERIMENT_STATE_COMPLETED, message)
+        done = final_reports.settle(exp, now=time.time(), timeout_s=self.config.final_report_timeout_s,
+                                    names={n.id: n.name for n in self.nodes.values()})
+        if done is not None:
+            if done.warning:
+                await self.store.add_event("incomplete-metrics", done.warning, experiment_id=exp.id)
+            await self._finish(exp, pb.EXPERIMENT_STATE_COMPLETED, done.message)
 
     # --- checkpoints -----------------------------------------------------------------------
     async def register_checkpoint(self, info: pb.CheckpointInfo) -> None:

@@ -200,6 +200,9 @@ def _coordinator_parser(sub: Any) -> None:
                    help="seconds between a node's heartbeats")
     s.add_argument("--lease-timeout", type=float, default=_env("LEASE_TIMEOUT", 10.0),
                    help="seconds without heartbeat before a node is declared lost")
+    s.add_argument("--final-report-timeout", type=float, default=_env("FINAL_REPORT_TIMEOUT", 30.0),
+                   help="seconds a run waits, after the lead's Complete, for the other workers' final counters "
+                        "before it completes saying whose are missing")
     s.add_argument("--ready-file", default=None, help="write the bound port here once serving")
     s.add_argument("--no-import-check", action="store_true", help="skip importing model/dataset at submit")
     s.add_argument("--http-port", type=int, default=_env("HTTP_PORT", None),

@@ -10,6 +10,9 @@ Syntax: comma-separated faults, each ``kind[:key=value...]``. Kinds:
   evaluation) once the matching step/version N is reached. Used to land a kill exactly
   in the middle of an exchange. With ``once=PATH`` it fires only if PATH does not exist yet
   (and creates it), so a replacement process does not die the same way.
+- ``hold:at=POINT:seconds=S[:worker=I][:rank=R]``: the thread at POINT sleeps S s (a late
+  thread at an exact spot). ``final-report``: a worker past its last step, its final step
+  counted, before it reports its final counters (``die:at=final-report`` kills it there).
 - ``slow-start:seconds=S``: a shard role of this node sleeps S s before it builds and serves (a
   slow host), so a test can start workers while a restored shard is not serving yet.
 - ``fail:at=POINT[:step=N][:shard=S][:once=PATH]``: the thread at POINT raises `InjectedFault`
@@ -22,8 +25,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
-__all__ = ["InjectedFault", "die_at", "fail_at", "fault", "parse_faults"]
+__all__ = ["InjectedFault", "die_at", "fail_at", "fault", "hold_at", "parse_faults"]
 
 log = logging.getLogger(__name__)
 
@@ -79,3 +83,13 @@ def fail_at(point: str, *, step: int, **match: int) -> None:
     if _fires("fail", point, step, match):
         log.warning("fault injection: failing at %s (step %d)", point, step)
         raise InjectedFault(f"injected fault at {point} (step {step})")
+
+
+def hold_at(point: str, **match: int) -> None:
+    """Sleep the ``seconds`` of the first ``hold:at=point`` fault that matches (see the module docstring)."""
+    for k, args in parse_faults():
+        if k == "hold" and args.get("at") == point and all(
+                key not in args or int(args[key]) == value for key, value in match.items()):
+            log.warning("fault injection: holding %s s at %s", args.get("seconds", "0"), point)
+            time.sleep(float(args.get("seconds", "0")))
+            return

@@ -27,6 +27,9 @@ class CoordinatorConfig:
     #: Verify at submit, in a subprocess, that the model and dataset paths import.
     check_imports: bool = True
     grace_s: float = 3.0
+    #: After the lead's Complete, how long the run waits for the other workers' final counters
+    #: (samples, steps, bytes) before it completes without them, saying whose are missing.
+    final_report_timeout_s: float = 30.0
     #: TLS: the coordinator's certificate and key (PEM). Without them it serves plaintext.
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -64,6 +67,8 @@ class CoordinatorConfig:
             raise ConfigError("heartbeat_interval_s", "must be > 0")
         if self.lease_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError("lease_timeout_s", "must be greater than heartbeat_interval_s")
+        if not 0 <= self.final_report_timeout_s < float("inf"):
+            raise ConfigError("final_report_timeout_s", f"must be a number of seconds >= 0, got {self.final_report_timeout_s!r}")
         if not self.state_dir:
             raise ConfigError("state_dir", "must be a directory path")
         if self.state not in ("", "sqlite") and not self.state.startswith(("postgresql://", "postgres://")):

@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Protocol
 
-from gossamer.coordinator import failover, placement, views
+from gossamer.coordinator import failover, final_reports, placement, views
 from gossamer.coordinator.beat_rate import BeatRate
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.import_checks import ImportChecker
@@ -394,7 +394,9 @@ class Coordinator:
         now = time.time()
         for exp in [e for e in self.exps.values() if e.active]:
             spec = exp.spec
-            if exp.state == pb.EXPERIMENT_STATE_STARTING:
+            if exp.completing_unix:
+                await self.settle_completion(exp)
+            elif exp.state == pb.EXPERIMENT_STATE_STARTING:
                 late = placement.start_overdue(exp.roles, spec["num_ps_shards"], since=exp.starting_unix, now=now,
                                                timeout_s=spec["start_timeout_s"])
                 if late is not None:
@@ -548,6 +550,8 @@ class Coordinator:
             await self._running(exp, "all shards serving: " + ", ".join(r.endpoint for r in servers))
         await self.store.save_experiment(exp)
         await self._notify()
+        if exp.completing_unix and req.state == pb.ROLE_STATE_DONE:  # its final counters came just before
+            await self.settle_completion(exp)
 
     async def _suspect_shards(self, exp: ExpRec, worker: RoleRec, message: str, workers: int) -> None:
         """Workers that time out on the same shard get its primary failed over, not themselves replaced in a loop."""
@@ -607,19 +611,18 @@ class Coordinator:
 
     async def complete(self, req: pb.CompleteExperimentRequest) -> None:
         exp = self.get(req.experiment_id)
-        if not exp.active:
-            return
-        steps = req.final_metrics.get("steps", float(exp.steps))
-        if not (math.isfinite(steps) and 0 <= steps < 2**63):  # else every later status() of it fails
-            raise ConfigError("final_metrics", f"'steps' must be a step count, got {steps!r}")
-        exp.final_metrics = dict(req.final_metrics)
-        exp.checkpoint = req.checkpoint
-        exp.steps = int(steps)
-        acc = req.final_metrics.get("eval_accuracy")
-        await self._finish(
-            exp, pb.EXPERIMENT_STATE_COMPLETED,
-            f"completed {exp.steps} steps" + (f", eval accuracy {acc:.4f}" if acc is not None else ""),
-        )
+        if exp.active and final_reports.begin(exp, req, now=time.time()):
+            await self.store.save_experiment(exp)
+            await self.settle_completion(exp)
+
+    async def settle_completion(self, exp: ExpRec) -> None:
+        """Mark `exp` COMPLETED once every other worker's final counters are in, or given up on."""
+        done = final_reports.settle(exp, now=time.time(), timeout_s=self.config.final_report_timeout_s,
+                                    names={n.id: n.name for n in self.nodes.values()})
+        if done is not None:
+            if done.warning:
+                await self.store.add_event("incomplete-metrics", done.warning, experiment_id=exp.id)
+            await self._finish(exp, pb.EXPERIMENT_STATE_COMPLETED, done.message)
 
     # --- checkpoints -----------------------------------------------------------------------
     async def register_checkpoint(self, info: pb.CheckpointInfo) -> None:

@@ -150,6 +150,10 @@ class ExpRec:
     sender_key: str = field(default_factory=new_key)
     #: Node id -> newest step of this experiment's shard checkpoints it registered (its disk holds them).
     checkpoint_holders: dict[str, int] = field(default_factory=dict)
+    #: When the lead's Complete came (0: not yet): it completes once every worker's final counters are in.
+    completing_unix: float = 0.0
+    #: The workers ("node_id/index") whose final report (ROLE_STATE_DONE) the completion waits for.
+    awaiting_final: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

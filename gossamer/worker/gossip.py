@@ -271,7 +271,7 @@ class GossipTrainer(RankTrainer):
             return  # local ranks > 0: rank 0 answers for the node
         self.peer.refuse_mass()  # peers still training keep their mass (and their weight)
         if not self.ctx.lead:
-            self.flush_metrics()  # this node's totals are in before the lead can complete
+            self.report_final()  # this node's final counters are in before the run completes
         while not self.should_stop():
             self._apply_updates()
             if self.ctx.lead:

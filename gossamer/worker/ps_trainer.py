@@ -15,7 +15,7 @@ from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.compression.momentum_placement import density_warmup_steps, momentum_on_worker
 from gossamer.compression.worker_momentum import WorkerMomentum
 from gossamer.errors import ShardError
-from gossamer.faults import die_at
+from gossamer.faults import die_at, hold_at
 from gossamer.paramserver import ShardClient
 from gossamer.protocol import AssignmentUpdate
 from gossamer.transport.router import FAILED_PRECONDITION, REFORM
@@ -286,6 +286,9 @@ class ParameterServerTrainer(RankTrainer):
                          self.ctx.worker_index, self.ctx.local_rank)
                 self.client.abandon()
                 break
+            if done:  # past the last step: its final counters go next (a test holds or kills it here)
+                hold_at("final-report", **self.client.fault_ctx)
+                die_at("final-report", step=self.clock, **self.client.fault_ctx)
             now = time.monotonic()
             if now - t_report >= 1.0 or done:
                 rate = (self.stats.samples - samples0) / max(1e-9, now - t_report)
@@ -328,7 +331,7 @@ class ParameterServerTrainer(RankTrainer):
         if not self.ctx.lead and self.ctx.local_rank == 0:
             log.info("worker %d: run done; staying until it completes or this worker becomes the lead",
                      self.ctx.worker_index)
-            self.flush_metrics()  # this node's totals are in before the lead completes
+            self.report_final()  # this node's final counters are in before the run completes
         while not self.ctx.lead and not self._stopping():
             time.sleep(0.1)
             self._apply_updates()

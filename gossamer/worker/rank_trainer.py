@@ -71,7 +71,9 @@ class RankTrainer(abc.ABC):
         self.grad_norm = float("nan")
         self.on_metrics = on_metrics or (lambda step, values: None)
         self.on_saved = on_saved or (lambda step, path, kind: None)
-        self.flush_metrics: Callable[[], None] = lambda: None  # the role process sets the reporter's flush
+        #: Past the last step (not the lead): send this rank's final counters, then tell the
+        #: coordinator the role is done; the run completes once every worker's are in. Set by the role process.
+        self.report_final: Callable[[], None] = lambda: None
         self.updates = updates or (lambda: None)
         self.should_stop = should_stop or (lambda: False)
         self.endpoint = ""  # where other nodes reach this rank (a gossip peer), reported to the coordinator

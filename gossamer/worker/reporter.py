@@ -85,15 +85,17 @@ class Reporter:
             except queue.Empty:
                 return out
 
-    def flush(self, timeout: float = 10.0) -> None:
-        """Send everything queued now, the reporter thread's batch in flight included (bounded by `timeout`)."""
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Send everything queued now, the reporter thread's batch in flight included (bounded by `timeout`);
+        whether it was delivered."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 self._send_pending()
-                return
+                return True
             except grpc.RpcError:
                 time.sleep(0.5)
+        return False
 
     def role(self, node_id: str, role: pb.Role.ValueType, index: int, state: pb.RoleState.ValueType, endpoint: str = "", message: str = "",
              retry_s: float = 60.0, **extra: object) -> None:

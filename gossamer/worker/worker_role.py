@@ -124,7 +124,7 @@ class WorkerRankRole:
         assert isinstance(trainer_class, type) and issubclass(trainer_class, RankTrainer)
         trainer = trainer_class(ctx, on_metrics=self.feed.tee(self.reporter.metric), updates=self._updates,
                                 should_stop=self.stop.is_set, on_saved=self.reporter.checkpoint)
-        trainer.flush_metrics = self.reporter.flush
+        trainer.report_final = self._report_final
         if self.rank == 0:
             self._record_environment()
             # a gossip worker's endpoint reaches its peers through the coordinator
@@ -138,6 +138,14 @@ class WorkerRankRole:
         if self.rank == 0 and trainer.final_path:
             self.reporter.complete(self.spec.node_id, trainer.final_metrics, trainer.final_path)
         return trainer.finished
+
+    def _report_final(self) -> None:
+        """This rank's final counters, then (rank 0) ROLE_STATE_DONE: the coordinator completes the run only
+        once every worker said so, and a DONE that arrives finds the counters already merged."""
+        delivered = self.reporter.flush()
+        if self.rank == 0:
+            self.reporter.role(self.spec.node_id, pb.ROLE_WORKER, self.index, pb.ROLE_STATE_DONE,
+                               message="" if delivered else "final counters not delivered")
 
     def _record_environment(self) -> None:
         """Write this node's environment fingerprint next to the experiment's checkpoints.

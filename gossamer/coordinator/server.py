@@ -340,7 +340,7 @@ class CoordinatorServer:
             due = time.monotonic() + tick
             await asyncio.sleep(tick)
             try:
-                await self.coord.reap_leases(lag_s=time.monotonic() - due)
+                await self.coord.reap_leases(lag_s=time.monotonic() - due, tick_s=tick)
                 await self.coord.check_deadlines()
             except Exception:  # noqa: BLE001 — the reaper must survive anything
                 log.exception("lease reaper")

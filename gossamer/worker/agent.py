@@ -325,8 +325,16 @@ class NodeAgent:
     async def _heartbeats(self) -> None:
         assert self._stub is not None
         warned = False
+        due = time.monotonic() + self.heartbeat_s
         while True:
-            await asyncio.sleep(self.heartbeat_s)
+            start = time.monotonic()
+            await asyncio.sleep(max(0.0, due - start))
+            woke = time.monotonic()
+            late = woke - max(due, start)
+            if late >= max(1.0, self.heartbeat_s):  # says, in a loss's aftermath, which side was late
+                log.warning("heartbeat %.1fs late: this agent was not scheduled (the machine is overloaded)", late)
+            # On a fixed cadence: a slow answer does not push the next heartbeat back (nor do they bunch up).
+            due = max(due + self.heartbeat_s, woke)
             try:
                 sent = time.monotonic()
                 resp = await self._stub.Heartbeat(pb.HeartbeatRequest(node_id=self.node_id), timeout=self.heartbeat_s * 3)

@@ -1,4 +1,4 @@
-"""A coordinator that was not scheduled for longer than a lease blames none of its live nodes; a silent node is still lost."""
+"""Load does not make a live node lost: a coordinator held past a lease blames none, an agent's held loop delays no heartbeat."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+from gossamer.worker.heartbeat import HeartbeatThread
 
 pytestmark = pytest.mark.timeout(120)
 BEAT_S, LEASE_S = 0.2, 1.0
@@ -69,4 +70,39 @@ def test_a_coordinator_held_past_the_lease_keeps_live_nodes_and_still_loses_a_si
         done.set()
         thread.join(10)
         stream.cancel()
+        channel.close()
+
+
+def test_heartbeats_go_on_while_the_agents_loop_is_held(start_coordinator) -> None:  # type: ignore[no-untyped-def]
+    """The agent's loop is held while it starts role processes; its heartbeats (HeartbeatThread) are not."""
+    c = start_coordinator(heartbeat_interval_s=BEAT_S, lease_timeout_s=LEASE_S)
+    channel = grpc.insecure_channel(c.address)
+    stub = pb_grpc.NodeServiceStub(channel)
+    node_id = stub.Join(pb.JoinRequest(name="n", address="127.0.0.1", cpus=1), timeout=10).node_id
+    agent_loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=agent_loop.run_forever, daemon=True)
+    runner.start()
+    answers: list[tuple[float, bool]] = []
+    beats = HeartbeatThread(c.address, None, node_id=lambda: node_id, interval=lambda: BEAT_S,
+                            on_answer=lambda sent, known: answers.append((sent, known is True)), loop=agent_loop)
+    beats.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not answers:
+            assert time.monotonic() < deadline, "no heartbeat answered"
+            time.sleep(0.05)
+        held = asyncio.run_coroutine_threadsafe(_hold_loop(3.0 * LEASE_S), agent_loop)
+        while not held.done():
+            assert _state(stub, node_id) != pb.NODE_STATE_LOST, "heartbeats waited on the agent's held loop"
+            time.sleep(0.05)
+        held.result()
+        t_free = time.monotonic()
+        while not any(sent > t_free - 3.0 * LEASE_S for sent, _ in answers):
+            assert time.monotonic() - t_free < 30, "the answers sent while the loop was held never reached it"
+            time.sleep(0.05)
+        assert all(known for _, known in answers)
+    finally:
+        beats.stop()
+        agent_loop.call_soon_threadsafe(agent_loop.stop)
+        runner.join(10)
         channel.close()

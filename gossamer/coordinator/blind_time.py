@@ -25,9 +25,15 @@ class BlindTime:
     tick_s: float
     #: How far back `since` must answer (a lease and some): older sweeps are dropped.
     keep_s: float
+    #: When watching began (the first sweep's gap is measured from it); None: from the first sweep.
+    start: float | None = None
     #: Blind time in all (for the record).
     total: float = 0.0
     _sweeps: deque[tuple[float, float]] = field(default_factory=deque)  # (time, blind time of the gap it ends)
+
+    def __post_init__(self) -> None:
+        if self.start is not None:
+            self._sweeps.append((self.start, 0.0))
 
     def sweep(self, now: float) -> float:
         """A lease sweep at `now`; the blind time it found (how much later than `tick_s` after the previous one)."""

@@ -61,8 +61,7 @@ class Coordinator:
         self.streams = AssignmentStreams()
         self.beat_rate = BeatRate(interval_s=config.heartbeat_interval_s, window_s=config.lease_timeout_s)
         self._behind = False
-        #: The lease sweep's own lateness (reap_leases(tick_s=...)); None until the first sweep says its tick.
-        self.blind: BlindTime | None = None
+        self.blind = BlindTime(tick_s=min(0.5, config.heartbeat_interval_s), keep_s=2 * config.lease_timeout_s + 1, start=now)
         self.import_checker = ImportChecker(config.import_check_concurrency)
         self.curve = config.data_plane_curve
         if self.curve:
@@ -138,23 +137,16 @@ class Coordinator:
         if node is not None and (is_open or node.alive):
             node.stream_lost_at = 0.0 if is_open else time.time()
 
-    async def reap_leases(self, lag_s: float = 0.0, tick_s: float = 0.0) -> None:
+    async def reap_leases(self, lag_s: float = 0.0, *, sweep: bool = False) -> None:
         """Declare nodes lost whose lease expired or whose stream dropped with no heartbeat since.
 
         While the coordinator is starved or backlogged (`BeatRate.behind`; `lag_s`: how late
         this tick is), no lease expires: the silence is its own. A closed stream still counts at
         once; a node cut off without its connection closing is caught once keepalive closes it.
-        Sweeps every `tick_s` (0: a one-off) also keep the time between them beyond `tick_s` out
-        of every node's silence (`BlindTime`): the coordinator was not scheduled then.
         """
         now = time.time()
-        if tick_s > 0:
-            if self.blind is None:
-                self.blind = BlindTime(tick_s=tick_s, keep_s=2.0 * self.config.lease_timeout_s + tick_s)
-            late = self.blind.sweep(now)
-            if late >= 0.5 * self.config.lease_timeout_s:
-                log.warning("lease sweep %.1fs late (the coordinator was not scheduled): that time is not counted "
-                            "against any node's lease", late)
+        if sweep and (late := self.blind.sweep(now)) >= 0.5 * self.config.lease_timeout_s:
+            log.warning("lease sweep %.1fs late (the coordinator was not scheduled): not counted against leases", late)
         lease = self.config.lease_timeout_s
         connected = sum(1 for n in self.nodes.values() if n.alive and self.streams.is_open(n.id))
         behind = self.beat_rate.behind(now, connected, lag_s)
@@ -164,8 +156,7 @@ class Coordinator:
                         if behind else "caught up with its heartbeats: leases expire again")
         for node in list(self.nodes.values()):
             verdict = failover.lease_verdict(node, now=now, lease_timeout_s=math.inf if behind else lease,
-                                             heartbeat_interval_s=self.config.heartbeat_interval_s,
-                                             blind_since=self.blind.since if self.blind else lambda t: 0.0)
+                                             heartbeat_interval_s=self.config.heartbeat_interval_s, blind_since=self.blind.since)
             if verdict is not None:
                 why, silent = verdict
                 await self._remove_node(node, pb.NODE_STATE_LOST, why, silent)

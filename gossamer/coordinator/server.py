@@ -335,12 +335,12 @@ class CoordinatorServer:
 
     async def _reap(self) -> None:
         assert self.coord is not None
-        tick = min(0.5, self.config.heartbeat_interval_s)
+        tick = self.coord.blind.tick_s  # BlindTime takes what lies beyond it for the coordinator's own
         while True:
             due = time.monotonic() + tick
             await asyncio.sleep(tick)
             try:
-                await self.coord.reap_leases(lag_s=time.monotonic() - due, tick_s=tick)
+                await self.coord.reap_leases(lag_s=time.monotonic() - due, sweep=True)
                 await self.coord.check_deadlines()
             except Exception:  # noqa: BLE001 — the reaper must survive anything
                 log.exception("lease reaper")

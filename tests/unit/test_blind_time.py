@@ -96,3 +96,10 @@ def test_blind_time_only_delays_a_loss_so_the_node_fences_first() -> None:
         assert lost_at is not None, slept  # still detected
         assert lost_at - sent > fence, (slept, lost_at)
         assert lost_at - received >= LEASE + slept - 1e-9, (slept, lost_at)
+
+
+def test_a_hold_before_the_first_sweep_is_measured_from_the_start() -> None:
+    blind = BlindTime(tick_s=TICK, keep_s=10.0, start=0.0)
+    assert blind.sweep(3.0) == pytest.approx(2.5)  # held 2.5 s before the reaper ever swept
+    assert lease_verdict(_node(0.0), now=4.6, lease_timeout_s=LEASE, heartbeat_interval_s=BEAT,
+                         blind_since=blind.since) is None

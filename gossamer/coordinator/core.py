@@ -12,6 +12,7 @@ from typing import Protocol
 
 from gossamer.coordinator import failover, final_reports, placement, views
 from gossamer.coordinator.beat_rate import BeatRate
+from gossamer.coordinator.blind_time import BlindTime
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.import_checks import ImportChecker
 from gossamer.coordinator.records import ExpRec, NodeRec, RoleRec, check_node_id, checkpoint_server
@@ -60,6 +61,7 @@ class Coordinator:
         self.streams = AssignmentStreams()
         self.beat_rate = BeatRate(interval_s=config.heartbeat_interval_s, window_s=config.lease_timeout_s)
         self._behind = False
+        self.blind = BlindTime(tick_s=min(0.5, config.heartbeat_interval_s), keep_s=2 * config.lease_timeout_s + 1, start=now)
         self.import_checker = ImportChecker(config.import_check_concurrency, timeout_s=config.import_check_timeout_s)
         self.curve = config.data_plane_curve
         if self.curve:
@@ -135,7 +137,7 @@ class Coordinator:
         if node is not None and (is_open or node.alive):
             node.stream_lost_at = 0.0 if is_open else time.time()
 
-    async def reap_leases(self, lag_s: float = 0.0) -> None:
+    async def reap_leases(self, lag_s: float = 0.0, *, sweep: bool = False) -> None:
         """Declare nodes lost whose lease expired or whose stream dropped with no heartbeat since.
 
         While the coordinator is starved or backlogged (`BeatRate.behind`; `lag_s`: how late
@@ -143,6 +145,8 @@ class Coordinator:
         once; a node cut off without its connection closing is caught once keepalive closes it.
         """
         now = time.time()
+        if sweep and (late := self.blind.sweep(now)) >= 0.5 * self.config.lease_timeout_s:
+            log.warning("lease sweep %.1fs late (the coordinator was not scheduled): not counted against leases", late)
         lease = self.config.lease_timeout_s
         connected = sum(1 for n in self.nodes.values() if n.alive and self.streams.is_open(n.id))
         behind = self.beat_rate.behind(now, connected, lag_s)
@@ -152,7 +156,7 @@ class Coordinator:
                         if behind else "caught up with its heartbeats: leases expire again")
         for node in list(self.nodes.values()):
             verdict = failover.lease_verdict(node, now=now, lease_timeout_s=math.inf if behind else lease,
-                                             heartbeat_interval_s=self.config.heartbeat_interval_s)
+                                             heartbeat_interval_s=self.config.heartbeat_interval_s, blind_since=self.blind.since)
             if verdict is not None:
                 why, silent = verdict
                 await self._remove_node(node, pb.NODE_STATE_LOST, why, silent)
@@ -470,21 +474,13 @@ class Coordinator:
         exp = Experiment.from_json(experiment_json)
         checked = await self.import_checker.check(exp) if self.config.check_imports else True
         self._seq += 1
-        rec = ExpRec(
-            id=f"{_slug(exp.name)}-{uuid.uuid4().hex[:6]}",
-            seq=self._seq,
-            name=exp.name,
-            spec_json=exp.to_json(),
-            created_unix=time.time(),
-        )
+        rec = ExpRec(id=f"{_slug(exp.name)}-{uuid.uuid4().hex[:6]}", seq=self._seq, name=exp.name,
+                     spec_json=exp.to_json(), created_unix=time.time())
         self.exps[rec.id] = rec
         await self.store.save_experiment(rec)
         await self.store.add_event("submit", f"experiment {rec.name} queued", experiment_id=rec.id)
         if not checked:
-            await self.store.add_event("import_check", f"importing its code took over {self.import_checker.timeout_s:g} s "
-                                       "here: queued "
-                                       "unchecked; a worker that cannot import it fails the run saying why",
-                                       experiment_id=rec.id)
+            await self.store.add_event("import_check", self.import_checker.unchecked_note(), experiment_id=rec.id)
         await self.reconcile()
         return rec.id
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gossamer.coordinator.records import NodeRec, RoleRec
@@ -11,9 +11,13 @@ from gossamer.protocol import RESTORE_SEEDING
 from gossamer.v1 import coordinator_pb2 as pb
 
 
-def lease_verdict(node: NodeRec, *, now: float, lease_timeout_s: float,
-                  heartbeat_interval_s: float) -> tuple[str, float] | None:
+def lease_verdict(node: NodeRec, *, now: float, lease_timeout_s: float, heartbeat_interval_s: float,
+                  blind_since: Callable[[float], float] = lambda t: 0.0) -> tuple[str, float] | None:
     """(why, seconds silent) if `node` is lost at `now`, else None.
+
+    `blind_since(t)`: how long after `t` the coordinator itself could not observe heartbeats
+    (`BlindTime.since`); that time is not the node's silence. It only makes a loss later, so
+    the node's own fencing (`shard_lease_s`) still stops an isolated primary first.
 
     Lost: its lease expired, or its assignment stream dropped and neither a heartbeat nor a
     reconnection came for two heartbeat intervals.
@@ -25,12 +29,15 @@ def lease_verdict(node: NodeRec, *, now: float, lease_timeout_s: float,
     if not node.alive:
         return None
     silent = now - node.last_seen
-    if silent > lease_timeout_s:
-        return f"lease expired ({silent:.1f}s without heartbeat)", silent
+    blind = blind_since(node.last_seen)
+    if silent - blind > lease_timeout_s:
+        held = f"; the coordinator itself was not scheduled for {blind:.1f}s of it" if blind >= 0.05 else ""
+        return f"lease expired ({silent:.1f}s without heartbeat{held})", silent
     fast = 2.0 * heartbeat_interval_s
     # Quiet since the later of the drop and the last heartbeat: a heartbeat the node sent just
     # before it died may be handled after the drop on a busy loop; it postpones, never cancels.
-    if node.stream_lost_at and now - max(node.stream_lost_at, node.last_seen) > fast:
+    quiet_from = max(node.stream_lost_at, node.last_seen)
+    if node.stream_lost_at and now - quiet_from - blind_since(quiet_from) > fast:
         return f"connection closed and no heartbeat for {silent:.1f}s", silent
     return None
 

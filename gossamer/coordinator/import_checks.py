@@ -73,6 +73,11 @@ class ImportChecker:
             pending.add_done_callback(lambda _f, k=key: self._inflight.pop(k, None))  # type: ignore[misc]
         return await asyncio.shield(pending)
 
+    def unchecked_note(self) -> str:
+        """The event of an experiment queued without a verdict (its check timed out)."""
+        return (f"importing its code took over {self.timeout_s:g} s here: queued unchecked; a worker that "
+                "cannot import it fails the run saying why")
+
     async def _run(self, key: Key) -> bool:
         args = [f"{field}={path}" for field, path in key]
         async with self._slots:

@@ -13,13 +13,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gossamer.coordinator import views
 from gossamer.coordinator._malformed import MalformedRequestInterceptor
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.core import Coordinator, wait_event
 from gossamer.coordinator.election import Election
+from gossamer.coordinator.health import HealthService
 from gossamer.coordinator.http import HttpConfig, StatusHttp
 from gossamer.coordinator.leader_gate import LeaderGate
 from gossamer.coordinator.pg_store import PgStore
@@ -178,7 +179,7 @@ class CoordinatorServer:
         self.http_port = 0
         self.coord: Coordinator | None = None
         self.server: grpc.aio.Server | None = None
-        self.health = health.aio.HealthServicer()
+        self.health = HealthService()
         self.port = 0
         self._reaper: asyncio.Task[None] | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -334,12 +335,12 @@ class CoordinatorServer:
 
     async def _reap(self) -> None:
         assert self.coord is not None
-        tick = min(0.5, self.config.heartbeat_interval_s)
+        tick = self.coord.blind.tick_s  # BlindTime takes what lies beyond it for the coordinator's own
         while True:
             due = time.monotonic() + tick
             await asyncio.sleep(tick)
             try:
-                await self.coord.reap_leases(lag_s=time.monotonic() - due)
+                await self.coord.reap_leases(lag_s=time.monotonic() - due, sweep=True)
                 await self.coord.check_deadlines()
             except Exception:  # noqa: BLE001 — the reaper must survive anything
                 log.exception("lease reaper")

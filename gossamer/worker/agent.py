@@ -33,6 +33,7 @@ from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from gossamer.worker._role_process import EXIT_REPORTED
 from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
+from gossamer.worker.heartbeat import HeartbeatThread
 from gossamer.worker.launcher import Launch, visible_cuda_devices
 from gossamer.worker.node_metrics import NodeMetrics
 from gossamer.worker.warm import role_context, warm_up_in_background
@@ -160,6 +161,8 @@ class NodeAgent:
         self.exit_code = 0  # of `gossamer worker join`: 1 when an attached local rank was lost
         self._reason = "signal"
         self._leaving = False  # Leave sent: an unknown-node heartbeat answer is expected, not a cue to rejoin
+        self._beat_warned = False  # a failed heartbeat was logged: say when one gets through again
+        self._rejoin: asyncio.Task[None] | None = None  # joining again after the coordinator counted this node lost
         self._roles = role_context(warm=False)  # until the fork server is warm (`_warm_up`)
         self._warm: asyncio.Task[None] | None = None
 
@@ -217,14 +220,17 @@ class NodeAgent:
             return
         if self.config.metrics_port is not None:
             await self._serve_metrics()
-        beats = asyncio.create_task(self._heartbeats())
+        beats = HeartbeatThread(self.config.coordinator, self.config.security, node_id=lambda: self.node_id,
+                                interval=lambda: self.heartbeat_s, on_answer=self._heartbeat_answered,
+                                loop=asyncio.get_running_loop())
+        beats.start()
         tasks = [asyncio.create_task(t) for t in (self._watch(), self._monitor())]
         await self._stop.wait()
         for t in tasks:
             t.cancel()
         # Heartbeats go on while the roles stop, so a slow graceful exit never looks like a loss.
         await self.shutdown(self._reason)
-        beats.cancel()
+        beats.stop()
 
     async def _warm_up(self) -> None:
         if not self.config.warm_roles:
@@ -326,34 +332,34 @@ class NodeAgent:
                 await asyncio.sleep(min(delay, limit - waited) if limit else delay)
                 delay = min(5.0, delay * 2)
 
-    async def _heartbeats(self) -> None:
-        assert self._stub is not None
-        warned = False
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
-            try:
-                sent = time.monotonic()
-                resp = await self._stub.Heartbeat(pb.HeartbeatRequest(node_id=self.node_id), timeout=self.heartbeat_s * 3)
-                if warned:
-                    log.info("coordinator reachable again")
-                    warned = False
-                if resp.known:
-                    self._renew_lease(sent)
-                elif not self._leaving:
-                    # Counted lost: its shards may have been promoted elsewhere. Those running here
-                    # never acknowledge again (the new assignment set stops them).
-                    log.warning("coordinator does not know this node; fencing its shards and joining again")
-                    self.lease_until = 0.0
-                    self._tell_shards(LeaseRenewal(until=0.0))
-                    await self._join()
-            except AuthError as e:
-                log.error("%s; leaving", e)
+    def _heartbeat_answered(self, sent: float, answer: bool | grpc.RpcError) -> None:
+        """A heartbeat sent at `sent` (HeartbeatThread) was answered: renew the shards' lease, or rejoin."""
+        if isinstance(answer, grpc.RpcError):
+            if answer.code() == grpc.StatusCode.UNAUTHENTICATED:
+                log.error("coordinator refused this node's token (%s); leaving", answer.details())
                 self._stop.set()
-                return
-            except grpc.RpcError as e:
-                if not warned:
-                    log.warning("heartbeat failed (%s); roles keep running, retrying", e.code())
-                    warned = True
+            elif not self._beat_warned:
+                log.warning("heartbeat failed (%s); roles keep running, retrying", answer.code())
+                self._beat_warned = True
+            return
+        if self._beat_warned:
+            log.info("coordinator reachable again")
+            self._beat_warned = False
+        if answer:
+            self._renew_lease(sent)
+        elif not self._leaving and self._rejoin is None:
+            # Counted lost: its shards may have been promoted elsewhere. Those running here
+            # never acknowledge again (the new assignment set stops them).
+            log.warning("coordinator does not know this node; fencing its shards and joining again")
+            self.lease_until = 0.0
+            self._tell_shards(LeaseRenewal(until=0.0))
+            self._rejoin = asyncio.create_task(self._join_again())
+
+    async def _join_again(self) -> None:
+        try:
+            await self._join()
+        finally:
+            self._rejoin = None
 
     async def _watch(self) -> None:
         assert self._stub is not None

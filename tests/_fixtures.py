@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Callable, Coroutine, Mapping
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -13,7 +15,8 @@ from gossamer.coordinator.http import HttpConfig
 from gossamer.experiment import Experiment
 from gossamer.local_cluster import LocalCluster
 
-__all__ = ["CLUSTER_DEFAULTS", "DIGITS", "InProcessCoordinator", "MakeCluster", "StartCoordinator", "experiment"]
+__all__ = ["CLUSTER_DEFAULTS", "DIGITS", "InProcessCoordinator", "MakeCluster", "StartCoordinator", "experiment",
+           "warm_context"]
 
 T = TypeVar("T")
 
@@ -23,6 +26,22 @@ DIGITS: dict[str, Any] = {"model": "gossamer.examples.digits:mlp", "dataset": "g
 #: say otherwise. Nodes are SIGKILLed at teardown: a graceful leave took 3-7 s per node (they
 #: were stopped one after the other), and a test that checks one stops the node itself.
 CLUSTER_DEFAULTS: dict[str, Any] = {"heartbeat_interval": 0.5, "lease_timeout": 5.0, "stop_grace_s": 0.0}
+
+
+@functools.cache
+def warm_context() -> ForkServerContext:
+    """Processes forked warm, as a node starts its local ranks: from this process's fork server.
+
+    That fork server is forked from the session's zygote (conftest), torch and the role code
+    already imported; a "spawn" rank imported them afresh, 3-4 s of CPU for each of the dozens
+    of ranks the tests start. Started once per test process.
+    """
+    from gossamer.worker.warm import role_context, warm_up
+
+    warm_up()
+    ctx = role_context(warm=True)
+    assert isinstance(ctx, ForkServerContext)
+    return ctx
 
 
 def experiment(*bases: Mapping[str, Any], **overrides: Any) -> Experiment:

@@ -1,8 +1,7 @@
-"""A shard server in its own process (spawned by chaos tests): writes its endpoint to a file, serves until killed."""
+"""A shard server in its own process (started by chaos tests): writes its endpoint to a file, serves until killed."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -32,9 +31,12 @@ def promote_file(endpoint_file: str) -> Path:
 
 def start_shard(tmp: Path, name: str, *, backup: bool, backup_endpoint: str = "", fault: str = "",
                 sender_key: str = "") -> tuple[Any, str]:
-    """`serve` in a spawned process writing its endpoint to TMP/NAME.endpoint; the process and that endpoint."""
+    """`serve` in its own process (forked warm) writing its endpoint to TMP/NAME.endpoint; the process and that endpoint."""
+    # Imported here: the shard process imports this module, and needs none of the fixtures' imports
+    from tests._fixtures import warm_context
+
     path = tmp / f"{name}.endpoint"
-    proc = mp.get_context("spawn").Process(target=serve, args=(str(path), backup, backup_endpoint, fault, sender_key),
+    proc = warm_context().Process(target=serve, args=(str(path), backup, backup_endpoint, fault, sender_key),
                                            daemon=True)
     proc.start()
     deadline = time.monotonic() + 60

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from gossamer.paramserver import ShardClient, ShardPlan, ShardServer, flatten_params
+from tests._fixtures import warm_context
 from tests.chaos._shard_proc import model, push_forever, shard_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -25,7 +25,7 @@ def test_survivors_do_not_wait_for_a_killed_worker(tmp_path) -> None:  # type: i
     init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks}
     server = ShardServer(shard_config(staleness=1), plan, init)  # lock-step within one update
     server.start()
-    victim = mp.get_context("spawn").Process(target=push_forever, args=(server.endpoint, "victim", STEP_S), daemon=True)
+    victim = warm_context().Process(target=push_forever, args=(server.endpoint, "victim", STEP_S), daemon=True)
     victim.start()
     acks: dict[str, list[float]] = {"a": [], "b": []}
     stop = threading.Event()

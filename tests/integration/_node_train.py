@@ -89,10 +89,14 @@ def _free_port() -> int:
 
 
 def run_node(world: int, out: Path, **cfg: Any) -> dict[str, Any]:
-    """Spawn `world` local ranks of `run_rank`; the trained flat parameters and the losses."""
+    """Start `world` local ranks of `run_rank`; the trained flat parameters and the losses."""
+    # Imported here: each rank imports this module, and needs none of the fixtures' imports
+    from tests._fixtures import warm_context
+
     out.mkdir(parents=True, exist_ok=True)
+    warm_context()  # the ranks fork from the warm fork server, not a fresh interpreter each
     mp.start_processes(run_rank, args=(world, _free_port(), {**cfg, "out": str(out)}), nprocs=world,
-                       start_method="spawn", join=True)
+                       start_method="forkserver", join=True)
     flat = torch.empty(sum(p.numel() for p in mlp().parameters()))
     filled = torch.zeros(flat.numel(), dtype=torch.bool)
     for rank in range(world):

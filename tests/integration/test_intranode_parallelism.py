@@ -39,7 +39,7 @@ def test_two_nodes_of_two_local_ranks_train_digits_async(cluster: LocalCluster, 
         "dataset": "gossamer.examples.digits:data", "mode": "async", "parallelism": parallelism,
         "pipeline_schedule": "1f1b", "pipeline_microbatches": 4,
         "lr": 0.1, "lr_schedule": "cosine", "momentum": 0.5, "batch_size": 32, "staleness": 4,
-        "num_ps_shards": 1, "min_workers": 2, "max_workers": 2, "total_steps": 1500, "eval_every": 500,
+        "num_ps_shards": 1, "min_workers": 2, "max_workers": 2, "total_steps": 1000, "eval_every": 500,
     })
     result = job.wait(timeout=480)
     assert result.status == "completed", result.message

@@ -7,12 +7,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as tmp
 
 from gossamer.experiment import Experiment
 from gossamer.worker.ps_trainer import ParameterServerTrainer
 from gossamer.worker.rank import RankContext
-from tests._fixtures import experiment
+from tests._fixtures import experiment, warm_context
 from tests.integration._ps_harness import Shards, reference_sync, run_trainers
 
 pytestmark = pytest.mark.timeout(180)
@@ -109,7 +108,7 @@ def _two_ranks(tmp_path: Path, backend: str, atol: float = 1e-5, parallelism: st
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        ctx = tmp.get_context("spawn")
+        ctx = warm_context()
         procs = [ctx.Process(target=_rank_main,
                              args=(r, world, port, exp.to_json(), shards.endpoints, str(tmp_path), backend))
                  for r in range(world)]

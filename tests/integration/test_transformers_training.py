@@ -18,16 +18,20 @@ a minute of it importing transformers.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from gossamer import Client
+from gossamer import Client, zygote
 from gossamer.examples import gpt2
 from gossamer.local_cluster import LocalCluster
+from gossamer.worker.warm import start_shared
 from tests._fixtures import MakeCluster
 
 pytest.importorskip("transformers")
@@ -38,6 +42,35 @@ TINY = {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": SEQ}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 #: The roles' fork server imports the transformers models once, not every role process.
 PRELOAD = ["--preload", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _transformers_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """This module's nodes fork from a zygote that imported PRELOAD once, under OFFLINE, as the nodes run.
+
+    Each node's fork server imported transformers itself otherwise: 3 nodes a test, about 3 s of
+    CPU each. The nodes still pass PRELOAD (checked, then found already imported).
+    """
+    session = os.environ.get(zygote.ENV)
+    if not session:  # GOSSAMER_ZYGOTE=0: every node starts its own fork server
+        yield
+        return
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in OFFLINE.items():
+            env.setenv(key, value)
+        proc, path = start_shared(tmp_path_factory.mktemp("zygote-hf"), tuple(PRELOAD[1:]), wait=False)
+    os.environ[zygote.ENV] = path
+    try:
+        yield
+    finally:
+        os.environ[zygote.ENV] = session
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _spec(arch: str, **kw: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from gossamer.worker.batches import Data
 from gossamer.worker.model import build
 from gossamer.worker.ps_trainer import ParameterServerTrainer
 from gossamer.worker.rank import RankContext
+from tests._fixtures import warm_context
 from tests.integration import _user_regression as user
 from tests.integration._ps_harness import run_trainers
 
@@ -122,8 +123,6 @@ def test_two_local_ranks_with_user_loss_equal_single_process(tmp_path: Path, par
     """One node of two ranks (fsdp rows, pipeline stages or ddp replicas), the user's loss: still the global step."""
     import socket
 
-    import torch.multiprocessing as tmp
-
     exp = Experiment(**{**BASE, "dataset": f"{U}:{dataset}"}, loss=f"{U}:half_squared_error", batch_size=32,
                      chunk_numel=64, parallelism=parallelism, pipeline_microbatches=4)
     shards = LocalShards(exp)
@@ -132,7 +131,7 @@ def test_two_local_ranks_with_user_loss_equal_single_process(tmp_path: Path, par
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        ctx = tmp.get_context("spawn")
+        ctx = warm_context()
         procs = [ctx.Process(target=_rank_main, args=(r, 2, port, exp.to_json(), shards.endpoints, str(tmp_path)))
                  for r in range(2)]
         for p in procs:

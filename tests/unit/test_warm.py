@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import pytest
 
@@ -73,6 +74,22 @@ def test_a_module_that_is_not_there_is_refused_before_the_node_joins() -> None:
     with pytest.raises(ConfigError, match="preload.*'transfomers'"):
         check_preload(("json", "transfomers"))
     check_preload(("json", "xml.dom.minidom"))
+
+
+def test_checking_a_submodule_does_not_import_its_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent only checks `transformers.models.x.y` exists; importing transformers cost it 3 s of CPU."""
+    pkg = tmp_path / "heavy_pkg_for_preload"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "leaf.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_preload(("heavy_pkg_for_preload.sub.leaf", "heavy_pkg_for_preload.sub"))
+    assert "heavy_pkg_for_preload" not in sys.modules
+    with pytest.raises(ConfigError, match="preload.*'heavy_pkg_for_preload.sub.nope'"):
+        check_preload(("heavy_pkg_for_preload.sub.nope",))
+    for name in ("heavy_pkg_for_preload.sub", "heavy_pkg_for_preload"):
+        sys.modules.pop(name, None)
 
 
 def _named(conn: Connection) -> None:

@@ -53,9 +53,10 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.fixture
-def shared(tmp_path: Path) -> Iterator[str]:
-    proc, path = start_shared(tmp_path)
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One zygote for every test here, as a host's nodes share one (each import of the role code: 4 s of CPU)."""
+    proc, path = start_shared(tmp_path_factory.mktemp("zygote"))
     try:
         yield path
     finally:

@@ -477,6 +477,8 @@ class ShardClient:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         ask_again: dict[int, float] = {}  # refused for now (NOT_PRIMARY, FENCED, an old epoch): when to resend
+        poller: zmq.Poller | None = None
+        polled: dict[zmq.Socket, int] = {}
         while waiting:
             if self.on_wait is not None:
                 self.on_wait()
@@ -504,10 +506,11 @@ class ShardClient:
                     self._reconnect(s)
                 raise UnavailableError(f"shards {lost} did not answer within {timeout_s:.1f}s"
                                        + (f": {why}" if why else ""))
-            poller = zmq.Poller()
             by_sock = {sent_to[s]: s for s in waiting}
-            for sock in by_sock:
-                poller.register(sock, zmq.POLLIN)
+            if poller is None or polled != by_sock:  # a poller per socket set, not one per poll slice
+                poller, polled = zmq.Poller(), by_sock
+                for sock in by_sock:
+                    poller.register(sock, zmq.POLLIN)
             ready = poller.poll(min(left_ms, 100))
             if not ready:
                 self._redial_refused(waiting, retry_at, retried)

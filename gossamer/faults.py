@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import time
+from functools import lru_cache
 
 __all__ = ["InjectedFault", "die_at", "fail_at", "fault", "hold_at", "parse_faults"]
 
@@ -34,12 +35,17 @@ log = logging.getLogger(__name__)
 
 def parse_faults(spec: str | None = None) -> list[tuple[str, dict[str, str]]]:
     """[(kind, {key: value})] from `spec` (default: $GOSSAMER_FAULT)."""
-    spec = os.environ.get("GOSSAMER_FAULT", "") if spec is None else spec
+    return [(kind, dict(args)) for kind, args in _parsed(os.environ.get("GOSSAMER_FAULT", "") if spec is None else spec)]
+
+
+@lru_cache(maxsize=16)
+def _parsed(spec: str) -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
+    """`parse_faults` of one spec string, parsed once: the hot path asks several times a step."""
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, *kvs = item.split(":")
-        out.append((kind, dict(kv.split("=", 1) for kv in kvs if "=" in kv)))
-    return out
+        out.append((kind, tuple(dict(kv.split("=", 1) for kv in kvs if "=" in kv).items())))
+    return tuple(out)
 
 
 def fault(kind: str, **match: int) -> dict[str, str] | None:
@@ -55,7 +61,10 @@ class InjectedFault(RuntimeError):
 
 
 def _fires(kind: str, point: str, step: int, match: dict[str, int]) -> bool:
-    for k, args in parse_faults():
+    spec = os.environ.get("GOSSAMER_FAULT", "")
+    if not spec:  # no faults: the common case, checked at every step
+        return False
+    for k, args in parse_faults(spec):
         if k != kind or args.get("at") != point:
             continue
         if any(key in args and int(args[key]) != value for key, value in match.items()):

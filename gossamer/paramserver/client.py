@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,14 @@ logger = logging.getLogger(__name__)
 #: heard yet that this worker is one. Asked again this often.
 _RETRY_CODES = (NOT_PRIMARY, FENCED, SEEDING, NOT_A_WORKER)
 _RETRY_S = 0.2
+
+
+def _poller_of(socks: Iterable[zmq.Socket]) -> zmq.Poller:
+    """A poller for input on `socks`."""
+    poller = zmq.Poller()
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
+    return poller
 
 
 @dataclass
@@ -477,6 +485,7 @@ class ShardClient:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         ask_again: dict[int, float] = {}  # refused for now (NOT_PRIMARY, FENCED, an old epoch): when to resend
+        poller, polled = zmq.Poller(), dict[zmq.Socket, int]()
         while waiting:
             if self.on_wait is not None:
                 self.on_wait()
@@ -504,10 +513,9 @@ class ShardClient:
                     self._reconnect(s)
                 raise UnavailableError(f"shards {lost} did not answer within {timeout_s:.1f}s"
                                        + (f": {why}" if why else ""))
-            poller = zmq.Poller()
             by_sock = {sent_to[s]: s for s in waiting}
-            for sock in by_sock:
-                poller.register(sock, zmq.POLLIN)
+            if polled != by_sock:  # a poller per socket set, not one per poll slice
+                poller, polled = _poller_of(by_sock), by_sock
             ready = poller.poll(min(left_ms, 100))
             if not ready:
                 self._redial_refused(waiting, retry_at, retried)

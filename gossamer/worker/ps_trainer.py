@@ -22,7 +22,7 @@ from gossamer.transport.router import FAILED_PRECONDITION, REFORM
 from gossamer.worker import sampler
 from gossamer.worker.adaptive_link import AdaptiveLink
 from gossamer.worker.density_warmup import DensityWarmup
-from gossamer.worker.loader import Want
+from gossamer.worker.loader import Want, index_tuple
 from gossamer.worker.rank import Hook, RankContext, StepAbandoned
 from gossamer.worker.rank_trainer import OnSaved, RankTrainer
 
@@ -167,7 +167,7 @@ class ParameterServerTrainer(RankTrainer):
             return self._span_want(step, g)[0], g
         idx = sampler.sync_global_batch(len(self.train_data), g, step, self.exp.seed)
         idx = sampler.even_split(idx, self.ctx.num_workers, self.ctx.worker_rank)
-        return ("idx", tuple(int(i) for i in self.layout.rank_share(idx))), g
+        return ("idx", index_tuple(self.layout.rank_share(idx))), g
 
     def step(self) -> bool:
         """One training step; True when the experiment has reached total_steps.

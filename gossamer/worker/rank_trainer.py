@@ -21,7 +21,7 @@ from gossamer.protocol import AssignmentUpdate
 from gossamer.worker import sampler
 from gossamer.worker.batches import to_device
 from gossamer.worker.layout import NodeLayout, rank_layout, shards_model
-from gossamer.worker.loader import StepLoader, Want, want_len
+from gossamer.worker.loader import StepLoader, Want, index_tuple, want_len
 from gossamer.worker.model import build, experiment_data, user_metrics
 from gossamer.worker.precision import LossScaler, check_precision
 from gossamer.worker.profiling import StepProfiler
@@ -108,7 +108,7 @@ class RankTrainer(abc.ABC):
             return self._span_want(step, self.exp.batch_size * self.ctx.num_workers)
         n = len(self.train_data)
         idx = sampler.async_batch(n, self.exp.batch_size, step, self.exp.seed, self.ctx.worker_index)
-        return ("idx", tuple(int(i) for i in self.layout.rank_share(idx))), idx.numel()
+        return ("idx", index_tuple(self.layout.rank_share(idx))), idx.numel()
 
     def _span_want(self, step: int, step_samples: int) -> tuple[Want, int]:
         start, stop = sampler.stream_span(step, step_samples, self.ctx.num_workers, self.ctx.worker_rank)
@@ -126,7 +126,9 @@ class RankTrainer(abc.ABC):
         t_compute = time.perf_counter()
         step = self._data_step()
         want, denom = self._want_at(step)
-        batch = to_device(self.loader.get(step, lambda s: self._want_at(s)[0]), self.ctx.device)
+        # The step's own samples are known already: only the read-ahead steps are worked out again.
+        batch = to_device(self.loader.get(step, lambda s: want if s == step else self._want_at(s)[0]),
+                          self.ctx.device)
         grad, node_samples = self.layout.node_gradient(
             batch, denom, want_len(want), self._loss_scale(),
             before_reduce=lambda: die_at("mid-allreduce", step=self.clock, **(fault_ctx or {})))

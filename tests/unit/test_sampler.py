@@ -27,3 +27,12 @@ def test_async_workers_draw_different_streams() -> None:
     a = sampler.async_batch(500, 32, step=0, seed=0, worker=0)
     b = sampler.async_batch(500, 32, step=0, seed=0, worker=1)
     assert not torch.equal(a, b)
+
+
+def test_index_tuple_matches_element_by_element() -> None:
+    from gossamer.worker.loader import index_tuple
+
+    idx = sampler.async_batch(1797, 32, 7, 0, 0)
+    got = index_tuple(idx)
+    assert got == tuple(int(i) for i in idx) and all(type(i) is int for i in got)
+    assert index_tuple([3, 1, 2]) == (3, 1, 2)

@@ -4,11 +4,13 @@ Syntax: comma-separated faults, each ``kind[:key=value...]``. Kinds:
 
 - ``delay:seconds=S[:worker=I]``: worker I (default: any worker of this node) sleeps S s per step.
 - ``bandwidth:rate=10mbit[:burst=B]``: cap this node's pushes with a token bucket.
-- ``die:at=POINT[:step=N][:worker=I][:rank=R][:shard=S][:once=PATH]``: the process SIGKILLs
+- ``die:at=POINT[:step=N][:worker=I][:rank=R][:shard=S][:once=PATH][:after=PATH]``: the process SIGKILLs
   itself at POINT (``mid-push``, ``mid-pull``, ``mid-allreduce``, ``mid-checkpoint``,
   ``after-apply``, ``before-finish``: the lead past the last step, before its final
   evaluation) once the matching step/version N is reached. Used to land a kill exactly
-  in the middle of an exchange. With ``once=PATH`` it fires only if PATH does not exist yet
+  in the middle of an exchange. With ``after=PATH`` it fires only once PATH exists (a test
+  creates it when the run has got as far as the fault must come after: driven by the run's
+  progress, not raced against it). With ``once=PATH`` it fires only if PATH does not exist yet
   (and creates it), so a replacement process does not die the same way.
 - ``hold:at=POINT:seconds=S[:worker=I][:rank=R]``: the thread at POINT sleeps S s (a late
   thread at an exact spot). ``final-report``: a worker past its last step, its final step
@@ -68,6 +70,8 @@ def _fires(kind: str, point: str, step: int, match: dict[str, int]) -> bool:
         if k != kind or args.get("at") != point:
             continue
         if any(key in args and int(args[key]) != value for key, value in match.items()):
+            continue
+        if "after" in args and not os.path.exists(args["after"]):
             continue
         if step >= int(args.get("step", 0)):
             if "once" in args:

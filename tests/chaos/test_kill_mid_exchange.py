@@ -24,8 +24,11 @@ def test_kills_mid_exchange_never_crash_or_hang_a_survivor(tmp_path, make_cluste
 
     with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))
-        # The primary dies while writing its second checkpoint (files written, not yet renamed).
-        cluster.add_node("ps-a", env=fault("die:at=mid-checkpoint:step=200", "ckpt"))
+        # The primary dies while writing a checkpoint (files written, not yet renamed), the first
+        # one after the "push" node's held half was discarded (below): with the primary gone
+        # first, the held half went with it and the discard was never seen (a quiet machine).
+        discarded = tmp_path / "discarded"
+        cluster.add_node("ps-a", env=fault("die:at=mid-checkpoint:step=200", "ckpt", f":after={discarded}"))
         wait_for(lambda: len(client.nodes()) == 1, 60, "ps-a")
         cluster.add_node("ps-b")
         # Two local ranks: rank 1 dies inside the gradient all-reduce; rank 0 is left in it.
@@ -43,6 +46,10 @@ def test_kills_mid_exchange_never_crash_or_hang_a_survivor(tmp_path, make_cluste
             "num_ps_shards": 1, "min_workers": 3, "max_workers": 3, "total_steps": 3000,
             "eval_every": 500, "checkpoint_every": 200, "chunk_numel": 512,
         })
+        wait_for(lambda: any(e["kind"] == "discard" and "cause partial" in e["message"] for e in job.events()),
+                 240, "the push node's held half discarded")
+        assert job.status()["state"] == "running" and not (once / "ckpt").exists()  # the primary's death is yet to come
+        discarded.touch()
         result = job.wait(timeout=360)
         events = job.events()
         nodes = {n["name"]: n for n in client.nodes()}

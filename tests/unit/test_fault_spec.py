@@ -33,3 +33,12 @@ def test_fault_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GOSSAMER_FAULT", "delay:seconds=0.25:worker=2")
     assert fault("delay", worker=2) == {"seconds": "0.25", "worker": "2"}
     assert fault("delay", worker=1) is None
+
+
+def test_a_fault_with_after_waits_for_its_file(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flag = tmp_path / "far-enough"
+    monkeypatch.setenv("GOSSAMER_FAULT", f"fail:at=serve-loop:step=3:after={flag}")
+    fail_at("serve-loop", step=10)  # past its step, but the run has not got far enough yet
+    flag.touch()
+    with pytest.raises(InjectedFault):
+        fail_at("serve-loop", step=10)

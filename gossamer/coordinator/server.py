@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gossamer.coordinator import views
+from gossamer.coordinator import grpc_logs, views
 from gossamer.coordinator._malformed import MalformedRequestInterceptor
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.core import Coordinator, wait_event
@@ -202,6 +202,7 @@ class CoordinatorServer:
 
     async def start(self) -> int:
         """Serve; with a PostgreSQL state, stand by until this process takes the lead (docs/ha.md)."""
+        grpc_logs.install()
         if self.config.replicated:
             self.leading = False
             self.pg = PgStore(self.config.state)

@@ -36,7 +36,7 @@ from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
 from gossamer.worker.heartbeat import HeartbeatThread
 from gossamer.worker.launcher import Launch, visible_cuda_devices
 from gossamer.worker.node_metrics import NodeMetrics
-from gossamer.worker.warm import role_context, warm_up_in_background
+from gossamer.worker.warm import role_context, stop_fork_server, warm_up_in_background
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,7 @@ class NodeAgent:
         finally:
             if self.attached is not None:
                 await self.attached.close()
+            stop_fork_server()
 
     async def _await_local_ranks(self) -> bool:
         """Listen for the other local ranks and wait until all attached (False: stopped meanwhile).

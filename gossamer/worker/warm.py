@@ -6,13 +6,16 @@ import importlib.machinery
 import importlib.util
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import Future
+from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext, SpawnContext
 from pathlib import Path
+from typing import Any
 
 from gossamer import zygote
 from gossamer.errors import ConfigError
@@ -88,6 +91,23 @@ def warm_up(preload: tuple[str, ...] = ()) -> float:
     p.start()
     p.join()
     return time.monotonic() - t0
+
+
+def stop_fork_server() -> None:
+    """Kill this process's fork server (started here or forked for it by a zygote), if any.
+
+    A fork server notices its parent's exit only once it has imported its preload modules:
+    one still importing torch when the node stopped (seconds on a loaded machine) was left
+    behind that long. The roles it forked are stopped before this; they are not its to take.
+    """
+    state: Any = forkserver._forkserver
+    pid = state._forkserver_pid
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def warm_up_in_background(preload: tuple[str, ...] = ()) -> Future[float]:

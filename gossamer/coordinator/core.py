@@ -166,8 +166,10 @@ class Coordinator:
         node.state = state
         exp_id, node.experiment_id = node.experiment_id, ""
         kind = "lost" if state == pb.NODE_STATE_LOST else "leave"
-        await self.store.add_event(kind, f"node {node.name} {why}", experiment_id=exp_id, node_id=node.id)
+        # Saved before any other await: retention may forget the node meanwhile, and a save after
+        # its delete (the store runs them in order) brought a forgotten node back at the next start.
         await self.store.save_node(node)
+        await self.store.add_event(kind, f"node {node.name} {why}", experiment_id=exp_id, node_id=node.id)
         exp = self.exps.get(exp_id)
         if exp is not None and exp.active:
             figures = {"nodes_lost" if kind == "lost" else "nodes_left": 1.0}

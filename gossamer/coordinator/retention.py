@@ -42,12 +42,12 @@ async def housekeep(coord: Coordinator, now: float | None = None) -> Swept:
     nodes = [n.id for n in coord.nodes.values()
              if cfg.lost_node_retention_s and n.state in _GONE and now - n.last_seen > cfg.lost_node_retention_s]
     events_before = now - cfg.event_retention_s if cfg.event_retention_s else 0.0
-    await coord.store.prune(events_before, exps, nodes)
-    for exp_id in exps:
+    for exp_id in exps:  # forgotten before the store's await, so nothing saves them again meanwhile
         coord.exps.pop(exp_id, None)
         coord.step_rates.forget(exp_id)
     for node_id in nodes:
         coord.nodes.pop(node_id, None)
+    await coord.store.prune(events_before, exps, nodes)
     if merged or exps or nodes:
         log.info("retention: merged %d old metric points, forgot %d finished experiment(s) and %d lost node(s)",
                  merged, len(exps), len(nodes))

@@ -25,7 +25,9 @@ sys.path.insert(0, str(REPO / "bench"))
 import _netns  # noqa: E402
 
 WHY = _netns.unavailable_reason()
-pytestmark = [pytest.mark.timeout(480),
+# quiet: its 4 s lease is the point of the test, and in the parallel pass the suite's own load
+# left a shard host's heartbeat thread unscheduled for 3.0 s (logged by the agent) at the start.
+pytestmark = [pytest.mark.timeout(480), pytest.mark.quiet,
               pytest.mark.skipif(WHY is not None, reason=f"network namespaces unavailable: {WHY}")]
 
 PY = sys.executable

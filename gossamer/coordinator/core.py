@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from gossamer.coordinator import failover, final_reports, placement, views
-from gossamer.coordinator.beat_rate import BeatRate
+from gossamer.coordinator.beat_rate import BeatRate, renew
 from gossamer.coordinator.blind_time import BlindTime
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.import_checks import ImportChecker
@@ -34,6 +34,12 @@ class ServingCounts(Protocol):
 
     @property
     def malformed_refused(self) -> int: ...
+
+    @property
+    def beats_served(self) -> int: ...
+
+    @property
+    def beats_dropped(self) -> dict[str, int]: ...
 
 
 class Coordinator:
@@ -115,12 +121,7 @@ class Coordinator:
         )
 
     async def heartbeat(self, node_id: str) -> bool:
-        node = self.nodes.get(node_id)
-        if node is None or not node.alive:
-            return False
-        node.last_seen = time.time()
-        self.beat_rate.beat()
-        return True
+        return renew(self.nodes.get(node_id), self.beat_rate)  # UDP beats renew the same way (udp_beats.py)
 
     async def leave(self, node_id: str, reason: str) -> None:
         node = self.nodes.get(node_id)

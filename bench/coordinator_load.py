@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS), help="results directory")
     ap.add_argument("--profile", default="", help="py-spy the coordinator over each window: folded stacks here")
     ap.add_argument("--keep", default="",
-                    help="an earlier coordinator_load.json whose rows are kept after the new ones, tagged with its time")
+                    help="earlier coordinator_load.json files (comma-separated) whose rows are kept after the new ones, "
+                         "tagged with their time")
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.nodes.split(",") if x] or (
         [100, 500, 1000] if args.quick else [100, 500, 1000, 2000, 5000, 10000])
@@ -379,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
              "kill that the restarted coordinator lacks or lists differently.")
     for r in rows:
         r["run"] = "this"
-    if args.keep:
-        earlier = json.loads(Path(args.keep).read_text())
+    for kept in filter(None, args.keep.split(",")):
+        earlier = json.loads(Path(kept).read_text())
         rows += [{**r, "beats": r.get("beats", "grpc"),
                   "run": earlier["time"] if r.get("run", "this") == "this" else r["run"]} for r in earlier["rows"]]
     write_report("coordinator_load", rows, notes, out)

@@ -240,3 +240,13 @@ def test_udp_takes_over_and_a_restarted_coordinator_rekeys_the_node_over_grpc(st
     finally:
         node.close()
         relay.close()
+
+
+def test_with_udp_beats_off_no_port_or_key_is_given_and_heartbeats_stay_on_grpc(start_coordinator) -> None:  # type: ignore[no-untyped-def]
+    c = start_coordinator(heartbeat_interval_s=BEAT_S, lease_timeout_s=LEASE_S, udp_beats=False)
+    with grpc.insecure_channel(c.address) as channel:
+        stub = pb_grpc.NodeServiceStub(channel)
+        joined = stub.Join(pb.JoinRequest(name="n", address="127.0.0.1", cpus=1), timeout=10)
+        beat = stub.Heartbeat(pb.HeartbeatRequest(node_id=joined.node_id), timeout=10)
+    assert (joined.beat_port, joined.beat_key, beat.beat_port, beat.beat_key) == (0, b"", 0, b"")
+    assert beat.known and c.server.beats.port == 0

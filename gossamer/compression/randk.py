@@ -163,6 +163,11 @@ class RandKCodec(Codec):
             out[self._positions(seed, n, k)] = values.float()
         return out
 
+    def unbiased_scale(self, numel: int) -> float:
+        """numel / k: what a sender multiplies a tensor of `numel` values by so that decoding is unbiased."""
+        k = topk_count(self.ratio, numel)
+        return numel / k if k else 1.0
+
     def _layout(self, shape: tuple[int, ...]) -> tuple[set[str], set[str]]:
         return {"values"}, {"seed"}
 

@@ -97,9 +97,10 @@ class RandKCodec(Codec):
     its magnitude), a dropped entry by its magnitude: |x - x'| <= |x|. Error feedback
     carries what was dropped to the next step, where other positions are drawn.
     Biased (not rescaled by numel / k): use it with error feedback (the default). Error
-    feedback then delivers each coordinate's residual in bursts, every ~1/R steps: a momentum
-    on the shards amplified them until digits diverged to chance (R = 0.1 and 0.01), so the
-    experiment's momentum runs on the worker with DGC's masking (worker_momentum.py).
+    feedback then delivers each coordinate's residual in bursts, every ~1/R steps: with
+    momentum 0.9 that delayed gradient stalled or diverged digits (shards' momentum, or the
+    worker's with DGC's masking), so with the momentum on the worker the sender multiplies by
+    `unbiased_scale` and drops error feedback (`ChunkCompressor`'s ``unbiased_random``).
 
     Args:
         ratio: R in (0, 1].

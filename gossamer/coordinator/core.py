@@ -205,6 +205,7 @@ class Coordinator:
         await self.store.save_experiment(exp)
 
     async def _replace_role(self, exp: ExpRec, r: RoleRec, where: str) -> None:
+        final_reports.ended(exp, r)
         recovery = failover.recovery_for(r, exp.roles)
         if isinstance(recovery, failover.DropWorker):
             left = len(exp.roles_of(pb.ROLE_WORKER))

@@ -5,11 +5,28 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gossamer.coordinator.records import ExpRec
+from gossamer.coordinator.records import ExpRec, RoleRec
 from gossamer.errors import ConfigError
 from gossamer.v1 import coordinator_pb2 as pb
 
-__all__ = ["Completed", "begin", "settle"]
+__all__ = ["NAMED", "Completed", "begin", "ended", "settle"]
+
+#: Workers that ended unreported are named up to this many (churn over a long run is counted, not listed).
+NAMED = 64
+
+
+def ended(exp: ExpRec, role: RoleRec) -> None:
+    """A role of `exp` ended (failed or lost) before the lead's Complete: a worker leaves counts missing.
+
+    Its samples, updates and bytes since its last report were trained but never counted, so the
+    completion names it whether it ended mid-run or after its last step but before its report.
+    After Complete, `settle` accounts for the workers it awaits (and the lead had flushed).
+    """
+    if role.role != pb.ROLE_WORKER or role.state == pb.ROLE_STATE_DONE or exp.completing_unix:
+        return
+    exp.unreported += 1
+    if len(exp.ended_unreported) < NAMED:
+        exp.ended_unreported.append(f"{role.node_id}/{role.index}")
 
 
 def begin(exp: ExpRec, req: pb.CompleteExperimentRequest, *, now: float) -> bool:
@@ -42,13 +59,15 @@ class Completed:
 def settle(exp: ExpRec, *, now: float, timeout_s: float, names: dict[str, str]) -> Completed | None:
     """The completion of `exp` at time `now`, or None while a worker's final report is still awaited.
 
-    A waited-for worker no longer among the roles (it failed or its node was lost) will not
-    report: its last counts are missing. Past `timeout_s` the ones still silent are missing too.
+    A worker that ended before Complete (`ended`), or a waited-for one no longer among the roles
+    (it failed or its node was lost), will not report: its last counts are missing. Past
+    `timeout_s` the ones still silent are missing too.
     The missing are counted in the final metrics (`final_reports_missing`). `names`: node id -> name.
     """
     workers = {f"{r.node_id}/{r.index}": r for r in exp.roles_of(pb.ROLE_WORKER)}
     pending: list[str] = []
-    missing: list[str] = []
+    missing = [f"worker {index} on {names.get(node_id, node_id)}: it ended (failed or lost) before its final report"
+               for node_id, _, index in (key.rpartition("/") for key in exp.ended_unreported)]
     overdue = now - exp.completing_unix >= timeout_s
     for key in exp.awaiting_final:
         node_id, _, index = key.rpartition("/")
@@ -64,9 +83,11 @@ def settle(exp: ExpRec, *, now: float, timeout_s: float, names: dict[str, str]) 
         return None
     acc = exp.final_metrics.get("eval_accuracy")
     message = f"completed {exp.steps} steps" + (f", eval accuracy {acc:.4f}" if acc is not None else "")
-    if not missing:
+    count = len(missing) + exp.unreported - len(exp.ended_unreported)  # the ones past NAMED are counted only
+    if not count:
         return Completed(message, "")
-    exp.final_metrics["final_reports_missing"] = float(len(missing))
-    return Completed(f"{message}; final counts of {len(missing)} worker(s) missing: samples, updates and bytes "
+    exp.final_metrics["final_reports_missing"] = float(count)
+    more = f"; and {count - len(missing)} more" if count > len(missing) else ""
+    return Completed(f"{message}; final counts of {count} worker(s) missing: samples, updates and bytes "
                      "undercount", "final counts missing (samples, updates and bytes count less than were "
-                     "trained): " + "; ".join(missing))
+                     "trained): " + "; ".join(missing) + more)

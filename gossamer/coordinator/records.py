@@ -183,6 +183,10 @@ class ExpRec:
     completing_unix: float = 0.0
     #: The workers ("node_id/index") whose final report (ROLE_STATE_DONE) the completion waits for.
     awaiting_final: list[str] = field(default_factory=list)
+    #: Workers ("node_id/index") that ended (failed or lost) without their final report, the first
+    #: `final_reports.NAMED` of them; `unreported` counts them all.
+    ended_unreported: list[str] = field(default_factory=list)
+    unreported: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -51,3 +51,34 @@ def test_a_worker_that_ended_or_stayed_silent_is_named_missing_and_counted() -> 
 def test_a_complete_with_a_step_count_that_is_not_one_is_refused() -> None:
     with pytest.raises(ConfigError, match="final_metrics"):
         final_reports.begin(_exp(), pb.CompleteExperimentRequest(final_metrics={"steps": float("nan")}), now=1.0)
+
+
+def test_a_worker_that_ended_before_the_complete_is_missing_and_the_lead_after_it_is_not() -> None:
+    exp = _exp()
+    final_reports.ended(exp, exp.roles[0])  # a shard: no counts of its own to miss
+    dead = exp.roles.pop(3)  # worker 2 died past its last step, before its final report (and before Complete)
+    final_reports.ended(exp, dead)
+    done_one = RoleRec("n9", pb.ROLE_WORKER, 9, pb.ROLE_STATE_DONE)
+    final_reports.ended(exp, done_one)  # its final report came: nothing missing
+    exp = ExpRec.from_json(exp.to_json())  # a coordinator restart keeps the record
+    _complete(exp)
+    assert exp.awaiting_final == ["n1/1"]
+    exp.roles[2].state = pb.ROLE_STATE_DONE
+    final_reports.ended(exp, exp.roles[1])  # the lead lost after Complete: it flushed its counts before
+    done = final_reports.settle(exp, now=101.0, timeout_s=30.0, names=NAMES)
+    assert done is not None and exp.final_metrics["final_reports_missing"] == 1.0
+    assert "final counts of 1 worker(s) missing" in done.message
+    assert done.warning.endswith("worker 2 on w2: it ended (failed or lost) before its final report"), done.warning
+
+
+def test_churn_over_a_long_run_is_counted_whole_and_named_in_part() -> None:
+    exp = _exp()
+    for i in range(final_reports.NAMED + 36):
+        final_reports.ended(exp, RoleRec(f"x{i}", pb.ROLE_WORKER, 10 + i, pb.ROLE_STATE_SERVING))
+    assert len(exp.ended_unreported) == final_reports.NAMED and exp.unreported == final_reports.NAMED + 36
+    for r in exp.roles[2:]:
+        r.state = pb.ROLE_STATE_DONE
+    _complete(exp)
+    done = final_reports.settle(exp, now=101.0, timeout_s=30.0, names=NAMES)
+    assert done is not None and exp.final_metrics["final_reports_missing"] == final_reports.NAMED + 36
+    assert done.warning.endswith("; and 36 more") and "worker 10 on x0: it ended" in done.warning

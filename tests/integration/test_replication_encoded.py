@@ -127,7 +127,7 @@ def test_async_compressed_pushes_are_forwarded_encoded_and_backups_stay_bit_iden
             s.close()
 
 
-@pytest.mark.parametrize(("codec", "encoded"), [("int8", True), ("fp16", False)])
+@pytest.mark.parametrize(("codec", "encoded"), [("topk:0.01", True), ("fp16", False)])
 def test_a_sync_step_forwards_every_workers_push_in_order_or_the_sum_when_that_is_smaller(
         codec: str, encoded: bool) -> None:
     """Three workers: the backup adds their decoded pushes in the primary's order, (a + b) + c, and gets

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from gossamer.compression.chunk_codec import ChunkCompressor
-from gossamer.errors import ConfigError
+from gossamer.errors import ConfigError, ProtocolError
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._state import ShardState
 from gossamer.protocol import PushCompression, parse_chunk_key
@@ -95,6 +96,46 @@ class PushDecoders:
         for idx, g in grads.items():
             if not bool(torch.isfinite(g).all()):
                 raise Reject(f"chunk {idx}: decoded gradient is not finite")
+        return grads
+
+    def forwarded(self, parts: tuple[PushCompression, ...],
+                  tensors: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The gradient of an encoded REPLICATE: each forwarded push decoded and added up in order, as
+        the primary did (`decode`, `accumulate`); one part's dense copy alive at a time.
+
+        Everything checkable from the header is checked before any part is decoded (tensor names,
+        parts that carry nothing, chunk coverage, a payload no smaller than the dense gradient the
+        primary would have sent instead), so a malformed forward costs no decoding; each part's
+        sizes are then checked against the plan by the codecs before anything is allocated.
+        """
+        split: list[dict[str, torch.Tensor]] = [{} for _ in parts]
+        for name, t in tensors.items():
+            head, sep, rest = name.partition("/")
+            k = head[1:]
+            if not sep or head[:1] != "p" or not k.isdigit() or len(k) > 6 or int(k) >= len(parts):
+                raise Reject(f"REPLICATE tensor {name!r} belongs to none of its {len(parts)} forwarded pushes")
+            split[int(k)][rest] = t
+        if empty := [k for k, part_tensors in enumerate(split) if not part_tensors]:
+            raise Reject(f"REPLICATE meta 'parts' declares {len(parts)} pushes but parts {empty[:4]} carry no "
+                         "tensors")
+        covered = Counter(key for part in parts for key in part.chunks)
+        shard = {str(idx) for idx in self.state.chunks}
+        if set(covered) != shard or len(set(covered.values())) != 1:
+            raise Reject(f"REPLICATE meta 'parts' must cover every chunk of the shard ({len(shard)}), each as "
+                         f"often as the others; they cover {dict(sorted(covered.items(), key=str)[:8])}")
+        payload = sum(t.numel() * t.element_size() for t in tensors.values())
+        dense = 4 * sum(c.numel for c in self.state.chunks.values())
+        if payload >= dense:
+            raise Reject(f"REPLICATE's forwarded pushes carry {payload} B, not less than the {dense} B dense "
+                         "gradient the primary sends instead")
+        grads: dict[int, torch.Tensor] = {}
+        for n, (part, part_tensors) in enumerate(zip(parts, split, strict=True)):
+            try:
+                accumulate(grads, self.decode(EncodedPart(part, part_tensors)))
+            except ProtocolError as e:
+                raise Reject(f"REPLICATE forwarded push {n}: {e}") from None
+            except Reject as e:
+                raise Reject(f"REPLICATE forwarded push {n}: {e}", e.code, e.cause) from None
         return grads
 
     def _decoder(self, compression: PushCompression) -> ChunkCompressor:

@@ -29,20 +29,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 import zmq
 
 from gossamer.errors import AuthError, ProtocolError
-from gossamer.paramserver._push_decoding import EncodedPart, PushDecoders, accumulate
+from gossamer.paramserver._push_decoding import EncodedPart, PushDecoders
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._state import ShardState
 from gossamer.protocol import (
     Authority,
-    PushCompression,
     ReplicateMeta,
     SyncMeta,
     chunk_key,
@@ -381,7 +380,7 @@ class Replication:
             meta = ReplicateMeta.from_meta(msg.meta)
         except ProtocolError as e:
             raise Reject(str(e)) from None
-        grads = self._decoded(meta.parts, msg.tensors) if meta.parts else self._dense(msg.tensors)
+        grads = self.decoders.forwarded(meta.parts, msg.tensors) if meta.parts else self._dense(msg.tensors)
         if meta.delay:
             self.state.set_delay(meta.delay)
         self.state.step(grads, meta.lr_factor, schedule=False)
@@ -398,24 +397,4 @@ class Replication:
             grads[idx] = t
         if set(grads) != set(self.state.chunks):
             raise Reject("REPLICATE must carry every chunk of the shard")
-        return grads
-
-    def _decoded(self, parts: tuple[PushCompression, ...], tensors: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """An encoded REPLICATE's gradient: each forwarded push decoded and added up in order, as the
-        primary did (`PushDecoders.decode`, `accumulate`); one part's dense copy alive at a time."""
-        split: list[dict[str, torch.Tensor]] = [{} for _ in parts]
-        for name, t in tensors.items():
-            head, sep, rest = name.partition("/")
-            k = head[1:]
-            if not sep or head[:1] != "p" or not k.isdigit() or len(k) > 6 or int(k) >= len(parts):
-                raise Reject(f"REPLICATE tensor {name!r} belongs to no forwarded push")
-            split[int(k)][rest] = t
-        grads: dict[int, torch.Tensor] = {}
-        covered: Counter[int] = Counter()
-        for part, part_tensors in zip(parts, split, strict=True):
-            decoded = self.decoders.decode(EncodedPart(part, part_tensors))
-            covered.update(decoded.keys())
-            accumulate(grads, decoded)
-        if set(covered) != set(self.state.chunks) or len(set(covered.values())) != 1:
-            raise Reject("REPLICATE's pushes must cover every chunk of the shard, each as often as the others")
         return grads

@@ -3,6 +3,9 @@ as the primary did and holds bit-identical state (real shard servers on real ZMQ
 
 from __future__ import annotations
 
+import copy
+import re
+import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -230,3 +233,99 @@ def test_only_the_primary_may_replicate_encoded_and_a_malformed_forward_changes_
         ctx.term()
         for s in (encoded_backup, dense_backup):
             s.close()
+
+
+def test_a_backup_refuses_a_malformed_encoded_replicate_naming_the_fault_and_keeps_serving() -> None:
+    """Forwards whose parts do not add up (a part count the tensors do not match, chunks covered unevenly,
+    an unknown codec, payload sizes the plan contradicts, huge declared sizes, a payload no smaller than
+    the dense gradient) are each refused with an ERROR naming the fault, before anything is allocated at
+    the declared size; the backup applies nothing of them and then applies a valid forward."""
+    (backup,) = _servers("async", backups=1, primary=False)
+    plan, shapes, _ = _setup()
+    key = new_key()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        backup.set_sender_key(key)
+        sock.connect(backup.endpoint)
+        g = torch.Generator().manual_seed(4)
+
+        def encoded(codec: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+            enc = ChunkCompressor(codec, plan, shapes=shapes)
+            meta: dict[str, Any] = {"compression": {}, "codec": enc.default_spec}
+            tensors: dict[str, torch.Tensor] = {}
+            for c in plan.chunks:
+                t, chunk_meta = enc.encode(c.index, torch.randn(c.numel, generator=g))
+                tensors.update(t)
+                meta["compression"][str(c.index)] = chunk_meta
+            return meta, tensors
+
+        def replicate(parts: Any, named: dict[str, torch.Tensor]) -> Message:
+            meta = {"lr_factor": 1.0, "applied": [["w", 0]], "delay": 0, "parts": parts,
+                    **Authority(auth=token_for(key, primary_sender(0)), epoch=0).to_meta()}
+            return Message(op="REPLICATE", experiment="enc", shard=0, version=1, sender=primary_sender(0), meta=meta,
+                           tensors=named)
+
+        def edited(meta: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+            out = copy.deepcopy(meta)
+            node = out
+            for step in path[:-1]:
+                node = node[step]
+            node[path[-1]] = value
+            return out
+
+        def named(tensors: dict[str, torch.Tensor], k: int = 0, **replaced: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {f"p{k}/{n}": replaced.get(n.replace("/", "_"), t) for n, t in tensors.items()}
+
+        topk, topk_t = encoded("topk:0.05")
+        int8, int8_t = encoded("int8")
+        psgd, psgd_t = encoded("powersgd:2")
+        seg = ("compression", "0", "segments", 0)
+        k0 = topk_t["c0/0/values"].numel()
+        cases: list[tuple[str, Message, str]] = [
+            ("parts not a list", replicate({"0": topk}, named(topk_t)), "'parts' must be a list"),
+            ("a part without compression", replicate([{"codec": "int8"}], named(int8_t)), r"'parts'\[0\]"),
+            ("two parts declared, one sent", replicate([topk, topk], named(topk_t)), "declares 2 pushes"),
+            ("a tensor of an undeclared part", replicate([topk], {**named(topk_t), **named(topk_t, 1)}),
+             "none of its 1 forwarded pushes"),
+            ("chunk 0 covered twice", replicate([topk, {"compression": {"0": topk["compression"]["0"]},
+                                                        "codec": topk["codec"]}],
+                                                {**named(topk_t), **named({n: t for n, t in topk_t.items()
+                                                                           if n.startswith("c0/")}, 1)}),
+             "cover every chunk"),
+            ("an unknown codec", replicate([{**topk, "codec": "bogus:3"}], named(topk_t)), "unknown codec 'bogus:3'"),
+            ("top-k values and indices of different sizes",
+             replicate([topk], named(topk_t, c0_0_values=topk_t["c0/0/values"][: k0 - 3])),
+             f"'values' has shape \\[{k0 - 3}\\], expected \\[{k0}\\]"),
+            ("top-k index past the chunk",
+             replicate([topk], named(topk_t, c0_0_indices=torch.full((k0,), 30_000, dtype=torch.int16))),
+             "index out of range"),
+            ("int8 codes short of the chunk",
+             replicate([int8], named(int8_t, c0_0_q=int8_t["c0/0/q"][:-8])), "'q' has shape"),
+            ("a chunk of 10^12 values", replicate([edited(int8, ("compression", "0", "numel"), 10**12)],
+                                                  named(int8_t)), "meta says 1000000000000 values"),
+            ("a segment of 10^12 values", replicate([edited(int8, (*seg, "numel"), 10**12)], named(int8_t)),
+             r"\+1000000000000\]"),
+            ("a PowerSGD rank of 10^9", replicate([edited(psgd, (*seg, "meta", "rank"), 10**9)], named(psgd_t)),
+             "'rank'=1000000000 is outside"),
+            ("five int8 pushes: more bytes than the dense gradient",
+             replicate([int8] * 5, {n: t for k in range(5) for n, t in named(int8_t, k).items()}),
+             "not less than the .* B dense gradient"),
+        ]
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        for what, msg, match in cases:
+            reply = _ask(sock, msg)
+            assert reply.op == "ERROR" and reply.meta["code"] == INVALID_ARGUMENT, (what, reply.op, reply.meta)
+            assert re.search(match, reply.meta["error"]), (what, reply.meta["error"])
+        # Nothing was allocated at a declared size (10^12 fp32 values would be 4 TB): the peak RSS of
+        # this process (primary-less backup in process) barely moved.
+        grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+        assert grown_mib < 64, grown_mib
+        assert backup.version == 0 and backup.stats()["applied"] == {}
+        assert _ask(sock, replicate([psgd], named(psgd_t))).op == "ACK"
+        assert backup.version == 1 and backup.stats()["applied"] == {"w": 0}
+    finally:
+        sock.close()
+        ctx.term()
+        backup.close()

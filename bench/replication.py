@@ -88,6 +88,7 @@ def measure(width: int, codec: str | None, workers: int, updates: int, *, encode
         if not same:
             raise AssertionError(f"{codec}: the backup's values differ from the primary's")
         return {"bytes_per_update": sent // updates,
+                "pushed_per_update": (p1["bytes_in"] - p0["bytes_in"]) // updates,
                 "encoded_updates": p1["replicated_encoded"] - p0["replicated_encoded"],
                 "numel": plan.total_numel}
     finally:
@@ -103,8 +104,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = ap.parse_args()
     width, updates = (256, 2) if args.quick else (1024, 3)
-    cases: list[tuple[str | None, int]] = [(None, 1), ("int8", 1), ("topk:0.01", 1), ("powersgd:4", 1),
-                                           ("int8", 4), ("topk:0.01", 4)]
+    cases: list[tuple[str | None, int]] = [(None, 1), ("fp16", 1), ("int8", 1), ("topk:0.01", 1), ("powersgd:4", 1),
+                                           ("fp16", 4), ("int8", 4), ("topk:0.01", 4), ("powersgd:4", 4)]
     load0 = os.getloadavg()[0]
     rows = []
     for codec, workers in cases:
@@ -114,6 +115,8 @@ def main() -> None:
             "codec": codec or "none", "mode": "async, 1 worker" if workers == 1 else f"sync, {workers} workers",
             "fp32 gradient B/update (before)": dense["bytes_per_update"],
             "forwarded B/update (after)": enc["bytes_per_update"],
+            "pushed B/update (workers -> primary)": enc["pushed_per_update"],
+            "after/before": round(enc["bytes_per_update"] / dense["bytes_per_update"], 4),
             "before/after": round(dense["bytes_per_update"] / enc["bytes_per_update"], 2),
             "updates forwarded encoded": f"{enc['encoded_updates']}/{updates}",
         })
@@ -124,7 +127,8 @@ def main() -> None:
              f"server SGD with momentum; {updates} updates per case after the backup's SYNC. 'before': the dense "
              "fp32 gradient (replicate_encoded=False, the form before issue 16); 'after': the compressed "
              "pushes forwarded as they arrived, or the dense gradient where that is the smaller message (sync "
-             "steps whose pushes add up to more than the fp32 sum, uncompressed pushes). Backup checked "
+             "steps whose pushes add up to more than the fp32 sum, uncompressed pushes); 'pushed': every frame the "
+             "workers' PUSHes brought the primary per update (all workers together). Backup checked "
              "bit-identical to the primary after every case. Bytes do not depend on load "
              f"(load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end).")
     write_report("replication", rows, notes, None if args.out is None else pathlib.Path(args.out))

@@ -71,6 +71,7 @@ def measure(width: int, codec: str | None, workers: int, updates: int, *, encode
                                compressor=None if codec is None else ChunkCompressor(codec, plan, shapes=shapes),
                                timeout_s=120) for i in range(workers)]
         p0, b0 = primary.stats(), backup.stats()
+        pd0, bd0 = primary.decode_seconds, backup.decode_seconds
         g = torch.Generator().manual_seed(1)
         with ThreadPoolExecutor(workers) as pool:
             for step in range(updates):
@@ -88,6 +89,8 @@ def measure(width: int, codec: str | None, workers: int, updates: int, *, encode
         if not same:
             raise AssertionError(f"{codec}: the backup's values differ from the primary's")
         return {"bytes_per_update": sent // updates,
+                "primary_decode_ms": 1e3 * (primary.decode_seconds - pd0) / updates,
+                "backup_decode_ms": 1e3 * (backup.decode_seconds - bd0) / updates,
                 "pushed_per_update": (p1["bytes_in"] - p0["bytes_in"]) // updates,
                 "encoded_updates": p1["replicated_encoded"] - p0["replicated_encoded"],
                 "numel": plan.total_numel}
@@ -119,6 +122,8 @@ def main() -> None:
             "after/before": round(enc["bytes_per_update"] / dense["bytes_per_update"], 4),
             "before/after": round(dense["bytes_per_update"] / enc["bytes_per_update"], 2),
             "updates forwarded encoded": f"{enc['encoded_updates']}/{updates}",
+            "decode ms/update primary, backup (after)":
+                f"{enc['primary_decode_ms']:.1f}, {enc['backup_decode_ms']:.1f}",
         })
         print(rows[-1], flush=True)
     params = sum(p.numel() for p in _model(width).parameters())
@@ -129,7 +134,9 @@ def main() -> None:
              "pushes forwarded as they arrived, or the dense gradient where that is the smaller message (sync "
              "steps whose pushes add up to more than the fp32 sum, uncompressed pushes); 'pushed': every frame the "
              "workers' PUSHes brought the primary per update (all workers together). Backup checked "
-             "bit-identical to the primary after every case. Bytes do not depend on load "
+             "bit-identical to the primary after every case. 'decode ms': wall time the codecs took per update "
+             "(perf_counter, shared 2-core machine: depends on load); with the encoded form the backup decodes "
+             "the pushes as the primary does, where before it decoded nothing. Bytes do not depend on load "
              f"(load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end).")
     write_report("replication", rows, notes, None if args.out is None else pathlib.Path(args.out))
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
 
 
 def _setup() -> tuple[ShardPlan, dict[str, tuple[int, ...]], dict[int, torch.Tensor]]:
@@ -130,11 +130,13 @@ def test_async_compressed_pushes_are_forwarded_encoded_and_backups_stay_bit_iden
             s.close()
 
 
-@pytest.mark.parametrize(("codec", "encoded"), [("topk:0.01", True), ("fp16", False)])
+@pytest.mark.parametrize(("codec", "encoded"), [("topk:0.01", True), ("powersgd:2", True), ("fp16", False)])
 def test_a_sync_step_forwards_every_workers_push_in_order_or_the_sum_when_that_is_smaller(
         codec: str, encoded: bool) -> None:
     """Three workers: the backup adds their decoded pushes in the primary's order, (a + b) + c, and gets
-    the same bits; three fp16 pushes are larger than the fp32 sum, so that sum is forwarded instead."""
+    the same bits (PowerSGD's pushes are dense and overlap, so adding them in another order changes the
+    bits: checked by reversing the backup's order, which fails this case); three fp16 pushes are larger
+    than the fp32 sum, so that sum is forwarded instead."""
     primary, backup = _servers("sync", backups=1)
     plan = primary.plan
     workers = [_client(primary, f"w{i}", codec) for i in range(3)]

@@ -428,7 +428,13 @@ class Authority:
 
 @dataclass(frozen=True, kw_only=True)
 class ReplicateMeta:
-    """REPLICATE (primary -> backup): replay one applied update (its dense gradient travels as tensors)."""
+    """REPLICATE (primary -> backup): replay one applied update.
+
+    Its gradient travels as tensors in one of two forms: dense (``c3``: the fp32 gradient the
+    primary applied, `parts` empty), or encoded (`parts` non-empty: the compressed pushes the
+    update was made of, part ``k``'s payload tensors named ``p{k}/<its PUSH tensor name>``),
+    which the backup decodes and adds up in order as the primary did.
+    """
 
     #: The lr factor the primary applied (staleness, schedule, linear scaling).
     lr_factor: float
@@ -436,9 +442,15 @@ class ReplicateMeta:
     applied: tuple[tuple[str, int], ...] = ()
     #: Delayed Nesterov's N from this update on (asynchronous DiLoCo); 0: unchanged.
     delay: int = 0
+    #: The compression of each forwarded push, in the order the primary added them up.
+    parts: tuple[PushCompression, ...] = ()
 
     def to_meta(self) -> dict[str, Any]:
-        return {"lr_factor": self.lr_factor, "applied": [[s, k] for s, k in self.applied], "delay": self.delay}
+        meta: dict[str, Any] = {"lr_factor": self.lr_factor, "applied": [[s, k] for s, k in self.applied],
+                                "delay": self.delay}
+        if self.parts:
+            meta["parts"] = [p.to_meta() for p in self.parts]
+        return meta
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> ReplicateMeta:
@@ -452,7 +464,22 @@ class ReplicateMeta:
         # Entries that are not [worker, int] pairs carry nothing to remember: skipped.
         pairs = tuple((str(item[0]), item[1]) for item in applied
                       if isinstance(item, list) and len(item) == 2 and isinstance(item[1], int))
-        return cls(lr_factor=float(factor), applied=pairs, delay=delay)
+        return cls(lr_factor=float(factor), applied=pairs, delay=delay, parts=_replicate_parts(meta.get("parts", [])))
+
+
+def _replicate_parts(raw: Any) -> tuple[PushCompression, ...]:
+    if not isinstance(raw, list):
+        raise ProtocolError("REPLICATE meta 'parts' must be a list of push compressions")
+    parts: list[PushCompression] = []
+    for k, item in enumerate(raw):
+        try:
+            part = PushCompression.from_meta(item) if isinstance(item, dict) else None
+        except ProtocolError as e:
+            raise ProtocolError(f"REPLICATE meta 'parts'[{k}]: {e}") from None
+        if part is None:
+            raise ProtocolError(f"REPLICATE meta 'parts'[{k}] must be a map with 'compression'")
+        parts.append(part)
+    return tuple(parts)
 
 
 @dataclass(frozen=True, kw_only=True)

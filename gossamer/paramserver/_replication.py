@@ -1,8 +1,13 @@
 """Primary/backup replication of a shard: the primary forwards every applied update, the backup replays it.
 
-A primary forwards every applied update (the dense gradient it applied, the lr factor, and
+A primary forwards every applied update (its gradient, the lr factor, Delayed Nesterov's N, and
 which worker clocks it covers) to its backup, which applies the same optimizer step and so
-holds bit-identical state. A worker's PUSH is acknowledged (its reply sent) only once the
+holds bit-identical state. The gradient goes in the smaller of two exact forms: the compressed
+pushes it was made of, as they arrived (the backup decodes them with the primary's decoders and
+adds them up in the primary's order, `_push_decoding`), when every push of the update was
+compressed and their message is smaller than the dense one and fits the frame limits; else the
+dense fp32 gradient the primary applied (uncompressed pushes, a sync step whose workers' pushes
+add up to more bytes than their sum, `ShardConfig.replicate_encoded` off). A worker's PUSH is acknowledged (its reply sent) only once the
 backup has acknowledged that version: an acknowledged update survives the loss of either
 replica. A backup that does not answer for `backup_timeout_s`, or whose queue is full (it does
 not keep up), is detached; the primary then acknowledges unreplicated (counted) and re-attaches
@@ -26,14 +31,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import zmq
 
 from gossamer.errors import AuthError, ProtocolError
+from gossamer.paramserver._push_decoding import EncodedPart, PushDecoders
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._state import ShardState
-from gossamer.protocol import Authority, ReplicateMeta, SyncMeta, chunk_key, parse_chunk_key
+from gossamer.protocol import (
+    Authority,
+    ReplicateMeta,
+    SyncMeta,
+    chunk_key,
+    parse_chunk_key,
+)
 from gossamer.security import sender_tokens
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
@@ -61,8 +74,9 @@ class Replication:
     """
 
     def __init__(self, state: ShardState, limits: FrameLimits, curve: CurveKeyring | None, lock: threading.RLock,
-                 *, backup: bool, epoch: int = 0) -> None:
+                 decoders: PushDecoders, *, backup: bool, epoch: int = 0) -> None:
         self.state = state
+        self.decoders = decoders  # the primary's decoders of pushes: a backup decodes forwarded ones with them
         self.config = state.config
         self.limits = limits
         self.curve = curve
@@ -91,6 +105,7 @@ class Replication:
         self.bytes_out = 0
         self.unreplicated = 0  # updates acknowledged to workers without a backup copy
         self.replicated_updates = 0
+        self.replicated_encoded = 0  # of those, forwarded as the compressed pushes (the rest as a dense gradient)
         self.backup_detaches = 0
         self.resyncs = 0  # re-attachments of a detached backup (each with a full SYNC)
         self._resync_at: float | None = None  # when a detached backup is attached again
@@ -167,17 +182,20 @@ class Replication:
         self._synced = False
         self._flush(replicated=False)  # nothing waits on a SYNC: it is not timed as a stall
         meta, tensors = self.state.export()
-        self._send("SYNC", meta.to_meta(), tensors)
+        self._send(self._frames("SYNC", meta.to_meta(), tensors))
 
-    def _send(self, op: str, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> bool:
-        """Send to the backup without blocking; a full queue detaches it (False)."""
-        assert self.socket is not None
+    def _frames(self, op: str, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
+        """A message to the backup, signed as the shard's primary at this epoch."""
         sender = sender_tokens.primary_sender(self.config.shard)
         auth = sender_tokens.token_for(self.sender_key, sender) if self.sender_key else ""
         msg = Message(op=op, experiment=self.config.experiment, shard=self.config.shard, version=self.state.version,
                       sender=sender, meta={**meta, **Authority(auth=auth, epoch=self.epoch).to_meta()},
                       tensors=tensors)
-        frames = encode(msg)
+        return encode(msg)
+
+    def _send(self, frames: list[bytes | memoryview]) -> bool:
+        """Send to the backup without blocking; a full queue detaches it (False)."""
+        assert self.socket is not None
         try:
             self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -189,13 +207,39 @@ class Replication:
         return True
 
     def replicate(self, grads: dict[int, torch.Tensor], lr_factor: float, applied: list[tuple[str, int]],
-                  *, delay: int = 0) -> None:
-        """Forward the update just applied (a no-op without a backup)."""
+                  *, delay: int = 0, encoded: list[EncodedPart] | None = None) -> None:
+        """Forward the update just applied (a no-op without a backup).
+
+        `encoded`: the compressed pushes `grads` was decoded and added up from, in order. They
+        are forwarded instead of `grads` when their message is the smaller one and fits the
+        frame limits; the backup decodes and adds them up as this primary did, so both apply
+        the same bits. Otherwise the dense fp32 gradient goes (both forms are exact).
+        """
         if self.socket is None:
             return
         meta = ReplicateMeta(lr_factor=lr_factor, applied=tuple(applied), delay=delay)
-        if self._send("REPLICATE", meta.to_meta(), {chunk_key(i): g for i, g in grads.items()}):
+        frames = self._encoded_frames(meta, grads, encoded) if encoded and self.config.replicate_encoded else None
+        as_encoded = frames is not None
+        if frames is None:
+            frames = self._frames("REPLICATE", meta.to_meta(), {chunk_key(i): g for i, g in grads.items()})
+        if self._send(frames):
             self.replicated_updates += 1
+            self.replicated_encoded += int(as_encoded)
+
+    def _encoded_frames(self, meta: ReplicateMeta, grads: dict[int, torch.Tensor],
+                        encoded: list[EncodedPart]) -> list[bytes | memoryview] | None:
+        """The REPLICATE of `encoded` (tensors "p{k}/<push tensor name>"), or None where the dense one
+        is no larger or it would pass the backup's frame limits (many workers' pushes of a sync step)."""
+        dense = sum(4 * g.numel() for g in grads.values())
+        if sum(p.nbytes for p in encoded) >= dense:
+            return None
+        tensors = {f"p{k}/{name}": t for k, part in enumerate(encoded) for name, t in part.tensors.items()}
+        frames = self._frames("REPLICATE", replace(meta, parts=tuple(p.compression for p in encoded)).to_meta(),
+                              tensors)
+        if (frames_nbytes(frames) >= dense or len(frames) - 1 > self.limits.max_tensors
+                or len(frames[0]) > self.limits.max_header_bytes):
+            return None
+        return frames
 
     def on_replies(self, b: zmq.Socket) -> None:
         """Read the backup's ACKs (and refusals) on `b`."""
@@ -332,8 +376,20 @@ class Replication:
         if msg.version != self.state.version + 1:
             raise Reject(f"REPLICATE of version {msg.version} but this backup is at {self.state.version}",
                          OUT_OF_ORDER)
+        try:
+            meta = ReplicateMeta.from_meta(msg.meta)
+        except ProtocolError as e:
+            raise Reject(str(e)) from None
+        grads = self.decoders.forwarded(meta.parts, msg.tensors) if meta.parts else self._dense(msg.tensors)
+        if meta.delay:
+            self.state.set_delay(meta.delay)
+        self.state.step(grads, meta.lr_factor, schedule=False)
+        self.state.remember(meta.applied, latest=True)
+
+    def _dense(self, tensors: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """A dense REPLICATE's gradient: one fp32 tensor per chunk of the shard."""
         grads: dict[int, torch.Tensor] = {}
-        for name, t in msg.tensors.items():
+        for name, t in tensors.items():
             idx = parse_chunk_key(name)
             c = self.state.chunks.get(idx)
             if c is None or t.dtype != torch.float32 or tuple(t.shape) != (c.numel,):
@@ -341,11 +397,4 @@ class Replication:
             grads[idx] = t
         if set(grads) != set(self.state.chunks):
             raise Reject("REPLICATE must carry every chunk of the shard")
-        try:
-            meta = ReplicateMeta.from_meta(msg.meta)
-        except ProtocolError as e:
-            raise Reject(str(e)) from None
-        if meta.delay:
-            self.state.set_delay(meta.delay)
-        self.state.step(grads, meta.lr_factor, schedule=False)
-        self.state.remember(meta.applied, latest=True)
+        return grads

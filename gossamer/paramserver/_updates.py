@@ -11,23 +11,22 @@ from typing import Any
 
 import torch
 
-from gossamer.compression.chunk_codec import ChunkCompressor
-from gossamer.errors import ConfigError, ProtocolError
+from gossamer.errors import ProtocolError
 from gossamer.faults import die_at
+from gossamer.paramserver._push_decoding import EncodedPart, PushDecoders, accumulate
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
 from gossamer.paramserver._state import ShardState
 from gossamer.paramserver.consistency import SSPGate
-from gossamer.protocol import PushCompression, PushMeta, parse_chunk_key
+from gossamer.protocol import PushCompression, PushMeta
 from gossamer.transport.frames import Message, check_finite
-from gossamer.transport.router import ABORTED, FAILED_PRECONDITION, NOT_A_WORKER, NOT_FOUND, REFORM
+from gossamer.transport.router import ABORTED, FAILED_PRECONDITION, NOT_A_WORKER, REFORM
 
 __all__ = ["Updates"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_DECODERS = 64  # an adaptive sender changes codecs; the cache of decoders stays bounded
 #: Updates one worker may have half-gathered at once: the one it sends and one it gave up on (a
 #: part lost, the update sent again under a new clock). Starting a third aborts its oldest, so a
 #: worker holds at most this many times the shard's gradients in parts.
@@ -45,6 +44,9 @@ class _Part:
     rid: Any
     basis: int
     grads: dict[int, torch.Tensor]
+    #: The push's compressed payload, kept to forward to the backup only while it is smaller than
+    #: `grads` (None: an uncompressed push, or one no smaller than its gradients).
+    encoded: EncodedPart | None = None
 
 
 @dataclass
@@ -60,7 +62,8 @@ class _Update:
 class Updates:
     """Validates pushes, gathers their parts into updates and applies them (under the shard's lock)."""
 
-    def __init__(self, state: ShardState, replies: Replies, replication: Replication) -> None:
+    def __init__(self, state: ShardState, replies: Replies, replication: Replication,
+                 decoders: PushDecoders) -> None:
         config = state.config
         self.state = state
         self.config = config
@@ -72,7 +75,7 @@ class Updates:
             staleness_in_rounds=config.staleness_in_rounds,
             worker_timeout_s=config.worker_timeout_s,
         )
-        self._decoders: dict[tuple[str, tuple[tuple[str, str], ...]], ChunkCompressor] = {}
+        self.decoders = decoders
         self._pending: dict[tuple[str, int], _Update] = {}
         self._sync_step: dict[str, _Update] = {}
         self._sync_num_workers: int | None = None
@@ -92,20 +95,22 @@ class Updates:
     @property
     def decode_seconds(self) -> float:
         """Time spent decompressing pushes (all codecs)."""
-        return sum(d.decode_seconds for d in self._decoders.values())
+        return self.decoders.decode_seconds
 
     # -- applying -------------------------------------------------------------------------
     def apply(self, grads: dict[int, torch.Tensor], lr_factor: float, applied: list[tuple[str, int]],
-              *, delay: int = 0) -> None:
+              *, delay: int = 0, encoded: list[EncodedPart] | None = None) -> None:
         """Apply an update covering `applied` (worker, clock or step), replicate it, checkpoint if due.
 
-        `delay`: Delayed Nesterov's N (async: the active workers; 0 keeps it).
+        `delay`: Delayed Nesterov's N (async: the active workers; 0 keeps it). `encoded`: the
+        compressed pushes `grads` was decoded and added up from, in that order (None: not all
+        of them were), for the backup to do the same.
         """
         if delay:
             self.state.set_delay(delay)
         factor = self.state.step(grads, lr_factor, schedule=True)
         self.state.remember(applied, latest=False)
-        self.replication.replicate(grads, factor, applied, delay=delay)
+        self.replication.replicate(grads, factor, applied, delay=delay, encoded=encoded)
         version = self.state.version
         die_at("after-apply", step=version, shard=self.config.shard)
         every = self.config.checkpoint_every
@@ -159,7 +164,7 @@ class Updates:
         step = meta.step or 0
         key = (sender, step if sync else meta.clock)
         try:
-            grads = self._validate_grads(msg)
+            grads, encoded = self._validate_grads(msg)
         except (Reject, ProtocolError) as e:
             # One bad part spoils the whole update: never apply the other parts alone.
             self._abort(key, f"another part was rejected: {e}")
@@ -180,7 +185,8 @@ class Updates:
             if step != self.state.version:
                 raise Reject(f"sync push for step {step} but the shard is at step {self.state.version}",
                              FAILED_PRECONDITION, cause="wrong_step")
-        self._gather(key, _Part(identity=identity, rid=rid, basis=meta.basis, grads=grads), meta, now)
+        self._gather(key, _Part(identity=identity, rid=rid, basis=meta.basis, grads=grads, encoded=encoded), meta,
+                     now)
 
     def _note_restore_loss(self, sender: str, clock: int) -> None:
         if self._restored_applied is None or sender in self._seen_since_restore:
@@ -213,57 +219,20 @@ class Updates:
         else:
             self._apply_async(update, now)
 
-    def _validate_grads(self, msg: Message) -> dict[int, torch.Tensor]:
+    def _validate_grads(self, msg: Message) -> tuple[dict[int, torch.Tensor], EncodedPart | None]:
+        """The push's dense chunk gradients, and its compressed form if worth forwarding to the backup."""
         if not msg.tensors:
             raise Reject("PUSH carries no gradients")
         compression = PushCompression.from_meta(msg.meta)
-        if compression is not None:
-            return self._decompress(msg, compression)
-        grads: dict[int, torch.Tensor] = {}
-        for name, t in msg.tensors.items():
-            idx = parse_chunk_key(name)
-            c = self.state.chunks.get(idx)
-            if c is None:
-                raise Reject(f"chunk {idx} is not on shard {self.config.shard}", NOT_FOUND)
-            if t.dtype != torch.float32:
-                raise Reject(f"gradient {name!r} must be float32, got {t.dtype}")
-            if tuple(t.shape) != (c.numel,):
-                raise Reject(f"gradient {name!r} must have shape [{c.numel}], got {list(t.shape)}")
-            grads[idx] = t
-        check_finite(msg)
-        return grads
-
-    def _decoder(self, compression: PushCompression) -> ChunkCompressor:
-        key = (compression.codec, compression.overrides)
-        decoder = self._decoders.get(key)
-        if decoder is None:
-            try:
-                decoder = ChunkCompressor(compression.codec, self.state.plan, overrides=list(compression.overrides),
-                                          shapes=self.state.shapes)
-            except ConfigError as e:
-                raise Reject(f"cannot decode: {e}") from None
-            if len(self._decoders) >= _MAX_DECODERS:
-                self._decoders.pop(next(iter(self._decoders)))
-            self._decoders[key] = decoder
-        return decoder
-
-    def _decompress(self, msg: Message, compression: PushCompression) -> dict[int, torch.Tensor]:
-        decoder = self._decoder(compression)
-        grads: dict[int, torch.Tensor] = {}
-        for key, meta in compression.chunks.items():
-            if not isinstance(key, str) or not key.isdigit() or len(key) > 9:
-                raise Reject(f"compressed chunk key {key!r} is not a chunk index")
-            idx = int(key)
-            if idx not in self.state.chunks:
-                raise Reject(f"chunk {idx} is not on shard {self.config.shard}", NOT_FOUND)
-            grads[idx] = decoder.decode(idx, msg.tensors, meta)
-        stray = {n.split("/", 1)[0] for n in msg.tensors} - {f"c{i}" for i in grads}
-        if stray:
-            raise Reject(f"tensors {sorted(stray)[:4]} belong to no declared compressed chunk")
-        for idx, g in grads.items():
-            if not bool(torch.isfinite(g).all()):
-                raise Reject(f"chunk {idx}: decoded gradient is not finite")
-        return grads
+        if compression is None:
+            grads = self.decoders.dense(msg.tensors, "PUSH")
+            check_finite(msg)
+            return grads, None
+        part = EncodedPart(compression, msg.tensors)
+        grads = self.decoders.decode(part)
+        # Kept (the payload's memory, until the update is applied) only while smaller than the gradients.
+        smaller = part.nbytes < sum(4 * self.state.chunks[idx].numel for idx in grads)
+        return grads, part if smaller else None
 
     # -- async: applied on arrival -----------------------------------------------------------
     def _apply_async(self, update: _Update, now: float) -> None:
@@ -271,9 +240,9 @@ class Updates:
         record = self.gate.on_apply(update.sender, version=self.state.version, basis=basis, now=now)
         grads: dict[int, torch.Tensor] = {}
         for part in update.parts:
-            grads.update(part.grads)
+            accumulate(grads, part.grads)  # disjoint chunks: a union
         self.apply(grads, record.lr_factor * self._linear(1), [(update.sender, update.key)],
-                   delay=len(self.gate.active))
+                   delay=len(self.gate.active), encoded=_encoded([update]))
         if self.gate.must_wait(update.sender, now):
             for part in update.parts:
                 self.gate.hold(update.sender, (part.identity, part.rid, sorted(part.grads)), now)
@@ -303,17 +272,13 @@ class Updates:
         self._sync_step = {}
         self._sync_num_workers = None
         summed: dict[int, torch.Tensor] = {}
+        encoded = _encoded(contributions)  # their payloads: the sum below writes decoded buffers only
         for contrib in contributions:  # a fixed order (by sender) keeps the sum deterministic
             for part in contrib.parts:
-                for idx, g in part.grads.items():
-                    if idx in summed:
-                        summed[idx].add_(g)
-                    else:
-                        # The first contribution's own buffer (a received frame or a decoded
-                        # tensor, never read again) holds the sum: no copy of the shard.
-                        summed[idx] = g
+                accumulate(summed, part.grads)
             self.gate.on_apply(contrib.sender, version=self.state.version, basis=self.state.version, now=now)
-        self.apply(summed, self._linear(len(contributions)), [(c.sender, c.key) for c in contributions])
+        self.apply(summed, self._linear(len(contributions)), [(c.sender, c.key) for c in contributions],
+                   encoded=encoded)
         for contrib in contributions:
             for part in contrib.parts:
                 self._reply_later(part)
@@ -393,3 +358,11 @@ class Updates:
             self.discard_pending_of(worker)
         # Also whoever waited on a worker that has just turned suspect.
         self.send_released(released + self.gate.release(now))
+
+
+def _encoded(updates: list[_Update]) -> list[EncodedPart] | None:
+    """The compressed pushes of `updates` in the order they are added up, or None if any part has none."""
+    parts = [part.encoded for update in updates for part in update.parts]
+    if any(p is None for p in parts):
+        return None
+    return [p for p in parts if p is not None]

@@ -20,6 +20,7 @@ import torch
 
 from gossamer.checkpoint.sharded import ShardSnapshot
 from gossamer.paramserver._pull_views import PullViews
+from gossamer.paramserver._push_decoding import PushDecoders
 from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
 from gossamer.paramserver._seeding import Seeding
@@ -76,12 +77,13 @@ class ShardServer:
         self._state = ShardState(config, plan, init, dict(shapes or {}), own_init=own_init)
         self.limits = config.limits or FrameLimits.for_values(plan.shard_numel(config.shard))
         self._lock = threading.RLock()  # re-entered: posted commands may call locking methods
-        self._replication = Replication(self._state, self.limits, curve, self._lock, backup=backup,
+        decoders = PushDecoders(self._state)
+        self._replication = Replication(self._state, self.limits, curve, self._lock, decoders, backup=backup,
                                         epoch=epoch)
         self._views = PullViews(plan, self._state.shapes)
         self._replies = Replies(self._state, self._views, config.reply_budget, Counter(),
                                 lambda: self._replication.epoch)
-        self._updates = Updates(self._state, self._replies, self._replication)
+        self._updates = Updates(self._state, self._replies, self._replication, decoders)
         self._loop = ServeLoop(self._updates, self._replication, self._replies, limits=self.limits, curve=curve,
                                rate_limit=config.rate_limit, lock=self._lock, stats=self._stats)
         self._thread: threading.Thread | None = None
@@ -378,6 +380,9 @@ class ShardServer:
             "unreplicated": rep.unreplicated,
             "backup_detaches": rep.backup_detaches,
             "resyncs": rep.resyncs,
+            "replicated_updates": rep.replicated_updates,
+            "replicated_encoded": rep.replicated_encoded,
+            "replicate_bytes": rep.bytes_out,
             "promotions": rep.promotions,
             "refused_promotions": rep.refused_promotions,
             "epoch": rep.epoch,

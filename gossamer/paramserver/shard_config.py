@@ -37,6 +37,9 @@ class ShardConfig:
     warmup_steps: int = 0
     staleness_in_rounds: bool = False  # diloco async: tau = versions since the basis / workers
     expect_backup: bool = True  # False (ps_backup off): acks without a backup are not "unreplicated"
+    #: Forward an update made of compressed pushes to the backup as those pushes (it decodes them),
+    #: when that is the smaller message; False: always the dense fp32 gradient (the form before).
+    replicate_encoded: bool = True
     worker_timeout_s: float = 30.0
     backup_timeout_s: float = 3.0
     checkpoint_every: int = 0

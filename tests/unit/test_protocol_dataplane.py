@@ -105,3 +105,14 @@ def test_gossip_meta_round_trips_and_names_a_bad_field() -> None:
     ]:
         with pytest.raises(ProtocolError, match=field):
             decode(meta)  # type: ignore[operator]
+
+
+def test_replicate_meta_carries_forwarded_push_compressions_and_names_a_bad_part() -> None:
+    part = PushCompression(chunks={"0": {"v": 1}}, codec="topk:0.01")
+    rep = ReplicateMeta(lr_factor=0.25, applied=(("a", 1), ("b", 2)), delay=3, parts=(part, part))
+    assert ReplicateMeta.from_meta(rep.to_meta()) == rep
+    assert "parts" not in ReplicateMeta(lr_factor=1.0).to_meta()  # a dense REPLICATE's meta is unchanged
+    for bad in ({"parts": {}}, {"parts": [{"codec": "int8"}]}, {"parts": [{"compression": {}, "codec": "int8"}]},
+                {"parts": [7]}):
+        with pytest.raises(ProtocolError, match="parts"):
+            ReplicateMeta.from_meta({"lr_factor": 1.0, **bad})

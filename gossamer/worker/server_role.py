@@ -211,6 +211,11 @@ class ServerRole:
 
     def _report(self, state: pb.RoleState.ValueType = pb.ROLE_STATE_SERVING, message: str = "") -> None:
         replicated, primary = self.server.replicated, self.server.is_primary
+        if self.server.serve_failure is not None:
+            # A dying serve thread keeps its failure, then closes its link to the backup: that
+            # closed link is no detached backup (saying so made the coordinator restore the
+            # shard instead of promoting its synced backup). The process's FAILED report follows.
+            return
         message, self.fetch_note = message or self.fetch_note, "" if not message else self.fetch_note
         self.reporter.role(self.spec.node_id, pb.ROLE_PARAMETER_SERVER, self.shard, state, endpoint=self.endpoint,
                            message=message,

@@ -39,7 +39,8 @@ def test_a_primary_whose_serve_thread_dies_fails_its_process_and_the_backup_take
 
         def new_primary_replicated() -> bool:
             st = job.status()
-            assert st["state"] in ("queued", "starting", "running"), st["roles"]
+            assert st["state"] in ("queued", "starting", "running"), "\n".join(
+                [st["message"], *(f"{e['kind']}: {e['message']}" for e in job.events())])
             return any(r["role"] == "ps" and not r["replica"] and r["node"] != "ps-a" and r["replicated"]
                        for r in st["roles"])
 

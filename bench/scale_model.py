@@ -543,7 +543,8 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "the shards and backups on it); `x_state`: over a shard's whole state (parameters and the optimizer's "
          "momentum buffer, 2x its parameters). Timings on a loaded 2-core machine shared with other jobs: compare "
          "step times within one run only; a backup more than 3 s behind its primary is detached (the `steps` of "
-         "a backup row: how many updates it replayed before that).")
+         "a backup row: how many updates it replayed before that). A label naming fields (`after3 round_start=shards ...`) "
+         "ran with those experiment fields set (`--set`); the others with the defaults.")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

@@ -749,10 +749,12 @@ class ReplicatedLayout(NodeLayout):
         self.params_changed()
 
     def chunk_delta(self, snapshot: Any) -> dict[int, torch.Tensor]:
-        """As `NodeLayout.chunk_delta`; `snapshot` is `flat` as it was, or values of this rank's chunks by index."""
+        """As `NodeLayout.chunk_delta`; `snapshot` is `flat` as it was, or values of some of this rank's chunks by
+        index (those are the chunks returned)."""
         if isinstance(snapshot, dict):
-            return {c.index: snapshot[c.index].sub_(self.flat[c.flat_offset : c.flat_offset + c.numel].cpu())
-                    for c in self.chunks()}
+            chunks = self.plan.chunks
+            return {i: v.sub_(self.flat[chunks[i].flat_offset : chunks[i].flat_offset + chunks[i].numel].cpu())
+                    for i, v in snapshot.items()}
         delta = snapshot.sub_(self.flat)
         return {c.index: delta[c.flat_offset : c.flat_offset + c.numel] for c in self.chunks()}
 

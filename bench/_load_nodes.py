@@ -1,9 +1,13 @@
 """Simulated nodes for bench/coordinator_load.py: the real node protocol over gRPC, many nodes per asyncio process.
 
 Each simulated node does what `gossamer worker join` does on the control plane (gossamer/worker/agent.py):
-Join, one WatchAssignments stream, a unary Heartbeat every `heartbeat_interval_s` (re-joining when the
+Join, one WatchAssignments stream, a heartbeat every `heartbeat_interval_s` (re-joining when the
 coordinator answers `known=False`), ReportRole SERVING for each role it is given (a shard primary says its
 backup is attached) and, for workers, a metric point every `metrics_every_s`. No role process runs.
+
+Heartbeats are the unary gRPC Heartbeat, or with `udp` the UDP beat (gossamer/beat_wire.py) to the port and
+key Join gave, all of a loader's nodes on one socket; a beat unanswered within three intervals is counted
+(`udp_timeouts`) and followed by a gRPC Heartbeat, which also re-keys the node (a restarted coordinator).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from gossamer.beat_wire import Signer, peek_reply
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -36,6 +41,21 @@ class LoaderConfig:
     churn_per_min: float = 0.0
     churn_life_s: float = 20.0
     zones: int = 4
+    udp: bool = False  # heartbeat with UDP beats instead of the unary gRPC call
+
+
+@dataclass
+class _Sim:
+    """One simulated node: its id (it changes when it joins again) and UDP beat key."""
+
+    i: int
+    id: str = ""
+    signer: Signer | None = None
+    port: int = 0
+
+    def keyed(self, resp: pb.JoinResponse | pb.HeartbeatResponse) -> None:
+        if resp.beat_port:
+            self.signer, self.port = Signer(resp.beat_key), resp.beat_port
 
 
 @dataclass
@@ -51,7 +71,18 @@ class LoaderStats:
     churn_left: int = 0
     roles: int = 0
     metric_reports: int = 0
+    udp_timeouts: int = 0  # UDP beats unanswered within three intervals (a gRPC heartbeat followed)
     node_ids: list[str] = field(default_factory=list)
+
+
+class _BeatSocket(asyncio.DatagramProtocol):
+    """The loader's one UDP socket: replies go back to `Loader.udp_reply`."""
+
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self.loader.udp_reply(data)
 
 
 class Loader:
@@ -68,6 +99,9 @@ class Loader:
         self.stubs: list[pb_grpc.NodeServiceStub] = []
         self.estubs: list[pb_grpc.ExperimentServiceStub] = []
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.udp: asyncio.DatagramTransport | None = None
+        self.counter = 0  # one count for all of this loader's nodes: each node's beats still increase
+        self.pending: dict[int, tuple[float, _Sim, bool]] = {}  # counter -> (sent, node, measured)
 
     def _stub(self, i: int) -> tuple[pb_grpc.NodeServiceStub, pb_grpc.ExperimentServiceStub]:
         k = (i // NODES_PER_CHANNEL) % len(self.stubs)
@@ -88,6 +122,10 @@ class Loader:
             self.stubs.append(pb_grpc.NodeServiceStub(ch))
             self.estubs.append(pb_grpc.ExperimentServiceStub(ch))
         watcher = asyncio.create_task(self._watch_events())
+        if self.cfg.udp:
+            self.udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+                lambda: _BeatSocket(self), local_addr=("127.0.0.1", 0))
+            self._spawn(self._udp_timeouts())
         gap = 1.0 / self.cfg.joins_per_s
         for k in range(self.cfg.count):
             self._spawn(self._node(self.cfg.first + k, life_s=None))
@@ -102,6 +140,8 @@ class Loader:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         for ch in self.channels:
             await ch.close(None)
+        if self.udp is not None:
+            self.udp.close()
         return self.stats
 
     def _spawn(self, coro: Any) -> None:
@@ -117,78 +157,124 @@ class Loader:
                 return
             await asyncio.sleep(0.05)
 
-    async def _join(self, i: int, node_id: str = "") -> str:
+    async def _join(self, sim: _Sim) -> None:
+        i = sim.i
         stub, _ = self._stub(i)
         req = pb.JoinRequest(name=f"sim-{i}", address="127.0.0.1", hostname=f"simhost-{i}", cpus=1,
-                             labels={"zone": f"z{i % self.cfg.zones}"}, node_id=node_id, spot=i % 3 == 0)
+                             labels={"zone": f"z{i % self.cfg.zones}"}, node_id=sim.id, spot=i % 3 == 0)
         delay = 0.2
         while True:
             try:
-                return str((await stub.Join(req, timeout=30.0)).node_id)
+                resp = await stub.Join(req, timeout=30.0)
+                sim.id = resp.node_id
+                sim.keyed(resp)
+                return
             except grpc.aio.AioRpcError as e:
                 self._error(e)
                 await asyncio.sleep(delay)
                 delay = min(5.0, delay * 2)
 
     async def _node(self, i: int, life_s: float | None) -> None:
-        node_id = await self._join(i)
+        sim = _Sim(i)
+        await self._join(sim)
         if life_s is None:
             self.stats.joined += 1
-            self.stats.node_ids.append(node_id)
+            self.stats.node_ids.append(sim.id)
         else:
             self.stats.churn_joined += 1
-        ids = [node_id]
-        watch = asyncio.create_task(self._watch(i, ids))
+        watch = asyncio.create_task(self._watch(sim))
         try:
-            await self._heartbeats(i, ids, life_s)
+            await self._heartbeats(sim, life_s)
         finally:
             watch.cancel()
         if life_s is not None:
             stub, _ = self._stub(i)
             try:
-                await stub.Leave(pb.LeaveRequest(node_id=ids[0], reason="churn"), timeout=30.0)
+                await stub.Leave(pb.LeaveRequest(node_id=sim.id, reason="churn"), timeout=30.0)
                 self.stats.churn_left += 1
             except grpc.aio.AioRpcError as e:
                 self._error(e)
 
-    async def _heartbeats(self, i: int, ids: list[str], life_s: float | None) -> None:
-        stub, _ = self._stub(i)
+    async def _heartbeats(self, sim: _Sim, life_s: float | None) -> None:
         interval = self.cfg.heartbeat_interval_s
         t_end = time.monotonic() + life_s if life_s is not None else float("inf")
         due = time.monotonic() + random.uniform(0, interval)  # noqa: S311 — spread the phases
         while time.monotonic() < t_end:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             due += interval
-            t0 = time.perf_counter()
-            try:
-                resp = await stub.Heartbeat(pb.HeartbeatRequest(node_id=ids[0]), timeout=interval * 3)
-            except grpc.aio.AioRpcError as e:
-                self._error(e)
-                continue
-            if self.measuring:
-                self.stats.latencies_ms.append((time.perf_counter() - t0) * 1e3)
-                self.stats.sent += 1
-            if not resp.known:
-                self.stats.unknown += 1
-                ids[0] = await self._join(i, ids[0])
+            if self.udp is not None and sim.signer is not None:
+                self.counter += 1
+                self.pending[self.counter] = (time.perf_counter(), sim, self.measuring)
+                self.udp.sendto(sim.signer.beat(sim.id, self.counter), ("127.0.0.1", sim.port))
+                due = max(due, time.monotonic())
+                continue  # the reply is timed by `udp_reply`
+            await self._grpc_heartbeat(sim, measured=True)
             due = max(due, time.monotonic())  # a late answer: the next beat goes now, never in a burst
 
-    async def _watch(self, i: int, ids: list[str]) -> None:
+    async def _grpc_heartbeat(self, sim: _Sim, *, measured: bool) -> None:
+        stub, _ = self._stub(sim.i)
+        t0 = time.perf_counter()
+        try:
+            resp = await stub.Heartbeat(pb.HeartbeatRequest(node_id=sim.id), timeout=self.cfg.heartbeat_interval_s * 3)
+        except grpc.aio.AioRpcError as e:
+            self._error(e)
+            return
+        if self.measuring and measured:
+            self.stats.latencies_ms.append((time.perf_counter() - t0) * 1e3)
+            self.stats.sent += 1
+        sim.keyed(resp)
+        if not resp.known:
+            self.stats.unknown += 1
+            await self._join(sim)
+
+    def udp_reply(self, data: bytes) -> None:
+        """A reply from the beat port: the beat it answers is timed; "unknown" makes the node join again."""
+        counter = peek_reply(data)
+        entry = self.pending.get(counter) if counter is not None else None
+        if entry is None:
+            return
+        sent, sim, measured = entry
+        got = sim.signer.check_reply(data) if sim.signer is not None else None
+        if got is None:
+            return
+        del self.pending[got[0]]
+        if measured and self.measuring:
+            self.stats.latencies_ms.append((time.perf_counter() - sent) * 1e3)
+            self.stats.sent += 1
+        if not got[1]:
+            self.stats.unknown += 1
+            self._spawn(self._join(sim))
+
+    async def _udp_timeouts(self) -> None:
+        """Beats unanswered for three intervals: counted, and the node heartbeats over gRPC (a real node's fallback)."""
+        limit = 3 * self.cfg.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.perf_counter()
+            late = [k for k, (sent, _, _) in self.pending.items() if now - sent > limit]
+            for k in late:
+                _, sim, _ = self.pending.pop(k)
+                if not self.stopping:
+                    self.stats.udp_timeouts += 1
+                    self._spawn(self._grpc_heartbeat(sim, measured=False))
+
+    async def _watch(self, sim: _Sim) -> None:
+        i = sim.i
         stub, _ = self._stub(i)
         seen: set[tuple[str, int, int, int]] = set()
         metric_tasks: list[asyncio.Task[None]] = []
         try:
             while True:
                 try:
-                    async for aset in stub.WatchAssignments(pb.WatchAssignmentsRequest(node_id=ids[0])):
+                    async for aset in stub.WatchAssignments(pb.WatchAssignmentsRequest(node_id=sim.id)):
                         for a in aset.assignments:
                             key = (a.experiment_id, a.role, a.index, a.replica)
                             if key in seen:
                                 continue
                             seen.add(key)
-                            await self._serve(i, ids[0], a)
+                            await self._serve(i, sim.id, a)
                             if a.role == pb.ROLE_WORKER:
-                                metric_tasks.append(asyncio.create_task(self._metrics(i, ids[0], a)))
+                                metric_tasks.append(asyncio.create_task(self._metrics(i, sim.id, a)))
                 except grpc.aio.AioRpcError as e:
                     self._error(e)
                 await asyncio.sleep(0.5)

@@ -1,11 +1,12 @@
 """Coordinator under load: simulated nodes speaking the real gRPC protocol against a real `coordinator serve`.
 
-    python bench/coordinator_load.py [--quick] [--nodes 100,500,...] [--loaders 2] [--no-pin]
+    python bench/coordinator_load.py [--quick] [--nodes 100,500,...] [--beats grpc,udp] [--loaders 2] [--no-pin]
 
 Each point starts a fresh `gossamer coordinator serve --rate-limit 0` (every simulated node shares
 127.0.0.1, so the per-host token bucket, 200 requests/s by default, must be lifted: `--rate-limit 0`,
 or env GOSSAMER_RATE_LIMIT=0), pinned to one core (`--no-pin`: not), then loader processes
-(bench/_load_nodes.py) join N nodes, each with a WatchAssignments stream and a 1 Hz Heartbeat.
+(bench/_load_nodes.py) join N nodes, each with a WatchAssignments stream and a 1 Hz heartbeat: the
+unary gRPC Heartbeat, or the UDP beat (docs/scale.md "UDP heartbeats"), one row each (`--beats`).
 Measured over a window once every node has joined and warmed up: heartbeat round-trip latency
 p50/p99 (seen by the client, so it includes the loaders' own event-loop delay on a loaded
 machine), the coordinator's CPU (utime+stime from /proc) as a share of a core and per heartbeat
@@ -146,22 +147,22 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_point(n: int, *, loaders: int, warm_s: float, measure_s: float, pin: bool, workdir: Path,
               churn_per_min: float = 0.0, experiments: int = 0, kill9: bool = False,
-              lease_timeout_s: float = 10.0, label: str = "", profile: str = "") -> dict[str, Any]:
-    """One scenario at `n` nodes; returns its row."""
+              lease_timeout_s: float = 10.0, label: str = "", profile: str = "", beats: str = "grpc") -> dict[str, Any]:
+    """One scenario at `n` nodes, heartbeating over `beats` ("grpc" or "udp"); returns its row."""
     state = Path(tempfile.mkdtemp(prefix=f"load-{n}-", dir=workdir))
     coord = Coordinator(state, lease_timeout_s=lease_timeout_s, pin=pin, log=state / "coordinator.log")
     coord.start()
     ctx = mp.get_context("spawn")
     measure, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
     procs = []
-    row: dict[str, Any] = {"scenario": label or "nodes", "nodes": n}
+    row: dict[str, Any] = {"scenario": label or "nodes", "beats": beats, "nodes": n}
     try:
         exp_ids = submit_experiments(coord.address, experiments) if experiments else []
         per = -(-n // loaders)
         for k in range(loaders):
             count = min(per, n - k * per)
             cfg = LoaderConfig(address=coord.address, first=k * per, count=count,
-                               churn_per_min=churn_per_min / loaders)
+                               churn_per_min=churn_per_min / loaders, udp=beats == "udp")
             p = ctx.Process(target=loader_main, args=(cfg, measure, stop, out), daemon=True)
             p.start()
             procs.append(p)
@@ -176,7 +177,7 @@ def run_point(n: int, *, loaders: int, warm_s: float, measure_s: float, pin: boo
         c0, t0 = cpu_s(pid), time.monotonic()
         t_measure = t0
         measure.set()
-        spy = _profile(pid, measure_s, profile, f"{label or 'nodes'}-{n}") if profile else None
+        spy = _profile(pid, measure_s, profile, f"{label or 'nodes'}-{beats}-{n}") if profile else None
         if kill9:
             row.update(_kill9_mid_storm(coord, measure_s))
             pid = coord.proc.pid if coord.proc else 0
@@ -185,6 +186,7 @@ def run_point(n: int, *, loaders: int, warm_s: float, measure_s: float, pin: boo
         else:
             time.sleep(measure_s)
         c1, t1 = cpu_s(pid), time.monotonic()
+        row["loadavg"] = round(os.getloadavg()[0], 1)  # the machine is shared: its load over the window's last minute
         loader_cpu1 = sum(cpu_s(p.pid or 0) for p in procs)
         row["rss_mb"] = round(rss_mb(pid), 1)
         final = snapshot(coord.address)
@@ -214,6 +216,7 @@ def run_point(n: int, *, loaders: int, warm_s: float, measure_s: float, pin: boo
         "loader_cores": round((loader_cpu1 - loader_cpu0) / window, 2),
         "lost": sum(1 for s in final["nodes"].values() if s == pb.NODE_STATE_LOST),
         "unknown_hb": sum(s["unknown"] for s in stats),
+        "udp_timeouts": sum(s["udp_timeouts"] for s in stats),
         "errors": _merge_errors(stats),
     })
     if churn_per_min:
@@ -290,21 +293,24 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curve = [r for r in rows if r["scenario"] == "nodes"]
-    xs = [r["nodes"] for r in curve]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].plot(xs, [r["p50_ms"] for r in curve], "o-", label="p50")
-    axes[0].plot(xs, [r["p99_ms"] for r in curve], "s-", label="p99")
+    ax2 = axes[1].twinx()
+    for beats in sorted({r.get("beats", "grpc") for r in rows}):
+        curve = [r for r in rows if r["scenario"] == "nodes" and r.get("beats", "grpc") == beats]
+        xs = [r["nodes"] for r in curve]
+        axes[0].plot(xs, [r["p50_ms"] for r in curve], "o-", label=f"p50 {beats}")
+        axes[0].plot(xs, [r["p99_ms"] for r in curve], "s-", label=f"p99 {beats}")
+        axes[1].plot(xs, [r["coord_cores"] for r in curve], "o-", label=f"coordinator cores, {beats}")
+        axes[1].plot(xs, [r["hb_per_s"] / max(1, r["asked_per_s"]) for r in curve], "s-", label=f"served / asked, {beats}")
+        ax2.plot(xs, [r["cpu_us_per_hb"] for r in curve], "^:", label=f"CPU us / heartbeat, {beats}")
+        axes[2].plot(xs, [r["rss_mb"] for r in curve], "o-", label=beats)
     axes[0].axhline(50, color="grey", ls="--", label="target p99 50 ms")
     axes[0].set(xscale="log", yscale="log", xlabel="nodes (1 Hz heartbeats)", ylabel="heartbeat latency, ms")
-    axes[1].plot(xs, [r["coord_cores"] for r in curve], "o-", label="coordinator, cores")
-    axes[1].plot(xs, [r["hb_per_s"] / max(1, r["asked_per_s"]) for r in curve], "s-", label="served / asked")
     axes[1].set(xscale="log", xlabel="nodes", ylabel="share")
-    ax2 = axes[1].twinx()
-    ax2.plot(xs, [r["cpu_us_per_hb"] for r in curve], "^:", color="C3", label="CPU us / heartbeat")
-    ax2.set_ylabel("coordinator CPU us per heartbeat")
-    axes[2].plot(xs, [r["rss_mb"] for r in curve], "o-")
+    ax2.set(yscale="log", ylabel="coordinator CPU us per heartbeat")
+    ax2.legend(fontsize=8, loc="lower right")
     axes[2].set(xscale="log", xlabel="nodes", ylabel="coordinator RSS, MB")
+    axes[2].legend(fontsize=8)
     for ax in axes[:2]:
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -316,11 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="100, 500, 1000 nodes, short windows")
     ap.add_argument("--nodes", default="", help="comma-separated node counts (default 100..10000)")
     ap.add_argument("--loaders", type=int, default=2, help="loader processes")
+    ap.add_argument("--beats", default="grpc,udp",
+                    help="heartbeat transports of the node-count curve, a row each (the scenarios use the last)")
     ap.add_argument("--measure", type=float, default=0.0, help="seconds measured per point")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin the coordinator to core 0")
     ap.add_argument("--skip", default="", help="comma-separated scenarios to skip: churn,experiments,kill9")
     ap.add_argument("--out", default=str(RESULTS), help="results directory")
     ap.add_argument("--profile", default="", help="py-spy the coordinator over each window: folded stacks here")
+    ap.add_argument("--keep", default="",
+                    help="earlier coordinator_load.json files (comma-separated) whose rows are kept after the new ones, "
+                         "tagged with their time")
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.nodes.split(",") if x] or (
         [100, 500, 1000] if args.quick else [100, 500, 1000, 2000, 5000, 10000])
@@ -334,10 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         kw = {"loaders": args.loaders, "warm_s": warm_s, "measure_s": measure_s, "pin": args.pin, "workdir": work,
               "profile": args.profile}
+        transports = [b for b in args.beats.split(",") if b]
         for n in counts:
-            rows.append(run_point(n, **kw))  # type: ignore[arg-type]
-            print(json.dumps(rows[-1]), flush=True)
-            (Path(args.out) / "coordinator_load.partial.json").write_text(json.dumps(rows, indent=1))
+            for beats in transports:
+                rows.append(run_point(n, beats=beats, **kw))  # type: ignore[arg-type]
+                print(json.dumps(rows[-1]), flush=True)
+                (Path(args.out) / "coordinator_load.partial.json").write_text(json.dumps(rows, indent=1))
+        kw["beats"] = transports[-1]
         if "churn" not in skip:
             rows.append(run_point(base, churn_per_min=1000.0, label="churn 1000/min", **kw))  # type: ignore[arg-type]
             print(json.dumps(rows[-1]), flush=True)
@@ -354,12 +368,22 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     notes = (f"Simulated nodes (bench/_load_nodes.py, {args.loaders} loader processes) against one `gossamer coordinator "
              f"serve --rate-limit 0`{' pinned to one core' if args.pin else ''}; 1 Hz heartbeats, lease 10 s; "
-             f"{measure_s:g} s measured per point after {warm_s:g} s warm-up. Latency: client round trip (includes "
+             f"{measure_s:g} s measured per point after {warm_s:g} s warm-up. beats: grpc, the unary Heartbeat; "
+             "udp, one authenticated datagram and its reply (docs/scale.md, \"UDP heartbeats\"); udp_timeouts: beats "
+             "unanswered within 3 intervals (a gRPC Heartbeat followed). run: this run, or the time of an earlier "
+             "one kept (--keep; rows without beats there were gRPC). loadavg: the machine's 1-minute load average at the "
+             "end of the window. Latency: client round trip (includes "
              "the loaders' own event-loop delay: the loaders share this machine's cores with the coordinator and "
              "other jobs). coord_cores: coordinator utime+stime / wall; cpu_us_per_hb: that over heartbeats served "
              "(all its work, joins, streams, roles and metrics included). lost: nodes the coordinator declared lost "
              "(every simulated node keeps beating: any is false). kill -9: nodes/experiments listed before the "
              "kill that the restarted coordinator lacks or lists differently.")
+    for r in rows:
+        r["run"] = "this"
+    for kept in filter(None, args.keep.split(",")):
+        earlier = json.loads(Path(kept).read_text())
+        rows += [{**r, "beats": r.get("beats", "grpc"),
+                  "run": earlier["time"] if r.get("run", "this") == "this" else r["run"]} for r in earlier["rows"]]
     write_report("coordinator_load", rows, notes, out)
     plot(rows, out / "coordinator_load.png")
     return 0

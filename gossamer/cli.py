@@ -84,6 +84,7 @@ def cmd_coordinator_serve(args: argparse.Namespace) -> int:
     config = CoordinatorConfig(
         host=args.host, port=args.port, state_dir=args.state_dir, state=args.state, advertise=args.advertise,
         heartbeat_interval_s=args.heartbeat_interval, lease_timeout_s=args.lease_timeout,
+        udp_beats=args.udp_beats, beat_port=args.beat_port,
         final_report_timeout_s=args.final_report_timeout, check_imports=not args.no_import_check,
         max_message_bytes=int(args.max_message_mb * (1 << 20)), rate_limit=args.rate_limit,
         rate_burst=args.rate_burst, curve=_curve_flag(args), **_server_security(args), **_retention_config(args),

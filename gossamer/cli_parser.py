@@ -200,6 +200,12 @@ def _coordinator_parser(sub: Any) -> None:
                    help="seconds between a node's heartbeats")
     s.add_argument("--lease-timeout", type=float, default=_env("LEASE_TIMEOUT", 10.0),
                    help="seconds without heartbeat before a node is declared lost")
+    s.add_argument("--udp-beats", action=argparse.BooleanOptionalAction, default=_env("UDP_BEATS", True),
+                   help="nodes heartbeat with one authenticated UDP datagram, falling back to gRPC when it goes "
+                        "unanswered; --no-udp-beats: gRPC only (docs/scale.md) (env GOSSAMER_UDP_BEATS)")
+    s.add_argument("--beat-port", type=int, default=_env("BEAT_PORT", None),
+                   help="UDP port of those heartbeats on --host (0 picks a free one; default: --port's number, or "
+                        "a free one if that is taken) (env GOSSAMER_BEAT_PORT)")
     s.add_argument("--final-report-timeout", type=float, default=_env("FINAL_REPORT_TIMEOUT", 30.0),
                    help="seconds a run waits, after the lead's Complete, for the other workers' final counters "
                         "before it completes saying whose are missing")

@@ -97,9 +97,10 @@ class RandKCodec(Codec):
     its magnitude), a dropped entry by its magnitude: |x - x'| <= |x|. Error feedback
     carries what was dropped to the next step, where other positions are drawn.
     Biased (not rescaled by numel / k): use it with error feedback (the default). Error
-    feedback then delivers each coordinate's residual in bursts, every ~1/R steps: a momentum
-    on the shards amplified them until digits diverged to chance (R = 0.1 and 0.01), so the
-    experiment's momentum runs on the worker with DGC's masking (worker_momentum.py).
+    feedback then delivers each coordinate's residual in bursts, every ~1/R steps: with
+    momentum 0.9 that delayed gradient stalled or diverged digits (shards' momentum, or the
+    worker's with DGC's masking), so with the momentum on the worker the sender multiplies by
+    `unbiased_scale` and drops error feedback (`ChunkCompressor`'s ``unbiased_random``).
 
     Args:
         ratio: R in (0, 1].
@@ -162,6 +163,11 @@ class RandKCodec(Codec):
         if k:
             out[self._positions(seed, n, k)] = values.float()
         return out
+
+    def unbiased_scale(self, numel: int) -> float:
+        """numel / k: what a sender multiplies a tensor of `numel` values by so that decoding is unbiased."""
+        k = topk_count(self.ratio, numel)
+        return numel / k if k else 1.0
 
     def _layout(self, shape: tuple[int, ...]) -> tuple[set[str], set[str]]:
         return {"values"}, {"seed"}

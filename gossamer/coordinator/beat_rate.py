@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gossamer.coordinator.records import NodeRec
 
 
 @dataclass(kw_only=True)
@@ -47,3 +52,15 @@ class BeatRate:
         lag = sum(s[3] for s in self._samples) / len(self._samples)
         due = min(alive0, alive) * span / self.interval_s
         return self.served - served0 < self.min_share * due and lag >= self.min_lag_share * self.interval_s
+
+
+def renew(node: NodeRec | None, rate: BeatRate) -> bool:
+    """A heartbeat from `node` (None: unknown), over gRPC or UDP: its lease runs from now and `rate` counts it.
+
+    False, renewing nothing, when the node is not known alive: it must Join again.
+    """
+    if node is None or not node.alive:
+        return False
+    node.last_seen = time.time()
+    rate.beat()
+    return True

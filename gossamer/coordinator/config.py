@@ -23,6 +23,11 @@ class CoordinatorConfig:
     #: default: --host (the host name when it binds every interface) and the bound port.
     advertise: str = ""
     heartbeat_interval_s: float = 1.0
+    #: UDP heartbeats (docs/scale.md "UDP heartbeats"): nodes renew their lease with one
+    #: authenticated datagram instead of a gRPC call, falling back to gRPC when none is answered.
+    udp_beats: bool = True
+    #: Their UDP port on `host`; None: the gRPC port's number (a free one if that is taken), 0: a free one.
+    beat_port: int | None = None
     lease_timeout_s: float = 10.0
     #: Verify at submit, in a subprocess, that the model and dataset paths import.
     check_imports: bool = True
@@ -63,6 +68,8 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", f"must be in 0..65535, got {self.port}")
+        if self.beat_port is not None and not 0 <= self.beat_port <= 65535:
+            raise ConfigError("beat_port", f"must be in 0..65535, got {self.beat_port}")
         if self.heartbeat_interval_s <= 0:
             raise ConfigError("heartbeat_interval_s", "must be > 0")
         if self.lease_timeout_s <= self.heartbeat_interval_s:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from gossamer.coordinator import failover, final_reports, placement, views
-from gossamer.coordinator.beat_rate import BeatRate
+from gossamer.coordinator.beat_rate import BeatRate, renew
 from gossamer.coordinator.blind_time import BlindTime
 from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.import_checks import ImportChecker
@@ -34,6 +34,12 @@ class ServingCounts(Protocol):
 
     @property
     def malformed_refused(self) -> int: ...
+
+    @property
+    def beats_served(self) -> int: ...
+
+    @property
+    def beats_dropped(self) -> dict[str, int]: ...
 
 
 class Coordinator:
@@ -115,12 +121,7 @@ class Coordinator:
         )
 
     async def heartbeat(self, node_id: str) -> bool:
-        node = self.nodes.get(node_id)
-        if node is None or not node.alive:
-            return False
-        node.last_seen = time.time()
-        self.beat_rate.beat()
-        return True
+        return renew(self.nodes.get(node_id), self.beat_rate)  # UDP beats renew the same way (udp_beats.py)
 
     async def leave(self, node_id: str, reason: str) -> None:
         node = self.nodes.get(node_id)
@@ -351,7 +352,7 @@ class Coordinator:
 
     async def _resume(self, exp: ExpRec, free: list[NodeRec]) -> bool:
         """Free nodes host the shards a running experiment lost, then its workers; it says what it waits for (changed?)."""
-        generation, waiting = exp.generation, exp.waiting_unix
+        generation, waiting, said = exp.generation, exp.waiting_unix, exp.message
         for index in placement.missing_shards(exp.roles, exp.spec["num_ps_shards"] if exp.mode.servers else 0):
             host = placement.shard_host(exp.roles, index, self.nodes, free)
             if host is None:
@@ -363,16 +364,16 @@ class Coordinator:
             await self._grow(exp, free)
         exp.lead_node = placement.lead_node(exp.roles)
         what = placement.waiting_for(exp.roles, exp.spec["num_ps_shards"] if exp.mode.servers else 0)
-        if what and not exp.waiting_unix:
-            exp.waiting_unix = time.time()
-            exp.message = (f"waiting for {what}; fails unless one comes within {exp.spec['node_wait_timeout_s']:g} s "
-                           "(node_wait_timeout_s)")
+        # Losses seen one at a time widen the wait: say each change (the deadline runs from the first).
+        if what and (message := f"waiting for {what}; fails unless one comes within "
+                                f"{exp.spec['node_wait_timeout_s']:g} s (node_wait_timeout_s)") != exp.message:
+            exp.waiting_unix, exp.message = exp.waiting_unix or time.time(), message
             await self.store.add_event("waiting", exp.message, experiment_id=exp.id)
         elif not what and exp.waiting_unix:
             exp.waiting_unix, exp.message, exp.progress_unix, exp.stalled = 0.0, "", time.time(), False
             await self.store.add_event("resumed", "nodes returned: every shard has a host and a worker runs",
                                        experiment_id=exp.id)
-        return exp.generation != generation or exp.waiting_unix != waiting
+        return exp.generation != generation or exp.waiting_unix != waiting or exp.message != said
 
     async def _grow(self, exp: ExpRec, free: list[NodeRec]) -> None:
         """Free nodes join a running experiment as workers (up to its max_workers)."""

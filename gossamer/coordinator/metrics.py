@@ -221,6 +221,13 @@ class CoordinatorCollector:
         yield counter("gossamer_grpc_malformed_refused",
                       "gRPC requests refused with INVALID_ARGUMENT because their body did not parse.",
                       [], [([], float(srv.malformed_refused))])
+        yield counter("gossamer_udp_beats", "UDP heartbeats answered (docs/scale.md, \"UDP heartbeats\").",
+                      [], [([], float(srv.beats_served))])
+        yield counter("gossamer_udp_beats_dropped",
+                      "UDP datagrams dropped unanswered, by reason: standby (not leading), malformed, unknown "
+                      "(no such node, or no key from this coordinator), replay (counter not above the last), budget "
+                      "(over the MAC checks a node id may cost an interval), mac (bad MAC), error.",
+                      ["reason"], [([k], float(v)) for k, v in srv.beats_dropped.items()])
 
 
 def render(coord: Coordinator) -> bytes:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from gossamer.beat_wire import Signer
 from gossamer.errors import ConfigError
 from gossamer.experiment import Experiment
 from gossamer.modes import Mode, resolve
@@ -46,6 +48,31 @@ def check_node_id(node_id: str) -> str:
     return node_id
 
 
+class BeatKey:
+    """A node's key for UDP heartbeats (beat_wire.py) and what checking its beats needs; never stored or shown.
+
+    Issued with a fresh key at every Join (and to a known node without one at a gRPC heartbeat):
+    a restarted or newly leading coordinator holds none, so beats under an older key are dropped
+    until the node is keyed again over gRPC.
+    """
+
+    __slots__ = ("checks", "counter", "key", "signer", "window_at")
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.signer = Signer(key)
+        self.counter = 0  # the highest counter accepted: a beat must exceed it
+        self.window_at = 0.0  # MAC checks are budgeted per window (UdpBeats)
+        self.checks = 0
+
+    @classmethod
+    def fresh(cls) -> BeatKey:
+        return cls(secrets.token_bytes(32))
+
+    def __repr__(self) -> str:
+        return "BeatKey(<secret>)"
+
+
 @dataclass
 class NodeRec:
     id: str
@@ -67,9 +94,11 @@ class NodeRec:
     checkpoint_endpoint: str = ""
     checkpoint_secret: str = ""
     checkpoint_key: str = ""
+    #: Its UDP heartbeat key (None: none issued by this coordinator); not persisted, not in repr.
+    beat: BeatKey | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "beat"})
 
     @classmethod
     def from_join(cls, req: pb.JoinRequest, node_id: str, now: float, curve_key: str) -> NodeRec:

@@ -25,6 +25,7 @@ from gossamer.coordinator.http import HttpConfig, StatusHttp
 from gossamer.coordinator.leader_gate import LeaderGate
 from gossamer.coordinator.pg_store import PgStore
 from gossamer.coordinator.retention import keep_bounded
+from gossamer.coordinator.udp_beats import UdpBeats
 from gossamer.errors import ConfigError, NotFoundError
 from gossamer.rpc_errors import ErrorStatusInterceptor
 from gossamer.security.serving import describe_security, server_interceptors, warn_if_open
@@ -48,10 +49,16 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         return self._server.leader_state()
 
     async def Join(self, request, context):  # type: ignore[no-untyped-def]
-        return await self.c.join(request)
+        resp = await self.c.join(request)
+        self._server.beats.issue(self.c, resp.node_id, resp, fresh=True)
+        return resp
 
     async def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
-        return pb.HeartbeatResponse(known=await self.c.heartbeat(request.node_id))
+        resp = pb.HeartbeatResponse(known=await self.c.heartbeat(request.node_id))
+        # The beat port and key again: a node keyed by a coordinator that restarted or lost the lead
+        # since gets this one's (the same key until it joins again).
+        self._server.beats.issue(self.c, request.node_id, resp, fresh=False)
+        return resp
 
     async def Leave(self, request, context):  # type: ignore[no-untyped-def]
         await self.c.leave(request.node_id, request.reason)
@@ -194,11 +201,22 @@ class CoordinatorServer:
         self._health_task: asyncio.Task[None] | None = None
         self.lost = asyncio.Event()  # set when a leader lost its lead: `serve` then ends the process
         self.malformed = MalformedRequestInterceptor()  # .refused: requests whose body did not parse
+        self.beats = UdpBeats(self, interval_s=config.heartbeat_interval_s)  # port 0: not serving (udp_beats off)
 
     @property
     def malformed_refused(self) -> int:
         """Requests refused because their body did not parse."""
         return self.malformed.refused
+
+    @property
+    def beats_served(self) -> int:
+        """UDP heartbeats answered."""
+        return self.beats.served
+
+    @property
+    def beats_dropped(self) -> dict[str, int]:
+        """UDP datagrams dropped unanswered, by reason (udp_beats.DROP_REASONS)."""
+        return self.beats.dropped
 
     async def start(self) -> int:
         """Serve; with a PostgreSQL state, stand by until this process takes the lead (docs/ha.md)."""
@@ -208,6 +226,7 @@ class CoordinatorServer:
             self.pg = PgStore(self.config.state)
             await self._report(health_pb2.HealthCheckResponse.NOT_SERVING)  # clients route to the leader
             self.port = await self._start_grpc(self.config.port)
+            await self._start_beats()
             self.advertised = self.config.advertise or _advertise(self.config.host, self.port)
             self._keeper = asyncio.create_task(self._keep_serving())
             self.election = Election(self.pg, self.advertised, self._take_lead, self._lose_lead)
@@ -216,6 +235,7 @@ class CoordinatorServer:
         self.coord = Coordinator(self.config)
         self.coord.grpc_server = self
         self.port = await self._start_grpc(self.config.port)
+        await self._start_beats()
         self._keeper = asyncio.create_task(self._keep_serving())
         await self._lead()
         return self.port
@@ -302,6 +322,20 @@ class CoordinatorServer:
         self.server = server
         return bound
 
+    async def _start_beats(self) -> None:
+        """Open the UDP heartbeat port (udp_beats.py) unless `udp_beats` is off."""
+        if not self.config.udp_beats:
+            return
+        wanted = self.config.beat_port
+        try:  # by default the gRPC port's number (one number to open), any free one when that is 0
+            await self.beats.start(self.config.host, (self.config.port and self.port) if wanted is None else wanted)
+        except OSError as e:
+            if wanted is not None:
+                raise ConfigError("beat_port", f"cannot bind UDP {self.config.host}:{wanted}: {e}") from None
+            log.warning("UDP port %d is taken (%s): UDP heartbeats on a free port instead", self.port, e)
+            await self.beats.start(self.config.host, 0)
+        log.info("UDP heartbeats on %s:%d", self.config.host, self.beats.port)
+
     async def _keep_serving(self) -> None:
         """Start the gRPC server again, same port and state, whenever it stops on its own.
 
@@ -354,6 +388,7 @@ class CoordinatorServer:
         if self.election is not None:
             await self.election.stop()
         await self.health.enter_graceful_shutdown()
+        self.beats.close()
         if self.http is not None:
             await self.http.stop()
         if self._reaper is not None:

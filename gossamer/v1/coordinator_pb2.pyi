@@ -355,6 +355,8 @@ class JoinResponse(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     LEASE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     CURVE_FIELD_NUMBER: _builtins.int
+    BEAT_PORT_FIELD_NUMBER: _builtins.int
+    BEAT_KEY_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Id to use in every later call."""
     heartbeat_interval_s: _builtins.float
@@ -365,6 +367,13 @@ class JoinResponse(_message.Message):
     """The data plane runs CurveZMQ: every role secures its ZMQ sockets with this node's key
     pair and the keys its assignments name.
     """
+    beat_port: _builtins.int
+    """UDP heartbeats (docs/scale.md "UDP heartbeats"): the coordinator's UDP port on the host this
+    node dialled; 0: none, heartbeat over gRPC only. Each beat is one datagram authenticated with
+    `beat_key` (gossamer/beat_wire.py); without an answer the node heartbeats over gRPC.
+    """
+    beat_key: _builtins.bytes
+    """This node's 32-byte beat key, fresh at every Join. A secret: never logged or shown."""
     def __init__(
         self,
         *,
@@ -372,10 +381,12 @@ class JoinResponse(_message.Message):
         heartbeat_interval_s: _builtins.float = ...,
         lease_timeout_s: _builtins.float = ...,
         curve: _builtins.bool = ...,
+        beat_port: _builtins.int = ...,
+        beat_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["curve", b"curve", "heartbeat_interval_s", b"heartbeat_interval_s", "lease_timeout_s", b"lease_timeout_s", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["beat_key", b"beat_key", "beat_port", b"beat_port", "curve", b"curve", "heartbeat_interval_s", b"heartbeat_interval_s", "lease_timeout_s", b"lease_timeout_s", "node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -410,16 +421,26 @@ class HeartbeatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KNOWN_FIELD_NUMBER: _builtins.int
+    BEAT_PORT_FIELD_NUMBER: _builtins.int
+    BEAT_KEY_FIELD_NUMBER: _builtins.int
     known: _builtins.bool
     """False when the coordinator does not know this node (it must Join again)."""
+    beat_port: _builtins.int
+    """As in JoinResponse, for a known node (0 otherwise): a node keyed by a coordinator that
+    restarted or handed over the lead since learns this one's beat port here.
+    """
+    beat_key: _builtins.bytes
+    """As in JoinResponse: this node's beat key, the same one until it joins again. A secret."""
     def __init__(
         self,
         *,
         known: _builtins.bool = ...,
+        beat_port: _builtins.int = ...,
+        beat_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["beat_key", b"beat_key", "beat_port", b"beat_port", "known", b"known"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

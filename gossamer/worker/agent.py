@@ -36,6 +36,7 @@ from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
 from gossamer.worker.heartbeat import HeartbeatThread
 from gossamer.worker.launcher import Launch, visible_cuda_devices
 from gossamer.worker.node_metrics import NodeMetrics
+from gossamer.worker.udp_beats import UdpBeats
 from gossamer.worker.warm import role_context, stop_fork_server, warm_up_in_background
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class NodeAgent:
             self.files.add_root(config.checkpoint_dir)
         self.files_endpoint = ""
         self.curve = False  # the coordinator's answer: the data plane runs CurveZMQ
+        self.udp_beats = UdpBeats(config.coordinator)  # keyed by each Join; used by the heartbeat thread
         #: The other local ranks of a torchrun/srun launch (None: this agent spawns every rank).
         self.attached: AttachedRanks | None = None
         self.exit_code = 0  # of `gossamer worker join`: 1 when an attached local rank was lost
@@ -223,7 +225,7 @@ class NodeAgent:
             await self._serve_metrics()
         beats = HeartbeatThread(self.config.coordinator, self.config.security, node_id=lambda: self.node_id,
                                 interval=lambda: self.heartbeat_s, on_answer=self._heartbeat_answered,
-                                loop=asyncio.get_running_loop())
+                                loop=asyncio.get_running_loop(), udp=self.udp_beats)
         beats.start()
         tasks = [asyncio.create_task(t) for t in (self._watch(), self._monitor())]
         await self._stop.wait()
@@ -314,6 +316,7 @@ class NodeAgent:
                 set_context(node=self.name)
                 self.heartbeat_s = resp.heartbeat_interval_s
                 self.curve = resp.curve
+                self.udp_beats.rekey(resp.beat_port, resp.beat_key)
                 log.info("joined %s as node %s (address %s)", self.config.coordinator, self.node_id, self.address)
                 return
             except grpc.RpcError as e:

@@ -60,6 +60,8 @@ class ParameterServerTrainer(RankTrainer):
                 # Sign and sparse codecs: the momentum runs here, before them (the shards run none).
                 momentum=WorkerMomentum(self.exp.momentum, nesterov=self.exp.nesterov)
                 if momentum_on_worker(self.exp) else None,
+                # random-k then sends an unbiased sample of the momentum (ChunkCompressor)
+                unbiased_random=momentum_on_worker(self.exp),
             )
         self.client = ShardClient(
             experiment=ctx.experiment_id,

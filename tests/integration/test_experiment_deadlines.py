@@ -146,6 +146,28 @@ def test_nodes_all_gone_the_run_waits_saying_for_what_and_fails_at_its_deadline(
         assert job.status()["message"].endswith("for 8 s (node_wait_timeout_s): giving up")
 
 
+def test_a_wait_that_widens_when_a_second_loss_is_seen_says_so(
+        coordinator: InProcessCoordinator, nodes: Nodes) -> None:
+    nodes.join("ps", "wk")
+    with Client(coordinator.address) as client:
+        job = _submit(client, node_wait_timeout_s=60)
+        nodes.report(job.id, "ps", PS, 0, endpoint="tcp://127.0.0.1:5555")
+        wait_for(lambda: job.status()["state"] == "running", 10, "running")
+        nodes.leave("wk")
+        first = wait_event(job, lambda e: e["kind"] == "waiting", 10, "the first waiting event")
+        assert first["message"].startswith("waiting for a node to run a worker;"), first
+        nodes.leave("ps")  # lost later: the wait now names the shard too
+        both = wait_event(job, lambda e: e["kind"] == "waiting" and "host shard 0" in e["message"], 10,
+                          "the widened waiting event")
+        assert both["message"].startswith("waiting for a node to host shard 0 (restored from the newest checkpoint)"
+                                          " and a node to run a worker;"), both
+        assert job.status()["message"] == both["message"]
+        assert [e["kind"] for e in job.events()].count("waiting") == 2
+        nodes.join("ps2", "wk2")
+        wait_event(job, lambda e: e["kind"] == "resumed", 10, "the resumed event")
+        assert job.status()["message"] == ""
+
+
 def test_nodes_back_before_the_deadline_restore_the_lost_shard_and_the_run_resumes(
         coordinator: InProcessCoordinator, nodes: Nodes) -> None:
     nodes.join("ps", "wk")

@@ -1,0 +1,181 @@
+"""The node's UDP heartbeats: one authenticated datagram a beat to the coordinator's beat port, with gRPC as the fallback (HeartbeatThread).
+
+The coordinator hands out the port and this node's key in JoinResponse and HeartbeatResponse
+(coordinator/udp_beats.py; beat_wire.py the format). gRPC stays authoritative and takes over
+whenever UDP does not answer:
+
+* until a beat has been answered (after every new key), each tick heartbeats over gRPC too;
+* a tick whose previous beat went unanswered heartbeats over gRPC too, so a lost datagram
+  delays the lease no more than a lost gRPC call would;
+* `MISSES_TO_PAUSE` unanswered beats in a row (UDP blocked, a wrong route, a coordinator that
+  restarted or handed over the lead and holds no key for this node): gRPC alone for
+  `PAUSE_BEATS` intervals, then UDP is tried again (a new key tries it at once);
+* a reply saying the node is not known: gRPC at once (its answer makes the agent join again).
+
+Used from the heartbeat thread only, but `rekey` (the agent's Join) from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+from collections.abc import Sequence
+
+from gossamer import beat_wire
+from gossamer.security.channel import coordinator_addresses
+
+log = logging.getLogger(__name__)
+
+#: Beats unanswered in a row before UDP is paused.
+MISSES_TO_PAUSE = 3
+#: Heartbeat intervals UDP stays paused before it is tried again.
+PAUSE_BEATS = 30
+#: Beats awaiting their reply that are remembered (a reply to an older one is not taken).
+PENDING = 8
+
+
+class UdpBeats:
+    """This node's beat socket, key, counter and fallback state."""
+
+    def __init__(self, coordinator: str | Sequence[str]) -> None:
+        hosts = [a.rpartition(":")[0].strip("[]") for a in coordinator_addresses(coordinator)]
+        self._hosts = list(dict.fromkeys(hosts))  # several coordinators: whichever leads answers
+        self._given: tuple[int, bytes] | None = None  # (port, key) as the coordinator last gave them
+        self._port, self._key = 0, b""
+        self._signer: beat_wire.Signer | None = None
+        self._socks: dict[int, socket.socket] = {}  # by address family
+        self._dests: list[tuple[int, tuple[str, int]]] = []  # (family, address) beats go to
+        self._counter = 0  # never reset: a new key starts the coordinator's count at 0
+        self._pending: dict[int, float] = {}  # counter -> monotonic time sent
+        self._last = 0  # the counter of the last beat sent this key (0: none)
+        self._answered = 0  # ... and of the last one answered
+        self._misses = 0
+        self._paused_until = 0.0
+        self._urgent = False  # a reply said "not known": heartbeat over gRPC now
+        self._working = False  # a beat was answered under this key (for the logs)
+        self._warned = False
+
+    def rekey(self, port: int, key: bytes) -> None:
+        """The beat port and key from a JoinResponse or HeartbeatResponse (port 0: the coordinator has none)."""
+        self._given = (port, key) if port and len(key) == beat_wire.KEY_BYTES else None
+
+    @property
+    def urgent(self) -> bool:
+        """A reply said this node is not known: the thread should heartbeat over gRPC now."""
+        return self._urgent
+
+    def sockets(self) -> list[socket.socket]:
+        """The sockets replies come on (none while no key was given)."""
+        return list(self._socks.values()) if self._signer is not None else []
+
+    def beat(self, node_id: str, now: float, interval: float) -> bool:
+        """This tick: send the beat when UDP is on; whether gRPC must heartbeat this tick as well."""
+        self._take_key()
+        self._urgent = False
+        if self._signer is None or not node_id or now < self._paused_until:
+            return True
+        previous_answered = self._last != 0 and self._answered == self._last
+        if self._last and not previous_answered:
+            self._misses += 1
+            if self._misses >= MISSES_TO_PAUSE:
+                (log.debug if self._warned else log.warning)(
+                    "%d UDP heartbeats unanswered: heartbeating over gRPC, UDP again in %.0f s", self._misses,
+                    PAUSE_BEATS * interval)
+                self._warned = True
+                self._pause(now, interval)
+                return True
+        if not self._send(node_id, now):
+            return True
+        return not previous_answered
+
+    def replies(self, now: float, interval: float) -> list[float]:
+        """Send times of the beats answered "known" since the last call (reads without waiting)."""
+        out: list[float] = []
+        for sock in self.sockets():
+            while True:
+                try:
+                    data, addr = sock.recvfrom(64)
+                except OSError:  # BlockingIOError: nothing more; others: nothing to take from them
+                    break
+                got = self._signer.check_reply(data) if self._signer is not None else None
+                if got is None or got[0] not in self._pending:
+                    continue  # not ours, forged, or a replay of an answered one
+                counter, known = got
+                sent = self._pending.pop(counter)
+                if not known:  # gRPC says so too, and the agent joins again: a new key resumes UDP
+                    self._urgent = True
+                    self._pause(now, interval)
+                    continue
+                self._answered = max(self._answered, counter)
+                self._misses = 0
+                self._dests = [d for d in self._dests if d[1] == addr[:2]] or self._dests  # whoever answers
+                if not self._working:
+                    self._working = True
+                    log.info("heartbeats over UDP to %s:%d", addr[0], addr[1])
+                out.append(sent)
+        return out
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close()
+        self._socks.clear()
+
+    # --- internals --------------------------------------------------------------------------
+    def _take_key(self) -> None:
+        given = self._given
+        if given == ((self._port, self._key) if self._key else None):
+            return
+        self._port, self._key = given if given is not None else (0, b"")
+        self._signer = beat_wire.Signer(self._key) if self._key else None
+        self._pending.clear()
+        self._last = self._answered = self._misses = 0
+        self._paused_until = 0.0
+        self._working = False
+        self._dests = []  # resolved at the first beat, in the heartbeat thread
+
+    def _resolve(self) -> list[tuple[int, tuple[str, int]]]:
+        dests = []
+        for host in self._hosts:
+            try:
+                family, _, _, _, addr = socket.getaddrinfo(host, self._port, type=socket.SOCK_DGRAM)[0]
+            except (OSError, IndexError):
+                continue
+            if family not in self._socks:
+                sock = socket.socket(family, socket.SOCK_DGRAM)
+                sock.setblocking(False)
+                self._socks[family] = sock
+            dests.append((int(family), (str(addr[0]), int(addr[1]))))
+        return dests
+
+    def _send(self, node_id: str, now: float) -> bool:
+        assert self._signer is not None
+        self._counter += 1
+        try:
+            data = self._signer.beat(node_id, self._counter)
+        except ValueError:  # a node id no beat can carry (Join allows none such): gRPC only
+            return False
+        if not self._dests:  # resolved again after a pause: the name may point elsewhere now
+            self._dests = self._resolve()
+        self._last = self._counter
+        self._pending[self._counter] = now
+        while len(self._pending) > PENDING:
+            del self._pending[next(iter(self._pending))]
+        for family, addr in self._dests:
+            try:
+                self._socks[family].sendto(data, addr)
+            except OSError:
+                pass  # unanswered: counted as a miss at the next tick
+        return True
+
+    def _pause(self, now: float, interval: float) -> None:
+        self._paused_until = now + PAUSE_BEATS * interval
+        self._last = self._answered = self._misses = 0
+        self._pending.clear()
+        self._working = False
+        self._dests = []
+
+
+def wait_for_replies(socks: list[socket.socket], timeout: float) -> bool:
+    """Whether a reply is waiting on `socks` within `timeout` seconds."""
+    return bool(select.select(socks, [], [], max(0.0, timeout))[0])

@@ -125,10 +125,14 @@ def test_a_diloco_worker_pushes_without_a_gradient_and_from_the_round_start_buff
             storages = {g.untyped_storage().data_ptr() for g in grads.values()}
             seen.append((no_grad, storages, layout.flat.untyped_storage().data_ptr()))
             start_buffer[:] = [weakref.ref(next(iter(grads.values()))._base)]
-            return push_pull(grads, **kw)
+            try:
+                return push_pull(grads, **kw)
+            finally:
+                start_buffer.clear()
 
-        def on_wait() -> None:  # polled while the reply is awaited
-            freed_in_flight.append(start_buffer[0]() is None)
+        def on_wait() -> None:  # polled while a reply is awaited (only a push's reply is looked at)
+            if start_buffer:
+                freed_in_flight.append(start_buffer[0]() is None)
             on_wait_before()
 
         on_wait_before = trainer.client.on_wait
@@ -168,7 +172,7 @@ class _WithUnused(nn.Module):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_stepping_inside_backward_is_exactly_stepping_after_it_and_holds_one_gradient(optimizer: str) -> None:
-    extra = {"weight_decay": 0.1} if optimizer == "adamw" else {"momentum": 0.9, "nesterov": True}
+    extra = {"weight_decay": 0.1} if optimizer == "adamw" else {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1}
     exp = Experiment(name="m", mode="diloco", optimizer=optimizer, chunk_numel=100, **extra, **DIGITS)  # type: ignore[arg-type]
     layouts: list[ReplicatedLayout] = []
     for _ in range(2):
@@ -256,3 +260,13 @@ def test_round_start_from_the_shards_trains_exactly_as_a_kept_copy_one_shard_at_
     assert len(kept_pushes) == 3 and all(len({plan.chunks[i].shard for i in p}) == 2 for p in kept_pushes)
     assert len(pulled_pushes) == 6 and all(len({plan.chunks[i].shard for i in p}) == 1 for p in pulled_pushes)
     assert pulled.client.bytes_down > kept.client.bytes_down  # the round's start is downloaded again
+
+
+def test_clipping_falls_back_to_a_step_after_backward_and_trains_as_stepping_inside(tmp_path: Path) -> None:
+    inside, _ = _run_diloco(tmp_path / "i")
+    unclipped, _ = _run_diloco(tmp_path / "u", max_grad_norm=1e9)  # the whole-gradient path; its norm never reaches it
+    clipped, _ = _run_diloco(tmp_path / "c", max_grad_norm=1e-3)
+    assert inside.stepper is not None and unclipped.stepper is None and clipped.stepper is None
+    assert torch.equal(inside.layout.flat, unclipped.layout.flat)  # bitwise: inside backward is the same step
+    assert not torch.equal(clipped.layout.flat, unclipped.layout.flat)  # the clip was applied, not stepped past
+    assert 0 < clipped.grad_norm < 1e9

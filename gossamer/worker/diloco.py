@@ -155,6 +155,11 @@ class DilocoTrainer(ParameterServerTrainer):
         self._pending = None  # likewise a round whose start the shards hold
         return super().pull()
 
+    def _drop_training_state(self) -> None:
+        super()._drop_training_state()
+        self.inner.state.clear()  # the inner AdamW's two model-sized buffers
+        self._pseudo = None
+
     def _inner_round(self) -> dict[int, torch.Tensor]:
         """H inner steps from the current (global) parameters; returns theta_0 - theta_H by chunk index
         (nothing with `round_start="shards"`: theta_0 is pulled again at the exchange).

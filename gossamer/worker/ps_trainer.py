@@ -316,6 +316,7 @@ class ParameterServerTrainer(RankTrainer):
             self._await_lead()
             if self.ctx.lead and not self._stopping():
                 die_at("before-finish", step=self.progress, **self.client.fault_ctx)
+                self._drop_training_state()  # before the final values come in: nothing trains again
                 self.pull()  # the final parameters, whoever pushed last
                 self.finish()
         self.client.leave()
@@ -323,6 +324,12 @@ class ParameterServerTrainer(RankTrainer):
         self.finished = done
         log.info("worker %d rank %d finished after %d steps (%.1f s)", self.ctx.worker_index,
                  self.ctx.local_rank, self.stats.steps, time.monotonic() - t0)
+
+    def _drop_training_state(self) -> None:
+        """Past the last step, before the final pull and checkpoint: free what only training needs (the
+        codec's error-feedback residual, as big as what is pushed), so the finish holds no more than training."""
+        if self.client.compressor is not None:
+            self.client.compressor.reset()
 
     def _await_lead(self) -> None:
         """Past the last step and not the lead: stay until the run completes or this worker becomes lead.

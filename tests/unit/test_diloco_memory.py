@@ -227,15 +227,15 @@ def test_a_refused_round_is_taken_again_from_the_shards_exactly(tmp_path: Path) 
         shards.close()
 
 
-def _run_diloco(tmp_path: Path, **fields: Any) -> tuple[DilocoTrainer, list[set[int]]]:
-    """One worker, three rounds on two in-process shards; the chunk indices of every push."""
+def _run_diloco(tmp_path: Path, lead: bool = False, **fields: Any) -> tuple[DilocoTrainer, list[set[int]]]:
+    """One worker, three rounds on two in-process shards; the chunk indices of every push (`lead`: it finishes)."""
     torch.set_num_threads(1)
     exp = Experiment(name="s", mode="diloco", num_ps_shards=2, inner_steps=2, total_steps=6, eval_every=0,
                      lr=0.003, seed=1, chunk_numel=2000, **fields, **DIGITS)  # type: ignore[arg-type]
     shards = LocalShards(exp)
     try:
         trainer = DilocoTrainer(RankContext(experiment_id="e", experiment=exp, node_id="n", worker_index=0,
-                                            num_workers=1, endpoints=shards.endpoints,
+                                            num_workers=1, endpoints=shards.endpoints, lead=lead,
                                             checkpoint_dir=str(tmp_path)))
         pushed: list[set[int]] = []
         push_pull = trainer.client.push_pull
@@ -270,3 +270,20 @@ def test_clipping_falls_back_to_a_step_after_backward_and_trains_as_stepping_ins
     assert torch.equal(inside.layout.flat, unclipped.layout.flat)  # bitwise: inside backward is the same step
     assert not torch.equal(clipped.layout.flat, unclipped.layout.flat)  # the clip was applied, not stepped past
     assert 0 < clipped.grad_norm < 1e9
+
+
+def test_the_lead_frees_the_inner_state_and_residual_before_its_final_pull_and_checkpoint(tmp_path: Path) -> None:
+    held: list[tuple[int, int]] = []  # (inner optimizer states, error-feedback residuals) at each pull
+    pull = DilocoTrainer.pull
+
+    def spy(self: DilocoTrainer) -> bool:
+        assert self.client.compressor is not None
+        held.append((len(self.inner.state), len(self.client.compressor.feedback)))
+        return pull(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DilocoTrainer, "pull", spy)
+        trainer, pushes = _run_diloco(tmp_path, lead=True)
+    assert len(pushes) == 3 and trainer.final_path and Path(trainer.final_path).exists()
+    assert held[-1] == (0, 0), f"the final pull came on top of the training state: {held}"
+    assert held[0] == (0, 0) and len(held) == 2  # the first pull, before any step; then the final one

@@ -544,7 +544,10 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "momentum buffer, 2x its parameters). Timings on a loaded 2-core machine shared with other jobs: compare "
          "step times within one run only; a backup more than 3 s behind its primary is detached (the `steps` of "
          "a backup row: how many updates it replayed before that). A label naming fields (`after3 round_start=shards ...`) "
-         "ran with those experiment fields set (`--set`); the others with the defaults.")
+         "ran with those experiment fields set (`--set`); the others with the defaults. diloco labels: `after` the "
+         "whole gradient freed over the outer exchange; `after3` the inner optimizer stepping inside backward and "
+         "the encoded pseudo-gradient freed; `after4` also the lead freeing the inner optimizer state and the "
+         "error-feedback residual before its final pull and checkpoint.")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

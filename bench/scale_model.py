@@ -2,6 +2,10 @@
 push+pull against raw ZMQ, and serving while a checkpoint is taken.
 
     python bench/scale_model.py [--label before|after] [--modes async,sync,diloco] [--steps N]
+                                [--set FIELD=VALUE ...]
+
+`--set` overrides an experiment field in every mode's spec (VALUE read as JSON, else as a string),
+e.g. `--modes diloco --set round_start=shards --set error_feedback=off --label after+shards+ef-off`.
 
 Each mode runs one local cluster (coordinator, on-demand nodes ps-a and ps-b that host the two
 shards and their backups, spot nodes w-1 and w-2 that train): `bench/_scale_user.py:mlp`, a
@@ -221,8 +225,9 @@ def _last_values(metrics: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def run_mode(mode: str, steps: int | None, plan: ShardPlan, model_bytes: int, label: str) -> dict[str, Any]:
-    spec = {**BASE, **MODES[mode], "name": f"scale-{mode}"}
+def run_mode(mode: str, steps: int | None, plan: ShardPlan, model_bytes: int, label: str,
+             fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec = {**BASE, **MODES[mode], **(fields or {}), "name": f"scale-{mode}"}
     if steps:
         spec["total_steps"] = steps
     env = {"PYTHONPATH": os.pathsep.join([str(BENCH), os.getcwd(), os.environ.get("PYTHONPATH", "")])}
@@ -472,7 +477,10 @@ def main() -> None:
     ap.add_argument("--modes", default="async,sync,diloco")
     ap.add_argument("--steps", type=int, default=0, help="total_steps of each run (0: the mode's default)")
     ap.add_argument("--skip-push-pull", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="an experiment field for every mode's spec (VALUE as JSON, else a string)")
     args = ap.parse_args()
+    fields = dict(_field(item) for item in args.set)
     with torch.device("meta"):
         model = mlp()
     numel = sum(p.numel() for p in model.parameters())
@@ -486,7 +494,7 @@ def main() -> None:
     torch_mb = baselines["import torch + role code"]
     head = {"model_numel": numel, "model_mb": model_bytes / MB, "baselines_mb": baselines}
     for mode in filter(None, args.modes.split(",")):
-        run = run_mode(mode, args.steps or None, plan, model_bytes, args.label)
+        run = run_mode(mode, args.steps or None, plan, model_bytes, args.label, fields)
         mem = memory_rows(run, plan, model_bytes, torch_mb)
         for r in mem:
             if "x_held" in r:
@@ -498,6 +506,17 @@ def main() -> None:
         pp = {"label": args.label, **push_pull_vs_raw(plan)}
         say(f"push+pull: {pp}")
         save(args.label, {**head, "memory": [], "steps": [], "checkpoint": [], "push_pull": [pp]}, "push_pull")
+
+
+def _field(item: str) -> tuple[str, Any]:
+    """`FIELD=VALUE` of `--set`: VALUE read as JSON (numbers, true/false), else kept as a string."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set wants FIELD=VALUE, got {item!r}")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
 
 
 def save(label: str, part: dict[str, Any], mode: str) -> None:
@@ -524,7 +543,11 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "the shards and backups on it); `x_state`: over a shard's whole state (parameters and the optimizer's "
          "momentum buffer, 2x its parameters). Timings on a loaded 2-core machine shared with other jobs: compare "
          "step times within one run only; a backup more than 3 s behind its primary is detached (the `steps` of "
-         "a backup row: how many updates it replayed before that).")
+         "a backup row: how many updates it replayed before that). A label naming fields (`after3 round_start=shards ...`) "
+         "ran with those experiment fields set (`--set`); the others with the defaults. diloco labels: `after` the "
+         "whole gradient freed over the outer exchange; `after3` the inner optimizer stepping inside backward and "
+         "the encoded pseudo-gradient freed; `after4` also the lead freeing the inner optimizer state and the "
+         "error-feedback residual before its final pull and checkpoint.")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

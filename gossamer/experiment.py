@@ -26,6 +26,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 OPTIMIZERS = ("sgd", "adamw")
+ERROR_FEEDBACK = ("auto", "on", "off")
+ROUND_STARTS = ("memory", "shards")
 #: Optimizers with a `momentum` (and `nesterov`); the others refuse it (paramserver/optimizer.py).
 _MOMENTUM_OPTIMIZERS = ("sgd",)
 PARALLELISMS = ("ddp", "fsdp", "pipeline")
@@ -70,6 +72,9 @@ class Experiment:
     compression: str = "auto"  # "auto": the mode's default (int8 for diloco's pseudo-gradients, none otherwise)
     compression_overrides: dict[str, str] = field(default_factory=dict)
     pull_compression: str = "none"
+    #: The residual a pushing worker keeps of what its codec dropped (one fp32 copy of what it pushes):
+    #: "auto" (on for the biased codecs: int8, topk, randk, sign, powersgd), "on" or "off".
+    error_feedback: str = "auto"
     adaptive_target_share: float = 0.2
     optimizer: str = "auto"  # "auto": the mode's default (adamw for diloco's inner steps, sgd otherwise)
     lr: float = 0.05
@@ -96,6 +101,10 @@ class Experiment:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_step: str = "sync"
+    #: Where a DiLoCo worker keeps the parameters its round started from: "memory" (a copy), or "shards"
+    #: (none: pulled again from the shards, which hold them until the round's barrier, shard by shard at
+    #: the round's end; one more download of the model per round; outer_step "sync", one local rank).
+    round_start: str = "memory"
     topology: str = "exponential"
     parallelism: str = "ddp"  # inside a node: ddp | fsdp | pipeline (gossamer/worker/layout.py)
     pipeline_microbatches: int = 4
@@ -256,7 +265,8 @@ def _resolve_mode(exp: Experiment) -> Mode:
 
 
 def _check_codecs(exp: Experiment, row: Mode) -> None:
-    """`compression`, `pull_compression`, `compression_overrides` (the registry's grammar)."""
+    """`compression`, `pull_compression`, `compression_overrides` (the registry's grammar), `error_feedback`,
+    and `round_start` (which needs full values pulled)."""
     _check_codec("compression", exp.compression, allow_adaptive=True)
     _check_codec("pull_compression", exp.pull_compression, allow_adaptive=False)
     if not isinstance(exp.compression_overrides, dict):
@@ -265,6 +275,17 @@ def _check_codecs(exp: Experiment, row: Mode) -> None:
         if not isinstance(pattern, str) or not pattern:
             raise ConfigError("compression_overrides", f"pattern {pattern!r} must be a non-empty string")
         _check_codec("compression_overrides", spec, allow_adaptive=False)
+    if exp.error_feedback not in ERROR_FEEDBACK:
+        raise ConfigError("error_feedback", f"must be one of {', '.join(ERROR_FEEDBACK)}, got {exp.error_feedback!r}")
+    if exp.error_feedback != "auto" and not row.servers:
+        raise ConfigError("error_feedback", f"{row.label} pushes no gradients to servers; leave it 'auto'")
+    if exp.round_start not in ROUND_STARTS:
+        raise ConfigError("round_start", f"must be one of {', '.join(ROUND_STARTS)}, got {exp.round_start!r}")
+    if exp.round_start == "shards" and (row.name != "diloco" or not row.barrier or exp.pull_compression != "none"):
+        raise ConfigError("round_start", "'shards' needs mode 'diloco' with outer_step 'sync' (the shards hold the "
+                                         "round's start until its barrier) and pull_compression 'none' (the values "
+                                         f"pulled are the ones trained from); got {row.label}, pull_compression "
+                                         f"{exp.pull_compression!r}")
     if _not_number(exp.adaptive_target_share) or not 0 < exp.adaptive_target_share <= 10:
         raise ConfigError("adaptive_target_share", f"must be in (0, 10], got {exp.adaptive_target_share!r}")
     if row.exchanges_values:

@@ -160,6 +160,11 @@ class ChunkCompressor:
         return self._seed
 
     @property
+    def error_feedback(self) -> bool | None:
+        """The `error_feedback` this compressor was built with (None: on for biased codecs)."""
+        return self._error_feedback
+
+    @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """The parameter shapes this compressor was given."""
         return dict(self._shapes)

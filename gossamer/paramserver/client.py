@@ -15,6 +15,7 @@ import zmq
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.errors import ConfigError, ProtocolError, ShardError, UnavailableError
 from gossamer.faults import die_at
+from gossamer.paramserver.pulled_values import apply_deltas
 from gossamer.paramserver.shard_plan import ShardPlan
 from gossamer.protocol import (
     HelloMeta,
@@ -214,11 +215,11 @@ class ShardClient:
                 moved.append(s)
         return moved
 
-    def pull(self) -> PullResult:
-        """Current values of this client's chunks."""
+    def pull(self, shards: Iterable[int] | None = None) -> PullResult:
+        """Current values of this client's chunks (only of those on `shards`, if given)."""
         reqs = {
             s: self._msg("PULL", s, PullMeta(chunks=tuple(self._by_shard[s]), pull_codec=self.pull_codec).to_meta())
-            for s in self.shards
+            for s in (self.shards if shards is None else shards)
         }
         return self._result(self._request(reqs))
 
@@ -268,11 +269,12 @@ class ShardClient:
         step: int | None = None,
         num_workers: int | None = None,
         generation: int | None = None,
+        consume: bool = False,
     ) -> PullResult:
         """Push gradients (by chunk index) and return the new values of those chunks.
 
         `basis` maps shard -> the version the gradients were computed on; in sync mode pass
-        `step` and `num_workers`.
+        `step` and `num_workers`. `consume` with a compressor: `grads` is emptied once encoded.
 
         Raises:
             ShardError: a shard rejected the push (nothing of it was applied there).
@@ -281,6 +283,8 @@ class ShardClient:
         t0 = time.perf_counter()
         reqs = self._push_requests(grads, clock=clock, basis=basis, step=step, num_workers=num_workers,
                                    generation=generation)
+        if consume and self.compressor is not None:
+            grads.clear()  # encoded: a resend sends the payload, so the caller's buffers can go now
         self.encode_s += time.perf_counter() - t0
         sent = self._send(reqs)
         die_at("mid-pull", step=self.fault_step, **self.fault_ctx)  # pushed, reply not read yet
@@ -618,23 +622,6 @@ class ShardClient:
             self.split_acks += 1
             logger.error("shard %d answered from %s and %s in one epoch (%d)", s, first, self._endpoints[s], epoch)
 
-    def _apply_deltas(self, shard: int, reply: Message, compressed: dict[str, Any]) -> dict[int, torch.Tensor]:
-        """Rebuild chunk values from compressed differences against what we hold."""
-        if self.pull_decoder is None:
-            raise ShardError(f"shard {shard} sent compressed parameters we did not ask for")
-        out: dict[int, torch.Tensor] = {}
-        for key, cmeta in compressed.items():
-            idx = int(key) if isinstance(key, str) and key.isdigit() else -1
-            if idx not in self._held:
-                raise ShardError(
-                    f"shard {shard} sent a difference for chunk {key!r} we do not hold"
-                )
-            try:
-                out[idx] = self._held[idx] + self.pull_decoder.decode(idx, reply.tensors, cmeta)
-            except ProtocolError as e:
-                raise ShardError(f"shard {shard} sent an undecodable difference: {e}") from e
-        return out
-
     def _result(self, replies: dict[int, Message]) -> PullResult:
         t0 = time.perf_counter()
         try:
@@ -661,7 +648,7 @@ class ShardClient:
                 if "/" not in name:
                     values[parse_chunk_key(name)] = t
             if compressed:
-                values.update(self._apply_deltas(s, reply, compressed))
+                values.update(apply_deltas(self.pull_decoder, self._held, s, reply, compressed))
             for idx in values:
                 self.raw_bytes_down += 4 * self.plan.chunks[idx].numel
             if self.pull_decoder is not None:

@@ -46,7 +46,8 @@ class DensityWarmup:
         if (spec, overrides) == self._stage or old is None:
             return
         new = ChunkCompressor(spec, old.plan, overrides=overrides, shapes=old.shapes, seed=self._seed,
-                              momentum=old.momentum, unbiased_random=old.unbiased_random)
+                              momentum=old.momentum, error_feedback=old.error_feedback,
+                              unbiased_random=old.unbiased_random)
         new.feedback = old.feedback
         new.raw_bytes, new.wire_bytes = old.raw_bytes, old.wire_bytes
         new.encode_seconds, new.decode_seconds = old.encode_seconds, old.decode_seconds

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from gossamer.errors import ConfigError
 from gossamer.protocol import AssignmentUpdate
+from gossamer.worker.layout import ReplicatedLayout
 from gossamer.worker.optimizer import inner_optimizer, schedule_lr
 from gossamer.worker.ps_trainer import ParameterServerTrainer
 from gossamer.worker.rank import Hook, RankContext, StepAbandoned
 from gossamer.worker.rank_trainer import OnSaved
+from gossamer.worker.step_in_backward import StepInBackward
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,15 @@ class DilocoTrainer(ParameterServerTrainer):
     or joined) the same pseudo-gradient is pushed again, scaled by the new worker count;
     the H steps are not recomputed. `outer_step="async"`: applied on arrival, the outer lr
     divided by the staleness in rounds.
+
+    Memory (bench/scale_model.py): where nothing needs the whole gradient before the inner
+    step (one local rank, no clipping, no fp16 loss scaling) the inner optimizer steps each
+    parameter inside backward (`StepInBackward`), so no whole-model gradient is held. With a
+    codec on one local rank, the pseudo-gradient is freed once encoded, for the round trip;
+    a push the re-formed barrier refused takes it again as theta_0 - theta_H, theta_0 pulled
+    from the shards (which did not apply the step). `round_start="shards"`: no copy of theta_0
+    is kept at all; at the round's end it is pulled from the shards, one shard at a time, and
+    that shard's part of the pseudo-gradient is exchanged before the next is pulled.
     """
 
     def __init__(self, ctx: RankContext, *, on_metrics: Hook | None = None,
@@ -37,6 +51,23 @@ class DilocoTrainer(ParameterServerTrainer):
                  should_stop: Callable[[], bool] | None = None, on_saved: OnSaved | None = None) -> None:
         super().__init__(ctx, on_metrics=on_metrics, updates=updates, should_stop=should_stop, on_saved=on_saved)
         self.inner = inner_optimizer(self.exp, self.model.parameters())
+        self.stepper: StepInBackward | None = None
+        layout = self.layout
+        if isinstance(layout, ReplicatedLayout) and layout.world == 1 and self.scaler is None \
+                and not self.exp.max_grad_norm:
+            layout.step_in_backward()
+            self.stepper = StepInBackward(self.inner, layout.module)
+        # The pushed pseudo-gradient can be freed and taken again from the shards (its chunks are all this
+        # rank's, the values it started from are the shards' exactly: no pull codec).
+        self._rederivable = layout.world == 1 and self.exp.pull_compression == "none"
+        self._from_shards = self.exp.round_start == "shards"
+        if self._from_shards and layout.world > 1:
+            raise ConfigError("round_start", f"'shards' exchanges shard by shard, which one local rank does; this "
+                                             f"node runs {layout.world}")
+        # round_start="shards": the version the inner steps of the pending round started from, and the
+        # shards its part was exchanged with already (a push refused by a re-formed barrier goes on from there).
+        self._pending: int | None = None
+        self._sent: set[int] = set()
         self.rounds = 0
         # (the version the round started from, theta_0 - theta_H of this rank's chunks by index)
         self._pseudo: tuple[int, dict[int, torch.Tensor]] | None = None
@@ -47,49 +78,128 @@ class DilocoTrainer(ParameterServerTrainer):
         return super().progress * self.exp.inner_steps
 
     def _step_once(self) -> bool:
+        if self._from_shards:
+            return self._round_from_shards()
         start = self.version
+        if self._pseudo is not None and self._pseudo[0] == start and not self._pseudo[1]:
+            self._pseudo = self._rederive(start)  # pushed (and freed), then refused: take it again
+            start = self.version
         if self._pseudo is None or self._pseudo[0] != start:
             self._pseudo = (start, self._inner_round())
             self._pseudo_scale = 1.0
         # Scaled in place (a pushed copy would be one more model-sized buffer); a redo after
         # the barrier re-formed rescales it to the new worker count.
         scale = 1.0 / self.ctx.num_workers
-        for d in self._pseudo[1].values():
-            d.mul_(scale / self._pseudo_scale)
+        pseudo = self._pseudo[1]
+        _scale(pseudo, scale / self._pseudo_scale)
         self._pseudo_scale = scale
-        grads = {idx: d.cpu() for idx, d in self._pseudo[1].items()}
-        done = self._push_pull(grads, step=start)
+        own = self._rederivable and all(d.device.type == "cpu" for d in pseudo.values())
+        # Handed over whole where it can be taken again (emptied once encoded), else CPU copies of it.
+        grads = pseudo if own else {idx: d.cpu() for idx, d in pseudo.items()}
+        done = self._push_pull(grads, step=start, consume=True)
         self._pseudo = None
         self.rounds += 1
         return done
 
+    def _rederive(self, start: int) -> tuple[int, dict[int, torch.Tensor]] | None:
+        """theta_0 - theta_H of a round whose push (freed once encoded) the barrier refused, by chunk index.
+
+        The parameters still hold theta_H, and the shards, which did not apply the step, still hold
+        theta_0 at version `start`: pulled again, it gives the same pseudo-gradient. None, with the
+        shards' values written in, where one has moved on: that round can no longer be pushed.
+        """
+        res = self.client.pull()
+        if any(v != start for v in res.versions.values()):
+            self._note_versions(res.versions)
+            self._assemble(res.values, res.done)
+            return None
+        self._pseudo_scale = 1.0
+        return start, self.layout.chunk_delta(res.values)
+
+    def _round_from_shards(self) -> bool:
+        """A round whose start was not kept: after the H steps, shard by shard, pull its values (the round's
+        start: its barrier holds them), push their difference from theta_H, write the reply in.
+
+        One shard's values, pseudo-gradient and reply at a time, never the model's. A shard that has
+        moved on since the round started makes the round unpushable: its values are written in and the
+        next round starts from there.
+        """
+        start = self.version
+        if self._pending != start:
+            self._inner_round()
+            self._pending, self._sent = start, set()
+        done = False
+        for s in self.client.shards:
+            if s in self._sent:
+                continue
+            res = self.client.pull([s])
+            if res.versions[s] != start:
+                self._note_versions(res.versions)
+                self._pending = None
+                return self._assemble(res.values, res.done)
+            pseudo = self.layout.chunk_delta(res.values)  # in the pulled buffers
+            del res
+            _scale(pseudo, 1.0 / self.ctx.num_workers)
+            done = self._push_pull(pseudo, step=start, consume=True) or done
+            self._sent.add(s)
+        self._pending = None
+        self.rounds += 1
+        return done
+
+    def _note_versions(self, versions: dict[int, int]) -> None:
+        super()._note_versions({**self.versions, **versions})  # a reply from some shards leaves the others'
+
+    def pull(self) -> bool:
+        if self._pseudo is not None and not self._pseudo[1]:
+            self._pseudo = None  # theta_H is overwritten: a freed pseudo-gradient cannot be taken again
+        self._pending = None  # likewise a round whose start the shards hold
+        return super().pull()
+
+    def _drop_training_state(self) -> None:
+        super()._drop_training_state()
+        self.inner.state.clear()  # the inner AdamW's two model-sized buffers
+        self._pseudo = None
+
     def _inner_round(self) -> dict[int, torch.Tensor]:
-        """H inner steps from the current (global) parameters; returns theta_0 - theta_H by chunk index.
+        """H inner steps from the current (global) parameters; returns theta_0 - theta_H by chunk index
+        (nothing with `round_start="shards"`: theta_0 is pulled again at the exchange).
 
         With fsdp or pipeline the inner optimizer steps each rank's own shard or stage, and
         the pseudo-gradient is of this rank's chunks only. A stop request waits for the end
         of the round there: abandoning alone would leave the other local ranks in a collective.
         """
-        theta0 = self.layout.snapshot()
+        theta0 = None if self._from_shards else self.layout.snapshot()
         for i in range(self.exp.inner_steps):
             if self.layout.holds_full_model and self.should_stop():
-                self.layout.restore(theta0)  # nothing of the round leaves this worker
+                if theta0 is not None:
+                    self.layout.restore(theta0)  # nothing of the round leaves this worker
                 raise StepAbandoned
-            with self.profiler.region("compute"):
+            schedule_lr(self.inner, self.exp, self.progress + i)  # before backward: it may step inside
+            with self.profiler.region("compute"), self._stepping():
                 _, node_samples, compute_s = self._local_grad(self.client.fault_ctx)
             self.compute_s += compute_s
-            schedule_lr(self.inner, self.exp, self.progress + i)
             if not self.step_ok:  # fp16 overflow: this inner step is skipped
                 self.skipped_steps += 1
                 continue
-            self.inner.step()
+            if self.stepper is None:
+                self.inner.step()
             self.layout.params_stepped()
             self._count(node_samples)
         # The gradient is not needed again before the next round's first backward: free it for the
         # exchange, where the reply and the pseudo-gradient are held instead.
         self.layout.release_gradients()
-        return self.layout.chunk_delta(theta0)
+        return {} if theta0 is None else self.layout.chunk_delta(theta0)
+
+    def _stepping(self) -> contextlib.AbstractContextManager[Any]:
+        """Around backward: the inner step runs inside it, parameter by parameter (`StepInBackward`)."""
+        return self.stepper.armed() if self.stepper is not None else contextlib.nullcontext()
 
     def _report(self, rate: float) -> None:
         self.on_metrics(self.progress, {"outer_rounds": float(self.rounds)})
         super()._report(rate)
+
+
+def _scale(chunks: dict[int, torch.Tensor], factor: float) -> None:
+    """Multiply every chunk in place (in a frame of its own: no loop variable keeps a chunk alive after)."""
+    for d in chunks.values():
+        d.mul_(factor)

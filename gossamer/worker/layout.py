@@ -604,6 +604,7 @@ class ReplicatedLayout(NodeLayout):
         self.flat_grad: torch.Tensor | None = None
         self._views = False  # parameters and gradients are views of `flat` and `flat_grad`
         self._grad_released = False  # `release_gradients` freed the gradient views: the next backward binds new ones
+        self._no_flat_grad = False  # `step_in_backward`: gradients are per parameter, stepped and freed in backward
         self._grad = torch.zeros(0)  # the node gradient of the last step (`flat_grad` or a copy)
         self._grad_copied = False  # `_grad` is a copy that was changed: `.grad` must be given it
         self._views_checked = False
@@ -643,6 +644,14 @@ class ReplicatedLayout(NodeLayout):
         self.flat_grad = None
         self._grad = torch.zeros(0)
 
+    def step_in_backward(self) -> None:
+        """An optimizer steps each parameter inside backward and frees its gradient (`StepInBackward`): keep no
+        flat gradient buffer, and return none from `node_gradient`. One local rank only (nothing to all-reduce)."""
+        if self.world > 1:
+            raise ValueError("stepping inside backward needs one local rank: the gradient is all-reduced first")
+        self.release_gradients()
+        self._no_flat_grad = True
+
     def _grads_are_views(self) -> bool:
         if self.flat_grad is None:
             return False
@@ -654,9 +663,9 @@ class ReplicatedLayout(NodeLayout):
     # --- a training rank's node gradient ---------------------------------------------------
     def node_gradient(self, batch: Any, denom: int, samples: int, loss_scale: float,
                       before_reduce: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._grad_released:
+        if self._grad_released and not self._no_flat_grad:
             self._bind_grad()  # zeroed, as zero_grad leaves it
-        self.module.zero_grad(set_to_none=False)
+        self.module.zero_grad(set_to_none=self._no_flat_grad)
         with self.autocast():
             out = self.objective.forward(self.module, batch)
         total, predictions = self.objective.loss_sum(out, batch)
@@ -668,7 +677,10 @@ class ReplicatedLayout(NodeLayout):
             self.flat_grad, self._views = None, False  # autograd replaced a .grad: fall back to copying
             unflatten_into(self.module, self.flat)
         self._views_checked = True
-        grad = self.flat_grad if self.flat_grad is not None else flatten_grads(self.module)
+        if self._no_flat_grad:
+            grad = torch.zeros(0)  # stepped and freed parameter by parameter inside backward
+        else:
+            grad = self.flat_grad if self.flat_grad is not None else flatten_grads(self.module)
         node_samples = torch.tensor([float(samples), total.item() / per_sample])
         self._grad, self._grad_copied = grad, False
         if self.world > 1:
@@ -737,6 +749,12 @@ class ReplicatedLayout(NodeLayout):
         self.params_changed()
 
     def chunk_delta(self, snapshot: Any) -> dict[int, torch.Tensor]:
+        """As `NodeLayout.chunk_delta`; `snapshot` is `flat` as it was, or values of some of this rank's chunks by
+        index (those are the chunks returned)."""
+        if isinstance(snapshot, dict):
+            chunks = self.plan.chunks
+            return {i: v.sub_(self.flat[chunks[i].flat_offset : chunks[i].flat_offset + chunks[i].numel].cpu())
+                    for i, v in snapshot.items()}
         delta = snapshot.sub_(self.flat)
         return {c.index: delta[c.flat_offset : c.flat_offset + c.numel] for c in self.chunks()}
 

@@ -56,6 +56,7 @@ class ParameterServerTrainer(RankTrainer):
                 overrides=list(self.exp.compression_overrides.items()),
                 shapes=shapes,
                 seed=self.exp.seed * 1000 + ctx.worker_index,
+                error_feedback={"auto": None, "on": True, "off": False}[self.exp.error_feedback],
                 # Sign and sparse codecs: the momentum runs here, before them (the shards run none).
                 momentum=WorkerMomentum(self.exp.momentum, nesterov=self.exp.nesterov)
                 if momentum_on_worker(self.exp) else None,
@@ -225,11 +226,12 @@ class ParameterServerTrainer(RankTrainer):
         self._count(node_samples)
         return done
 
-    def _push_pull(self, grads: dict[int, torch.Tensor], *, step: int) -> bool:
+    def _push_pull(self, grads: dict[int, torch.Tensor], *, step: int, consume: bool = False) -> bool:
         """Push `grads` computed at shard version `step`, write the values of the reply; True at the end.
 
         Under a barrier the push names its step, the membership size and generation, so the
-        shards can hold it for the others' and refuse it after a re-form.
+        shards can hold it for the others' and refuse it after a re-form. `consume`: `grads` is
+        emptied once encoded (`ShardClient.push_pull`), its buffers freed during the round trip.
         """
         die_at("mid-push", step=self.clock, **self.client.fault_ctx)
         self.client.fault_step = self.clock
@@ -243,6 +245,7 @@ class ParameterServerTrainer(RankTrainer):
                 step=step if barrier else None,
                 num_workers=self.ctx.num_workers if barrier else None,
                 generation=self.ctx.generation if barrier else None,
+                consume=consume,
             )
         self.exchange_s += time.perf_counter() - t0
         self._note_versions(res.versions)
@@ -313,6 +316,7 @@ class ParameterServerTrainer(RankTrainer):
             self._await_lead()
             if self.ctx.lead and not self._stopping():
                 die_at("before-finish", step=self.progress, **self.client.fault_ctx)
+                self._drop_training_state()  # before the final values come in: nothing trains again
                 self.pull()  # the final parameters, whoever pushed last
                 self.finish()
         self.client.leave()
@@ -320,6 +324,12 @@ class ParameterServerTrainer(RankTrainer):
         self.finished = done
         log.info("worker %d rank %d finished after %d steps (%.1f s)", self.ctx.worker_index,
                  self.ctx.local_rank, self.stats.steps, time.monotonic() - t0)
+
+    def _drop_training_state(self) -> None:
+        """Past the last step, before the final pull and checkpoint: free what only training needs (the
+        codec's error-feedback residual, as big as what is pushed), so the finish holds no more than training."""
+        if self.client.compressor is not None:
+            self.client.compressor.reset()
 
     def _await_lead(self) -> None:
         """Past the last step and not the lead: stay until the run completes or this worker becomes lead.

@@ -1,7 +1,8 @@
-"""The copies a DiLoCo worker does not make: no gradient over the exchange, the pseudo-gradient in the round's start buffer."""
+"""The copies a DiLoCo worker does not make: a whole gradient, a pseudo-gradient over the exchange, a round start."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,9 @@ from gossamer.paramserver import ShardPlan
 from gossamer.paramserver.local import LocalShards
 from gossamer.worker.diloco import DilocoTrainer
 from gossamer.worker.layout import NodeLayout, ReplicatedLayout, make_layout
+from gossamer.worker.optimizer import inner_optimizer
 from gossamer.worker.rank import RankContext
+from gossamer.worker.step_in_backward import StepInBackward
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -113,15 +116,37 @@ def test_a_diloco_worker_pushes_without_a_gradient_and_from_the_round_start_buff
         layout = trainer.layout
         assert isinstance(layout, ReplicatedLayout)
         seen: list[tuple[bool, set[int], int]] = []
+        start_buffer: list[weakref.ref[torch.Tensor]] = []
+        freed_in_flight: list[bool] = []
         push_pull = trainer.client.push_pull
 
         def spy(grads: dict[int, torch.Tensor], **kw: Any) -> Any:
             no_grad = layout.flat_grad is None and all(p.grad is None for p in trainer.model.parameters())
             storages = {g.untyped_storage().data_ptr() for g in grads.values()}
             seen.append((no_grad, storages, layout.flat.untyped_storage().data_ptr()))
-            return push_pull(grads, **kw)
+            start_buffer[:] = [weakref.ref(next(iter(grads.values()))._base)]
+            try:
+                return push_pull(grads, **kw)
+            finally:
+                start_buffer.clear()
 
+        def on_wait() -> None:  # polled while a reply is awaited (only a push's reply is looked at)
+            if start_buffer:
+                freed_in_flight.append(start_buffer[0]() is None)
+            on_wait_before()
+
+        on_wait_before = trainer.client.on_wait
+        assert on_wait_before is not None
+        trainer.client.on_wait = on_wait
         trainer.client.push_pull = spy  # type: ignore[method-assign]
+        held: list[int] = []
+        step = trainer.inner.step
+
+        def counting_step(*a: Any, **k: Any) -> Any:
+            held.append(sum(p.grad is not None for p in trainer.model.parameters()))
+            return step(*a, **k)
+
+        trainer.inner.step = counting_step  # type: ignore[method-assign]
         trainer.run()
     finally:
         shards.close()
@@ -129,3 +154,136 @@ def test_a_diloco_worker_pushes_without_a_gradient_and_from_the_round_start_buff
     for no_grad, storages, flat in seen:
         assert no_grad, "the gradient was still held while the pseudo-gradient was exchanged"
         assert len(storages) == 1 and flat not in storages, "the pushed chunks are not views of one round-start buffer"
+    assert freed_in_flight and all(freed_in_flight), "the pseudo-gradient was kept while its reply was awaited"
+    assert len(held) == 6 * 6 and set(held) == {1}, f"inner steps with these many gradients held: {held}"
+
+
+class _WithUnused(nn.Module):
+    """An MLP and a parameter no forward reaches (a flat gradient buffer gives it zeros: it is still stepped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+        self.unused = nn.Parameter(torch.ones(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_stepping_inside_backward_is_exactly_stepping_after_it_and_holds_one_gradient(optimizer: str) -> None:
+    extra = {"weight_decay": 0.1} if optimizer == "adamw" else {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1}
+    exp = Experiment(name="m", mode="diloco", optimizer=optimizer, chunk_numel=100, **extra, **DIGITS)  # type: ignore[arg-type]
+    layouts: list[ReplicatedLayout] = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layout = make_layout(_WithUnused(), exp, 0, 1, torch.device("cpu"))
+        assert isinstance(layout, ReplicatedLayout)
+        layouts.append(layout)
+    after, inside = layouts
+    opt_after = inner_optimizer(exp, after.module.parameters())
+    opt_inside = inner_optimizer(exp, inside.module.parameters())
+    inside.step_in_backward()
+    stepper = StepInBackward(opt_inside, inside.module)
+    held: list[int] = []
+    step = opt_inside.step
+
+    def counting_step(*a: Any, **k: Any) -> Any:
+        held.append(sum(p.grad is not None for p in inside.module.parameters()))
+        return step(*a, **k)
+
+    opt_inside.step = counting_step  # type: ignore[method-assign]
+    for _ in range(3):
+        _backward(after)
+        opt_after.step()
+        with stepper.armed():
+            _backward(inside)
+        assert inside.flat_grad is None and all(p.grad is None for p in inside.module.parameters())
+    assert torch.equal(after.flat, inside.flat)  # bitwise: the same arithmetic, tensor by tensor
+    assert not torch.equal(after.module.unused, torch.ones(5))  # the zero-gradient step reached it
+    assert held == [1] * len(held) and len(held) == 3 * 5, held  # 4 reached by backward + the unused one, each alone
+
+
+def test_a_refused_round_is_taken_again_from_the_shards_exactly(tmp_path: Path) -> None:
+    exp = Experiment(name="r", mode="diloco", num_ps_shards=2, inner_steps=2, total_steps=4, eval_every=0,
+                     lr=0.003, seed=1, **DIGITS)  # type: ignore[arg-type]
+    shards = LocalShards(exp)
+    try:
+        trainer = DilocoTrainer(RankContext(experiment_id="e", experiment=exp, node_id="n", worker_index=0,
+                                            num_workers=1, endpoints=shards.endpoints,
+                                            checkpoint_dir=str(tmp_path)))
+        trainer.client.hello(fresh=True)
+        trainer.pull()
+        start = trainer.version
+        kept = {i: d.clone() for i, d in trainer._inner_round().items()}  # noqa: SLF001
+        again = trainer._rederive(start)  # noqa: SLF001 — what a redo after a re-formed barrier pushes
+        assert again is not None and again[0] == start
+        assert again[1].keys() == kept.keys()
+        assert all(torch.equal(again[1][i], kept[i]) for i in kept)
+        assert any(bool(d.abs().sum() > 0) for d in kept.values())
+        trainer.client.leave()
+        trainer.client.close()
+    finally:
+        shards.close()
+
+
+def _run_diloco(tmp_path: Path, lead: bool = False, **fields: Any) -> tuple[DilocoTrainer, list[set[int]]]:
+    """One worker, three rounds on two in-process shards; the chunk indices of every push (`lead`: it finishes)."""
+    torch.set_num_threads(1)
+    exp = Experiment(name="s", mode="diloco", num_ps_shards=2, inner_steps=2, total_steps=6, eval_every=0,
+                     lr=0.003, seed=1, chunk_numel=2000, **fields, **DIGITS)  # type: ignore[arg-type]
+    shards = LocalShards(exp)
+    try:
+        trainer = DilocoTrainer(RankContext(experiment_id="e", experiment=exp, node_id="n", worker_index=0,
+                                            num_workers=1, endpoints=shards.endpoints, lead=lead,
+                                            checkpoint_dir=str(tmp_path)))
+        pushed: list[set[int]] = []
+        push_pull = trainer.client.push_pull
+
+        def spy(grads: dict[int, torch.Tensor], **kw: Any) -> Any:
+            pushed.append(set(grads))
+            return push_pull(grads, **kw)
+
+        trainer.client.push_pull = spy  # type: ignore[method-assign]
+        trainer.run()
+    finally:
+        shards.close()
+    return trainer, pushed
+
+
+def test_round_start_from_the_shards_trains_exactly_as_a_kept_copy_one_shard_at_a_time(tmp_path: Path) -> None:
+    kept, kept_pushes = _run_diloco(tmp_path / "m")
+    pulled, pulled_pushes = _run_diloco(tmp_path / "s", round_start="shards")
+    assert kept.rounds == pulled.rounds == 3
+    assert torch.equal(kept.layout.flat, pulled.layout.flat)  # bitwise: the same pseudo-gradients, pushed alike
+    plan = pulled.plan
+    assert len(kept_pushes) == 3 and all(len({plan.chunks[i].shard for i in p}) == 2 for p in kept_pushes)
+    assert len(pulled_pushes) == 6 and all(len({plan.chunks[i].shard for i in p}) == 1 for p in pulled_pushes)
+    assert pulled.client.bytes_down > kept.client.bytes_down  # the round's start is downloaded again
+
+
+def test_clipping_falls_back_to_a_step_after_backward_and_trains_as_stepping_inside(tmp_path: Path) -> None:
+    inside, _ = _run_diloco(tmp_path / "i")
+    unclipped, _ = _run_diloco(tmp_path / "u", max_grad_norm=1e9)  # the whole-gradient path; its norm never reaches it
+    clipped, _ = _run_diloco(tmp_path / "c", max_grad_norm=1e-3)
+    assert inside.stepper is not None and unclipped.stepper is None and clipped.stepper is None
+    assert torch.equal(inside.layout.flat, unclipped.layout.flat)  # bitwise: inside backward is the same step
+    assert not torch.equal(clipped.layout.flat, unclipped.layout.flat)  # the clip was applied, not stepped past
+    assert 0 < clipped.grad_norm < 1e9
+
+
+def test_the_lead_frees_the_inner_state_and_residual_before_its_final_pull_and_checkpoint(tmp_path: Path) -> None:
+    held: list[tuple[int, int]] = []  # (inner optimizer states, error-feedback residuals) at each pull
+    pull = DilocoTrainer.pull
+
+    def spy(self: DilocoTrainer) -> bool:
+        assert self.client.compressor is not None
+        held.append((len(self.inner.state), len(self.client.compressor.feedback)))
+        return pull(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DilocoTrainer, "pull", spy)
+        trainer, pushes = _run_diloco(tmp_path, lead=True)
+    assert len(pushes) == 3 and trainer.final_path and Path(trainer.final_path).exists()
+    assert held[-1] == (0, 0), f"the final pull came on top of the training state: {held}"
+    assert held[0] == (0, 0) and len(held) == 2  # the first pull, before any step; then the final one

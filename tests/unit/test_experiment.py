@@ -147,6 +147,18 @@ def test_outer_step_and_overlap_are_checked() -> None:
     assert e.value.field == "overlap"
 
 
+def test_error_feedback_and_round_start_are_checked() -> None:
+    assert Experiment(**BASE, mode="diloco").error_feedback == "auto"
+    Experiment(**BASE, mode="diloco", error_feedback="off", round_start="shards")
+    for kw in ({"error_feedback": "sometimes"}, {"error_feedback": True}, {"mode": "gossip", "error_feedback": "off"},
+               {"round_start": "disk"}, {"mode": "sync", "round_start": "shards"},
+               {"mode": "diloco", "outer_step": "async", "round_start": "shards"},
+               {"mode": "diloco", "round_start": "shards", "pull_compression": "int8"}):
+        with pytest.raises(ConfigError) as e:
+            Experiment(**{**BASE, "mode": "diloco", **kw})  # type: ignore[arg-type]
+        assert e.value.field == next(k for k in kw if k not in ("mode", "outer_step", "pull_compression")), kw
+
+
 def test_every_example_file_is_a_valid_experiment() -> None:
     files = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
     assert len(files) >= 4

@@ -187,6 +187,8 @@ class Coordinator:
         """Every role `node` had in `exp` is gone: re-plan them."""
         mine = [r for r in exp.roles if r.node_id == node.id]
         exp.roles = [r for r in exp.roles if r.node_id != node.id]
+        for r in mine:  # with the removal, before any await: a Complete in between must see one or the other
+            final_reports.ended(exp, r)
         exp.generation += 1
         for r in failover.replacement_order(mine):
             await self._replace_role(exp, r, node.name)
@@ -196,6 +198,7 @@ class Coordinator:
     async def _drop_role(self, exp: ExpRec, role: RoleRec, why: str) -> None:
         """One role process failed on a node that lives on: re-plan just that role."""
         exp.roles = [r for r in exp.roles if r is not role]
+        final_reports.ended(exp, role)  # with the removal, before any await (as in _node_gone)
         exp.generation += 1
         node = self.nodes.get(role.node_id)
         await self.store.add_event("lost", why, experiment_id=exp.id, node_id=role.node_id)
@@ -205,7 +208,6 @@ class Coordinator:
         await self.store.save_experiment(exp)
 
     async def _replace_role(self, exp: ExpRec, r: RoleRec, where: str) -> None:
-        final_reports.ended(exp, r)
         recovery = failover.recovery_for(r, exp.roles)
         if isinstance(recovery, failover.DropWorker):
             left = len(exp.roles_of(pb.ROLE_WORKER))

@@ -69,6 +69,15 @@ def _submit(client: Client, **fields: Any) -> Any:
                           "ps_backup": False, **fields})
 
 
+def _running(client: Client, nodes: Nodes, **fields: Any) -> Any:
+    """A run on nodes "ps" and "wk" (joined here), its shard serving: the job, running."""
+    nodes.join("ps", "wk")
+    job = _submit(client, **fields)
+    nodes.report(job.id, "ps", PS, 0, endpoint="tcp://127.0.0.1:5555")
+    wait_for(lambda: job.status()["state"] == "running", 10, "running")
+    return job
+
+
 def _roles(job: Any) -> list[tuple[str, str, int]]:
     return sorted((r["node"], r["role"], r["replica"]) for r in job.status()["roles"])
 
@@ -105,12 +114,9 @@ def test_a_start_past_its_deadline_with_a_shard_not_serving_fails_naming_it_and_
 
 def test_a_run_without_a_step_for_its_deadline_says_so_and_the_next_step_clears_it(
         coordinator: InProcessCoordinator, nodes: Nodes) -> None:
-    nodes.join("ps", "wk")
     exps = pb_grpc.ExperimentServiceStub(grpc.insecure_channel(coordinator.address))
     with Client(coordinator.address) as client:
-        job = _submit(client, progress_timeout_s=1, total_steps=100)
-        nodes.report(job.id, "ps", PS, 0, endpoint="tcp://127.0.0.1:5555")
-        wait_for(lambda: job.status()["state"] == "running", 10, "running")
+        job = _running(client, nodes, progress_timeout_s=1, total_steps=100)
 
         def step(n: int) -> None:
             point = pb.MetricPoint(time_unix=time.time(), step=n, source="wk/0", values={"loss": 1.0})
@@ -128,11 +134,8 @@ def test_a_run_without_a_step_for_its_deadline_says_so_and_the_next_step_clears_
 
 def test_nodes_all_gone_the_run_waits_saying_for_what_and_fails_at_its_deadline(
         coordinator: InProcessCoordinator, nodes: Nodes) -> None:
-    nodes.join("ps", "wk")
     with Client(coordinator.address) as client:
-        job = _submit(client, node_wait_timeout_s=8)  # the status check below must come before it, loaded or not
-        nodes.report(job.id, "ps", PS, 0, endpoint="tcp://127.0.0.1:5555")
-        wait_for(lambda: job.status()["state"] == "running", 10, "running")
+        job = _running(client, nodes, node_wait_timeout_s=8)  # the status check below must come before it, loaded or not
         nodes.leave("ps")
         nodes.leave("wk")
         waiting = wait_event(job, lambda e: e["kind"] == "waiting", 10, "the waiting event")
@@ -148,11 +151,8 @@ def test_nodes_all_gone_the_run_waits_saying_for_what_and_fails_at_its_deadline(
 
 def test_a_wait_that_widens_when_a_second_loss_is_seen_says_so(
         coordinator: InProcessCoordinator, nodes: Nodes) -> None:
-    nodes.join("ps", "wk")
     with Client(coordinator.address) as client:
-        job = _submit(client, node_wait_timeout_s=60)
-        nodes.report(job.id, "ps", PS, 0, endpoint="tcp://127.0.0.1:5555")
-        wait_for(lambda: job.status()["state"] == "running", 10, "running")
+        job = _running(client, nodes, node_wait_timeout_s=60)
         nodes.leave("wk")
         first = wait_event(job, lambda e: e["kind"] == "waiting", 10, "the first waiting event")
         assert first["message"].startswith("waiting for a node to run a worker;"), first
@@ -170,11 +170,8 @@ def test_a_wait_that_widens_when_a_second_loss_is_seen_says_so(
 
 def test_nodes_back_before_the_deadline_restore_the_lost_shard_and_the_run_resumes(
         coordinator: InProcessCoordinator, nodes: Nodes) -> None:
-    nodes.join("ps", "wk")
     with Client(coordinator.address) as client:
-        job = _submit(client, node_wait_timeout_s=60)
-        nodes.report(job.id, "ps", PS, 0, endpoint="tcp://127.0.0.1:5555")
-        wait_for(lambda: job.status()["state"] == "running", 10, "running")
+        job = _running(client, nodes, node_wait_timeout_s=60)
         nodes.leave("ps")
         nodes.leave("wk")
         wait_event(job, lambda e: e["kind"] == "waiting", 10, "the waiting event")

@@ -104,15 +104,19 @@ def test_the_pseudo_gradient_is_taken_in_the_round_start_buffer(parallelism: str
         torch.testing.assert_close(d, torch.full_like(d, -0.5), rtol=0, atol=1e-6)
 
 
+def _trainer(exp: Experiment, shards: LocalShards, tmp_path: Path) -> DilocoTrainer:
+    """Worker 0 of 1 of `exp` on `shards`."""
+    return DilocoTrainer(RankContext(experiment_id="e", experiment=exp, node_id="n", worker_index=0, num_workers=1,
+                                     endpoints=shards.endpoints, checkpoint_dir=str(tmp_path)))
+
+
 def test_a_diloco_worker_pushes_without_a_gradient_and_from_the_round_start_buffer(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     exp = Experiment(name="d", mode="diloco", num_ps_shards=2, inner_steps=2, total_steps=6, eval_every=0,
                      lr=0.003, seed=1, **DIGITS)  # type: ignore[arg-type]
     shards = LocalShards(exp)
     try:
-        trainer = DilocoTrainer(RankContext(experiment_id="e", experiment=exp, node_id="n", worker_index=0,
-                                            num_workers=1, endpoints=shards.endpoints,
-                                            checkpoint_dir=str(tmp_path)))
+        trainer = _trainer(exp, shards, tmp_path)
         layout = trainer.layout
         assert isinstance(layout, ReplicatedLayout)
         seen: list[tuple[bool, set[int], int]] = []
@@ -209,9 +213,7 @@ def test_a_refused_round_is_taken_again_from_the_shards_exactly(tmp_path: Path) 
                      lr=0.003, seed=1, **DIGITS)  # type: ignore[arg-type]
     shards = LocalShards(exp)
     try:
-        trainer = DilocoTrainer(RankContext(experiment_id="e", experiment=exp, node_id="n", worker_index=0,
-                                            num_workers=1, endpoints=shards.endpoints,
-                                            checkpoint_dir=str(tmp_path)))
+        trainer = _trainer(exp, shards, tmp_path)
         trainer.client.hello(fresh=True)
         trainer.pull()
         start = trainer.version

@@ -15,6 +15,8 @@ Syntax: comma-separated faults, each ``kind[:key=value...]``. Kinds:
 - ``hold:at=POINT:seconds=S[:worker=I][:rank=R]``: the thread at POINT sleeps S s (a late
   thread at an exact spot). ``final-report``: a worker past its last step, its final step
   counted, before it reports its final counters (``die:at=final-report`` kills it there).
+  ``serve-exit``: a shard's serve thread that died, its link to the backup closed, before it
+  ends (``shard=S`` matches).
 - ``slow-start:seconds=S``: a shard role of this node sleeps S s before it builds and serves (a
   slow host), so a test can start workers while a restored shard is not serving yet.
 - ``fail:at=POINT[:step=N][:shard=S][:once=PATH]``: the thread at POINT raises `InjectedFault`

@@ -22,8 +22,11 @@ def test_a_primary_whose_serve_thread_dies_fails_its_process_and_the_backup_take
     once = tmp_path / "serve-loop-failed"
     with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))
-        # The primary's serve thread raises outside any request (fault point serve-loop) at version 300.
-        cluster.add_node("ps-a", env={"GOSSAMER_FAULT": f"fail:at=serve-loop:step=300:shard=0:once={once}"})
+        # The primary's serve thread raises outside any request (fault point serve-loop) at version 300,
+        # then stays 1 s with its link to the backup closed (serve-exit): its role must not report
+        # that as a detached backup, or the coordinator restores the shard instead of promoting.
+        cluster.add_node("ps-a", env={"GOSSAMER_FAULT": f"fail:at=serve-loop:step=300:shard=0:once={once},"
+                                                        "hold:at=serve-exit:seconds=1:shard=0"})
         wait_for(lambda: len(client.nodes()) == 1, 60, "ps-a")
         cluster.add_node("ps-b")
         slow = {"GOSSAMER_FAULT": "delay:seconds=0.01"}  # the run outlasts the failover and the new backup's sync

@@ -103,7 +103,8 @@ class Experiment:
     outer_step: str = "sync"
     #: Where a DiLoCo worker keeps the parameters its round started from: "memory" (a copy), or "shards"
     #: (none: pulled again from the shards, which hold them until the round's barrier, shard by shard at
-    #: the round's end; one more download of the model per round; outer_step "sync", one local rank).
+    #: the round's end; one more download of the model per round; outer_step "sync"; a node of several local
+    #: ranks keeps a copy).
     round_start: str = "memory"
     topology: str = "exponential"
     parallelism: str = "ddp"  # inside a node: ddp | fsdp | pipeline (gossamer/worker/layout.py)

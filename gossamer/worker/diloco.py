@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from gossamer.errors import ConfigError
 from gossamer.protocol import AssignmentUpdate
 from gossamer.worker.layout import ReplicatedLayout
 from gossamer.worker.optimizer import inner_optimizer, schedule_lr
@@ -60,10 +59,11 @@ class DilocoTrainer(ParameterServerTrainer):
         # The pushed pseudo-gradient can be freed and taken again from the shards (its chunks are all this
         # rank's, the values it started from are the shards' exactly: no pull codec).
         self._rederivable = layout.world == 1 and self.exp.pull_compression == "none"
-        self._from_shards = self.exp.round_start == "shards"
-        if self._from_shards and layout.world > 1:
-            raise ConfigError("round_start", f"'shards' exchanges shard by shard, which one local rank does; this "
-                                             f"node runs {layout.world}")
+        self._from_shards = self.exp.round_start == "shards" and layout.world == 1
+        if self.exp.round_start == "shards" and layout.world > 1:
+            # A node's local ranks are not known at submit: this node keeps the start instead of failing its role.
+            log.warning("round_start 'shards' exchanges shard by shard, which one local rank does; this node runs %d: "
+                        "keeping the round's start in memory", layout.world)
         # round_start="shards": the version the inner steps of the pending round started from, and the
         # shards its part was exchanged with already (a push refused by a re-formed barrier goes on from there).
         self._pending: int | None = None

@@ -45,6 +45,7 @@ from gossamer.protocol import (
     ReplicateMeta,
     SyncMeta,
     chunk_key,
+    parse_chunk_key,
 )
 from gossamer.security import sender_tokens
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
@@ -387,7 +388,13 @@ class Replication:
 
     def _dense(self, tensors: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
         """A dense REPLICATE's gradient: one fp32 tensor per chunk of the shard."""
-        grads = self.decoders.dense(tensors, "REPLICATE")
+        grads: dict[int, torch.Tensor] = {}
+        for name, t in tensors.items():
+            idx = parse_chunk_key(name)
+            c = self.state.chunks.get(idx)
+            if c is None or t.dtype != torch.float32 or tuple(t.shape) != (c.numel,):
+                raise Reject(f"REPLICATE tensor {name!r} does not fit this shard")
+            grads[idx] = t
         if set(grads) != set(self.state.chunks):
             raise Reject("REPLICATE must carry every chunk of the shard")
         return grads

@@ -5,7 +5,6 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gossamer.worker.process_group import reserve_port
 
 #: Where Debian's postgresql-NN packages put the server binaries (CI installs one; .ci/run).
 _BIN_GLOBS = ("/usr/lib/postgresql/*/bin", "/usr/local/pgsql/bin")
@@ -31,12 +32,6 @@ def find_bin_dir() -> tuple[Path | None, str]:
                  "(Debian: apt-get install postgresql; .ci/run does)"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class PostgresServer:
     """initdb + pg_ctl start in a fresh directory (as the `postgres` user when run as root:
     initdb refuses root); `stop()` stops it at once and removes the directory."""
@@ -45,7 +40,8 @@ class PostgresServer:
         self.bin = bin_dir
         self.dir = Path(tempfile.mkdtemp(prefix="gossamer-pg-"))
         self.data = self.dir / "data"
-        self.port = _free_port()
+        self._hold = reserve_port()  # bound until the server listens on it: nobody else may take it meanwhile
+        self.port = int(self._hold.getsockname()[1])
         self._as: list[str] = []
         if os.geteuid() == 0:
             import pwd
@@ -69,8 +65,11 @@ class PostgresServer:
                   "--no-sync")
         # fsync off: the server itself is never killed here; the coordinators are.
         opts = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=50"
-        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "server.log"), "-o", opts,
-                  "-w", "-t", "60", "start")
+        try:
+            self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "server.log"), "-o", opts,
+                      "-w", "-t", "60", "start")
+        finally:
+            self._hold.close()
         self.started = True
         return self
 
@@ -88,6 +87,7 @@ class PostgresServer:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{name}"
 
     def stop(self) -> None:
+        self._hold.close()  # never started: the port goes back
         try:
             if self.started:
                 self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "-t", "30", "stop")

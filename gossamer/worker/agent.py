@@ -36,6 +36,7 @@ from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
 from gossamer.worker.heartbeat import HeartbeatThread
 from gossamer.worker.launcher import Launch, visible_cuda_devices
 from gossamer.worker.node_metrics import NodeMetrics
+from gossamer.worker.process_group import reserve_port
 from gossamer.worker.udp_beats import UdpBeats
 from gossamer.worker.warm import role_context, stop_fork_server, warm_up_in_background
 
@@ -108,12 +109,6 @@ def route_address(coordinator: str) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class _Running:
     procs: list[RoleProcess]
@@ -125,6 +120,15 @@ class _Running:
     #: An assignment of the same role that this process cannot take (a primary made a backup:
     #: the coordinator put a new backup here after this process failed); started once it exits.
     successor: pb.Assignment | None = None
+    #: The local ranks' master port, held bound until the role ends (`reserve_port`).
+    port_hold: socket.socket | None = None
+
+    def forget(self) -> None:
+        """The role's processes are gone: close its pipes and give its port back."""
+        for pipe in self.pipes:
+            pipe.close()
+        if self.port_hold is not None:
+            self.port_hold.close()
 
 
 class NodeAgent:
@@ -458,6 +462,7 @@ class NodeAgent:
         spec = self._spec(a)
         procs: list[RoleProcess] = []
         pipes: list[RolePipe] = []
+        hold: socket.socket | None = None
         if a.role == pb.ROLE_PARAMETER_SERVER:
             spec = replace(spec, label=f"ps{a.index}" + ("b" if a.replica else ""))
             recv, send = self._roles.Pipe(duplex=False)
@@ -465,7 +470,8 @@ class NodeAgent:
             pipes.append(send)
         else:
             nproc = self.config.nproc_per_node
-            port = _free_port()
+            hold = reserve_port() if nproc > 1 else None
+            port = hold.getsockname()[1] if hold is not None else 0
             for rank in range(nproc):
                 rspec = replace(spec, local_rank=rank, nproc=nproc, master_port=port, label=f"w{a.index}.{rank}")
                 if rank > 0 and self.attached is not None:  # runs in the launcher's process of that local rank
@@ -481,7 +487,7 @@ class NodeAgent:
             p.start()
         log.info("started %s %d of %s (%d process%s)", "shard" if a.role == pb.ROLE_PARAMETER_SERVER else "worker",
                  a.index, a.experiment_id, len(procs), "es" if len(procs) > 1 else "")
-        self.running[self._key(a)] = _Running(procs, pipes, a)
+        self.running[self._key(a)] = _Running(procs, pipes, a, port_hold=hold)
 
     def _update(self, run: _Running, a: pb.Assignment) -> None:
         if run.successor is not None or (a.role == pb.ROLE_PARAMETER_SERVER and a.replica > run.assignment.replica):
@@ -516,6 +522,7 @@ class NodeAgent:
                 if p.is_alive():
                     p.kill()
                 p.join(timeout=1)
+            run.forget()
             self.running.pop(key, None)
 
     async def _monitor(self) -> None:
@@ -539,8 +546,7 @@ class NodeAgent:
                         if p.is_alive():
                             p.kill()
                 if all(c is not None for c in codes):
-                    for pipe in run.pipes:
-                        pipe.close()
+                    run.forget()
                     del self.running[key]
                     if run.successor is not None:
                         self._start(run.successor)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer
 from gossamer.worker import sampler
 from gossamer.worker.layout import make_layout, stack_batch
 from gossamer.worker.precision import LossScaler, check_precision
-from gossamer.worker.process_group import end_process_group, exit_process
+from gossamer.worker.process_group import end_process_group, exit_process, reserve_port
 
 
 def run_rank(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
@@ -82,12 +81,6 @@ def run_rank(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     exit_process(0)  # as a worker rank does: torch may still hold the destroyed group's threads
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_node(world: int, out: Path, **cfg: Any) -> dict[str, Any]:
     """Start `world` local ranks of `run_rank`; the trained flat parameters and the losses."""
     # Imported here: each rank imports this module, and needs none of the fixtures' imports
@@ -95,8 +88,9 @@ def run_node(world: int, out: Path, **cfg: Any) -> dict[str, Any]:
 
     out.mkdir(parents=True, exist_ok=True)
     warm_context()  # the ranks fork from the warm fork server, not a fresh interpreter each
-    mp.start_processes(run_rank, args=(world, _free_port(), {**cfg, "out": str(out)}), nprocs=world,
-                       start_method="forkserver", join=True)
+    with reserve_port() as hold:  # bound until the ranks are done: nobody else may take the port meanwhile
+        mp.start_processes(run_rank, args=(world, hold.getsockname()[1], {**cfg, "out": str(out)}), nprocs=world,
+                           start_method="forkserver", join=True)
     flat = torch.empty(sum(p.numel() for p in mlp().parameters()))
     filled = torch.zeros(flat.numel(), dtype=torch.bool)
     for rank in range(world):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gossamer.experiment import Experiment
+from gossamer.worker.process_group import reserve_port
 from gossamer.worker.ps_trainer import ParameterServerTrainer
 from gossamer.worker.rank import RankContext
 from tests._fixtures import experiment, warm_context
@@ -100,14 +101,11 @@ def test_fsdp_and_pipeline_on_nccl_equal_single_process(tmp_path: Path, parallel
 
 def _two_ranks(tmp_path: Path, backend: str, atol: float = 1e-5, parallelism: str = "ddp", world: int = 2,
                schedule: str = "gpipe") -> None:
-    import socket
-
     exp = experiment(SYNC, batch_size=32, total_steps=20, chunk_numel=2048, parallelism=parallelism, pipeline_schedule=schedule)
     shards = Shards(exp)
+    hold = reserve_port()  # bound until the ranks are done: nobody else may take the port meanwhile
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = hold.getsockname()[1]
         ctx = warm_context()
         procs = [ctx.Process(target=_rank_main,
                              args=(r, world, port, exp.to_json(), shards.endpoints, str(tmp_path), backend))
@@ -120,6 +118,7 @@ def _two_ranks(tmp_path: Path, backend: str, atol: float = 1e-5, parallelism: st
         stats = [s.stats() for s in shards.servers]
         got = shards.flat()
     finally:
+        hold.close()
         for p in procs:
             if p.is_alive():
                 p.kill()

@@ -16,6 +16,7 @@ from gossamer.paramserver.shard_plan import flatten_params
 from gossamer.worker import sampler
 from gossamer.worker.batches import Data
 from gossamer.worker.model import build
+from gossamer.worker.process_group import reserve_port
 from gossamer.worker.ps_trainer import ParameterServerTrainer
 from gossamer.worker.rank import RankContext
 from tests._fixtures import warm_context
@@ -121,16 +122,13 @@ def _rank_main(rank: int, world: int, port: int, exp_json: str, endpoints: dict[
                                                       ("ddp", "stream_data")])
 def test_two_local_ranks_with_user_loss_equal_single_process(tmp_path: Path, parallelism: str, dataset: str) -> None:
     """One node of two ranks (fsdp rows, pipeline stages or ddp replicas), the user's loss: still the global step."""
-    import socket
-
     exp = Experiment(**{**BASE, "dataset": f"{U}:{dataset}"}, loss=f"{U}:half_squared_error", batch_size=32,
                      chunk_numel=64, parallelism=parallelism, pipeline_microbatches=4)
     shards = LocalShards(exp)
     procs: list[Any] = []
+    hold = reserve_port()  # bound until the ranks are done: nobody else may take the port meanwhile
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = hold.getsockname()[1]
         ctx = warm_context()
         procs = [ctx.Process(target=_rank_main, args=(r, 2, port, exp.to_json(), shards.endpoints, str(tmp_path)))
                  for r in range(2)]
@@ -141,6 +139,7 @@ def test_two_local_ranks_with_user_loss_equal_single_process(tmp_path: Path, par
         assert [p.exitcode for p in procs] == [0, 0]
         got = shards.flat()
     finally:
+        hold.close()
         for p in procs:
             if p.is_alive():
                 p.kill()

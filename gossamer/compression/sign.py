@@ -16,6 +16,8 @@ __all__ = ["SignCodec"]
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _ROW = 64
+#: The scale is at most this many times the mean |x| (see SignCodec).
+_CAP = 1.5
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -32,19 +34,26 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class SignCodec(Codec):
-    """Scaled sign: x' = mean(|x|) * sign(x), 32x smaller (signSGD with error feedback).
+    """Scaled sign: x' = s * sign(x) with s = min(rms(x), 1.5 mean(|x|)), 32x smaller (signSGD with error feedback).
 
     Karimireddy et al. 2019, "Error Feedback Fixes SignSGD and other Gradient Compression
-    Schemes", https://arxiv.org/abs/1901.09847 -- the scale ||x||_1 / d makes the
-    compressor a contraction, so with error feedback it converges like SGD.
+    Schemes", https://arxiv.org/abs/1901.09847, scale the sign by mean(|x|) = ||x||_1 / d, which
+    minimises ||x - x'|| for one step. Here the scale is the root mean square, capped at 1.5x
+    the mean: s lies in [mean |x|, 1.5 mean |x|] (rms >= mean always), so
+    ||x - x'||^2 = ||x||^2 - d s (2 mean|x| - s) keeps at least 3/4 of the best contraction
+    (the compressor stays a delta-approximate one, which error feedback needs), and
+    ||x'|| = sqrt(d) s <= ||x||: it never sends more than its input. The mean-scaled sign sends
+    about 0.8 of a Gaussian input's norm, and error feedback then lags: async digits (3
+    workers, momentum 0.9, 1,500 steps, tests/_async_sim.py, 3 seeds) reached 0.956 with the
+    mean against 0.980 for `none`, and 0.982 with this scale (the CNN: 0.982 with either scale).
 
     Payload: ``bits`` uint8 (ceil(numel / 8),), bit i (most significant first) set when
     x_i >= 0, padding bits zero; ``scale`` fp32 (1,) >= 0. No meta.
 
-    The scale is mean(|x|) rounded down by less than 2**-17 of it (fp32 partial sums, then a
-    margin so that it never exceeds the mean).
+    The scale is rounded down by less than 2**-17 of it (fp32 partial sums, then a margin so
+    that it never exceeds min(rms, 1.5 mean)).
 
-    Error bound: |x - x'| = ||x| - s| <= max(|x|, s) with s <= mean(|x|) (zeros decode to
+    Error bound: |x - x'| = ||x| - s| <= max(|x|, s) with s <= 1.5 mean(|x|) (zeros decode to
     +s), plus fp32 round-off. Biased: use it with error feedback (the default). The
     experiment's momentum runs on the worker, before this codec (EF-SGD with momentum,
     worker_momentum.py).
@@ -60,7 +69,7 @@ class SignCodec(Codec):
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:
         flat = x.reshape(-1)
         n = flat.numel()
-        total = 0.0
+        total = squares = 0.0
         for lo, hi in spans(n):
             part = flat[lo:hi]
             work = torch.abs(part, out=self._scratch.get(part.dtype, hi - lo))
@@ -69,13 +78,17 @@ class SignCodec(Codec):
             # nonnegative terms is within 63 * 2**-24 < 2**-18 of its value whatever the order.
             total += float(work[:rows].view(-1, _ROW).sum(dim=1).sum(dtype=torch.float64))
             total += float(work[rows:].sum(dtype=torch.float64))
-        if not math.isfinite(total):  # NaN/Inf, or fp32 row sums of values near fp32's max
+            work.mul_(work)
+            squares += float(work[:rows].view(-1, _ROW).sum(dim=1).sum(dtype=torch.float64))
+            squares += float(work[rows:].sum(dtype=torch.float64))
+        if not (math.isfinite(total) and math.isfinite(squares)):  # NaN/Inf, or fp32 sums near fp32's max
             if not all_finite(flat):
                 raise ValueError(f"{self.spec}: cannot encode a tensor holding NaN or Inf")
-            total = float(flat.double().abs().sum())
-        # Rounded down below the exact mean, so the scale never exceeds it: every error
-        # stays within `error_bound`'s max(|x|, mean |x|).
-        scale = total / n * (1 - 2.0**-18) if n else 0.0
+            wide = flat.double()
+            total, squares = float(wide.abs().sum()), float(wide.pow(2).sum())
+        # Rounded down below the exact value, so the scale never exceeds min(rms, 1.5 mean |x|):
+        # every error stays within `error_bound`.
+        scale = min(math.sqrt(squares / n), _CAP * total / n) * (1 - 2.0**-18) if n else 0.0
         scale = min(scale, _F32_MAX)
         s32 = torch.tensor([scale], dtype=torch.float32)
         if float(s32) > scale:
@@ -117,5 +130,5 @@ class SignCodec(Codec):
 
     def error_bound(self, t: torch.Tensor) -> torch.Tensor:
         a = t.detach().double().abs()
-        s = float(a.mean()) if a.numel() else 0.0
+        s = _CAP * float(a.mean()) if a.numel() else 0.0
         return torch.clamp(a, min=s) + fp32_slack(t) + s * 2.0**-22

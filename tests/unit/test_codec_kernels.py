@@ -129,11 +129,17 @@ def test_large_magnitudes_take_the_careful_path_not_an_error() -> None:
         assert bool((decoded - x).abs().double().le(codec.error_bound(x)).all()), spec
 
 
-def test_sign_scale_never_exceeds_the_mean_and_is_within_2_to_minus_17() -> None:
-    x = torch.rand(BIG) * 3
+@pytest.mark.parametrize("spiky", [False, True])
+def test_sign_scale_is_the_rms_capped_at_one_and_a_half_means_rounded_down_within_2_to_minus_17(spiky: bool) -> None:
+    x = torch.rand(BIG) * 3  # rms sqrt(3) below 1.5 x the mean 1.5: the rms
+    if spiky:
+        x[::97] = 1e3  # rms far above 1.5 x the mean: the cap
     scale = float(parse_codec("sign").encode(x).tensors["scale"])
-    mean = float(x.double().abs().mean())
-    assert mean * (1 - 2.0**-17) <= scale <= mean
+    wide = x.double()
+    rms, mean = float(wide.pow(2).mean().sqrt()), float(wide.abs().mean())
+    want = 1.5 * mean if spiky else rms
+    assert (rms > 1.5 * mean) == spiky
+    assert want * (1 - 2.0**-17) <= scale <= want
 
 
 def test_packed_signs_match_the_reference_packing() -> None:

@@ -49,17 +49,18 @@ def test_dgc_topk_momentum_correction_and_factor_masking() -> None:
 
 def test_sign_with_momentum_is_ef_sgd_with_momentum_and_keeps_the_velocity() -> None:
     cc = ChunkCompressor("sign", one_chunk(4), momentum=WorkerMomentum(0.5))
-    g1, g2 = torch.tensor([2.0, -1.0, 1.0, -4.0]), torch.tensor([1.0, 1.0, -1.0, 1.0])
+    g1, g2 = torch.tensor([4.0, 0.0, 0.0, 0.0]), torch.tensor([-3.5, -3.5, 6.5, -5.5])
     cc.encode(0, g1)
-    # p1 = u1 = g1, C(p1) = mean|p1| * sign = 2 * [1, -1, 1, -1]; e1 = [0, 1, -1, -2]
-    # (sign's scale is the mean rounded down by less than 2**-17 of it: SignCodec's docstring)
-    tol = 2.0 * 2**-17
-    assert cc.feedback.residual("c0").tolist() == pytest.approx([0.0, 1.0, -1.0, -2.0], abs=tol)
+    # p1 = u1 = g1: rms 2 is above 1.5 x mean |p1| = 1.5, so the scale is 1.5 (zeros go as +):
+    # C(p1) = 1.5 * [1, 1, 1, 1]; e1 = [2.5, -1.5, -1.5, -1.5]
+    # (the scale is rounded down by less than 2**-17 of it: SignCodec's docstring)
+    tol = 8.0 * 2**-17
+    assert cc.feedback.residual("c0").tolist() == pytest.approx([2.5, -1.5, -1.5, -1.5], abs=tol)
     cc.encode(0, g2)
-    # u2 = 0.5 * g1 + g2 = [2, .5, -.5, -1] (no masking); p2 = u2 + e1 = [2, 1.5, -1.5, -3]
-    # C(p2) = 2 * [1, 1, -1, -1]; e2 = [0, -.5, .5, -1]
-    assert cc.momentum.velocity("c0").tolist() == [2.0, 0.5, -0.5, -1.0]
-    assert cc.feedback.residual("c0").tolist() == pytest.approx([0.0, -0.5, 0.5, -1.0], abs=2 * tol)
+    # u2 = 0.5 * g1 + g2 = [-1.5, -3.5, 6.5, -5.5] (no masking); p2 = u2 + e1 = [1, -5, 5, -7]:
+    # rms 5 is below 1.5 x mean 4.5, so the scale is 5; C(p2) = 5 * [1, -1, 1, -1]; e2 = [-4, 0, 0, -2]
+    assert cc.momentum.velocity("c0").tolist() == [-1.5, -3.5, 6.5, -5.5]
+    assert cc.feedback.residual("c0").tolist() == pytest.approx([-4.0, 0.0, 0.0, -2.0], abs=2 * tol)
 
 
 def test_randk_masks_the_momentum_where_it_sent() -> None:

@@ -73,7 +73,10 @@ class ChunkCompressor:
 
     Error feedback runs per chunk (key ``c{i}``) in the encoder, on the segments whose codec
     uses it: the residual is added before encoding and what decoding lost becomes the next
-    residual. Keyed by chunk, it survives a change of codecs that re-cuts the segments.
+    residual. Keyed by chunk, it survives a change of codecs that re-cuts the segments. A caller
+    may fold a chunk's residual into its own input (`feedback.take`, then `folded`): that input is
+    used as compensated and the new residual kept in its buffer, in place. `take_back` undoes the
+    residual update of a push refused whole, from its payload recorded in `recorded`.
 
     Counters (both directions add to them, an instance normally doing one): `raw_bytes`
     (fp32 bytes of the chunks), `wire_bytes` (payload tensor bytes; the meta is not

@@ -40,12 +40,18 @@ class DilocoTrainer(ParameterServerTrainer):
 
     Memory (bench/scale_model.py): where nothing needs the whole gradient before the inner
     step (one local rank, no clipping, no fp16 loss scaling) the inner optimizer steps each
-    parameter inside backward (`StepInBackward`), so no whole-model gradient is held. With a
-    codec on one local rank, the pseudo-gradient is freed once encoded, for the round trip;
-    a push the re-formed barrier refused takes it again as theta_0 - theta_H, theta_0 pulled
-    from the shards (which did not apply the step). `round_start="shards"`: no copy of theta_0
-    is kept at all; at the round's end it is pulled from the shards, one shard at a time, and
-    that shard's part of the pseudo-gradient is exchanged before the next is pulled.
+    parameter inside backward (`StepInBackward`), so no whole-model gradient is held. On one
+    local rank without a pull codec the round's start is a `RoundStart`: each chunk's theta_0
+    with its error-feedback residual folded in, one buffer where two were held, which the
+    compressor turns into the new residual in place; the round is exchanged shard by shard, so
+    one shard's reply is held at a time. A push the re-formed barrier refused rebuilds its
+    buffers from the residual and the refused payload (`ChunkCompressor.take_back`); a part not
+    held (no feedback, or a worker count changed since the fold) is pulled again from the
+    shards, which hold theta_0 until the barrier completes. `round_start="shards"`: nothing is
+    held over the round; each shard's part is pulled and folded at the exchange. A stop
+    mid-round pulls theta_0 back. Elsewhere (several local ranks, a pull codec, chunks where
+    feedback runs on some segments only) theta_0 is one copy, the residual apart, and the
+    pseudo-gradient is kept over the exchange; a refused push gives the residual back there too.
     """
 
     def __init__(self, ctx: RankContext, *, on_metrics: Hook | None = None,

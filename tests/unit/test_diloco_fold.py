@@ -161,3 +161,33 @@ def test_a_stop_mid_round_brings_the_round_start_back_exactly(tmp_path: Path, ro
     assert stop[0] and len(pushes) == 2 and trainer.rounds == 1 and not trainer.finished
     assert trainer.version == 1
     assert torch.equal(flat, at_stop[0])
+
+
+def test_a_folded_encode_keeps_the_residual_in_the_buffer_handed_over_and_take_back_undoes_it() -> None:
+    from torch import nn
+
+    from gossamer.compression.chunk_codec import ChunkCompressor
+    from gossamer.paramserver import ShardPlan
+
+    exp = Experiment(name="c", mode="diloco", chunk_numel=700, **DIGITS)  # type: ignore[arg-type]
+    model = nn.Sequential(nn.Linear(30, 40), nn.Linear(40, 5))
+    plan = ShardPlan.for_experiment(model, exp)
+    apart, folded = (ChunkCompressor("int8", plan) for _ in range(2))
+    g = torch.Generator().manual_seed(3)
+    n = plan.chunks[0].numel
+    for step in range(3):
+        x = torch.randn(n, generator=g) * 0.01
+        e = folded.feedback.take("c0")
+        handed = x.clone() if e is None else e.add_(x)  # compensated, in the residual's own buffer
+        folded.folded.add(0)
+        folded.recorded = {}
+        wire_a, _ = apart.encode(0, x)
+        wire_f, meta_f = folded.encode(0, handed)
+        kept = folded.feedback.residual("c0")
+        assert kept is not None and kept.data_ptr() == handed.data_ptr()  # the buffer handed over
+        torch.testing.assert_close(kept, apart.feedback.residual("c0"), rtol=0, atol=1e-7)
+        assert all(torch.equal(wire_a[k], wire_f[k]) for k in wire_a) or step > 0
+    before = kept.clone()
+    back = folded.take_back(0, None)  # refused whole: the compensated input comes back, the residual goes
+    assert back is not None and back.data_ptr() == kept.data_ptr() and "c0" not in folded.feedback
+    torch.testing.assert_close(back, before + folded.decode(0, wire_f, meta_f), rtol=0, atol=0)

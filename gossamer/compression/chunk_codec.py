@@ -421,7 +421,7 @@ class ChunkCompressor:
                 part = slice(seg.chunk_offset, seg.chunk_offset + seg.numel)
                 r[part].add_(decoded[part])  # compensated - decoded + decoded: the compensated input
                 if pushed is not None:
-                    r[part].sub_(pushed.reshape(-1)[part].to(r.dtype))
+                    r[part].sub_(pushed.reshape(-1)[part].to(r.device, r.dtype))
         return self.feedback.take(key) if pushed is None else None
 
     @staticmethod

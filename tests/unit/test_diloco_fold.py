@@ -191,3 +191,35 @@ def test_a_folded_encode_keeps_the_residual_in_the_buffer_handed_over_and_take_b
     back = folded.take_back(0, None)  # refused whole: the compensated input comes back, the residual goes
     assert back is not None and back.data_ptr() == kept.data_ptr() and "c0" not in folded.feedback
     torch.testing.assert_close(back, before + folded.decode(0, wire_f, meta_f), rtol=0, atol=0)
+
+
+def test_a_round_start_refolded_at_another_worker_count_pushes_that_counts_share_and_the_same_residual() -> None:
+    from torch import nn
+
+    from gossamer.compression.chunk_codec import ChunkCompressor
+    from gossamer.paramserver import ShardPlan
+    from gossamer.worker.layout import ReplicatedLayout
+    from gossamer.worker.round_start import RoundStart
+
+    exp = Experiment(name="c", mode="diloco", chunk_numel=300, **DIGITS)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    layout = ReplicatedLayout(model, exp, 0, 1, torch.device("cpu"))
+    plan = ShardPlan.for_experiment(model, exp)
+    layout.use_plan(plan)
+    comp = ChunkCompressor("int8", plan)
+    chunks = [c.index for c in layout.chunks()]
+    residual = {i: torch.randn(plan.chunks[i].numel) * 1e-4 for i in chunks}
+    for i, e in residual.items():
+        comp.feedback.keep(f"c{i}", e.clone())
+    theta0 = {i: v.clone() for i, v in layout.chunk_values().items()}
+    rs = RoundStart(layout, comp, keep=True)
+    rs.begin(2)  # folded at 2 workers
+    assert len(comp.feedback) == 0 and rs.ready(chunks, 2, exact=True) and not rs.ready(chunks, 3, exact=True)
+    with torch.no_grad():
+        layout.flat.add_(0.01)  # theta_H
+    rs.fill({i: v.clone() for i, v in theta0.items()}, 3)  # a worker joined: theta_0 pulled, refolded at 3
+    pushed = rs.pseudo_gradient(chunks, 3)
+    assert comp.folded == set(chunks) and not rs.buffers
+    for i in chunks:
+        torch.testing.assert_close(pushed[i], torch.full_like(pushed[i], -0.01 / 3) + residual[i], rtol=0, atol=1e-7)

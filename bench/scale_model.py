@@ -547,7 +547,10 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "ran with those experiment fields set (`--set`); the others with the defaults. diloco labels: `after` the "
          "whole gradient freed over the outer exchange; `after3` the inner optimizer stepping inside backward and "
          "the encoded pseudo-gradient freed; `after4` also the lead freeing the inner optimizer state and the "
-         "error-feedback residual before its final pull and checkpoint.")
+         "error-feedback residual before its final pull and checkpoint; `before5` main at 47dd765 (`after4`'s worker; "
+         "the shards' 5x against `after4`'s 4x comes from main's changes between, not the worker); `after5` the "
+         "round's start holding the error-feedback residual folded in (one buffer per chunk, which becomes the "
+         "residual in place) and the exchange one shard at a time.")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

@@ -73,7 +73,10 @@ class ChunkCompressor:
 
     Error feedback runs per chunk (key ``c{i}``) in the encoder, on the segments whose codec
     uses it: the residual is added before encoding and what decoding lost becomes the next
-    residual. Keyed by chunk, it survives a change of codecs that re-cuts the segments.
+    residual. Keyed by chunk, it survives a change of codecs that re-cuts the segments. A caller
+    may fold a chunk's residual into its own input (`feedback.take`, then `folded`): that input is
+    used as compensated and the new residual kept in its buffer, in place. `take_back` undoes the
+    residual update of a push refused whole, from its payload recorded in `recorded`.
 
     Counters (both directions add to them, an instance normally doing one): `raw_bytes`
     (fp32 bytes of the chunks), `wire_bytes` (payload tensor bytes; the meta is not
@@ -149,6 +152,11 @@ class ChunkCompressor:
             total += numel
         self._segments: dict[int, tuple[Segment, ...]] = {}
         self.feedback = ErrorFeedback()
+        #: Chunks whose next `encode` input already holds their residual (taken out with `feedback.take`) and
+        #: is handed over: the new residual is kept in it, in place (DiLoCo's round start, `RoundStart`).
+        self.folded: set[int] = set()
+        #: While a dict: each chunk's last wire tensors and meta, by index (`take_back` needs them).
+        self.recorded: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] | None = None
         self.raw_bytes = 0
         self.wire_bytes = 0
         self.encode_seconds = 0.0
@@ -196,6 +204,11 @@ class ChunkCompressor:
         if self._error_feedback is not None:
             return self._error_feedback
         return self._codecs[self.codec_of(param)].biased
+
+    def feeds_back(self, chunk_index: int) -> bool | None:
+        """Whether error feedback runs on every segment of a chunk (True), on none (False), or on some (None)."""
+        uses = {self.uses_error_feedback(seg.param) for seg in self.segments(chunk_index)}
+        return None if len(uses) > 1 else uses == {True}
 
     def segments(self, chunk_index: int) -> tuple[Segment, ...]:
         """The parameter segments of a chunk, in order.
@@ -272,8 +285,11 @@ class ChunkCompressor:
             x = self.momentum.step(key, x)
         sent: torch.Tensor | None = None
         feedback = any(self.uses_error_feedback(seg.param) for seg in segs)
+        handed = chunk_index in self.folded and feedback and self.momentum is None
+        self.folded.discard(chunk_index)
         if feedback:
-            x = self.feedback.compensate(key, x)
+            if not handed:
+                x = self.feedback.compensate(key, x)
             kept = torch.empty_like(x)
         tensors: dict[str, torch.Tensor] = {}
         seg_meta: list[dict[str, Any]] = []
@@ -310,10 +326,16 @@ class ChunkCompressor:
                 }
             )
         if feedback:
-            self.feedback.update(key, x, kept)
+            ours = x.untyped_storage().data_ptr()
+            if handed and all(t.untyped_storage().data_ptr() != ours for t in tensors.values()):
+                self.feedback.keep(key, x.sub_(kept))  # in the buffer handed over: no new residual
+            else:
+                self.feedback.update(key, x, kept)
         if self.momentum is not None and sent is not None:
             self.momentum.mask(key, sent)
         meta = {"v": CHUNK_META_VERSION, "chunk": chunk_index, "numel": numel, "segments": seg_meta}
+        if self.recorded is not None:
+            self.recorded[chunk_index] = (tensors, meta)
         self.raw_bytes += 4 * numel
         self.wire_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         self.encode_seconds += time.perf_counter() - t0
@@ -381,6 +403,27 @@ class ChunkCompressor:
         self.decode_seconds += time.perf_counter() - t0
         return out
 
+    def take_back(self, chunk_index: int, pushed: torch.Tensor | None) -> torch.Tensor | None:
+        """Undo the residual update of chunk `chunk_index`'s last `encode` (recorded in `recorded`): its push was
+        refused whole, so nothing it carried arrived. `pushed`: what that encode was given, the residual goes back
+        to what it was before it; None: it was handed over (`folded`): its value, the compensated input, is
+        rebuilt in the residual's buffer, removed and returned. None where the chunk has no residual.
+        """
+        assert self.recorded is not None, "take_back needs the encodes recorded in `recorded`"
+        tensors, meta = self.recorded.pop(chunk_index)
+        key = f"c{chunk_index}"
+        r = self.feedback.residual(key)
+        if r is None:
+            return None
+        decoded = self.decode(chunk_index, tensors, meta)  # what the refused push carried
+        for seg in self.segments(chunk_index):
+            if self.uses_error_feedback(seg.param):
+                part = slice(seg.chunk_offset, seg.chunk_offset + seg.numel)
+                r[part].add_(decoded[part])  # compensated - decoded + decoded: the compensated input
+                if pushed is not None:
+                    r[part].sub_(pushed.reshape(-1)[part].to(r.device, r.dtype))
+        return self.feedback.take(key) if pushed is None else None
+
     @staticmethod
     def _check_chunk_meta(chunk_index: int, numel: int, nsegs: int, meta: Any) -> None:
         where = f"chunk {chunk_index}"
@@ -415,6 +458,7 @@ class ChunkCompressor:
     def reset(self) -> None:
         """Forget error-feedback residuals and PowerSGD warm starts (e.g. after a rejoin)."""
         self.feedback.reset()
+        self.folded.clear()
         if self.momentum is not None:
             self.momentum.reset()
         for codec in self._codecs.values():

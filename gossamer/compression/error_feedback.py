@@ -52,6 +52,14 @@ class ErrorFeedback:
             )
         self._residual[key] = compensated.detach().float() - decoded.detach().float()
 
+    def keep(self, key: str, residual: torch.Tensor) -> None:
+        """Keep `residual` itself (computed by the caller, in a buffer it hands over) as `key`'s residual."""
+        self._residual[key] = residual
+
+    def take(self, key: str) -> torch.Tensor | None:
+        """Remove `key`'s residual and return it (None if it has none): the caller folds it in elsewhere."""
+        return self._residual.pop(key, None)
+
     def residual(self, key: str) -> torch.Tensor | None:
         """The current residual of `key` (not a copy), or None."""
         return self._residual.get(key)

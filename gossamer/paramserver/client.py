@@ -215,13 +215,13 @@ class ShardClient:
                 moved.append(s)
         return moved
 
-    def pull(self, shards: Iterable[int] | None = None) -> PullResult:
-        """Current values of this client's chunks (only of those on `shards`, if given)."""
+    def pull(self, shards: Iterable[int] | None = None, timeout_s: float | None = None) -> PullResult:
+        """Current values of this client's chunks (only of those on `shards`, if given; `timeout_s`: not the default)."""
         reqs = {
             s: self._msg("PULL", s, PullMeta(chunks=tuple(self._by_shard[s]), pull_codec=self.pull_codec).to_meta())
             for s in (self.shards if shards is None else shards)
         }
-        return self._result(self._request(reqs))
+        return self._result(self._collect(self._send(reqs), timeout_s))
 
     def _push_requests(
         self,

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from gossamer.errors import ShardError, UnavailableError
 from gossamer.protocol import AssignmentUpdate
 from gossamer.worker.layout import ReplicatedLayout
 from gossamer.worker.optimizer import inner_optimizer, schedule_lr
 from gossamer.worker.ps_trainer import ParameterServerTrainer
 from gossamer.worker.rank import Hook, RankContext, StepAbandoned
 from gossamer.worker.rank_trainer import OnSaved
+from gossamer.worker.round_start import RoundStart
 from gossamer.worker.step_in_backward import StepInBackward
 
 log = logging.getLogger(__name__)
@@ -37,12 +40,18 @@ class DilocoTrainer(ParameterServerTrainer):
 
     Memory (bench/scale_model.py): where nothing needs the whole gradient before the inner
     step (one local rank, no clipping, no fp16 loss scaling) the inner optimizer steps each
-    parameter inside backward (`StepInBackward`), so no whole-model gradient is held. With a
-    codec on one local rank, the pseudo-gradient is freed once encoded, for the round trip;
-    a push the re-formed barrier refused takes it again as theta_0 - theta_H, theta_0 pulled
-    from the shards (which did not apply the step). `round_start="shards"`: no copy of theta_0
-    is kept at all; at the round's end it is pulled from the shards, one shard at a time, and
-    that shard's part of the pseudo-gradient is exchanged before the next is pulled.
+    parameter inside backward (`StepInBackward`), so no whole-model gradient is held. On one
+    local rank without a pull codec the round's start is a `RoundStart`: each chunk's theta_0
+    with its error-feedback residual folded in, one buffer where two were held, which the
+    compressor turns into the new residual in place; the round is exchanged shard by shard, so
+    one shard's reply is held at a time. A push the re-formed barrier refused rebuilds its
+    buffers from the residual and the refused payload (`ChunkCompressor.take_back`); a part not
+    held (no feedback, or a worker count changed since the fold) is pulled again from the
+    shards, which hold theta_0 until the barrier completes. `round_start="shards"`: nothing is
+    held over the round; each shard's part is pulled and folded at the exchange. A stop
+    mid-round pulls theta_0 back. Elsewhere (several local ranks, a pull codec, chunks where
+    feedback runs on some segments only) theta_0 is one copy, the residual apart, and the
+    pseudo-gradient is kept over the exchange; a refused push gives the residual back there too.
     """
 
     def __init__(self, ctx: RankContext, *, on_metrics: Hook | None = None,
@@ -56,16 +65,23 @@ class DilocoTrainer(ParameterServerTrainer):
                 and not self.exp.max_grad_norm:
             layout.step_in_backward()
             self.stepper = StepInBackward(self.inner, layout.module)
-        # The pushed pseudo-gradient can be freed and taken again from the shards (its chunks are all this
-        # rank's, the values it started from are the shards' exactly: no pull codec).
-        self._rederivable = layout.world == 1 and self.exp.pull_compression == "none"
+        # The round's start is exactly what the shards hold until every worker pushed (its chunks are all this
+        # rank's; no pull codec): a part of it not held can be pulled again.
+        exact = layout.world == 1 and self.exp.pull_compression == "none"
         self._from_shards = self.exp.round_start == "shards" and layout.world == 1
         if self.exp.round_start == "shards" and layout.world > 1:
             # A node's local ranks are not known at submit: this node keeps the start instead of failing its role.
             log.warning("round_start 'shards' exchanges shard by shard, which one local rank does; this node runs %d: "
                         "keeping the round's start in memory", layout.world)
-        # round_start="shards": the version the inner steps of the pending round started from, and the
-        # shards its part was exchanged with already (a push refused by a re-formed barrier goes on from there).
+        comp = self.client.compressor
+        folds = comp is None or (comp.momentum is None and all(comp.feeds_back(c.index) is not None for c in self.mine))
+        #: One local rank, theta_0 exactly the shards': the round's start by chunk with the residual folded in,
+        #: exchanged shard by shard. None: the start is one copy and the residual apart (`_pseudo`).
+        self.start: RoundStart | None = None
+        if isinstance(layout, ReplicatedLayout) and exact and (folds or self._from_shards):
+            self.start = RoundStart(layout, comp, keep=not self._from_shards)
+        # By shard: the version the inner steps of the pending round started from, and the shards its part
+        # was exchanged with already (a push refused by a re-formed barrier goes on from there).
         self._pending: int | None = None
         self._sent: set[int] = set()
         self.rounds = 0
@@ -78,12 +94,11 @@ class DilocoTrainer(ParameterServerTrainer):
         return super().progress * self.exp.inner_steps
 
     def _step_once(self) -> bool:
-        if self._from_shards:
-            return self._round_from_shards()
+        if self.start is not None:
+            return self._round_by_shard(self.start)
+        # Several local ranks, a pull codec, or chunks where error feedback runs on some segments only: the
+        # round's start is one copy, the residual apart, and the pseudo-gradient is kept over the exchange.
         start = self.version
-        if self._pseudo is not None and self._pseudo[0] == start and not self._pseudo[1]:
-            self._pseudo = self._rederive(start)  # pushed (and freed), then refused: take it again
-            start = self.version
         if self._pseudo is None or self._pseudo[0] != start:
             self._pseudo = (start, self._inner_round())
             self._pseudo_scale = 1.0
@@ -93,36 +108,43 @@ class DilocoTrainer(ParameterServerTrainer):
         pseudo = self._pseudo[1]
         _scale(pseudo, scale / self._pseudo_scale)
         self._pseudo_scale = scale
-        own = self._rederivable and all(d.device.type == "cpu" for d in pseudo.values())
-        # Handed over whole where it can be taken again (emptied once encoded), else CPU copies of it.
-        grads = pseudo if own else {idx: d.cpu() for idx, d in pseudo.items()}
-        done = self._push_pull(grads, step=start, consume=True)
+        comp = self.client.compressor
+
+        def refused(recorded: dict[int, Any]) -> None:  # the residual goes back to before the push
+            assert comp is not None
+            for i in list(recorded):
+                comp.take_back(i, pseudo[i])
+
+        done = self._recorded_push({idx: d.cpu() for idx, d in pseudo.items()}, start, refused)
         self._pseudo = None
         self.rounds += 1
         return done
 
-    def _rederive(self, start: int) -> tuple[int, dict[int, torch.Tensor]] | None:
-        """theta_0 - theta_H of a round whose push (freed once encoded) the barrier refused, by chunk index.
+    def _recorded_push(self, grads: dict[int, torch.Tensor], start: int,
+                       refused: Callable[[dict[int, Any]], None]) -> bool:
+        """Push `grads` (emptied once encoded). Where a barrier may refuse it whole, the compressor's encodes are
+        recorded meanwhile and a refusal calls `refused` with them before the error goes on (`take_back`)."""
+        comp = self.client.compressor
+        if comp is None or not self.barrier:
+            return self._push_pull(grads, step=start, consume=True)
+        comp.recorded = {}
+        try:
+            return self._push_pull(grads, step=start, consume=True)
+        except ShardError:
+            refused(comp.recorded)
+            raise
+        finally:
+            comp.recorded = None
 
-        The parameters still hold theta_H, and the shards, which did not apply the step, still hold
-        theta_0 at version `start`: pulled again, it gives the same pseudo-gradient. None, with the
-        shards' values written in, where one has moved on: that round can no longer be pushed.
-        """
-        res = self.client.pull()
-        if any(v != start for v in res.versions.values()):
-            self._note_versions(res.versions)
-            self._assemble(res.values, res.done)
-            return None
-        self._pseudo_scale = 1.0
-        return start, self.layout.chunk_delta(res.values)
+    def _round_by_shard(self, rs: RoundStart) -> bool:
+        """A round exchanged shard by shard from its start `rs`: after the H steps, for each shard, the
+        compensated pseudo-gradient of its chunks is pushed and the reply written in before the next.
 
-    def _round_from_shards(self) -> bool:
-        """A round whose start was not kept: after the H steps, shard by shard, pull its values (the round's
-        start: its barrier holds them), push their difference from theta_H, write the reply in.
-
-        One shard's values, pseudo-gradient and reply at a time, never the model's. A shard that has
-        moved on since the round started makes the round unpushable: its values are written in and the
-        next round starts from there.
+        One shard's reply at a time, never the model's. A shard's part not held as folded (a refused
+        push without feedback, a worker count changed since the fold under the barrier, `round_start=
+        "shards"`) is filled from the shards, which hold the round's start until every worker pushed.
+        A shard that has moved on since the round started makes the round unpushable: its values are
+        written in and the next round starts from there.
         """
         start = self.version
         if self._pending != start:
@@ -132,15 +154,21 @@ class DilocoTrainer(ParameterServerTrainer):
         for s in self.client.shards:
             if s in self._sent:
                 continue
-            res = self.client.pull([s])
-            if res.versions[s] != start:
-                self._note_versions(res.versions)
-                self._pending = None
-                return self._assemble(res.values, res.done)
-            pseudo = self.layout.chunk_delta(res.values)  # in the pulled buffers
-            del res
-            _scale(pseudo, 1.0 / self.ctx.num_workers)
-            done = self._push_pull(pseudo, step=start, consume=True) or done
+            n, chunks = self.ctx.num_workers, self.client.chunks_of_shard(s)
+            if not rs.ready(chunks, n, exact=self.barrier):
+                res = self.client.pull([s])
+                if res.versions[s] != start:
+                    self._note_versions(res.versions)
+                    self._pending = None
+                    rs.clear()
+                    return self._assemble(res.values, res.done)
+                rs.fill(res.values, n)
+                del res
+            pseudo = rs.pseudo_gradient(chunks, n)
+            try:
+                done = self._recorded_push(pseudo, start, functools.partial(_refused, rs, chunks, n)) or done
+            finally:
+                del pseudo  # without a compressor nothing empties it: its buffers go before the next shard's
             self._sent.add(s)
         self._pending = None
         self.rounds += 1
@@ -150,29 +178,54 @@ class DilocoTrainer(ParameterServerTrainer):
         super()._note_versions({**self.versions, **versions})  # a reply from some shards leaves the others'
 
     def pull(self) -> bool:
-        if self._pseudo is not None and not self._pseudo[1]:
-            self._pseudo = None  # theta_H is overwritten: a freed pseudo-gradient cannot be taken again
-        self._pending = None  # likewise a round whose start the shards hold
+        self._pending = None  # a round exchanged by shard cannot go on (its residuals folded in go with it)
+        if self.start is not None:
+            self.start.clear()
         return super().pull()
 
     def _drop_training_state(self) -> None:
         super()._drop_training_state()
         self.inner.state.clear()  # the inner AdamW's two model-sized buffers
         self._pseudo = None
+        if self.start is not None:
+            self.start.clear()
+
+    def _give_up_round(self) -> None:
+        """A stop mid-round: nothing of it leaves this worker. The round's start folded with the residual is not
+        theta_0 itself: it is dropped and theta_0 pulled back from the shards (their newer values where they moved
+        on; theta_H stays where none answers in time, which none can then be sent)."""
+        assert self.start is not None
+        self.start.clear()
+        self._exchanging = False  # a stop does not abandon this pull
+        try:
+            res = self.client.pull(timeout_s=min(10.0, self.client.timeout_s))
+        except (ShardError, UnavailableError) as e:
+            log.warning("stopped mid-round; the round's start could not be pulled back (%s)", e)
+            return
+        finally:
+            self._exchanging = True
+        self._note_versions(res.versions)
+        self._assemble(res.values, res.done)
 
     def _inner_round(self) -> dict[int, torch.Tensor]:
         """H inner steps from the current (global) parameters; returns theta_0 - theta_H by chunk index
-        (nothing with `round_start="shards"`: theta_0 is pulled again at the exchange).
+        (nothing where `start` holds the round's start: its exchange takes it there).
 
         With fsdp or pipeline the inner optimizer steps each rank's own shard or stage, and
         the pseudo-gradient is of this rank's chunks only. A stop request waits for the end
         of the round there: abandoning alone would leave the other local ranks in a collective.
         """
-        theta0 = None if self._from_shards else self.layout.snapshot()
+        theta0 = None
+        if self.start is not None:
+            self.start.begin(self.ctx.num_workers)
+        else:
+            theta0 = self.layout.snapshot()
         for i in range(self.exp.inner_steps):
             if self.layout.holds_full_model and self.should_stop():
                 if theta0 is not None:
                     self.layout.restore(theta0)  # nothing of the round leaves this worker
+                else:
+                    self._give_up_round()
                 raise StepAbandoned
             schedule_lr(self.inner, self.exp, self.progress + i)  # before backward: it may step inside
             with self.profiler.region("compute"), self._stepping():
@@ -197,6 +250,11 @@ class DilocoTrainer(ParameterServerTrainer):
     def _report(self, rate: float) -> None:
         self.on_metrics(self.progress, {"outer_rounds": float(self.rounds)})
         super()._report(rate)
+
+
+def _refused(rs: RoundStart, chunks: list[int], n: int, recorded: dict[int, Any]) -> None:
+    """A by-shard push refused whole: its chunks' round start is rebuilt (`RoundStart.refused`)."""
+    rs.refused(chunks, n)
 
 
 def _scale(chunks: dict[int, torch.Tensor], factor: float) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -110,56 +109,76 @@ def _trainer(exp: Experiment, shards: LocalShards, tmp_path: Path) -> DilocoTrai
                                      endpoints=shards.endpoints, checkpoint_dir=str(tmp_path)))
 
 
-def test_a_diloco_worker_pushes_without_a_gradient_and_from_the_round_start_buffer(tmp_path: Path) -> None:
+def test_a_diloco_worker_pushes_without_a_gradient_from_round_start_buffers_that_become_the_residual(
+        tmp_path: Path) -> None:
+    """The round start (residual folded in) and the residual together are one model's bytes at every inner step and
+    over every push's round trip (apart, they were two); the push is one shard's at a time; after the first round,
+    folding allocates nothing and each pushed buffer is kept as its chunk's residual."""
     torch.set_num_threads(1)
     exp = Experiment(name="d", mode="diloco", num_ps_shards=2, inner_steps=2, total_steps=6, eval_every=0,
                      lr=0.003, seed=1, **DIGITS)  # type: ignore[arg-type]
     shards = LocalShards(exp)
     try:
         trainer = _trainer(exp, shards, tmp_path)
-        layout = trainer.layout
-        assert isinstance(layout, ReplicatedLayout)
-        seen: list[tuple[bool, set[int], int]] = []
-        start_buffer: list[weakref.ref[torch.Tensor]] = []
-        freed_in_flight: list[bool] = []
+        layout, comp, start = trainer.layout, trainer.client.compressor, trainer.start
+        assert isinstance(layout, ReplicatedLayout) and comp is not None and start is not None
+        model_bytes = 4 * layout.total_numel
+
+        def held_bytes() -> int:  # the round start and the residuals, each storage once
+            tensors = [*start.buffers.values(), *(r for i in range(len(trainer.plan.chunks))
+                                                  if (r := comp.feedback.residual(f"c{i}")) is not None)]
+            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+        seen: list[tuple[bool, set[int], int, set[int]]] = []
+        held: list[int] = []
         push_pull = trainer.client.push_pull
 
         def spy(grads: dict[int, torch.Tensor], **kw: Any) -> Any:
             no_grad = layout.flat_grad is None and all(p.grad is None for p in trainer.model.parameters())
-            storages = {g.untyped_storage().data_ptr() for g in grads.values()}
-            seen.append((no_grad, storages, layout.flat.untyped_storage().data_ptr()))
-            start_buffer[:] = [weakref.ref(next(iter(grads.values()))._base)]
-            try:
-                return push_pull(grads, **kw)
-            finally:
-                start_buffer.clear()
+            storages = {i: g.untyped_storage().data_ptr() for i, g in grads.items()}
+            out = push_pull(grads, **kw)
+            kept = all(comp.feedback.residual(f"c{i}").untyped_storage().data_ptr() == p  # type: ignore[union-attr]
+                       for i, p in storages.items())
+            seen.append((no_grad and kept, set(storages.values()), layout.flat.untyped_storage().data_ptr(),
+                         {trainer.plan.chunks[i].shard for i in storages}))
+            return out
 
-        def on_wait() -> None:  # polled while a reply is awaited (only a push's reply is looked at)
-            if start_buffer:
-                freed_in_flight.append(start_buffer[0]() is None)
+        def on_wait() -> None:  # polled while a reply is awaited
+            held.append(held_bytes())
             on_wait_before()
 
         on_wait_before = trainer.client.on_wait
         assert on_wait_before is not None
         trainer.client.on_wait = on_wait
         trainer.client.push_pull = spy  # type: ignore[method-assign]
-        held: list[int] = []
+        grads_held: list[int] = []
         step = trainer.inner.step
 
         def counting_step(*a: Any, **k: Any) -> Any:
-            held.append(sum(p.grad is not None for p in trainer.model.parameters()))
+            grads_held.append(sum(p.grad is not None for p in trainer.model.parameters()))
+            held.append(held_bytes())
             return step(*a, **k)
 
         trainer.inner.step = counting_step  # type: ignore[method-assign]
+        folded: list[int] = []
+        begin = start.begin
+
+        def counting_begin(n: int) -> None:
+            with NewStorageBytes() as alloc:
+                begin(n)
+            folded.append(alloc.bytes)
+
+        start.begin = counting_begin  # type: ignore[method-assign]
         trainer.run()
     finally:
         shards.close()
-    assert trainer.rounds == 3 and len(seen) == 3, (trainer.rounds, len(seen))
-    for no_grad, storages, flat in seen:
-        assert no_grad, "the gradient was still held while the pseudo-gradient was exchanged"
-        assert len(storages) == 1 and flat not in storages, "the pushed chunks are not views of one round-start buffer"
-    assert freed_in_flight and all(freed_in_flight), "the pseudo-gradient was kept while its reply was awaited"
-    assert len(held) == 6 * 6 and set(held) == {1}, f"inner steps with these many gradients held: {held}"
+    assert trainer.rounds == 3 and len(seen) == 6, (trainer.rounds, len(seen))
+    for ok, storages, flat, to in seen:
+        assert ok, "a gradient was held at the push, or the pushed buffer was not kept as the residual"
+        assert flat not in storages and len(to) == 1
+    assert held and max(held) <= model_bytes, f"round start and residual held {max(held) / model_bytes:.2f}x"
+    assert folded == [model_bytes, 0, 0], folded  # the first round copies theta_0; later ones fold in place
+    assert len(grads_held) == 6 * 6 and set(grads_held) == {1}, grads_held
 
 
 class _WithUnused(nn.Module):
@@ -208,27 +227,6 @@ def test_stepping_inside_backward_is_exactly_stepping_after_it_and_holds_one_gra
     assert held == [1] * len(held) and len(held) == 3 * 5, held  # 4 reached by backward + the unused one, each alone
 
 
-def test_a_refused_round_is_taken_again_from_the_shards_exactly(tmp_path: Path) -> None:
-    exp = Experiment(name="r", mode="diloco", num_ps_shards=2, inner_steps=2, total_steps=4, eval_every=0,
-                     lr=0.003, seed=1, **DIGITS)  # type: ignore[arg-type]
-    shards = LocalShards(exp)
-    try:
-        trainer = _trainer(exp, shards, tmp_path)
-        trainer.client.hello(fresh=True)
-        trainer.pull()
-        start = trainer.version
-        kept = {i: d.clone() for i, d in trainer._inner_round().items()}  # noqa: SLF001
-        again = trainer._rederive(start)  # noqa: SLF001 — what a redo after a re-formed barrier pushes
-        assert again is not None and again[0] == start
-        assert again[1].keys() == kept.keys()
-        assert all(torch.equal(again[1][i], kept[i]) for i in kept)
-        assert any(bool(d.abs().sum() > 0) for d in kept.values())
-        trainer.client.leave()
-        trainer.client.close()
-    finally:
-        shards.close()
-
-
 def _run_diloco(tmp_path: Path, lead: bool = False, **fields: Any) -> tuple[DilocoTrainer, list[set[int]]]:
     """One worker, three rounds on two in-process shards; the chunk indices of every push (`lead`: it finishes)."""
     torch.set_num_threads(1)
@@ -259,8 +257,8 @@ def test_round_start_from_the_shards_trains_exactly_as_a_kept_copy_one_shard_at_
     assert kept.rounds == pulled.rounds == 3
     assert torch.equal(kept.layout.flat, pulled.layout.flat)  # bitwise: the same pseudo-gradients, pushed alike
     plan = pulled.plan
-    assert len(kept_pushes) == 3 and all(len({plan.chunks[i].shard for i in p}) == 2 for p in kept_pushes)
-    assert len(pulled_pushes) == 6 and all(len({plan.chunks[i].shard for i in p}) == 1 for p in pulled_pushes)
+    assert kept_pushes == pulled_pushes and len(pulled_pushes) == 6
+    assert all(len({plan.chunks[i].shard for i in p}) == 1 for p in pulled_pushes)
     assert pulled.client.bytes_down > kept.client.bytes_down  # the round's start is downloaded again
 
 
@@ -286,6 +284,6 @@ def test_the_lead_frees_the_inner_state_and_residual_before_its_final_pull_and_c
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(DilocoTrainer, "pull", spy)
         trainer, pushes = _run_diloco(tmp_path, lead=True)
-    assert len(pushes) == 3 and trainer.final_path and Path(trainer.final_path).exists()
+    assert len(pushes) == 6 and trainer.final_path and Path(trainer.final_path).exists()
     assert held[-1] == (0, 0), f"the final pull came on top of the training state: {held}"
     assert held[0] == (0, 0) and len(held) == 2  # the first pull, before any step; then the final one

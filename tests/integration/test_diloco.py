@@ -1,8 +1,8 @@
 """DiLoCo on real shards: H=20 local steps per round ends where sync mode ends, at a fraction of the bytes.
 
-The outer momentum is 0.6 here, not the paper's 0.9: these runs have 20 outer rounds, and
-with 0.9 the Nesterov step overshoots at the end (measured: same accuracy band, eval loss
-0.63 against 0.10), which is a property of so few rounds, not of the implementation.
+The outer momentum is 0.6 (the default since issue 17), not the paper's 0.9: with AdamW's
+inner steps 0.9 grows the weights on digits (measured: same accuracy band, eval loss 0.63
+against 0.10; more rounds make it worse: README, DiLoCo).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ pytestmark = pytest.mark.timeout(600)
 DILOCO: dict[str, Any] = dict(name="d", num_ps_shards=2, total_steps=400, eval_every=0, ps_backup=False, seed=1)
 
 
-def test_diloco_defaults_follow_the_paper() -> None:
+def test_diloco_defaults_follow_the_paper_but_the_outer_momentum() -> None:
     exp = experiment(DILOCO, mode="diloco")
     assert (exp.optimizer, exp.compression, exp.inner_steps, exp.outer_lr, exp.outer_momentum) == \
-        ("adamw", "int8", 20, 0.7, 0.9)
+        ("adamw", "int8", 20, 0.7, 0.6)
     cfg = ShardConfig.for_experiment(exp, "e", 0)
     assert cfg.optimizer.name == "sgd" and cfg.optimizer.nesterov and cfg.optimizer.lr == 0.7
     assert cfg.mode == "sync" and cfg.total_steps == 20  # 400 inner steps = 20 outer rounds
     asynchronous = ShardConfig.for_experiment(experiment(DILOCO, mode="diloco", outer_step="async"), "e", 0)
-    assert asynchronous.staleness_in_rounds and asynchronous.optimizer.momentum == 0.9
+    assert asynchronous.staleness_in_rounds and asynchronous.optimizer.momentum == 0.6
     assert asynchronous.optimizer.delayed and not asynchronous.optimizer.nesterov  # Delayed Nesterov
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from gossamer.gossip import PushSumPeer, Snapshot, out_peer
+from gossamer.gossip.shares import ShareWait, senders_to
 from gossamer.protocol import AssignmentUpdate
 from gossamer.worker.optimizer import inner_optimizer, schedule_lr
 from gossamer.worker.rank import Hook, RankContext
@@ -55,6 +56,7 @@ class GossipTrainer(RankTrainer):
         self.skipped_sends = 0
         self.sends = 0  # steps whose share left for a peer
         self.lone_steps = 0  # steps with no peer known (a share has nowhere to go)
+        self.shares = ShareWait()
         if self.mode.rounds:  # decentralized DiLoCo: an outer step on each node every `inner_steps`
             self.theta0 = self.flat.detach().clone().requires_grad_(True)
             self.outer = torch.optim.SGD([self.theta0], lr=self.exp.outer_lr, momentum=self.exp.outer_momentum,
@@ -142,6 +144,7 @@ class GossipTrainer(RankTrainer):
             with self.profiler.region("communication"):
                 if self.peer is not None:
                     if self.outer is None:  # decentralized DiLoCo mixes once per round, in _outer_step
+                        self._await_shares()
                         self.peer.mix(self.flat)
                     self.peer.serve(self.flat, self.clock)
                 if self.outer is None:
@@ -210,6 +213,15 @@ class GossipTrainer(RankTrainer):
         self.flat.copy_(self.theta0.detach())
         self._params_changed()
         self.rounds += 1
+
+    def _await_shares(self) -> None:
+        """Without `overlap`: mix the in-neighbours' shares of the last round in this step (`ShareWait`)."""
+        if self.exp.overlap or self.clock == 0 or self.peer is None:
+            return
+        peer = self.peer
+        expected = senders_to(self.exp.topology, self.me, list(self.members), self.clock, self.exp.seed)
+        self.shares.wait(peer, expected, self.clock, serve=lambda: peer.serve(self.flat, self.clock),
+                         should_stop=self.should_stop)
 
     def _wait_settled(self, limit_s: float) -> None:
         """Wait for the peer's answer, at most `limit_s`: a silent peer delays one step, not the run."""
@@ -297,6 +309,7 @@ class GossipTrainer(RankTrainer):
                 "raw_bytes_up": float(self.peer.raw_bytes_up), "gossip_weight": self.peer.weight,
                 "gossip_pending": float(self.peer.pending()), "gossip_skipped_sends": float(self.skipped_sends),
                 "gossip_sends": float(self.sends), "gossip_lone_steps": float(self.lone_steps),
+                "gossip_late_shares": float(self.shares.late), "gossip_share_timeouts": float(self.shares.timeouts),
             }
             if self.outer is not None:
                 values["outer_rounds"] = float(self.rounds)

@@ -62,7 +62,8 @@ def test_diloco_sync_and_async_at_the_defaults_end_where_sync_mode_ends() -> Non
     # bench/modes.py's digits cell on 3 workers (400 steps each), every DiLoCo setting at its default.
     # Eval loss, not only accuracy (360 eval samples: one is 0.28 points): before issue 17 the outer
     # momentum 0.9 grew the weights (in-process model, 12 seeds: eval loss 0.59 sync, 0.38 async,
-    # against sync mode's 0.10) and the async outer step was a third of the sync one.
+    # against sync mode's 0.10) and the async outer step was a third of the sync one. Measured here:
+    # sync mode 0.975 / 0.090; diloco/sync 0.983 / 0.097; diloco/async 0.969-0.981 / 0.10-0.12 (5 runs).
     sync = run_async(experiment(DILOCO, mode="sync", lr=0.05, momentum=0.9), workers=3)
     outer = {o: run_async(experiment(DILOCO, mode="diloco", lr=0.003, outer_step=o,
                                      total_steps=400 * (3 if o == "async" else 1)), workers=3)

@@ -7,8 +7,10 @@ spot nodes) runs each experiment submitted through the client, one after another
 gets the same budget of worker steps (`--steps` per worker: sync, gossip and diloco count a
 worker's own steps, async and diloco/async every worker's together). Modes run at their
 documented defaults: SGD lr 0.05 momentum 0.9 for sync, async and gossip; diloco's AdamW
-(lr 0.003), int8 pseudo-gradients, H = 20, outer lr 0.7 and outer momentum 0.9. A cell misses
-when its mean accuracy is more than 1 point under sync's. Writes bench/results/modes.{json,md}.
+(lr 0.003), int8 pseudo-gradients, H = 20, outer lr 0.7 and outer momentum 0.6 (0.9, the DiLoCo
+paper's, until issue 17: README, DiLoCo). A cell misses when its mean accuracy is more than 1 point
+under sync's. The gossip modes also give the lead's final consensus distance (mean squared distance
+of the nodes' parameters to their average). Writes bench/results/modes.{json,md}.
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ MODES: dict[str, tuple[dict[str, Any], bool]] = {
 }
 #: What was tried for a mode that missed (shown with the mark).
 TRIED = {
-    "gossip": "nothing mode-specific yet (compressed gossip and CHOCO consensus are issue 17 item 4)",
-    "diloco/sync": "paper defaults; with 20 outer rounds outer momentum 0.9 overshoots (0.6 in the tests)",
-    "diloco/async": "Delayed Nesterov (issue 17) at the paper defaults; Nesterov per arrival gave 0.63",
-    "diloco/gossip": "nothing mode-specific yet (issue 17 item 4)",
+    "gossip": "shares of the last step waited for before mixing (ShareWait, issue 17)",
+    "diloco/sync": "outer momentum 0.6 (0.9 grew the weights, issue 17)",
+    "diloco/async": "Delayed Nesterov on the workers' shares, outer momentum 0.6 (issue 17); Nesterov per arrival gave 0.63",
+    "diloco/gossip": "outer step on the own pseudo-gradient, then the round's shares mixed in (issue 17)",
 }
 
 
@@ -64,7 +66,7 @@ def run(client: Client, model: str, label: str, seed: int, steps: int, workers: 
     wall = time.perf_counter() - t0
     m = result.metrics
     return {"status": result.status, "accuracy": m.get("eval_accuracy", float("nan")), "wall_s": wall,
-            "bytes": m.get("bytes_up", 0) + m.get("bytes_down", 0)}
+            "bytes": m.get("bytes_up", 0) + m.get("bytes_down", 0), "consensus": m.get("consensus_distance")}
 
 
 def main() -> None:
@@ -98,6 +100,8 @@ def main() -> None:
                         "bytes_per_run": round(statistics.fmean(r["bytes"] for r in runs)),
                         "wall_s": round(statistics.fmean(r["wall_s"] for r in runs), 1),
                     })
+                    if all(r["consensus"] is not None for r in runs):
+                        rows[-1]["consensus_distance"] = float(f"{statistics.fmean(r['consensus'] for r in runs):.3g}")
                     sync = next((r for r in rows if r["model"] == model and r["mode"] == "sync"), None)
                     for r in rows:
                         if sync is not None and r["model"] == model:

@@ -28,6 +28,7 @@ and never touches ``z``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 
 from gossamer.errors import ConfigError, ProtocolError
-from gossamer.gossip._io import MASS, SNAP, SNAPSHOT, Fault, PeerIO
+from gossamer.gossip._io import MASS, SNAP, SNAPSHOT, Fault, Incoming, PeerIO
 from gossamer.gossip.differences import References, value_mass
 from gossamer.gossip.value_codec import parse_value_codec
 from gossamer.protocol import MassMeta, SnapMeta, SnapshotMeta
@@ -177,6 +178,7 @@ class PushSumPeer:
         self._peers: dict[str, str] = {}
         self._holds: dict[int, _Hold] = {}
         self._returned: list[_Hold] = []
+        self._early: list[Incoming] = []  # taken off the inbox by `arrived_from`, folded by the next mix
         self._ids = itertools.count()
         self._rids = itertools.count()
         self._closed = False
@@ -317,13 +319,11 @@ class PushSumPeer:
         w_all = w_current = 0.0
         received = restored = 0
         items: list[tuple[torch.Tensor, float, int]] = []
-        while True:
-            try:
-                inc = self._io.inbox.get_nowait()
-            except queue.Empty:
-                break
+        self._take_inbox()
+        for inc in self._early:
             items.append((inc.d, inc.weight, inc.generation))
             received += 1
+        self._early = []
         for hold in self._returned:
             items.append((hold.d, hold.weight, hold.generation))
             restored += 1
@@ -345,6 +345,23 @@ class PushSumPeer:
             pending=len(self._holds),
             rejected=sum(dict(self._io.rejected).values()),  # a copy: the I/O thread adds
         )
+
+    def arrived_from(self, step: int, timeout: float = 0.0) -> set[str]:
+        """The senders of mass sent at `step` or later that has come in, waiting for the next mix
+        (with `timeout`, waiting up to that long for a message when none is in)."""
+        self._check_open()
+        if timeout > 0:
+            with contextlib.suppress(queue.Empty):
+                self._early.append(self._io.inbox.get(timeout=timeout))
+        self._take_inbox()
+        return {inc.sender for inc in self._early if inc.step >= step}
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                self._early.append(self._io.inbox.get_nowait())
+            except queue.Empty:
+                return
 
     def pending(self, peer: str | None = None) -> int:
         """Holds still waiting for their answer (ACK, NACK or CANCELLED), to `peer` or all.

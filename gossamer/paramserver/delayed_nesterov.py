@@ -16,16 +16,19 @@ class DelayedNesterov(torch.optim.Optimizer):
     Liu et al. 2024, "Asynchronous Local-SGD Training for Language Modeling",
     https://arxiv.org/abs/2401.09135 (Delayed Nesterov, "DN"): asynchronous arrivals of stale
     pseudo-gradients each pushing the momentum carry the model past the optimum (digits, 4
-    workers: 0.63 with Nesterov per arrival, 0.975 without). DN buffers the pseudo-gradients
-    and, on every arrival ``g``, takes a plain step ``p -= lr * g / N``; on every N-th it also
-    updates the momentum with the buffer's mean and takes the momentum part of a Nesterov step::
+    workers: 0.63 with Nesterov per arrival, 0.975 without). DN buffers the updates and, on
+    every arrival ``g``, takes a plain step ``p -= lr * g``; on every N-th it also updates the
+    momentum with the buffer and takes the momentum part of a Nesterov step::
 
-        m = momentum * m + mean(buffer);  p -= lr * momentum * m;  buffer = 0
+        m = momentum * m + sum(buffer) * N / arrivals;  p -= lr * momentum * m;  buffer = 0
 
-    Over N arrivals ``p`` moves by ``-lr * (mean(g) + momentum * m)``, exactly one Nesterov
-    step on the mean of the N pseudo-gradients (sync DiLoCo's outer step when the N are the
-    workers' of one round). The paper's default, used here: N = the number of workers
-    (the shard sets it from the workers it serves, `set_delay`), momentum 0.9.
+    An arrival is a worker's share of a round: its pseudo-gradient already divided by the
+    number of workers (`DilocoTrainer`, so that sync DiLoCo's shards sum them to the mean).
+    Over the N arrivals of a round ``p`` then moves by ``-lr * (mean + momentum * m)``, exactly
+    one Nesterov step on the mean of the N pseudo-gradients: sync DiLoCo's outer step. (An
+    earlier version divided each share by N once more, so the async outer step was a third of
+    the sync one at 3 workers; bench/results/modes.md.) The paper's N, used here: the number of
+    workers (the shard sets it from the workers it serves, `set_delay`).
 
     State per parameter: ``momentum_buffer``, ``delay_buffer`` (tensors) and ``arrivals`` (an
     int: updates in the buffer), all exported with the shard's checkpoints.
@@ -58,9 +61,9 @@ class DelayedNesterov(torch.optim.Optimizer):
                 buf, m = st["delay_buffer"], st["momentum_buffer"]
                 buf.add_(g)
                 arrivals = int(st["arrivals"]) + 1
-                p.add_(g, alpha=-lr / n)
+                p.add_(g, alpha=-lr)
                 if arrivals >= n:
-                    m.mul_(beta).add_(buf, alpha=1.0 / arrivals)
+                    m.mul_(beta).add_(buf, alpha=n / arrivals)
                     p.add_(m, alpha=-lr * beta)
                     buf.zero_()
                     arrivals = 0

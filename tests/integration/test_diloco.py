@@ -1,8 +1,8 @@
 """DiLoCo on real shards: H=20 local steps per round ends where sync mode ends, at a fraction of the bytes.
 
-The outer momentum is 0.6 here, not the paper's 0.9: these runs have 20 outer rounds, and
-with 0.9 the Nesterov step overshoots at the end (measured: same accuracy band, eval loss
-0.63 against 0.10), which is a property of so few rounds, not of the implementation.
+The outer momentum is 0.6 (the default since issue 17), not the paper's 0.9: with AdamW's
+inner steps 0.9 grows the weights on digits (measured: same accuracy band, eval loss 0.63
+against 0.10; more rounds make it worse: README, DiLoCo).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ pytestmark = pytest.mark.timeout(600)
 DILOCO: dict[str, Any] = dict(name="d", num_ps_shards=2, total_steps=400, eval_every=0, ps_backup=False, seed=1)
 
 
-def test_diloco_defaults_follow_the_paper() -> None:
+def test_diloco_defaults_follow_the_paper_but_the_outer_momentum() -> None:
     exp = experiment(DILOCO, mode="diloco")
     assert (exp.optimizer, exp.compression, exp.inner_steps, exp.outer_lr, exp.outer_momentum) == \
-        ("adamw", "int8", 20, 0.7, 0.9)
+        ("adamw", "int8", 20, 0.7, 0.6)
     cfg = ShardConfig.for_experiment(exp, "e", 0)
     assert cfg.optimizer.name == "sgd" and cfg.optimizer.nesterov and cfg.optimizer.lr == 0.7
     assert cfg.mode == "sync" and cfg.total_steps == 20  # 400 inner steps = 20 outer rounds
     asynchronous = ShardConfig.for_experiment(experiment(DILOCO, mode="diloco", outer_step="async"), "e", 0)
-    assert asynchronous.staleness_in_rounds and asynchronous.optimizer.momentum == 0.9
+    assert asynchronous.staleness_in_rounds and asynchronous.optimizer.momentum == 0.6
     assert asynchronous.optimizer.delayed and not asynchronous.optimizer.nesterov  # Delayed Nesterov
 
 
@@ -56,3 +56,20 @@ def test_diloco_async_outer_step_trains() -> None:
                                outer_step="async", total_steps=1600), workers=4)
     print(f"diloco async: {got['accuracy']:.4f}")
     assert got["accuracy"] >= 0.95
+
+
+def test_diloco_sync_and_async_at_the_defaults_end_where_sync_mode_ends() -> None:
+    # bench/modes.py's digits cell on 3 workers (400 steps each), every DiLoCo setting at its default.
+    # Eval loss, not only accuracy (360 eval samples: one is 0.28 points): before issue 17 the outer
+    # momentum 0.9 grew the weights (in-process model, 12 seeds: eval loss 0.59 sync, 0.38 async,
+    # against sync mode's 0.10) and the async outer step was a third of the sync one. Measured here:
+    # sync mode 0.975 / 0.090; diloco/sync 0.983 / 0.097; diloco/async 0.969-0.981 / 0.10-0.12 (5 runs).
+    sync = run_async(experiment(DILOCO, mode="sync", lr=0.05, momentum=0.9), workers=3)
+    outer = {o: run_async(experiment(DILOCO, mode="diloco", lr=0.003, outer_step=o,
+                                     total_steps=400 * (3 if o == "async" else 1)), workers=3)
+             for o in ("sync", "async")}
+    print({"sync mode": (sync["accuracy"], sync["loss"]), **{f"diloco/{o}": (r["accuracy"], r["loss"])
+                                                             for o, r in outer.items()}})
+    for r in outer.values():
+        assert r["accuracy"] >= sync["accuracy"] - 0.01, (r["accuracy"], sync["accuracy"])  # type: ignore[operator]
+        assert r["loss"] <= 2 * sync["loss"], (r["loss"], sync["loss"])  # type: ignore[operator]

@@ -13,6 +13,7 @@ import torch
 import zmq
 
 from gossamer.gossip import PushSumPeer, out_peer
+from gossamer.gossip.shares import ShareWait, senders_to
 from gossamer.transport.frames import Message, decode, encode
 
 pytestmark = pytest.mark.timeout(60)
@@ -457,3 +458,44 @@ def test_a_light_snapshot_request_carries_no_parameters(closing: list[PushSumPee
         time.sleep(0.01)
     snap = got[0]
     assert snap is not None and snap.z.numel() == 0 and (snap.step, snap.done) == (7, True)
+
+
+def test_share_wait_mixes_a_share_sent_late_in_this_step_and_waits_once_for_a_silent_sender(
+    closing: list[PushSumPeer],
+) -> None:
+    # Gossip without overlap: a share sent while its receiver was finishing its own step used to be
+    # mixed a step late (bench/results/modes.md: gossip on digits 0.964 against sync's 0.975).
+    peers = [PushSumPeer(experiment=EXP, peer_id=str(i), numel=DIM) for i in range(3)]
+    closing.extend(peers)
+    join(peers, 0)
+    a, b, c = peers
+    assert senders_to("exponential", "1", ["0", "2"], 1) == {"2"}  # round 1: two hops ahead
+    for r in range(4):
+        for me in ("0", "1", "2"):
+            want = {s for i, s in enumerate("012") if s != me and str(out_peer("exponential", i, 3, r)) == me}
+            assert senders_to("exponential", me, ["0", "1", "2"], r) == want
+    za, zb = torch.ones(DIM), torch.zeros(DIM)
+    sender = threading.Timer(0.3, lambda: a.send(za, "1", step=5))
+    sender.start()
+    wait = ShareWait(limit_s=20.0)
+    missing = wait.wait(b, {"0"}, 5, serve=lambda: None, should_stop=lambda: False)
+    sender.join()
+    assert missing == set() and wait.late == 1 and wait.timeouts == 0
+    stats = b.mix(zb)  # the share taken off the inbox while waiting is folded now, its weight with it
+    assert stats.received == 1 and b.weight == 1.5
+    assert_close(zb, torch.full((DIM,), 1 / 3), atol=1e-6)  # (1 * 0 + 0.5 * 1) / 1.5
+    # A share of an earlier round does not count; a sender that never sends costs one bounded wait.
+    a.send(za, "1", step=5)
+    short = ShareWait(limit_s=0.2)
+    assert short.wait(b, {"0", "2"}, 6, serve=lambda: None, should_stop=lambda: False) == {"0", "2"}
+    assert short.timeouts == 1
+    assert short.wait(b, {"0", "2"}, 7, serve=lambda: None, should_stop=lambda: False) == set()
+    assert short.late == 1  # not waited for again
+    # Once a share of the silent sender comes in, it is waited for again.
+    c.send(torch.ones(DIM), "1", step=8)
+    deadline = time.monotonic() + 20.0
+    while "2" not in b.arrived_from(8, timeout=0.1) and time.monotonic() < deadline:
+        pass
+    assert short.wait(b, {"2"}, 8, serve=lambda: None, should_stop=lambda: False) == set()
+    assert short.wait(b, {"2"}, 9, serve=lambda: None, should_stop=lambda: False) == {"2"}
+    assert short.timeouts == 2

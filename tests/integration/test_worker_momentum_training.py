@@ -44,12 +44,13 @@ def test_topk_on_the_cnn_with_three_async_workers_and_momentum() -> None:
 
 
 def test_async_diloco_at_the_default_outer_momentum() -> None:
-    # Delayed Nesterov at outer_momentum 0.9 (the default): measured 0.967 and 0.958 (seeds 1,
-    # 2), where Nesterov on every arrival reached 0.63.
+    # Delayed Nesterov at the default outer_momentum (0.9 until issue 17, now 0.6): measured 0.967 and
+    # 0.958 (seeds 1, 2) at 0.9 with the shares divided by N twice, where Nesterov on every arrival
+    # reached 0.63.
     exp = experiment(dict(name="d", num_ps_shards=2, eval_every=0, ps_backup=False, seed=1), mode="diloco",
                      outer_step="async", lr=0.003, inner_steps=20, total_steps=1600)
-    assert exp.outer_momentum == 0.9
+    assert exp.outer_momentum == 0.6
     assert ShardConfig.for_experiment(exp, "e", 0).optimizer.delayed
     got = run_async(exp, workers=4)
-    print(f"diloco async, outer momentum 0.9: {got['accuracy']:.4f}")
+    print(f"diloco async, outer momentum 0.6: {got['accuracy']:.4f}")
     assert got["accuracy"] >= 0.95

@@ -10,6 +10,7 @@ from gossamer.compression.momentum_placement import density_warmup_steps, moment
 from gossamer.compression.worker_momentum import WorkerMomentum, warmup_density
 from gossamer.experiment import Experiment
 from gossamer.paramserver.delayed_nesterov import DelayedNesterov
+from gossamer.paramserver.optimizer import build_optimizer
 from gossamer.paramserver.shard_config import ShardConfig
 from gossamer.paramserver.shard_plan import ShardPlan
 from gossamer.worker.density_warmup import warm_spec
@@ -86,11 +87,12 @@ def test_delayed_nesterov_equals_one_nesterov_step_on_the_mean_per_round() -> No
     p = torch.zeros(1, requires_grad=True)
     opt = DelayedNesterov([p], lr=1.0, momentum=0.5, delay=2)
     seen = []
-    for g in (1.0, 3.0, 2.0, 2.0):
-        p.grad = torch.tensor([g])
+    # shares of pseudo-gradients 1, 3, 2, 2 from 2 workers (each divided by 2, as a DiLoCo worker pushes)
+    for share in (0.5, 1.5, 1.0, 1.0):
+        p.grad = torch.tensor([share])
         opt.step()
         seen.append(float(p.detach()))
-    # arrivals: -g/2 each; at the 2nd of a round m = 0.5 m + mean, p -= 0.5 m
+    # arrivals: -share each; at the 2nd of a round m = 0.5 m + sum of the round's shares (the mean), p -= 0.5 m
     # round 1: -0.5, -2 then m = 2, -3; round 2: -4, -5 then m = 3, -6.5
     assert seen == [-0.5, -3.0, -4.0, -6.5]
     q = torch.zeros(1, requires_grad=True)
@@ -99,6 +101,27 @@ def test_delayed_nesterov_equals_one_nesterov_step_on_the_mean_per_round() -> No
         q.grad = torch.tensor([mean])
         ref.step()
     assert float(q.detach()) == seen[-1]
+
+
+def test_async_diloco_round_of_shares_is_the_sync_outer_step() -> None:
+    """The shards' async outer step on the shares 3 DiLoCo workers push (pseudo-gradient / 3) moves the
+    model, over a round of arrivals, as the sync outer step on their sum does (it was a third of it)."""
+    torch.manual_seed(0)
+    pseudo = [[torch.randn(5) for _ in range(3)] for _ in range(4)]  # 4 rounds x 3 workers
+    params = {}
+    for outer in ("sync", "async"):
+        exp = Experiment(**BASE, mode="diloco", outer_step=outer, min_workers=3)
+        p = torch.zeros(5, requires_grad=True)
+        opt = build_optimizer(ShardConfig.for_experiment(exp, "e", 0).optimizer, [p])
+        if isinstance(opt, DelayedNesterov):
+            opt.set_delay(3)  # the shard's N: the workers it serves
+        for rnd in pseudo:
+            shares = [g / 3 for g in rnd]
+            for grad in ([sum(shares)] if outer == "sync" else shares):
+                p.grad = grad
+                opt.step()
+        params[outer] = p.detach()
+    torch.testing.assert_close(params["async"], params["sync"])
 
 
 def test_where_momentum_runs() -> None:
@@ -114,7 +137,8 @@ def test_where_momentum_runs() -> None:
     assert not momentum_on_worker(plain)
     assert ShardConfig.for_experiment(plain, "e", 0).optimizer.momentum == 0.9
     assert not momentum_on_worker(Experiment(**BASE, mode="async", compression="sign"))
-    adiloco = ShardConfig.for_experiment(Experiment(**BASE, mode="diloco", outer_step="async"), "e", 0).optimizer
+    adiloco = ShardConfig.for_experiment(Experiment(**BASE, mode="diloco", outer_step="async", outer_momentum=0.9),
+                                         "e", 0).optimizer
     assert adiloco.delayed and adiloco.momentum == 0.9 and not adiloco.nesterov
     sdiloco = ShardConfig.for_experiment(Experiment(**BASE, mode="diloco", outer_step="sync"), "e", 0).optimizer
     assert sdiloco.nesterov and not sdiloco.delayed

@@ -144,7 +144,8 @@ class GossipTrainer(RankTrainer):
             with self.profiler.region("communication"):
                 if self.peer is not None:
                     if self.outer is None:  # decentralized DiLoCo mixes once per round, in _mix_round
-                        self._await_shares()
+                        # Not waited for (ShareWait) here: per step, the lockstep let a node whose in-neighbour
+                        # skipped sends drain its weight and train alone (final consensus 1.7-2.5, bench/modes).
                         self.peer.mix(self.flat)
                     self.peer.serve(self.flat, self.clock)
                 if self.outer is None:
@@ -235,7 +236,7 @@ class GossipTrainer(RankTrainer):
             self.theta0.copy_(self.flat)
 
     def _await_shares(self) -> None:
-        """Without `overlap`: mix the in-neighbours' shares of the last round in this step (`ShareWait`)."""
+        """Decentralized DiLoCo without `overlap`: mix the in-neighbours' shares of this round now (`ShareWait`)."""
         if self.exp.overlap or self.clock == 0 or self.peer is None:
             return
         peer = self.peer

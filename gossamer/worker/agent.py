@@ -36,7 +36,7 @@ from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
 from gossamer.worker.heartbeat import HeartbeatThread
 from gossamer.worker.launcher import Launch, visible_cuda_devices
 from gossamer.worker.node_metrics import NodeMetrics
-from gossamer.worker.process_group import reserve_port
+from gossamer.worker.ports import reserve_port
 from gossamer.worker.udp_beats import UdpBeats
 from gossamer.worker.warm import role_context, stop_fork_server, warm_up_in_background
 

@@ -16,8 +16,9 @@ from gossamer.experiment import Experiment
 from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer
 from gossamer.worker import sampler
 from gossamer.worker.layout import make_layout, stack_batch
+from gossamer.worker.ports import reserve_port
 from gossamer.worker.precision import LossScaler, check_precision
-from gossamer.worker.process_group import end_process_group, exit_process, reserve_port
+from gossamer.worker.process_group import end_process_group, exit_process
 
 
 def run_rank(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:

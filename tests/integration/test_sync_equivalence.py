@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gossamer.experiment import Experiment
-from gossamer.worker.process_group import reserve_port
+from gossamer.worker.ports import reserve_port
 from gossamer.worker.ps_trainer import ParameterServerTrainer
 from gossamer.worker.rank import RankContext
 from tests._fixtures import experiment, warm_context

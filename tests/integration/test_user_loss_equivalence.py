@@ -16,7 +16,7 @@ from gossamer.paramserver.shard_plan import flatten_params
 from gossamer.worker import sampler
 from gossamer.worker.batches import Data
 from gossamer.worker.model import build
-from gossamer.worker.process_group import reserve_port
+from gossamer.worker.ports import reserve_port
 from gossamer.worker.ps_trainer import ParameterServerTrainer
 from gossamer.worker.rank import RankContext
 from tests._fixtures import warm_context

@@ -103,15 +103,13 @@ class Coordinator:
             node.last_seen = now
             node.curve_key = curve_key  # the same key after a coordinator restart; assignments follow a new one
             node.checkpoint_endpoint, node.checkpoint_secret, node.checkpoint_key = checkpoint_server(req)
-            await self.store.add_event("rejoin", f"node {node.name} re-attached", node_id=node.id)
+            kind, what = "rejoin", f"node {node.name} re-attached"
         else:
-            node_id = req.node_id or uuid.uuid4().hex[:12]
-            node = NodeRec.from_join(req, node_id, now, curve_key)
+            node = NodeRec.from_join(req, req.node_id or uuid.uuid4().hex[:12], now, curve_key)
             self.nodes[node.id] = node
-            await self.store.add_event(
-                "join", f"node {node.name} joined ({'spot' if node.spot else 'on-demand'})", node_id=node.id
-            )
-        await self.store.save_node(node)
+            kind, what = "join", f"node {node.name} joined ({'spot' if node.spot else 'on-demand'})"
+        # One transaction, shared with the joins that arrive meanwhile (group_commit.py); answered once committed.
+        await asyncio.gather(self.store.add_event(kind, what, node_id=node.id), self.store.save_node(node))
         await self.reconcile()
         return pb.JoinResponse(
             node_id=node.id,

@@ -76,6 +76,7 @@ class HeartbeatThread:
                     answer = resp.known
                     if self._udp is not None and resp.known:
                         self._udp.rekey(resp.beat_port, resp.beat_key)
+                        self._udp.grpc_answered()
                 except grpc.RpcError as e:
                     answer = e
                 if self._stop.is_set() or not self._hand_on(sent, answer):

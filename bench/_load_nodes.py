@@ -12,8 +12,10 @@ Heartbeats follow the real node's rules (worker/heartbeat.py, worker/udp_beats.p
   3 intervals); a tick that comes due meanwhile goes once it is answered, never in a burst;
 * with `udp`, a tick sends one UDP beat (beat_wire.py) to the port and key Join gave, and a gRPC Heartbeat
   as well while no beat under this key has been answered yet, or after `HEDGE_MISSES` ticks in a row
-  without any reply (one, for a lease under `HEDGE_MISSES + 2` intervals);
-* after `MISSES_TO_PAUSE` such ticks, gRPC having answered meanwhile, gRPC alone for `PAUSE_BEATS` intervals;
+  without any reply (one, for a lease under `HEDGE_MISSES + 2` intervals), such hedges at most one a
+  third of the lease, the gap doubling (up to the lease) after a hedge answered late or not at all;
+* after `MISSES_TO_PAUSE` such ticks, gRPC having answered promptly meanwhile, gRPC alone for
+  `PAUSE_BEATS` intervals;
 * a reply saying the node is not known: gRPC at once (whose `known=False` makes it join again).
 
 Joins arrive paced (`joins_per_s` for this loader), like machines booting, not all at once. The nodes'
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import multiprocessing.synchronize
 import random
 import socket
@@ -85,6 +88,8 @@ class _Sim:
     working: bool = False  # a beat under this key was answered
     grpc_answered: bool = False  # a gRPC Heartbeat was answered since the last UDP reply
     lease_s: float = 0.0
+    hedged_at: float = -math.inf
+    hedge_gap: float = 0.0
 
     def rekey(self, resp: pb.JoinResponse | pb.HeartbeatResponse) -> list[int]:
         """Take the port and key of `resp`; a new key starts afresh (the beats it forgets are returned)."""
@@ -308,7 +313,10 @@ class Loader:
             if not paused:
                 self._send(sim, now)
                 hedge_after = HEDGE_MISSES if sim.lease_s >= (HEDGE_MISSES + 2) * interval else 1
-                grpc_too = not sim.working or sim.misses >= hedge_after
+                grpc_too = not sim.working or (sim.misses >= hedge_after
+                                               and now - sim.hedged_at >= max(sim.hedge_gap, sim.lease_s / 3))
+                if grpc_too and sim.working:
+                    sim.hedged_at = now
         if grpc_too:
             self._spawn(self._grpc_heartbeat(sim))  # the thread waits for it: the next tick once it is answered
         else:
@@ -351,6 +359,11 @@ class Loader:
             self.in_flight -= 1
         if sim.alive:
             self._schedule(sim, max(sim.due, time.monotonic()))
+        took = time.monotonic() - t0
+        if resp is not None and resp.known and took < self.cfg.heartbeat_interval_s:  # UdpBeats.grpc_done
+            sim.grpc_answered, sim.hedge_gap = True, 0.0
+        else:
+            sim.hedge_gap = min(sim.lease_s, 2 * max(sim.hedge_gap, sim.lease_s / 3))
         if resp is None:
             return
         if measured and self.measuring:
@@ -360,8 +373,7 @@ class Loader:
             self.stats.unknown += 1
             await self._join(sim)
         elif self.cfg.udp:
-            sim.grpc_answered = True  # UdpBeats.grpc_answered; a new key (rekey) starts afresh
-            self._forget(sim.rekey(resp))
+            self._forget(sim.rekey(resp))  # a new key starts afresh
 
     def udp_reply(self, data: bytes) -> None:
         """A reply from the beat port (UdpBeats.replies): the beat it answers is timed; "unknown" sends gRPC now."""
@@ -384,7 +396,7 @@ class Loader:
             return
         sim.answered = max(sim.answered, got[0])
         sim.misses = 0
-        sim.working, sim.grpc_answered = True, False
+        sim.working, sim.grpc_answered, sim.hedge_gap = True, False, 0.0
         if self.measuring:
             self.stats.latencies_ms.append((now - sent) * 1e3)
             self.stats.sent += 1

@@ -7,17 +7,19 @@ whenever UDP does not answer:
 * until a beat has been answered (after every new key), each tick heartbeats over gRPC too;
 * a tick after `HEDGE_MISSES` ticks in a row without any reply heartbeats over gRPC too (after
   one, when the lease is shorter than `HEDGE_MISSES + 2` intervals), so lost datagrams delay the
-  lease by at most that many intervals;
-* `MISSES_TO_PAUSE` such ticks in a row while gRPC answers (UDP blocked, a wrong route, a
-  coordinator that restarted or handed over the lead and holds no key for this node): gRPC
+  lease by at most that many intervals; such hedges come at most one a third of the lease,
+  and a hedge answered late (over an interval) or not at all doubles that gap, up to the lease;
+* `MISSES_TO_PAUSE` such ticks in a row while gRPC answers promptly (UDP blocked, a wrong route,
+  a coordinator that restarted or handed over the lead and holds no key for this node): gRPC
   alone for `PAUSE_BEATS` intervals, then UDP is tried again (a new key tries it at once);
 * a reply saying the node is not known: gRPC at once (its answer makes the agent join again).
 
 A reply that comes late but comes (an overloaded coordinator) counts as an answer: the node
 then adds no gRPC call. Hedging at every late reply, and turning to gRPC alone when gRPC did not
-answer either, made an overloaded coordinator's load grow eight-fold (a gRPC Heartbeat costs it
-about eight UDP beats): at 10,000 nodes a few seconds of CPU starvation became a collapse, 5,000
-gRPC calls in flight and nodes declared lost (docs/scale.md).
+answer promptly either, made an overloaded coordinator's load grow eight-fold (a gRPC Heartbeat
+costs it about eight UDP beats): at 10,000 nodes a few seconds of CPU starvation became a
+collapse, 5,000 gRPC calls in flight and nodes declared lost (docs/scale.md). Without a lease
+from the Join (`rekey`), a node hedges at every unanswered beat, as it did before.
 
 Used from the heartbeat thread only, but `rekey` (the agent's Join) from any thread.
 """
@@ -25,6 +27,7 @@ Used from the heartbeat thread only, but `rekey` (the agent's Join) from any thr
 from __future__ import annotations
 
 import logging
+import math
 import select
 import socket
 from collections.abc import Sequence
@@ -63,7 +66,9 @@ class UdpBeats:
         self._paused_until = 0.0
         self._urgent = False  # a reply said "not known": heartbeat over gRPC now
         self._lease_s = 0.0  # the coordinator's lease, from the Join (0: not known, hedge at the first miss)
-        self._grpc_answered = False  # a gRPC Heartbeat was answered since the last UDP reply
+        self._grpc_answered = False  # a gRPC Heartbeat was answered promptly since the last UDP reply
+        self._hedged_at = -math.inf  # when the last gRPC hedge went (the keyed phase's hedges not counted)
+        self._hedge_gap = 0.0  # the least time between hedges now (0: the base one)
         self._working = False  # a beat was answered under this key (for the logs)
         self._warned = False
 
@@ -73,9 +78,18 @@ class UdpBeats:
         self._given = (port, key) if port and len(key) == beat_wire.KEY_BYTES else None
         self._lease_s = lease_s or self._lease_s
 
-    def grpc_answered(self) -> None:
-        """A gRPC Heartbeat was answered: the coordinator is up, so beats unanswered meanwhile say UDP is blocked."""
-        self._grpc_answered = True
+    def grpc_done(self, took_s: float, *, answered: bool, interval: float) -> None:
+        """A gRPC Heartbeat took `took_s` and was `answered` (known) or not.
+
+        Answered within an interval: the coordinator is up and keeping up, so beats unanswered
+        meanwhile say UDP is blocked. Late or not at all: it is overloaded or away, and the next
+        hedge waits twice as long.
+        """
+        if answered and took_s < interval:
+            self._grpc_answered = True
+            self._hedge_gap = 0.0
+        else:
+            self._hedge_gap = min(self._lease_s, 2 * max(self._hedge_gap, self._lease_s / 3))
 
     @property
     def urgent(self) -> bool:
@@ -104,8 +118,13 @@ class UdpBeats:
                 return True
         if not self._send(node_id, now):
             return True
+        if not self._working:
+            return True  # UDP is not known to work under this key yet
         hedge_after = HEDGE_MISSES if self._lease_s >= (HEDGE_MISSES + 2) * interval else 1
-        return not self._working or self._misses >= hedge_after
+        if self._misses < hedge_after or now - self._hedged_at < max(self._hedge_gap, self._lease_s / 3):
+            return False
+        self._hedged_at = now
+        return True
 
     def replies(self, now: float, interval: float) -> list[float]:
         """Send times of the beats answered "known" since the last call (reads without waiting)."""
@@ -128,6 +147,7 @@ class UdpBeats:
                 self._answered = max(self._answered, counter)
                 self._misses = 0
                 self._grpc_answered = False
+                self._hedge_gap = 0.0
                 self._dests = [d for d in self._dests if d[1] == addr[:2]] or self._dests  # whoever answers
                 if not self._working:
                     self._working = True

@@ -1,8 +1,8 @@
 """The node's UDP beats against a coordinator that answers late or not at all (worker/udp_beats.py), over real UDP sockets.
 
 Late replies must add no gRPC call (hedging at each one multiplied an overloaded coordinator's
-load eight-fold), silence must bring gRPC in within HEDGE_MISSES ticks, and UDP pauses only
-while gRPC answers.
+load eight-fold); silence brings gRPC in within HEDGE_MISSES ticks, spaced out by the lease and
+further when gRPC is slow too; UDP pauses only while gRPC answers promptly.
 """
 
 from __future__ import annotations
@@ -81,19 +81,24 @@ def test_replies_a_tick_late_add_no_grpc_heartbeat() -> None:
         port.close()
 
 
-def test_silence_brings_grpc_in_and_udp_pauses_only_once_grpc_answers() -> None:
-    port, udp = _keyed(lease_s=10.0)
+def test_silence_brings_grpc_in_spaced_out_and_udp_pauses_only_once_grpc_answers_promptly() -> None:
+    lease = 9.0  # hedges at most every lease / 3 = 3 s, a late one doubles that
+    port, udp = _keyed(lease_s=lease)
     try:
         asked, counters = [], []
-        for t in range(1, 6):  # the coordinator is silent on both: beats go on, gRPC is asked from HEDGE_MISSES
+        ticks = range(1, 15)
+        for t in ticks:  # the coordinator is silent on UDP from beat 1 on: beats go on, gRPC comes in
             asked.append(udp.beat(NODE, float(t), 1.0))
             counters.append(port.take())
-        assert asked == [False] * HEDGE_MISSES + [True] * (5 - HEDGE_MISSES)
-        assert counters == list(range(counters[0], counters[0] + 5))  # no pause without gRPC answering
-        udp.grpc_answered()  # gRPC answers while UDP does not: UDP is blocked
-        assert udp.beat(NODE, 6.0, 1.0)
-        assert udp.beat(NODE, 7.0, 1.0)  # paused: gRPC alone
-        assert udp.beat(NODE, 6.0 + PAUSE_BEATS, 1.0)  # UDP again, gRPC with it until a beat is answered
+            if t == 6:
+                udp.grpc_done(2.5, answered=True, interval=1.0)  # answered, but late: overloaded, not blocked
+        # Beat 1 unanswered at tick 2, beat 2 at tick 3 (HEDGE_MISSES): gRPC then, again 3 s later, then 6 s.
+        assert [t for t, a in zip(ticks, asked, strict=True) if a] == [1 + HEDGE_MISSES, 4 + HEDGE_MISSES, 10 + HEDGE_MISSES]
+        assert counters == list(range(counters[0], counters[0] + len(ticks)))  # no pause: gRPC was not prompt
+        udp.grpc_done(0.05, answered=True, interval=1.0)  # gRPC answers at once while UDP does not: UDP is blocked
+        assert udp.beat(NODE, 15.0, 1.0)
+        assert udp.beat(NODE, 16.0, 1.0)  # paused: gRPC alone
+        assert udp.beat(NODE, 15.0 + PAUSE_BEATS, 1.0)  # UDP again, gRPC with it until a beat is answered
         assert port.take() == counters[-1] + 1  # nothing was sent while paused
     finally:
         udp.close()

@@ -133,6 +133,13 @@ def snapshot(address: str) -> dict[str, Any]:
     }
 
 
+def _lost_ever(address: str) -> int:
+    """Nodes the coordinator at `address` declared lost at any time (its "lost" events), rejoined since or not."""
+    with grpc.insecure_channel(address) as ch:
+        events = pb_grpc.ExperimentServiceStub(ch).ListEvents(pb.ListEventsRequest(), timeout=120).events
+    return len({e.node_id for e in events if e.kind == "lost" and e.node_id})
+
+
 def submit_experiments(address: str, count: int) -> list[str]:
     """`count` async experiments of 1 shard (+ backup) and 2 workers; they start as nodes join."""
     ids = []
@@ -212,6 +219,7 @@ def run_point(n: int, *, loaders: int, warm_s: float, measure_s: float, pin: boo
         loader_cpu1 = sum(cpu_s(p.pid or 0) for p in procs)
         row["rss_mb"] = round(rss_mb(pid), 1)
         final = snapshot(coord.address)
+        lost_ever = _lost_ever(coord.address)
         if spy is not None:
             spy.wait(60)
         stop.set()
@@ -242,6 +250,7 @@ def run_point(n: int, *, loaders: int, warm_s: float, measure_s: float, pin: boo
         "cpu_us_per_hb": round(cores / served_per_s * 1e6, 1) if served_per_s else float("nan"),
         "loader_cores": round((loader_cpu1 - loader_cpu0) / window, 2),
         "lost": sum(1 for s in final["nodes"].values() if s == pb.NODE_STATE_LOST),
+        "lost_ever": lost_ever,
         "unknown_hb": sum(s["unknown"] for s in stats),
         **{k: sum(s[k] for s in stats) for k in ("udp_beats", "udp_misses", "udp_pauses", "grpc_beats")},
         "grpc_max_in_flight": max(s["grpc_max_in_flight"] for s in stats),

@@ -66,3 +66,32 @@ def test_a_node_that_held_roles_is_woken_when_its_experiment_ends(tmp_path: Path
         c.store.close()
 
     asyncio.run(go())
+
+
+def test_a_join_wakes_the_role_holders_only_when_their_experiment_takes_the_node(tmp_path: Path) -> None:
+    """A join storm woke every node holding a role at every join: 90 ms of coordinator CPU a join at 100 experiments."""
+    async def go() -> None:
+        c = _coordinator(tmp_path)
+        nodes = [await _join(c, f"n{i}") for i in range(3)]
+        exp_id = await c.submit(experiment(mode="async", num_ps_shards=1, min_workers=1, max_workers=3).to_json())
+        exp = c.exps[exp_id]
+        assert len(exp.roles_of(pb.ROLE_WORKER)) == 2  # one node each, beside the shard's primary
+        for r in exp.roles_of(pb.ROLE_PARAMETER_SERVER):
+            await c.report_role(pb.ReportRoleRequest(
+                node_id=r.node_id, experiment_id=exp_id, role=r.role, index=r.index, state=pb.ROLE_STATE_SERVING,
+                endpoint=f"tcp://127.0.0.1:{5000 + r.replica}", replica=r.replica, replicated=r.replica == 0))
+        assert exp.state == pb.EXPERIMENT_STATE_RUNNING
+        for n in nodes:
+            c.streams.sent(n, bool(c.assignments_for(n)))
+        holders = {n: c.streams.event(n) for n in nodes}
+        grown = await _join(c, "grown")  # max_workers 3: it becomes the third worker
+        assert c.assignments_for(grown) and all(e.is_set() for e in holders.values())
+        for n in [*nodes, grown]:
+            c.streams.sent(n, bool(c.assignments_for(n)))
+        holders = {n: c.streams.event(n) for n in [*nodes, grown]}
+        spare = await _join(c, "spare")  # the experiment is full: nothing changed for anyone
+        assert not c.assignments_for(spare)
+        assert not any(e.is_set() for e in holders.values())
+        c.store.close()
+
+    asyncio.run(go())

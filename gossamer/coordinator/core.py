@@ -300,16 +300,16 @@ class Coordinator:
         if that changed any (or the caller did: `changed`; a join changed none, and waking every stream with
         roles at every join of a storm cost 90 ms a join at 100 experiments)."""
         head = ""  # the first queued experiment that could not start: later ones wait behind it (FIFO)
-        free: list[NodeRec] | None = None  # listed once, again only after an experiment took nodes
+        census: placement.Census | None = None  # nodes listed once, again only after an experiment took some
         for exp in sorted(self.exps.values(), key=lambda e: e.seq):
             if not exp.active:
                 continue
-            if free is None:
-                free = placement.free_nodes(self.nodes.values())
+            census = census or placement.Census.of(self.nodes.values())
+            free = census.free
             if exp.state == pb.EXPERIMENT_STATE_QUEUED:
                 plan = None if head else placement.place_experiment(free, exp.spec, exp.mode)
                 if plan is None:
-                    await self._say_why_queued(exp, head)
+                    await self._say_why_queued(exp, head, census)
                     head = head or exp.id
                     continue
                 exp.message = ""
@@ -317,15 +317,15 @@ class Coordinator:
             # Behind a queued head a running experiment takes no free node (FIFO), as before.
             elif exp.state != pb.EXPERIMENT_STATE_RUNNING or not await self._resume(exp, [] if head else free):
                 continue
-            free, changed = None, True
+            census, changed = None, True
             await self.store.save_experiment(exp)
             for r in exp.roles:
                 await self.store.save_node(self.nodes[r.node_id])
         await self._notify(assignments=changed)
 
-    async def _say_why_queued(self, exp: ExpRec, head: str) -> None:
+    async def _say_why_queued(self, exp: ExpRec, head: str, census: placement.Census) -> None:
         """Set a queued experiment's message to what it waits for (saved only when it changes)."""
-        if (why := placement.queued_message(self.nodes.values(), exp.spec, exp.mode, head)) != exp.message:
+        if (why := placement.queued_message(census, exp.spec, exp.mode, head)) != exp.message:
             exp.message = why
             await self.store.save_experiment(exp)
 

@@ -176,7 +176,7 @@ class Coordinator:
                 figures["detect_s"] = detect_s
             await self._recovery_metric(exp, figures)
             await self._node_gone(exp, node)
-        await self.reconcile()
+        await self.reconcile(changed=exp is not None and exp.active)  # a node without roles changes no stream's
 
     async def _recovery_metric(self, exp: ExpRec, add: dict[str, float]) -> None:
         await self.store.add_metrics(exp.id, [exp.add_recovery(add, time.time())])

@@ -120,7 +120,7 @@ def cluster_too_small(nodes: Iterable[NodeRec], spec: dict[str, Any], mode: Mode
 def grow(free: list[NodeRec], *, current_workers: int, max_workers: int) -> list[NodeRec]:
     """Free nodes to add as workers to a running experiment (up to `max_workers`)."""
     room = max(0, max_workers - current_workers)
-    return sorted(free, key=lambda n: (n.joined_unix, n.id))[:room]
+    return sorted(free, key=lambda n: (n.joined_unix, n.id))[:room] if room else []  # full: no sort per join
 
 
 #: Node labels naming failure domains, widest first: a shard's replicas avoid sharing any of them.

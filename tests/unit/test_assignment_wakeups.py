@@ -68,7 +68,7 @@ def test_a_node_that_held_roles_is_woken_when_its_experiment_ends(tmp_path: Path
     asyncio.run(go())
 
 
-def test_a_join_wakes_the_role_holders_only_when_their_experiment_takes_the_node(tmp_path: Path) -> None:
+def test_a_join_or_leave_wakes_the_role_holders_only_when_it_changes_their_experiment(tmp_path: Path) -> None:
     """A join storm woke every node holding a role at every join: 90 ms of coordinator CPU a join at 100 experiments."""
     async def go() -> None:
         c = _coordinator(tmp_path)
@@ -92,6 +92,10 @@ def test_a_join_wakes_the_role_holders_only_when_their_experiment_takes_the_node
         spare = await _join(c, "spare")  # the experiment is full: nothing changed for anyone
         assert not c.assignments_for(spare)
         assert not any(e.is_set() for e in holders.values())
+        await c.leave(spare, "churn")  # nor when a node without roles leaves
+        assert not any(e.is_set() for e in holders.values())
+        await c.leave(grown, "churn")  # a worker leaving changes its experiment
+        assert all(e.is_set() for n, e in holders.items() if n != grown)
         c.store.close()
 
     asyncio.run(go())

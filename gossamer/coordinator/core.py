@@ -85,10 +85,12 @@ class Coordinator:
     # An Event swapped at each change, not a Condition: on Python 3.11 a Condition.wait()
     # cancelled by wait_for at shutdown can leave its lock released, and `async with` then
     # raised "Lock is not acquired" in every stream handler, so SIGTERM did not end the process.
-    async def _notify(self, *, assignments: bool = True) -> None:
+    async def _notify(self, *, assignments: bool = True, only: ExpRec | None = None) -> None:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
-        if assignments:
+        if only is not None:  # a change inside one experiment that took no role from anyone (a role's report)
+            self.streams.wake_exactly(r.node_id for r in only.roles)
+        elif assignments:
             self.streams.wake(r.node_id for exp in self.exps.values() if exp.active for r in exp.roles)
 
     async def wait_change(self, timeout: float) -> None:
@@ -551,7 +553,7 @@ class Coordinator:
             servers = exp.roles_of(pb.ROLE_PARAMETER_SERVER)
             await self._running(exp, "all shards serving: " + ", ".join(r.endpoint for r in servers))
         await self.store.save_experiment(exp)
-        await self._notify()
+        await self._notify(only=exp)
         if exp.completing_unix and req.state == pb.ROLE_STATE_DONE:  # its final counters came just before
             await self.settle_completion(exp)
 

@@ -99,3 +99,25 @@ def test_a_join_or_leave_wakes_the_role_holders_only_when_it_changes_their_exper
         c.store.close()
 
     asyncio.run(go())
+
+
+def test_a_role_report_wakes_only_its_own_experiments_nodes(tmp_path: Path) -> None:
+    """At 100 experiments every report woke every role holder (400 streams a report)."""
+    async def go() -> None:
+        c = _coordinator(tmp_path)
+        nodes = [await _join(c, f"n{i}") for i in range(6)]
+        spec = {"mode": "async", "num_ps_shards": 1, "min_workers": 1, "max_workers": 1}
+        first, second = [await c.submit(experiment(name=f"e{k}", **spec).to_json()) for k in range(2)]
+        for n in nodes:
+            c.streams.sent(n, bool(c.assignments_for(n)))
+        events = {n: c.streams.event(n) for n in nodes}
+        primary = next(r for r in c.exps[first].roles if r.role == pb.ROLE_PARAMETER_SERVER and r.replica == 0)
+        await c.report_role(pb.ReportRoleRequest(node_id=primary.node_id, experiment_id=first, role=primary.role,
+                                                 index=0, state=pb.ROLE_STATE_SERVING, endpoint="tcp://127.0.0.1:5000"))
+        mine = {r.node_id for r in c.exps[first].roles}
+        theirs = {r.node_id for r in c.exps[second].roles} - mine
+        assert mine and theirs
+        assert all(events[n].is_set() for n in mine) and not any(events[n].is_set() for n in theirs)
+        c.store.close()
+
+    asyncio.run(go())

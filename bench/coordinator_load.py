@@ -48,6 +48,8 @@ from gossamer.v1 import coordinator_pb2 as pb  # noqa: E402
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: Nodes arriving a second (all loaders together): machines of a fleet booting, a few hundred a second.
+JOIN_RATE = 250.0
 
 
 def free_port() -> int:
@@ -60,6 +62,12 @@ def cpu_s(pid: int) -> float:
     """utime + stime of `pid` (all its threads), seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def udp_drops() -> int:
+    """Datagrams this machine's kernel dropped for a full socket receive buffer (all sockets), so far."""
+    lines = [ln.split() for ln in Path("/proc/net/snmp").read_text().splitlines() if ln.startswith("Udp:")]
+    return int(dict(zip(lines[0], lines[1], strict=True)).get("RcvbufErrors", 0))
 
 
 def rss_mb(pid: int) -> float:
@@ -125,6 +133,13 @@ def snapshot(address: str) -> dict[str, Any]:
     }
 
 
+def _lost_ever(address: str) -> int:
+    """Nodes the coordinator at `address` declared lost at any time (its "lost" events), rejoined since or not."""
+    with grpc.insecure_channel(address) as ch:
+        events = pb_grpc.ExperimentServiceStub(ch).ListEvents(pb.ListEventsRequest(), timeout=120).events
+    return len({e.node_id for e in events if e.kind == "lost" and e.node_id})
+
+
 def submit_experiments(address: str, count: int) -> list[str]:
     """`count` async experiments of 1 shard (+ backup) and 2 workers; they start as nodes join."""
     ids = []
@@ -147,28 +162,42 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_point(n: int, *, loaders: int, warm_s: float, measure_s: float, pin: bool, workdir: Path,
               churn_per_min: float = 0.0, experiments: int = 0, kill9: bool = False,
-              lease_timeout_s: float = 10.0, label: str = "", profile: str = "", beats: str = "grpc") -> dict[str, Any]:
-    """One scenario at `n` nodes, heartbeating over `beats` ("grpc" or "udp"); returns its row."""
+              lease_timeout_s: float = 10.0, label: str = "", profile: str = "", beats: str = "grpc",
+              join_rate: float = JOIN_RATE) -> dict[str, Any]:
+    """One scenario at `n` nodes joining at `join_rate` a second, heartbeating over `beats` ("grpc" or "udp");
+    returns its row."""
     state = Path(tempfile.mkdtemp(prefix=f"load-{n}-", dir=workdir))
     coord = Coordinator(state, lease_timeout_s=lease_timeout_s, pin=pin, log=state / "coordinator.log")
     coord.start()
     ctx = mp.get_context("spawn")
     measure, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
     procs = []
+    counts: list[Any] = []  # nodes joined, per loader
     row: dict[str, Any] = {"scenario": label or "nodes", "beats": beats, "nodes": n}
+    drops0 = udp_drops()
     try:
         exp_ids = submit_experiments(coord.address, experiments) if experiments else []
         per = -(-n // loaders)
         for k in range(loaders):
             count = min(per, n - k * per)
-            cfg = LoaderConfig(address=coord.address, first=k * per, count=count,
+            cfg = LoaderConfig(address=coord.address, first=k * per, count=count, joins_per_s=join_rate / loaders,
                                churn_per_min=churn_per_min / loaders, udp=beats == "udp")
-            p = ctx.Process(target=loader_main, args=(cfg, measure, stop, out), daemon=True)
+            counts.append(ctx.Value("i", 0, lock=False))
+            p = ctx.Process(target=loader_main, args=(cfg, measure, stop, out, counts[-1]), daemon=True)
             p.start()
             procs.append(p)
-        t_join = time.monotonic()
-        row["joined"] = _wait_joined(coord.address, n, timeout_s=max(120.0, n / 50))
+        t_join, wall_join = time.monotonic(), time.time()
+        pid = coord.proc.pid if coord.proc else 0
+        c_join = cpu_s(pid)
+        storm = n / join_rate
+        spy = _profile(pid, storm + 2, profile, f"join-{label or 'nodes'}-{beats}-{n}") if profile else None
+        row["joined"] = _wait_joined(counts, n, timeout_s=max(120.0, 3 * storm))
         row["join_s"] = round(time.monotonic() - t_join, 1)
+        row["join_rate"] = join_rate
+        row["join_cpu_ms"] = round((cpu_s(pid) - c_join) * 1e3 / max(1, row["joined"]), 2)  # coordinator CPU per join
+        row["join_loadavg"] = round(os.getloadavg()[0], 1)
+        if spy is not None:
+            spy.wait(60)
         if experiments:
             _wait_running(coord.address, exp_ids, timeout_s=120.0)
         time.sleep(warm_s)
@@ -190,6 +219,7 @@ def run_point(n: int, *, loaders: int, warm_s: float, measure_s: float, pin: boo
         loader_cpu1 = sum(cpu_s(p.pid or 0) for p in procs)
         row["rss_mb"] = round(rss_mb(pid), 1)
         final = snapshot(coord.address)
+        lost_ever = _lost_ever(coord.address)
         if spy is not None:
             spy.wait(60)
         stop.set()
@@ -205,7 +235,12 @@ def run_point(n: int, *, loaders: int, warm_s: float, measure_s: float, pin: boo
     window = t1 - t0
     served_per_s = len(lat) / (t1 - t_measure)
     cores = (c1 - c0) / window
+    last_join = max((s["join_done_at"] for s in stats), default=0.0)
     row.update({
+        "join_s": round(last_join - wall_join, 1) if last_join else row["join_s"],  # first sent to last answered
+        "join_attempts": sum(s["join_attempts"] for s in stats),
+        "join_p50_ms": round(percentile(joins_ms := [x for s in stats for x in s["join_ms"]], 0.50), 1),
+        "join_p99_ms": round(percentile(joins_ms, 0.99), 1),
         "hb_per_s": round(served_per_s, 0),
         "asked_per_s": n,
         "p50_ms": round(percentile(lat, 0.50), 2),
@@ -215,8 +250,11 @@ def run_point(n: int, *, loaders: int, warm_s: float, measure_s: float, pin: boo
         "cpu_us_per_hb": round(cores / served_per_s * 1e6, 1) if served_per_s else float("nan"),
         "loader_cores": round((loader_cpu1 - loader_cpu0) / window, 2),
         "lost": sum(1 for s in final["nodes"].values() if s == pb.NODE_STATE_LOST),
+        "lost_ever": lost_ever,
         "unknown_hb": sum(s["unknown"] for s in stats),
-        "udp_timeouts": sum(s["udp_timeouts"] for s in stats),
+        **{k: sum(s[k] for s in stats) for k in ("udp_beats", "udp_misses", "udp_pauses", "grpc_beats")},
+        "grpc_max_in_flight": max(s["grpc_max_in_flight"] for s in stats),
+        "udp_rcvbuf_drops": udp_drops() - drops0,
         "errors": _merge_errors(stats),
     })
     if churn_per_min:
@@ -246,20 +284,14 @@ def _merge_errors(stats: list[dict[str, Any]]) -> str:
     return ",".join(f"{k}:{v}" for k, v in sorted(merged.items())) or "-"
 
 
-def _wait_joined(address: str, n: int, timeout_s: float) -> int:
-    """Nodes joined (not left) once all `n` have, or when `timeout_s` is up: past the ceiling, not all do."""
+def _wait_joined(counts: list[Any], n: int, timeout_s: float) -> int:
+    """Nodes joined (the loaders' counts) once all `n` have, or when `timeout_s` is up: past the ceiling, not all do."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
-        stub = pb_grpc.NodeServiceStub(ch)
-        while True:
-            try:
-                nodes = stub.ListNodes(pb.ListNodesRequest(), timeout=120).nodes
-            except grpc.RpcError:
-                nodes = []
-            joined = sum(1 for x in nodes if x.state != pb.NODE_STATE_LEFT)
-            if joined >= n or time.monotonic() > deadline:
-                return joined
-            time.sleep(max(1.0, n / 2000))
+    while True:
+        joined = sum(c.value for c in counts)
+        if joined >= n or time.monotonic() > deadline:
+            return joined
+        time.sleep(0.2)
 
 
 def _wait_running(address: str, exp_ids: list[str], timeout_s: float) -> None:
@@ -325,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beats", default="grpc,udp",
                     help="heartbeat transports of the node-count curve, a row each (the scenarios use the last)")
     ap.add_argument("--measure", type=float, default=0.0, help="seconds measured per point")
+    ap.add_argument("--join-rate", type=float, default=JOIN_RATE, help="nodes arriving a second (all loaders)")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin the coordinator to core 0")
     ap.add_argument("--skip", default="", help="comma-separated scenarios to skip: churn,experiments,kill9")
     ap.add_argument("--out", default=str(RESULTS), help="results directory")
@@ -344,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="coordinator-load-") as tmp:
         work = Path(tmp)
         kw = {"loaders": args.loaders, "warm_s": warm_s, "measure_s": measure_s, "pin": args.pin, "workdir": work,
-              "profile": args.profile}
+              "profile": args.profile, "join_rate": args.join_rate}
         transports = [b for b in args.beats.split(",") if b]
         for n in counts:
             for beats in transports:
@@ -369,8 +402,14 @@ def main(argv: list[str] | None = None) -> int:
     notes = (f"Simulated nodes (bench/_load_nodes.py, {args.loaders} loader processes) against one `gossamer coordinator "
              f"serve --rate-limit 0`{' pinned to one core' if args.pin else ''}; 1 Hz heartbeats, lease 10 s; "
              f"{measure_s:g} s measured per point after {warm_s:g} s warm-up. beats: grpc, the unary Heartbeat; "
-             "udp, one authenticated datagram and its reply (docs/scale.md, \"UDP heartbeats\"); udp_timeouts: beats "
-             "unanswered within 3 intervals (a gRPC Heartbeat followed). run: this run, or the time of an earlier "
+             "udp, one authenticated datagram and its reply (docs/scale.md, \"UDP heartbeats\"), with gRPC as the real node's "
+             "fallback (udp_misses: ticks whose previous beat had no reply; udp_pauses: nodes that turned to gRPC alone; "
+             "grpc_beats: gRPC Heartbeats sent in the window; udp_timeouts, older rows: beats unanswered within 3 s). "
+             "Joins paced at join_rate a second (NodeAgent's 5 s deadline and back-off): join_s from the first sent to "
+             "the last answered, join_cpu_ms the coordinator's CPU over the storm per node joined (everything it did "
+             "meanwhile included). lost_ever: nodes with a 'lost' event (declared lost at any time, rejoined since or "
+             "not); udp_rcvbuf_drops: datagrams the kernel dropped for full receive buffers during the point (all "
+             "sockets). run: this run, or the time of an earlier "
              "one kept (--keep; rows without beats there were gRPC). loadavg: the machine's 1-minute load average at the "
              "end of the window. Latency: client round trip (includes "
              "the loaders' own event-loop delay: the loaders share this machine's cores with the coordinator and "

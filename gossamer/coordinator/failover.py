@@ -29,6 +29,8 @@ def lease_verdict(node: NodeRec, *, now: float, lease_timeout_s: float, heartbea
     if not node.alive:
         return None
     silent = now - node.last_seen
+    if silent <= lease_timeout_s and not node.stream_lost_at:
+        return None  # blind time only shortens a silence: nothing to weigh (every live node, every sweep)
     blind = blind_since(node.last_seen)
     if silent - blind > lease_timeout_s:
         held = f"; the coordinator itself was not scheduled for {blind:.1f}s of it" if blind >= 0.05 else ""

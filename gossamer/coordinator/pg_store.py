@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from gossamer.coordinator.group_commit import GroupCommit
 from gossamer.coordinator.store import Store
 from gossamer.errors import ConfigError, NotLeaderError, UnavailableError
 
@@ -156,6 +157,7 @@ class PgStore(Store):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gossamer-pgstore")
         self._db = None
         self._pg: PgConn | None = None
+        self.commits = GroupCommit(self._pool, lambda: self._db)
         #: Called (once) when a fenced write or the session fails while leading: stop acting.
         self.on_lost: Callable[[str], None] | None = None
         self._pool.submit(self._open).result()
@@ -190,10 +192,17 @@ class PgStore(Store):
         return self._pg.term if self._pg is not None else 0
 
     async def run(self, fn: Callable[[Any], T]) -> T:
+        return await self._fenced(super().run(fn))
+
+    async def write(self, fn: Callable[[Any], object]) -> None:
+        await self._fenced(super().write(fn))
+
+    async def _fenced(self, call: Awaitable[T]) -> T:
+        """`call`'s result; a lost term or session stops the leader (`on_lost`) and raises NotLeaderError."""
         import psycopg
 
         try:
-            return await super().run(fn)
+            return await call
         except NotLeaderError as e:
             self._lost(str(e))
             raise

@@ -30,11 +30,32 @@ def free_nodes(nodes: Iterable[NodeRec]) -> list[NodeRec]:
     return [n for n in nodes if n.alive and not n.experiment_id]
 
 
+def enough(free: int, *, num_servers: int, min_workers: int) -> bool:
+    """Whether `free` nodes can start an experiment (`place`'s one condition, so the wait reason agrees)."""
+    return free >= num_servers + min_workers
+
+
+@dataclass(frozen=True)
+class Census:
+    """The live and free nodes at one moment: one reconcile pass takes it once for all its queued experiments
+    (each one's wait reason listed every node: O(queued x nodes) a join in a storm)."""
+
+    live: int
+    free: list[NodeRec]
+    spot: int  # of the free ones
+
+    @classmethod
+    def of(cls, nodes: Iterable[NodeRec]) -> Census:
+        live = [n for n in nodes if n.alive]
+        free = free_nodes(live)
+        return cls(live=len(live), free=free, spot=sum(n.spot for n in free))
+
+
 def place(
     free: list[NodeRec], *, num_servers: int, min_workers: int, max_workers: int
 ) -> Placement | None:
     """Choose servers and workers among `free` nodes, or None if there are too few."""
-    if len(free) < num_servers + min_workers:
+    if not enough(len(free), num_servers=num_servers, min_workers=min_workers):
         return None
     by_pref = sorted(free, key=_server_preference)
     servers = spread_servers(by_pref, num_servers)
@@ -59,32 +80,31 @@ def nodes_needed(spec: dict[str, Any], mode: Mode) -> tuple[int, int]:
     return (spec["num_ps_shards"] if mode.servers else 0), spec["min_workers"]
 
 
-def wait_reason(nodes: Iterable[NodeRec], spec: dict[str, Any], mode: Mode) -> str:
+def wait_reason(nodes: Iterable[NodeRec] | Census, spec: dict[str, Any], mode: Mode) -> str:
     """Why a queued experiment cannot start on `nodes` now, in words; "" when `place_experiment` would place it.
 
     Derived from the placer itself, so the message never disagrees with it: e.g. "waiting for 5
     nodes (2 for shards, on-demand preferred; 3 for workers); 3 free (1 on-demand, 2 spot); the
     cluster has 3 live nodes: 2 more must join".
     """
-    live = [n for n in nodes if n.alive]
-    free = free_nodes(live)
-    if place_experiment(free, spec, mode) is not None:
-        return ""
+    census = nodes if isinstance(nodes, Census) else Census.of(nodes)
     shards, workers = nodes_needed(spec, mode)
+    free = len(census.free)
+    if enough(free, num_servers=shards, min_workers=workers):
+        return ""
     need = shards + workers
-    spot = sum(n.spot for n in free)
     wants = (f"{shards} for shards, on-demand preferred; " if shards else "") + f"{workers} for workers"
-    have = f"{len(free)} free ({len(free) - spot} on-demand, {spot} spot)"
-    busy = len(live) - len(free)
+    have = f"{free} free ({free - census.spot} on-demand, {census.spot} spot)"
+    busy = census.live - free
     if busy:
         have += f", {busy} busy with other experiments"
     text = f"waiting for {_count(need, 'node')} ({wants}); {have}"
-    if len(live) < need:
-        text += f"; the cluster has {_count(len(live), 'live node')}: {need - len(live)} more must join"
+    if census.live < need:
+        text += f"; the cluster has {_count(census.live, 'live node')}: {need - census.live} more must join"
     return text
 
 
-def queued_message(nodes: Iterable[NodeRec], spec: dict[str, Any], mode: Mode, head: str) -> str:
+def queued_message(nodes: Iterable[NodeRec] | Census, spec: dict[str, Any], mode: Mode, head: str) -> str:
     """A queued experiment's status message: its `wait_reason`, behind the queue's head `head` if any."""
     why = wait_reason(nodes, spec, mode)
     if head:
@@ -100,7 +120,7 @@ def cluster_too_small(nodes: Iterable[NodeRec], spec: dict[str, Any], mode: Mode
 def grow(free: list[NodeRec], *, current_workers: int, max_workers: int) -> list[NodeRec]:
     """Free nodes to add as workers to a running experiment (up to `max_workers`)."""
     room = max(0, max_workers - current_workers)
-    return sorted(free, key=lambda n: (n.joined_unix, n.id))[:room]
+    return sorted(free, key=lambda n: (n.joined_unix, n.id))[:room] if room else []  # full: no sort per join
 
 
 #: Node labels naming failure domains, widest first: a shard's replicas avoid sharing any of them.

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gossamer.coordinator import metric_query
+from gossamer.coordinator.group_commit import GroupCommit
 from gossamer.coordinator.records import ExpRec, NodeRec
 from gossamer.coordinator.sql import Db
 
@@ -42,7 +43,11 @@ CREATE TABLE IF NOT EXISTS events (
 
 
 class Store:
-    """One SQLite file; every statement runs on one dedicated thread, off the event loop."""
+    """One SQLite file; every statement runs on one dedicated thread, off the event loop.
+
+    Single-statement writes (nodes, experiments, events, metrics, checkpoints) are group-committed
+    (`group_commit.py`): those asked for while a transaction is at the thread share the next one.
+    """
 
     #: Where the state lives, for logs and the status page.
     location: str
@@ -57,6 +62,7 @@ class Store:
         self.location = str(self.path)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gossamer-store")
         self._db: Db | None = None
+        self.commits = GroupCommit(self._pool, lambda: self._db)
         self._pool.submit(self._open).result()
 
     def _open(self) -> None:
@@ -68,9 +74,15 @@ class Store:
         self._db = db
 
     async def run(self, fn: Callable[[Db], T]) -> T:
+        """`fn` on the store's thread, after every write queued before it."""
         db = self._db
         assert db is not None
+        self.commits.flush()
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, db)
+
+    async def write(self, fn: Callable[[Db], object]) -> None:
+        """`fn`'s statements, committed in a transaction shared with the writes queued alongside (group commit)."""
+        await self.commits.write(fn)
 
     def run_sync(self, fn: Callable[[Db], T]) -> T:
         """`run` from outside the event loop (startup, before it serves)."""
@@ -82,6 +94,8 @@ class Store:
         if self._closed:
             return
         self._closed = True
+        if self._db is not None:
+            self.commits.flush()  # queued writes commit before the connection closes
 
         def _close() -> None:
             if self._db is not None:
@@ -106,34 +120,17 @@ class Store:
     # --- writes ---------------------------------------------------------------------------
     async def save_node(self, node: NodeRec) -> None:
         data = node.to_json()
-        await self.run(
-            lambda db: db.execute(self._UPSERT_NODE, (node.id, data))
-        )
+        await self.write(lambda db: db.execute(self._UPSERT_NODE, (node.id, data)))
 
     async def save_experiment(self, exp: ExpRec) -> None:
         data = exp.to_json()
-        await self.run(
-            lambda db: db.execute(self._UPSERT_EXPERIMENT, (exp.id, exp.seq, data))
-        )
+        await self.write(lambda db: db.execute(self._UPSERT_EXPERIMENT, (exp.id, exp.seq, data)))
 
     async def add_metrics(self, exp_id: str, rows: list[tuple[float, int, str, dict[str, float]]]) -> None:
         params = [(exp_id, t, step, src, json.dumps(vals)) for t, step, src, vals in rows]
-
-        def _ins(db: Db) -> None:
-            db.execute("BEGIN")
-            try:
-                db.executemany(
-                    "INSERT INTO metrics (experiment_id, time, step, source, data) VALUES (?,?,?,?,?)",
-                    params,
-                )
-            except BaseException:
-                # Left open, the transaction would swallow every later write of the coordinator
-                # and fail every later BEGIN ("cannot start a transaction within a transaction").
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
-
-        await self.run(_ins)
+        # In a transaction (group_commit), rolled back whole if a row fails.
+        await self.write(lambda db: db.executemany(
+            "INSERT INTO metrics (experiment_id, time, step, source, data) VALUES (?,?,?,?,?)", params))
 
     async def metrics(self, exp_id: str, since: float = 0.0, max_points: int = 0,
                       per_source: bool = False) -> list[tuple[float, int, str, dict[str, Any]]]:
@@ -191,12 +188,9 @@ class Store:
     async def add_event(self, kind: str, message: str, experiment_id: str = "", node_id: str = "") -> None:
         log.info("event %s: %s", kind, message)
         now = time.time()
-        await self.run(
-            lambda db: db.execute(
-                "INSERT INTO events (time, experiment_id, node_id, kind, message) VALUES (?,?,?,?,?)",
-                (now, experiment_id, node_id, kind, message),
-            )
-        )
+        await self.write(lambda db: db.execute(
+            "INSERT INTO events (time, experiment_id, node_id, kind, message) VALUES (?,?,?,?,?)",
+            (now, experiment_id, node_id, kind, message)))
 
     async def events(self, experiment_id: str | None = None, since: float = 0.0) -> list[dict[str, Any]]:
         def _q(db: Db) -> list[dict[str, Any]]:
@@ -213,11 +207,8 @@ class Store:
 
     async def add_checkpoint(self, exp_id: str, step: int, path: str, kind: str) -> float:
         now = time.time()
-        await self.run(
-            lambda db: db.execute(
-                "INSERT INTO checkpoints VALUES (?,?,?,?,?)", (exp_id, step, path, kind, now)
-            )
-        )
+        await self.write(lambda db: db.execute("INSERT INTO checkpoints VALUES (?,?,?,?,?)",
+                                               (exp_id, step, path, kind, now)))
         return now
 
     async def latest_checkpoint(self, exp_id: str) -> tuple[int, str, str, float] | None:

@@ -35,6 +35,12 @@ class AssignmentStreams:
             if (event := self._events.pop(node_id, None)) is not None:
                 event.set()
 
+    def wake_exactly(self, node_ids: Iterable[str]) -> None:
+        """Wake the streams of `node_ids` only (a change no other node's assignments can show)."""
+        for node_id in node_ids:
+            if (event := self._events.pop(node_id, None)) is not None:
+                event.set()
+
     def opened(self, node_id: str) -> None:
         self._open[node_id] = self._open.get(node_id, 0) + 1
 

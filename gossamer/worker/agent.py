@@ -320,7 +320,7 @@ class NodeAgent:
                 set_context(node=self.name)
                 self.heartbeat_s = resp.heartbeat_interval_s
                 self.curve = resp.curve
-                self.udp_beats.rekey(resp.beat_port, resp.beat_key)
+                self.udp_beats.rekey(resp.beat_port, resp.beat_key, lease_s=resp.lease_timeout_s)
                 log.info("joined %s as node %s (address %s)", self.config.coordinator, self.node_id, self.address)
                 return
             except grpc.RpcError as e:

@@ -78,6 +78,8 @@ class HeartbeatThread:
                         self._udp.rekey(resp.beat_port, resp.beat_key)
                 except grpc.RpcError as e:
                     answer = e
+                if self._udp is not None:
+                    self._udp.grpc_done(time.monotonic() - sent, answered=answer is True, interval=interval)
                 if self._stop.is_set() or not self._hand_on(sent, answer):
                     return
         finally:

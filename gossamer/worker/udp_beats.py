@@ -5,12 +5,21 @@ The coordinator hands out the port and this node's key in JoinResponse and Heart
 whenever UDP does not answer:
 
 * until a beat has been answered (after every new key), each tick heartbeats over gRPC too;
-* a tick whose previous beat went unanswered heartbeats over gRPC too, so a lost datagram
-  delays the lease no more than a lost gRPC call would;
-* `MISSES_TO_PAUSE` unanswered beats in a row (UDP blocked, a wrong route, a coordinator that
-  restarted or handed over the lead and holds no key for this node): gRPC alone for
-  `PAUSE_BEATS` intervals, then UDP is tried again (a new key tries it at once);
+* a tick after `HEDGE_MISSES` ticks in a row without any reply heartbeats over gRPC too (after
+  one, when the lease is shorter than `HEDGE_MISSES + 2` intervals), so lost datagrams delay the
+  lease by at most that many intervals; such hedges come at most one a third of the lease,
+  and a hedge answered late (over an interval) or not at all doubles that gap, up to the lease;
+* `MISSES_TO_PAUSE` such ticks in a row while gRPC answers promptly (UDP blocked, a wrong route,
+  a coordinator that restarted or handed over the lead and holds no key for this node): gRPC
+  alone for `PAUSE_BEATS` intervals, then UDP is tried again (a new key tries it at once);
 * a reply saying the node is not known: gRPC at once (its answer makes the agent join again).
+
+A reply that comes late but comes (an overloaded coordinator) counts as an answer: the node
+then adds no gRPC call. Hedging at every late reply, and turning to gRPC alone when gRPC did not
+answer promptly either, made an overloaded coordinator's load grow eight-fold (a gRPC Heartbeat
+costs it about eight UDP beats): at 10,000 nodes a few seconds of CPU starvation became a
+collapse, 5,000 gRPC calls in flight and nodes declared lost (docs/scale.md). Without a lease
+from the Join (`rekey`), a node hedges at every unanswered beat, as it did before.
 
 Used from the heartbeat thread only, but `rekey` (the agent's Join) from any thread.
 """
@@ -18,6 +27,7 @@ Used from the heartbeat thread only, but `rekey` (the agent's Join) from any thr
 from __future__ import annotations
 
 import logging
+import math
 import select
 import socket
 from collections.abc import Sequence
@@ -27,7 +37,9 @@ from gossamer.security.channel import coordinator_addresses
 
 log = logging.getLogger(__name__)
 
-#: Beats unanswered in a row before UDP is paused.
+#: Ticks in a row without a reply before a tick heartbeats over gRPC as well (lease permitting).
+HEDGE_MISSES = 2
+#: Ticks in a row without a reply, gRPC answering meanwhile, before UDP is paused.
 MISSES_TO_PAUSE = 3
 #: Heartbeat intervals UDP stays paused before it is tried again.
 PAUSE_BEATS = 30
@@ -53,12 +65,31 @@ class UdpBeats:
         self._misses = 0
         self._paused_until = 0.0
         self._urgent = False  # a reply said "not known": heartbeat over gRPC now
+        self._lease_s = 0.0  # the coordinator's lease, from the Join (0: not known, hedge at the first miss)
+        self._grpc_answered = False  # a gRPC Heartbeat was answered promptly since the last UDP reply
+        self._hedged_at = -math.inf  # when the last gRPC hedge went (the keyed phase's hedges not counted)
+        self._hedge_gap = 0.0  # the least time between hedges now (0: the base one)
         self._working = False  # a beat was answered under this key (for the logs)
         self._warned = False
 
-    def rekey(self, port: int, key: bytes) -> None:
-        """The beat port and key from a JoinResponse or HeartbeatResponse (port 0: the coordinator has none)."""
+    def rekey(self, port: int, key: bytes, lease_s: float = 0.0) -> None:
+        """The beat port and key from a JoinResponse or HeartbeatResponse (port 0: the coordinator has none),
+        and the lease from a JoinResponse (0: as before)."""
         self._given = (port, key) if port and len(key) == beat_wire.KEY_BYTES else None
+        self._lease_s = lease_s or self._lease_s
+
+    def grpc_done(self, took_s: float, *, answered: bool, interval: float) -> None:
+        """A gRPC Heartbeat took `took_s` and was `answered` (known) or not.
+
+        Answered within an interval: the coordinator is up and keeping up, so beats unanswered
+        meanwhile say UDP is blocked. Late or not at all: it is overloaded or away, and the next
+        hedge waits twice as long.
+        """
+        if answered and took_s < interval:
+            self._grpc_answered = True
+            self._hedge_gap = 0.0
+        else:
+            self._hedge_gap = min(self._lease_s, 2 * max(self._hedge_gap, self._lease_s / 3))
 
     @property
     def urgent(self) -> bool:
@@ -78,7 +109,7 @@ class UdpBeats:
         previous_answered = self._last != 0 and self._answered == self._last
         if self._last and not previous_answered:
             self._misses += 1
-            if self._misses >= MISSES_TO_PAUSE:
+            if self._misses >= MISSES_TO_PAUSE and self._grpc_answered:
                 (log.debug if self._warned else log.warning)(
                     "%d UDP heartbeats unanswered: heartbeating over gRPC, UDP again in %.0f s", self._misses,
                     PAUSE_BEATS * interval)
@@ -87,7 +118,13 @@ class UdpBeats:
                 return True
         if not self._send(node_id, now):
             return True
-        return not previous_answered
+        if not self._working:
+            return True  # UDP is not known to work under this key yet
+        hedge_after = HEDGE_MISSES if self._lease_s >= (HEDGE_MISSES + 2) * interval else 1
+        if self._misses < hedge_after or now - self._hedged_at < max(self._hedge_gap, self._lease_s / 3):
+            return False
+        self._hedged_at = now
+        return True
 
     def replies(self, now: float, interval: float) -> list[float]:
         """Send times of the beats answered "known" since the last call (reads without waiting)."""
@@ -109,6 +146,8 @@ class UdpBeats:
                     continue
                 self._answered = max(self._answered, counter)
                 self._misses = 0
+                self._grpc_answered = False
+                self._hedge_gap = 0.0
                 self._dests = [d for d in self._dests if d[1] == addr[:2]] or self._dests  # whoever answers
                 if not self._working:
                     self._working = True
@@ -131,7 +170,7 @@ class UdpBeats:
         self._pending.clear()
         self._last = self._answered = self._misses = 0
         self._paused_until = 0.0
-        self._working = False
+        self._working = self._grpc_answered = False
         self._dests = []  # resolved at the first beat, in the heartbeat thread
 
     def _resolve(self) -> list[tuple[int, tuple[str, int]]]:
@@ -172,7 +211,7 @@ class UdpBeats:
         self._paused_until = now + PAUSE_BEATS * interval
         self._last = self._answered = self._misses = 0
         self._pending.clear()
-        self._working = False
+        self._working = self._grpc_answered = False
         self._dests = []
 
 

@@ -43,10 +43,23 @@ class _Part:
     identity: bytes
     rid: Any
     basis: int
+    #: Its dense chunk gradients until they are added into the update's sum (`take`).
     grads: dict[int, torch.Tensor]
     #: The push's compressed payload, kept to forward to the backup only while it is smaller than
     #: `grads` (None: an uncompressed push, or one no smaller than its gradients).
     encoded: EncodedPart | None = None
+    #: The chunks it covers (its reply's), kept once `grads` is handed over.
+    chunks: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.chunks = sorted(self.grads)
+
+    def take(self) -> dict[int, torch.Tensor]:
+        """Hand over the gradients to be added up: the part keeps no reference to them, so a
+        buffer added into the sum is freed at once, not held (a copy of the shard per worker)
+        until the reply that waits on the backup."""
+        grads, self.grads = self.grads, {}
+        return grads
 
 
 @dataclass
@@ -122,7 +135,7 @@ class Updates:
 
     def _reply_later(self, part: _Part, *, staleness: int = 0, lead: int | None = None) -> None:
         self.replication.after_backup(
-            lambda: self.replies.params(part.identity, part.rid, sorted(part.grads), staleness=staleness, lead=lead)
+            lambda: self.replies.params(part.identity, part.rid, part.chunks, staleness=staleness, lead=lead)
         )
 
     def send_released(self, released: list[tuple[str, Held]]) -> None:
@@ -172,21 +185,23 @@ class Updates:
         self.gate.touch(sender, now)
         if not sync:
             self._note_restore_loss(sender, meta.clock)
+        part = _Part(identity=identity, rid=rid, basis=meta.basis, grads=grads, encoded=encoded)
+        del grads  # the part owns them: added into the sum, they are freed (this frame may outlive the step)
         if key[1] <= self.state.applied.get(sender, -1):
             # A retry (after a failover) of an update this shard already applied.
             self.discarded["duplicate"] += 1
-            self._reply_later(_Part(identity=identity, rid=rid, basis=meta.basis, grads=grads))
+            part.take()  # nothing of it is applied: only its reply waits
+            self._reply_later(part)
             return
         if self.state.done:
-            self.replies.params(identity, rid, sorted(grads), staleness=0)
+            self.replies.params(identity, rid, part.chunks, staleness=0)
             return
         if sync:
             self._check_generation(meta.generation or 0)
             if step != self.state.version:
                 raise Reject(f"sync push for step {step} but the shard is at step {self.state.version}",
                              FAILED_PRECONDITION, cause="wrong_step")
-        self._gather(key, _Part(identity=identity, rid=rid, basis=meta.basis, grads=grads, encoded=encoded), meta,
-                     now)
+        self._gather(key, part, meta, now)
 
     def _note_restore_loss(self, sender: str, clock: int) -> None:
         if self._restored_applied is None or sender in self._seen_since_restore:
@@ -240,12 +255,12 @@ class Updates:
         record = self.gate.on_apply(update.sender, version=self.state.version, basis=basis, now=now)
         grads: dict[int, torch.Tensor] = {}
         for part in update.parts:
-            accumulate(grads, part.grads)  # disjoint chunks: a union
+            accumulate(grads, part.take())  # disjoint chunks: a union
         self.apply(grads, record.lr_factor * self._linear(1), [(update.sender, update.key)],
                    delay=len(self.gate.active), encoded=_encoded([update]))
         if self.gate.must_wait(update.sender, now):
             for part in update.parts:
-                self.gate.hold(update.sender, (part.identity, part.rid, sorted(part.grads)), now)
+                self.gate.hold(update.sender, (part.identity, part.rid, part.chunks), now)
         else:
             for part in update.parts:
                 self._reply_later(part, staleness=record.version_staleness, lead=record.lead)
@@ -275,7 +290,7 @@ class Updates:
         encoded = _encoded(contributions)  # their payloads: the sum below writes decoded buffers only
         for contrib in contributions:  # a fixed order (by sender) keeps the sum deterministic
             for part in contrib.parts:
-                accumulate(summed, part.grads)
+                accumulate(summed, part.take())
             self.gate.on_apply(contrib.sender, version=self.state.version, basis=self.state.version, now=now)
         self.apply(summed, self._linear(len(contributions)), [(c.sender, c.key) for c in contributions],
                    encoded=encoded)

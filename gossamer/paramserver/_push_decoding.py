@@ -85,8 +85,9 @@ class PushDecoders:
         self.decode_into(grads, part)
         return grads
 
-    def decode_into(self, total: dict[int, torch.Tensor], part: EncodedPart) -> None:
-        """Decode a compressed push chunk by chunk, each added into `total` as `accumulate` does.
+    def decode_into(self, total: dict[int, torch.Tensor] | None, part: EncodedPart) -> list[int]:
+        """Decode a compressed push chunk by chunk, each added into `total` as `accumulate` does
+        (None: only checked, nothing kept); returns the chunks it covers.
 
         One chunk's decoded copy is alive at a time (not the part's whole dense gradient beside
         the sum); per element the additions are the same, so the bits are those of `decode` then
@@ -108,7 +109,9 @@ class PushDecoders:
             g = decoder.decode(idx, part.tensors, meta)
             if not bool(torch.isfinite(g).all()):
                 raise Reject(f"chunk {idx}: decoded gradient is not finite")
-            accumulate(total, {idx: g})
+            if total is not None:
+                accumulate(total, {idx: g})
+        return [idx for idx, _ in indices]
 
     def forwarded(self, parts: tuple[PushCompression, ...],
                   tensors: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:

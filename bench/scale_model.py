@@ -550,7 +550,11 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "error-feedback residual before its final pull and checkpoint; `before5` main at 47dd765 (`after4`'s worker; "
          "the shards' 5x against `after4`'s 4x comes from main's changes between, not the worker); `after5` the "
          "round's start holding the error-feedback residual folded in (one buffer per chunk, which becomes the "
-         "residual in place) and the exchange one shard at a time.")
+         "residual in place) and the exchange one shard at a time. `after6` (every mode) the shards' replication "
+         "copies gone: a primary's decoded pushes handed to the update's sum (no worker's dense copy kept until "
+         "the backup's ACK), a backup decoding forwarded pushes chunk by chunk into the sum and dropping each "
+         "push's payload once decoded; `after7` also a sync/diloco primary holding each push only encoded until "
+         "the step (checked on arrival, decoded again into the step's sum).")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

@@ -81,27 +81,44 @@ class PushDecoders:
 
     def decode(self, part: EncodedPart) -> dict[int, torch.Tensor]:
         """The dense, finite chunk gradients of a compressed push (Reject or ProtocolError if malformed)."""
-        decoder = self._decoder(part.compression)
         grads: dict[int, torch.Tensor] = {}
+        self.decode_into(grads, part)
+        return grads
+
+    def decode_into(self, total: dict[int, torch.Tensor] | None, part: EncodedPart) -> list[int]:
+        """Decode a compressed push chunk by chunk, each added into `total` as `accumulate` does
+        (None: only checked, nothing kept); returns the chunks it covers.
+
+        One chunk's decoded copy is alive at a time (not the part's whole dense gradient beside
+        the sum); per element the additions are the same, so the bits are those of `decode` then
+        `accumulate`. On a Reject or ProtocolError `total` is left partly added: discard it.
+        """
+        decoder = self._decoder(part.compression)
+        indices: list[tuple[int, object]] = []
         for key, meta in part.compression.chunks.items():
             if not isinstance(key, str) or not key.isdigit() or len(key) > 9:
                 raise Reject(f"compressed chunk key {key!r} is not a chunk index")
             idx = int(key)
             if idx not in self.state.chunks:
                 raise Reject(f"chunk {idx} is not on shard {self.state.config.shard}", NOT_FOUND)
-            grads[idx] = decoder.decode(idx, part.tensors, meta)
-        stray = {n.split("/", 1)[0] for n in part.tensors} - {f"c{i}" for i in grads}
+            indices.append((idx, meta))
+        stray = {n.split("/", 1)[0] for n in part.tensors} - {f"c{i}" for i, _ in indices}
         if stray:
             raise Reject(f"tensors {sorted(stray)[:4]} belong to no declared compressed chunk")
-        for idx, g in grads.items():
+        for idx, meta in indices:
+            g = decoder.decode(idx, part.tensors, meta)
             if not bool(torch.isfinite(g).all()):
                 raise Reject(f"chunk {idx}: decoded gradient is not finite")
-        return grads
+            if total is not None:
+                accumulate(total, {idx: g})
+        return [idx for idx, _ in indices]
 
     def forwarded(self, parts: tuple[PushCompression, ...],
-                  tensors: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+                  tensors: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
         """The gradient of an encoded REPLICATE: each forwarded push decoded and added up in order, as
-        the primary did (`decode`, `accumulate`); one part's dense copy alive at a time.
+        the primary did (`decode`, `accumulate`), chunk by chunk into the sum (`decode_into`): one
+        chunk's decoded copy beside it, not a part's whole dense gradient. It empties `tensors` (the
+        message's): each part's payload is dropped once decoded, freed where nothing else holds it.
 
         Everything checkable from the header is checked before any part is decoded (tensor names,
         parts that carry nothing, chunk coverage, a payload no smaller than the dense gradient the
@@ -109,12 +126,12 @@ class PushDecoders:
         sizes are then checked against the plan by the codecs before anything is allocated.
         """
         split: list[dict[str, torch.Tensor]] = [{} for _ in parts]
-        for name, t in tensors.items():
+        for name in tensors:
             head, sep, rest = name.partition("/")
             k = head[1:]
             if not sep or head[:1] != "p" or not k.isdigit() or len(k) > 6 or int(k) >= len(parts):
                 raise Reject(f"REPLICATE tensor {name!r} belongs to none of its {len(parts)} forwarded pushes")
-            split[int(k)][rest] = t
+            split[int(k)][rest] = tensors[name]
         if empty := [k for k, part_tensors in enumerate(split) if not part_tensors]:
             raise Reject(f"REPLICATE meta 'parts' declares {len(parts)} pushes but parts {empty[:4]} carry no "
                          "tensors")
@@ -128,14 +145,17 @@ class PushDecoders:
         if payload >= dense:
             raise Reject(f"REPLICATE's forwarded pushes carry {payload} B, not less than the {dense} B dense "
                          "gradient the primary sends instead")
+        tensors.clear()
         grads: dict[int, torch.Tensor] = {}
-        for n, (part, part_tensors) in enumerate(zip(parts, split, strict=True)):
+        for n, part in enumerate(parts):
+            encoded, split[n] = EncodedPart(part, split[n]), {}
             try:
-                accumulate(grads, self.decode(EncodedPart(part, part_tensors)))
+                self.decode_into(grads, encoded)
             except ProtocolError as e:
                 raise Reject(f"REPLICATE forwarded push {n}: {e}") from None
             except Reject as e:
                 raise Reject(f"REPLICATE forwarded push {n}: {e}", e.code, e.cause) from None
+            del encoded
         return grads
 
     def _decoder(self, compression: PushCompression) -> ChunkCompressor:

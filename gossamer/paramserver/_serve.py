@@ -206,8 +206,14 @@ class ServeLoop:
         try:
             msg = decode(payload, self.limits)
             rid, op = msg.meta.get("rid"), msg.op
+            key = self.router.peer_key(payload)
+            # The message's tensors now hold the frames they need; a frame no tensor holds any
+            # more (a forwarded push decoded into the sum) is then freed at once, not after the op.
+            for held in (frames, payload):
+                if isinstance(held, list):
+                    held.clear()
             with self.lock:
-                self._dispatch(identity, msg, self.router.peer_key(payload))
+                self._dispatch(identity, msg, key)
         except ProtocolError as e:
             if op == "PUSH" or not op:
                 self.updates.discarded["nonfinite" if "finite" in str(e) else "rejected"] += 1

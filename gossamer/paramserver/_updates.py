@@ -43,10 +43,31 @@ class _Part:
     identity: bytes
     rid: Any
     basis: int
+    #: Its dense chunk gradients until they are added into the update's sum (`take`).
     grads: dict[int, torch.Tensor]
     #: The push's compressed payload, kept to forward to the backup only while it is smaller than
     #: `grads` (None: an uncompressed push, or one no smaller than its gradients).
     encoded: EncodedPart | None = None
+    #: The chunks it covers (its reply's), kept once `grads` is handed over ([]: those of `grads`).
+    chunks: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.chunks = sorted(self.chunks or self.grads)
+
+    def add_to(self, total: dict[int, torch.Tensor], decoders: PushDecoders) -> None:
+        """Add its gradient into `total`: its dense gradients (`take`), or a push held only
+        encoded decoded again, chunk by chunk (decoders are stateless: the bits it was checked with)."""
+        if self.grads or self.encoded is None:
+            accumulate(total, self.take())
+        else:
+            decoders.decode_into(total, self.encoded)
+
+    def take(self) -> dict[int, torch.Tensor]:
+        """Hand over the gradients to be added up: the part keeps no reference to them, so a
+        buffer added into the sum is freed at once, not held (a copy of the shard per worker)
+        until the reply that waits on the backup."""
+        grads, self.grads = self.grads, {}
+        return grads
 
 
 @dataclass
@@ -122,7 +143,7 @@ class Updates:
 
     def _reply_later(self, part: _Part, *, staleness: int = 0, lead: int | None = None) -> None:
         self.replication.after_backup(
-            lambda: self.replies.params(part.identity, part.rid, sorted(part.grads), staleness=staleness, lead=lead)
+            lambda: self.replies.params(part.identity, part.rid, part.chunks, staleness=staleness, lead=lead)
         )
 
     def send_released(self, released: list[tuple[str, Held]]) -> None:
@@ -164,7 +185,7 @@ class Updates:
         step = meta.step or 0
         key = (sender, step if sync else meta.clock)
         try:
-            grads, encoded = self._validate_grads(msg)
+            grads, encoded, chunks = self._validate_grads(msg)
         except (Reject, ProtocolError) as e:
             # One bad part spoils the whole update: never apply the other parts alone.
             self._abort(key, f"another part was rejected: {e}")
@@ -172,21 +193,23 @@ class Updates:
         self.gate.touch(sender, now)
         if not sync:
             self._note_restore_loss(sender, meta.clock)
+        part = _Part(identity=identity, rid=rid, basis=meta.basis, grads=grads, encoded=encoded, chunks=chunks)
+        del grads  # the part owns them: added into the sum, they are freed (this frame may outlive the step)
         if key[1] <= self.state.applied.get(sender, -1):
             # A retry (after a failover) of an update this shard already applied.
             self.discarded["duplicate"] += 1
-            self._reply_later(_Part(identity=identity, rid=rid, basis=meta.basis, grads=grads))
+            part.take()  # nothing of it is applied: only its reply waits
+            self._reply_later(part)
             return
         if self.state.done:
-            self.replies.params(identity, rid, sorted(grads), staleness=0)
+            self.replies.params(identity, rid, part.chunks, staleness=0)
             return
         if sync:
             self._check_generation(meta.generation or 0)
             if step != self.state.version:
                 raise Reject(f"sync push for step {step} but the shard is at step {self.state.version}",
                              FAILED_PRECONDITION, cause="wrong_step")
-        self._gather(key, _Part(identity=identity, rid=rid, basis=meta.basis, grads=grads, encoded=encoded), meta,
-                     now)
+        self._gather(key, part, meta, now)
 
     def _note_restore_loss(self, sender: str, clock: int) -> None:
         if self._restored_applied is None or sender in self._seen_since_restore:
@@ -204,13 +227,13 @@ class Updates:
             if len(mine) >= GATHERING_PER_SENDER:
                 self._abort(mine[0], f"{key[0]} started update {key[1]} with {len(mine)} others still incomplete")
             update = self._pending[key] = _Update(sender=key[0], key=key[1])
-        overlap = update.covered.intersection(part.grads)
+        overlap = update.covered.intersection(part.chunks)
         if overlap:
             # A duplicated chunk means the update is inconsistent: drop all of it.
             self._abort(key, f"chunks {sorted(overlap)[:8]} pushed twice for one update")
             raise Reject(f"chunks {sorted(overlap)[:8]} pushed twice for one update")
         update.parts.append(part)
-        update.covered.update(part.grads)
+        update.covered.update(part.chunks)
         if len(update.covered) < len(self.state.chunks):
             return
         del self._pending[key]
@@ -219,20 +242,26 @@ class Updates:
         else:
             self._apply_async(update, now)
 
-    def _validate_grads(self, msg: Message) -> tuple[dict[int, torch.Tensor], EncodedPart | None]:
-        """The push's dense chunk gradients, and its compressed form if worth forwarding to the backup."""
+    def _validate_grads(self, msg: Message) -> tuple[dict[int, torch.Tensor], EncodedPart | None, list[int]]:
+        """The push's dense chunk gradients, its compressed form if worth forwarding to the backup, and
+        its chunks. A compressed push waiting for a sync step is checked (decoded chunk by chunk) and
+        then held only encoded when that is smaller: each worker's dense copy is not kept until the step."""
         if not msg.tensors:
             raise Reject("PUSH carries no gradients")
         compression = PushCompression.from_meta(msg.meta)
         if compression is None:
             grads = self.decoders.dense(msg.tensors, "PUSH")
             check_finite(msg)
-            return grads, None
+            return grads, None, []
         part = EncodedPart(compression, msg.tensors)
+        if self.config.barrier:
+            chunks = self.decoders.decode_into(None, part)
+            if part.nbytes < sum(4 * self.state.chunks[idx].numel for idx in chunks):
+                return {}, part, chunks
         grads = self.decoders.decode(part)
         # Kept (the payload's memory, until the update is applied) only while smaller than the gradients.
         smaller = part.nbytes < sum(4 * self.state.chunks[idx].numel for idx in grads)
-        return grads, part if smaller else None
+        return grads, part if smaller else None, []
 
     # -- async: applied on arrival -----------------------------------------------------------
     def _apply_async(self, update: _Update, now: float) -> None:
@@ -240,12 +269,12 @@ class Updates:
         record = self.gate.on_apply(update.sender, version=self.state.version, basis=basis, now=now)
         grads: dict[int, torch.Tensor] = {}
         for part in update.parts:
-            accumulate(grads, part.grads)  # disjoint chunks: a union
+            part.add_to(grads, self.decoders)  # disjoint chunks: a union
         self.apply(grads, record.lr_factor * self._linear(1), [(update.sender, update.key)],
                    delay=len(self.gate.active), encoded=_encoded([update]))
         if self.gate.must_wait(update.sender, now):
             for part in update.parts:
-                self.gate.hold(update.sender, (part.identity, part.rid, sorted(part.grads)), now)
+                self.gate.hold(update.sender, (part.identity, part.rid, part.chunks), now)
         else:
             for part in update.parts:
                 self._reply_later(part, staleness=record.version_staleness, lead=record.lead)
@@ -275,7 +304,7 @@ class Updates:
         encoded = _encoded(contributions)  # their payloads: the sum below writes decoded buffers only
         for contrib in contributions:  # a fixed order (by sender) keeps the sum deterministic
             for part in contrib.parts:
-                accumulate(summed, part.grads)
+                part.add_to(summed, self.decoders)
             self.gate.on_apply(contrib.sender, version=self.state.version, basis=self.state.version, now=now)
         self.apply(summed, self._linear(len(contributions)), [(c.sender, c.key) for c in contributions],
                    encoded=encoded)

@@ -1,0 +1,62 @@
+"""A shard replica (primary or backup) in its own process for the replication-memory test: its peak resident set over the updates it applies."""
+
+from __future__ import annotations
+
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+NUMEL = 16 << 20  # 64 MiB of fp32 values in 16 chunks of 1M: a copy of the shard is plain in the RSS
+EXPERIMENT = "replmem"
+
+
+def plan():  # type: ignore[no-untyped-def]
+    from gossamer.paramserver import ShardPlan
+
+    return ShardPlan.build([("w", NUMEL)], 1)
+
+
+def _status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {key} in /proc/self/status")
+
+
+def replica(conn: Connection, backup: bool) -> None:
+    """Serve shard 0 (sync, Nesterov momentum); answer the test's requests on `conn`:
+    ("attach", endpoint): attach that backup and wait until it is synced; "reset": reset the peak
+    RSS (clear_refs 5) and answer the current RSS in bytes; "peak": answer (peak RSS bytes, version)."""
+    torch.set_num_threads(1)
+    from gossamer.paramserver import OptimizerConfig, ShardConfig, ShardServer
+
+    p = plan()
+    config = ShardConfig(experiment=EXPERIMENT, shard=0, mode="sync", staleness=None,
+                         optimizer=OptimizerConfig(name="sgd", lr=0.01, momentum=0.9, nesterov=True),
+                         total_steps=10**6, backup_timeout_s=600.0)
+    server = ShardServer(config, p, {c.index: torch.zeros(c.numel) for c in p.chunks},
+                         shapes={"w": (NUMEL,)}, backup=backup)
+    server.start()
+    conn.send(server.endpoint)
+    try:
+        while True:
+            request = conn.recv()
+            if request == "stop":
+                return
+            if isinstance(request, tuple):
+                endpoint = request[1]
+                server.post(lambda e=endpoint: server.set_backup(e))
+                deadline = time.monotonic() + 120
+                while not server.replicated:
+                    assert time.monotonic() < deadline, "the backup did not sync"
+                    time.sleep(0.01)
+                conn.send(True)
+            elif request == "reset":
+                Path("/proc/self/clear_refs").write_text("5")
+                conn.send(_status_kb("VmRSS") * 1024)
+            elif request == "peak":
+                conn.send((_status_kb("VmHWM") * 1024, server.version))
+    finally:
+        server.close()

@@ -88,10 +88,14 @@ def topk_select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     sample = flat[::stride].abs().float()
     for overshoot in (_OVERSHOOT, 4 * _OVERSHOOT):
         rank = min(m, max(1, math.ceil(k * m / n * overshoot)))
-        threshold = float(torch.topk(sample, rank, sorted=False).values.min())
+        ranked = torch.topk(sample, rank, sorted=True).values
+        threshold = float(ranked[-1])
+        # Aimed as far above k as the threshold is below: what passes it is almost surely
+        # among the top k, so the exact selection only ranks the band in between.
+        sure = float(ranked[max(0, math.floor(k * m / n * (2 - overshoot)) - 1)])
         cands, values = _above(flat, threshold)
         if cands.numel() >= k:
-            keep = _largest(values.abs(), k)
+            keep = _largest(values.abs(), k, sure)
             return torch.masked_select(cands, keep), torch.masked_select(values, keep)
     return _exact(flat, k)
 
@@ -101,17 +105,24 @@ def _exact(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, flat[idx]
 
 
-def _largest(mags: torch.Tensor, k: int) -> torch.Tensor:
+def _largest(mags: torch.Tensor, k: int, sure: float = math.inf) -> torch.Tensor:
     """A mask of exactly k entries of `mags`, none smaller than any entry left out.
 
     A mask keeps the candidates in their (increasing) order: `torch.topk`'s indices needed
     a sort of all k afterwards, which cost twice the selection. Ties at the k-th value are
-    taken first come first served.
+    taken first come first served. `sure`: a guess that fewer than k entries reach it; when
+    right, the k-th value is searched only among the entries below it (`kthvalue` over all
+    1.25 k candidates cost a third of top-k's encode).
     """
     m = mags.numel()
     if k >= m:
         return torch.ones(m, dtype=torch.bool)
-    kth = torch.kthvalue(mags, m - k + 1).values
+    above = int((mags >= sure).sum()) if math.isfinite(sure) else 0
+    if 0 < above < k:
+        band = torch.masked_select(mags, mags < sure)
+        kth = torch.kthvalue(band, band.numel() - (k - above) + 1).values
+    else:
+        kth = torch.kthvalue(mags, m - k + 1).values
     keep = mags > kth
     short = k - int(keep.sum())
     if short:

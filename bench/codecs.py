@@ -107,6 +107,13 @@ def _measure(numel: int, repeats: int, only: set[str] | None = None) -> list[dic
     return rows
 
 
+def _load() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=100_000_000)
@@ -125,9 +132,11 @@ def main() -> None:
         f"encode + decode of {numel:,} fp32 values (randn * 1e-3; PowerSGD as a "
         f"{numel // _COLS} x {_COLS} matrix) against `dst.copy_(src)` of the same buffer into a "
         f"warm buffer, measured alternately in the same run; decode writes into a reused buffer "
-        f"(`Codec.decode(out=)`). ratio_to_memcpy = memcpy time / (encode + decode time), "
+        f"(`Codec.decode(out=)`); every round encodes with the same key, so fp16/bf16/int8 "
+        f"write into the wire buffer of the previous round once it is dropped (`WirePool`), as "
+        f"a training loop does from its second step. ratio_to_memcpy = memcpy time / (encode + decode time), "
         f"median of {args.repeats} rounds (min and max beside it). torch threads = "
-        f"{torch.get_num_threads()}."
+        f"{torch.get_num_threads()}; load average {_load()}."
     )
     js, md = write_report(args.name, rows, notes, args.out_dir)
     print(md.read_text())

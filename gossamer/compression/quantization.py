@@ -162,12 +162,12 @@ class Int8Codec(Codec):
         out = into(out, n)
         whole = n // INT8_BLOCK * INT8_BLOCK
         step = CHUNK // INT8_BLOCK * INT8_BLOCK
-        # Chunk by chunk: widen, check the range (-128 is not a level) while it is in cache,
-        # then scale in place; the same arithmetic as q.float() / 127 * scale.
+        # Chunk by chunk: check the range (-128 is not a level; an int8 min costs a sixth of
+        # an fp32 one), widen, then scale in place; the same arithmetic as q.float() / 127 * scale.
         for lo, hi in [*spans(whole, step), *([(whole, n)] if whole < n else [])]:
-            part = out[lo:hi].copy_(raw[lo:hi])
-            if bool(part.min() < -127):
+            if bool(raw[lo:hi].min() < -127):
                 raise ProtocolError("int8: quantized value -128 is outside [-127, 127]")
+            part = out[lo:hi].copy_(raw[lo:hi])
             part.div_(127)
             b0 = lo // INT8_BLOCK
             if hi - lo == (hi - lo) // INT8_BLOCK * INT8_BLOCK:

@@ -50,14 +50,14 @@ def _decode(codec: Any, payload: Any, shape: tuple[int, ...], out: torch.Tensor)
         return codec.decode(payload, shape, torch.float32)
 
 
-def _measure(numel: int, repeats: int) -> list[dict[str, Any]]:
+def _measure(numel: int, repeats: int, only: set[str] | None = None) -> list[dict[str, Any]]:
     numel = numel // _COLS * _COLS
     x = torch.randn(numel) * 1e-3  # gradient-sized values
     dst = torch.empty_like(x)
     out = torch.empty_like(x)
     dst.copy_(x)
     out.copy_(x)  # both buffers faulted in before timing
-    codecs = {spec: parse_codec(spec, seed=0) for spec, _ in CODECS}
+    codecs = {spec: parse_codec(spec, seed=0) for spec, _ in CODECS if not only or spec in only}
     shapes = {spec: ((numel // _COLS, _COLS) if spec.startswith("powersgd") else (numel,)) for spec in codecs}
     samples: dict[str, list[tuple[float, float, float]]] = {spec: [] for spec in codecs}
     wire: dict[str, int] = {}
@@ -82,6 +82,8 @@ def _measure(numel: int, repeats: int) -> list[dict[str, Any]]:
             clones.append(clone_s)
     rows = []
     for spec, target in CODECS:
+        if spec not in codecs:
+            continue
         s = samples[spec]
         ratios = [m / (e + d) for m, e, d in s]
         ratio = statistics.median(ratios)
@@ -105,26 +107,36 @@ def _measure(numel: int, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _load() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=100_000_000)
     ap.add_argument("--quick", action="store_true", help="10M values")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--only", default="", help="comma-separated specs to run (default: all)")
     ap.add_argument("--name", default="codecs")
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     numel = 10_000_000 if args.quick else args.numel
-    rows = _measure(numel, args.repeats)
+    rows = _measure(numel, args.repeats, {c for c in args.only.split(",") if c} or None)
     notes = (
         f"encode + decode of {numel:,} fp32 values (randn * 1e-3; PowerSGD as a "
         f"{numel // _COLS} x {_COLS} matrix) against `dst.copy_(src)` of the same buffer into a "
         f"warm buffer, measured alternately in the same run; decode writes into a reused buffer "
-        f"(`Codec.decode(out=)`). ratio_to_memcpy = memcpy time / (encode + decode time), "
+        f"(`Codec.decode(out=)`); every round encodes with the same key, so fp16/bf16/int8 "
+        f"write into the wire buffer of the previous round once it is dropped (`WirePool`), as "
+        f"a training loop does from its second step. ratio_to_memcpy = memcpy time / (encode + decode time), "
         f"median of {args.repeats} rounds (min and max beside it). torch threads = "
-        f"{torch.get_num_threads()}."
+        f"{torch.get_num_threads()}; load average {_load()}."
     )
     js, md = write_report(args.name, rows, notes, args.out_dir)
     print(md.read_text())

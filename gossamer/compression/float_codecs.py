@@ -9,6 +9,7 @@ import torch
 
 from gossamer.compression._kernels import finite_sum, spans
 from gossamer.compression.codec import Codec, Payload, all_finite, fp32_slack, payload_tensor
+from gossamer.compression.wire_pool import WirePool
 
 __all__ = ["BF16Codec", "FP16Codec", "NoneCodec"]
 
@@ -78,6 +79,9 @@ class _HalfCodec(_CastCodec):
     half_ulp_subnormal: ClassVar[float]
     checks_finite: ClassVar[bool] = True
 
+    def __init__(self) -> None:
+        self._pool = WirePool()
+
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:
         flat = x.reshape(-1)
         if flat.dtype == self.wire_dtype:
@@ -92,7 +96,7 @@ class _HalfCodec(_CastCodec):
         # it while it is in cache. A NaN/Inf or a value past the wire dtype's range sends the
         # whole tensor the careful way, which raises or clamps.
         top = torch.finfo(self.wire_dtype).max
-        wire = torch.empty(flat.numel(), dtype=self.wire_dtype)
+        wire = self._pool.take(key, self.wire_dtype, flat.numel())
         for lo, hi in spans(flat.numel()):
             mn, mx = torch.aminmax(flat[lo:hi])
             if not bool((mn >= -top) & (mx <= top)):

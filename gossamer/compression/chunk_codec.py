@@ -455,6 +455,11 @@ class ChunkCompressor:
             if not isinstance(m["meta"], dict):
                 raise ProtocolError(f"{where}: segment {s} payload meta must be a map")
 
+    def release_buffers(self) -> None:
+        """Drop every codec's wire buffers kept for reuse (`Codec.release_buffers`)."""
+        for codec in self._codecs.values():
+            codec.release_buffers()
+
     def reset(self) -> None:
         """Forget error-feedback residuals and PowerSGD warm starts (e.g. after a rejoin)."""
         self.feedback.reset()

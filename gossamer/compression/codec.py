@@ -133,6 +133,12 @@ class Codec(ABC):
         name: the codec family ("topk"); `spec` is the full canonical spec ("topk:0.01").
     """
 
+    def release_buffers(self) -> None:
+        """Drop the wire buffers kept for reuse (`WirePool`): for a caller that encodes once a round and
+        would rather hold nothing between (a DiLoCo worker). Payloads still referenced stay with their holders."""
+        return  # a codec without a pool holds none
+
+
     name: ClassVar[str]
     #: `_encode` itself raises ValueError on NaN/Inf, found on the way (a scale, a cast's
     #: result), so `encode` skips its own pass over the input.

@@ -82,6 +82,9 @@ class _HalfCodec(_CastCodec):
     def __init__(self) -> None:
         self._pool = WirePool()
 
+    def release_buffers(self) -> None:
+        self._pool.clear()
+
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:
         flat = x.reshape(-1)
         if flat.dtype == self.wire_dtype:

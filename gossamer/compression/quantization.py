@@ -72,6 +72,9 @@ class Int8Codec(Codec):
         self._scratch = Scratch()
         self._pool = WirePool()
 
+    def release_buffers(self) -> None:
+        self._pool.clear()
+
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:
         if x.dtype == torch.float32 and x.numel() >= INT8_BLOCK:
             fast = self._encode_chunked(x.reshape(-1), key)

@@ -125,16 +125,22 @@ class DilocoTrainer(ParameterServerTrainer):
         """Push `grads` (emptied once encoded). Where a barrier may refuse it whole, the compressor's encodes are
         recorded meanwhile and a refusal calls `refused` with them before the error goes on (`take_back`)."""
         comp = self.client.compressor
-        if comp is None or not self.barrier:
+        if comp is None:
             return self._push_pull(grads, step=start, consume=True)
-        comp.recorded = {}
         try:
-            return self._push_pull(grads, step=start, consume=True)
-        except ShardError:
-            refused(comp.recorded)
-            raise
+            if not self.barrier:
+                return self._push_pull(grads, step=start, consume=True)
+            comp.recorded = {}
+            try:
+                return self._push_pull(grads, step=start, consume=True)
+            except ShardError:
+                refused(comp.recorded)
+                raise
+            finally:
+                comp.recorded = None
         finally:
-            comp.recorded = None
+            # One push a round: its wire buffers are not kept for the next (about a quarter of the model with int8).
+            comp.release_buffers()
 
     def _round_by_shard(self, rs: RoundStart) -> bool:
         """A round exchanged shard by shard from its start `rs`: after the H steps, for each shard, the

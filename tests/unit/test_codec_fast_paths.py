@@ -11,10 +11,12 @@ import torch
 import zmq
 
 from gossamer.compression._kernels import CHUNK
+from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.compression.codec_spec import parse_codec
 from gossamer.compression.quantization import INT8_BLOCK, Int8Codec
 from gossamer.compression.sparsification import SAMPLED_MIN_NUMEL, topk_count, topk_select
 from gossamer.compression.wire_pool import MIN_POOLED, WirePool
+from gossamer.paramserver.shard_plan import ShardPlan
 from gossamer.transport import frames
 from gossamer.transport.frames import Message
 
@@ -219,3 +221,22 @@ def test_a_buffer_zmq_still_sends_is_never_rewritten() -> None:
         push.close(linger=0)
         pull.close(linger=0)
         ctx.term()
+
+
+@pytest.mark.parametrize("spec", ["fp16", "int8"])
+def test_released_buffers_are_not_reused_and_a_chunk_compressor_releases_every_codecs(spec: str) -> None:
+    codec = parse_codec(spec)
+    x = torch.randn(1 << 18)
+    pool = codec._pool  # type: ignore[attr-defined]
+    codec.encode(x, key="k")
+    codec.encode(x, key="k")  # the first payload was dropped: its buffer serves again
+    assert pool.reused == 1
+    codec.release_buffers()
+    codec.encode(x, key="k")
+    assert pool.reused == 1  # a fresh buffer: nothing was kept
+    cc = ChunkCompressor(spec, ShardPlan.build([("w", 1 << 18)], num_shards=1, chunk_numel=1 << 20))
+    cc.encode(0, x)
+    inner = next(iter(cc._codecs.values()))._pool  # type: ignore[attr-defined]
+    assert inner._bufs  # kept for the next encode
+    cc.release_buffers()
+    assert not inner._bufs

@@ -109,7 +109,3 @@ class RoundStart:
         self.factor.clear()
         if self.compressor is not None:
             self.compressor.folded.clear()
-
-    def nbytes(self) -> int:
-        """Bytes of the buffers held."""
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())

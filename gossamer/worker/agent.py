@@ -35,6 +35,7 @@ from gossamer.worker._role_process import EXIT_REPORTED
 from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
 from gossamer.worker.heartbeat import HeartbeatThread
 from gossamer.worker.launcher import Launch, visible_cuda_devices
+from gossamer.worker.leave import deliver_leave
 from gossamer.worker.node_metrics import NodeMetrics
 from gossamer.worker.ports import reserve_port
 from gossamer.worker.udp_beats import UdpBeats
@@ -283,12 +284,14 @@ class NodeAgent:
         await self._stop_runs(workers, max(0.0, (deadline - time.monotonic()) * 0.6))
         assert self._stub is not None
         self._leaving = True
-        try:
-            await self._stub.Leave(pb.LeaveRequest(node_id=self.node_id, reason=reason), timeout=3.0)
-            if self.running:  # let workers pick up the promoted backups before the shards go
-                await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-        except grpc.RpcError as e:
-            log.warning("Leave not delivered (%s); the lease will expire instead", e.code())
+        # Keep a quarter of the grace (at most 5 s) to stop the shards once the Leave is answered.
+        reserve = min(5.0, 0.25 * self.config.grace_s)
+        failed = await deliver_leave(self._stub, pb.LeaveRequest(node_id=self.node_id, reason=reason),
+                                     until=max(time.monotonic() + 1.0, deadline - reserve))
+        if failed is not None:
+            log.warning("Leave not delivered (%s); the lease will expire instead", failed.name)
+        elif self.running:  # let workers pick up the promoted backups before the shards go
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         await self._stop_runs(dict(self.running), max(0.0, deadline - time.monotonic()))
         if self._channel is not None:
             await self._channel.close()

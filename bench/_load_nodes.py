@@ -41,9 +41,11 @@ import grpc
 from gossamer.beat_wire import Signer, peek_reply
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+from gossamer.worker.leave import deliver_leave
 from gossamer.worker.udp_beats import HEDGE_MISSES, MISSES_TO_PAUSE, PAUSE_BEATS, PENDING
 
 NODES_PER_CHANNEL = 250  # HTTP/2 connections to the coordinator: one per this many simulated nodes
+LEAVE_BUDGET_S = 25.0  # NodeAgent's default grace (30 s) less the 5 s it keeps to stop its shards
 JOIN_TIMEOUT_S = 5.0  # NodeAgent._join's deadline and back-off (0.5 s doubling to 5 s)
 JOIN_BACKOFF_S = (0.5, 5.0)
 RECV_BUFFER = 4 << 20  # the loader's UDP socket (the kernel caps it at net.core.rmem_max)
@@ -122,6 +124,7 @@ class LoaderStats:
     join_done_at: float = 0.0  # wall time the last first-join was answered
     churn_joined: int = 0
     churn_left: int = 0
+    leave_undelivered: list[str] = field(default_factory=list)  # churn nodes gone without their Leave answered
     roles: int = 0
     metric_reports: int = 0
     udp_beats: int = 0  # beats sent in the window
@@ -270,11 +273,14 @@ class Loader:
             sim.alive = False
             watch.cancel()
         stub, _ = self._stub(i)
-        try:
-            await stub.Leave(pb.LeaveRequest(node_id=sim.id, reason="churn"), timeout=30.0)
+        # As NodeAgent.shutdown: retried through a coordinator restart within the grace (30 s, less 5 s kept).
+        failed = await deliver_leave(stub, pb.LeaveRequest(node_id=sim.id, reason="churn"),
+                                     until=time.monotonic() + LEAVE_BUDGET_S)
+        if failed is None:
             self.stats.churn_left += 1
-        except grpc.aio.AioRpcError as e:
-            self._error(e)
+        else:
+            self.stats.leave_undelivered.append(sim.id)
+            self.stats.errors[f"Leave {failed.name}"] = self.stats.errors.get(f"Leave {failed.name}", 0) + 1
 
     # --- heartbeats ---------------------------------------------------------------------------
     def _schedule(self, sim: _Sim, due: float) -> None:

@@ -377,7 +377,8 @@ class Loader:
             self.stats.sent += 1
         if not resp.known:
             self.stats.unknown += 1
-            await self._join(sim)
+            if sim.alive:  # NodeAgent._leaving: a node that has left expects "unknown" and does not join again
+                await self._join(sim)
         elif self.cfg.udp:
             self._forget(sim.rekey(resp))  # a new key starts afresh
 

@@ -133,11 +133,21 @@ def snapshot(address: str) -> dict[str, Any]:
     }
 
 
-def _lost_ever(address: str) -> set[str]:
-    """Nodes the coordinator at `address` declared lost at any time (its "lost" events), rejoined since or not."""
+def _lost_ever(address: str) -> dict[str, float]:
+    """Nodes the coordinator at `address` declared lost at any time (its "lost" events), rejoined since or not,
+    and when (unix seconds, the first time)."""
     with grpc.insecure_channel(address) as ch:
         events = pb_grpc.ExperimentServiceStub(ch).ListEvents(pb.ListEventsRequest(), timeout=120).events
-    return {e.node_id for e in events if e.kind == "lost" and e.node_id}
+    lost: dict[str, float] = {}
+    for e in events:
+        if e.kind == "lost" and e.node_id:
+            lost.setdefault(e.node_id, e.time_unix)
+    return lost
+
+
+def _is_churn(node_id: str) -> bool:
+    """A churn node's id (`_load_nodes.Loader._churn`: index 10,000,000 and up), not one of the fleet's."""
+    return node_id.startswith("sim") and node_id[3:].isdigit() and int(node_id[3:]) >= 10_000_000
 
 
 def submit_experiments(address: str, count: int) -> list[str]:
@@ -252,14 +262,19 @@ def run_point(n: int, *, loaders: int, warm_s: float, measure_s: float, pin: boo
         "loader_cores": round((loader_cpu1 - loader_cpu0) / window, 2),
         # A churn node whose Leave never got through stopped beating unannounced: its loss is right.
         "lost": sum(1 for k, s in final["nodes"].items() if s == pb.NODE_STATE_LOST and k not in unsaid),
-        "lost_ever": len(lost_ever - unsaid),
+        "lost_ever": len(lost_ever.keys() - unsaid),
         "left_unsaid": len(unsaid),
+        "lost_ever_churn": sum(1 for k in lost_ever.keys() - unsaid if _is_churn(k)),  # of lost_ever: short-lived nodes
         "unknown_hb": sum(s["unknown"] for s in stats),
         **{k: sum(s[k] for s in stats) for k in ("udp_beats", "udp_misses", "udp_pauses", "grpc_beats")},
         "grpc_max_in_flight": max(s["grpc_max_in_flight"] for s in stats),
         "udp_rcvbuf_drops": udp_drops() - drops0,
         "errors": _merge_errors(stats),
     })
+    if (killed_at := row.pop("killed_at", None)) is not None:
+        # On the bench's output only: when each (false) loss came, against the kill, and whose node it was.
+        when = sorted((t - killed_at, "churn" if _is_churn(k) else "fleet") for k, t in lost_ever.items() if k not in unsaid)
+        print("lost after the kill (s, node):", " ".join(f"{t:.1f}:{w}" for t, w in when) or "none", flush=True)
     if churn_per_min:
         row["churn_joined"] = sum(s["churn_joined"] for s in stats)
         row["churn_left"] = sum(s["churn_left"] for s in stats)
@@ -311,6 +326,7 @@ def _kill9_mid_storm(coord: Coordinator, measure_s: float) -> dict[str, Any]:
     """kill -9 the coordinator halfway through, restart it on its port and state; compare what it lists."""
     time.sleep(measure_s / 2)
     before = snapshot(coord.address)
+    killed_at = time.time()
     coord.kill9()
     t0 = time.monotonic()
     coord.start()
@@ -318,7 +334,7 @@ def _kill9_mid_storm(coord: Coordinator, measure_s: float) -> dict[str, Any]:
     after = snapshot(coord.address)
     missing_nodes = [k for k in before["nodes"] if k not in after["nodes"]]
     changed_exps = [k for k, v in before["experiments"].items() if after["experiments"].get(k) != v]
-    return {"restart_s": round(restart_s, 2), "nodes_before": len(before["nodes"]),
+    return {"restart_s": round(restart_s, 2), "killed_at": killed_at, "nodes_before": len(before["nodes"]),
             "nodes_missing_after": len(missing_nodes), "experiments_changed_after": len(changed_exps)}
 
 

@@ -1,11 +1,26 @@
 """gossamer vs torch DDP (gloo) on an emulated slow network: four hosts in network namespaces.
 
     sudo .venv/bin/python bench/wan.py [--modes ddp,sync,async,gossip,diloco] [--rates 100mbit,1gbit]
+                                       [--repeats 3] [--first-run K] [--straggler] [--append]
                                        [--quick] [--target 0.95] [--steps 160] [--log-dir DIR]
                                        [--set MODE.FIELD=VALUE ...] [--delay 10ms] [--shards 4]
+    sudo .venv/bin/python bench/wan.py --merge-file LOG_DIR/runs.json   # a piece's runs into wan.json
 
-The default (both rates, five modes) takes about 14 minutes on a 2-core machine; --quick
-(40 steps) about 1 minute per run.
+Each (rate, mode) runs --repeats times (runs FIRST..FIRST+N-1, repeat by repeat so a load drift
+spreads over the modes); the table shows per cell the median [min-max] over the completed runs
+and ratios of medians to DDP; wan.json keeps every run. One repeat of the default (both rates,
+five modes) takes about 17 minutes on a 2-core machine; --quick (40 steps) about 1 minute per run.
+Run it in pieces: `--append` merges a piece's runs into the stored wan.json by (case, rate, mode,
+run), replacing runs with the same key; each piece also saves its runs to LOG_DIR/runs.json after
+every run, so a piece cut short can still be merged with --merge-file.
+
+--straggler adds the straggler case: --straggler-modes (ddp,async,gossip) at --straggler-rate
+(100mbit) with host --straggler-host (3) computing --slowdown (4) times slower: every host runs
+the model `_straggler:mlp` (bench/_straggler.py, the same MLP), and that host's processes pad each
+training forward and backward with a sleep of (F - 1) x its own measured time. Sleeping, not a
+cgroup quota or a busy loop: on this shared 2-core machine those would take CPU from the other
+three hosts or depend on what they get, while a padded host is F times slower than it would be
+here at that moment and leaves the cores to the others, as a slower machine would.
 
 Needs root (network namespaces, veth, tc); without it, it says so and exits with code 2.
 
@@ -25,7 +40,10 @@ Runs, one after the other in the same invocation, per rate:
   sync    gossamer BSP through parameter servers.
   async   gossamer SSP (staleness 4, lr/tau), top-k 1 % both ways (`compression` and
           `pull_compression` = "topk:0.01", error feedback).
-  gossip  gossamer push-sum gossip (exponential graph), no servers.
+  gossip  gossamer push-sum gossip (exponential graph), no servers; int8 CHOCO-style compressed
+          differences (gossamer sends differences whenever gossip compresses) and `overlap` (the
+          share goes out while the next step computes); gossip-fp32 (not in the default list) is
+          the uncompressed, blocking gossip of earlier runs.
   diloco  gossamer DiLoCo: 20 inner steps (SGD, as everywhere here; gossamer's default would be
           AdamW), int8 pseudo-gradients (its default), outer Nesterov step on the shards, synchronous.
 Every gossamer run gets a fresh cluster: the coordinator in host 0, on each host one on-demand

@@ -229,6 +229,8 @@ def run_ddp(net: Topology, run_dir: Path, steps: int, eval_every: int, timeout: 
 # gossamer: a fresh cluster per run, the client inside host 0's namespace
 # ------------------------------------------------------------------------------------------
 def _git_version() -> str:
+    if os.environ.get("WAN_VERSION"):  # a piece run from an exported snapshot of the tree (no .git)
+        return os.environ["WAN_VERSION"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=HERE.parent, timeout=10).stdout.strip()

@@ -102,6 +102,9 @@ WORKLOAD: dict[str, Any] = {
 MODE_SPECS: dict[str, dict[str, Any]] = {
     "sync": {"mode": "sync"},
     "async": {"mode": "async", "staleness": 4, "compression": "topk:0.01", "pull_compression": "topk:0.01"},
+    # not in the default list: top-k pushes, pulls as int8 differences (the workers train from closer
+    # parameters than top-k 1 % differences leave them; 4x the pull bytes of fp32/4)
+    "async-pull8": {"mode": "async", "staleness": 4, "compression": "topk:0.01", "pull_compression": "int8"},
     # not in the default list: int8 both ways, cheaper to encode than top-k and kinder to SGD
     "async-int8": {"mode": "async", "staleness": 4, "compression": "int8", "pull_compression": "int8"},
     # int8 CHOCO-style differences (gossamer sends differences whenever gossip compresses) and
@@ -118,6 +121,7 @@ MODE_LABEL = {
     "sync": "PS, BSP, fp32",
     "async": "PS, SSP s=4, top-k 1% push + pull",
     "async-int8": "PS, SSP s=4, int8 push + pull",
+    "async-pull8": "PS, SSP s=4, top-k 1% push, int8 pull",
     "gossip": "push-sum gossip, exponential graph, int8 differences (CHOCO), overlap",
     "gossip-fp32": "push-sum gossip, exponential graph, fp32, no overlap",
     "diloco": "DiLoCo H=20, SGD inner, sync outer Nesterov, int8 pseudo-grad",

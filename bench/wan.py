@@ -532,14 +532,17 @@ def targets(summary: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
                     f"{fmt_cell(sp, rng, 2, 'x')}, reached in {st['reached']}/{st['completed']} runs"))
 
     speedup("normal", "gossip", 2.0)
-    st = summary.get("normal", {}).get("100mbit", {}).get("async")
-    what = "normal 100mbit: async+top-k final accuracy within 1 point of DDP's (medians)"
-    if st and st.get("final_acc_delta_points") is not None:
-        d = st["final_acc_delta_points"]
-        out.append((what, d >= -1.0, f"{d:+.2f} points (async {fmt_cell(st['final_acc'], st['final_acc_spread'], 4)})"))
-    else:
-        out.append((what, None, "not measured"))
+    for mode in ("async", "async-pull8"):
+        st = summary.get("normal", {}).get("100mbit", {}).get(mode)
+        what = f"normal 100mbit: {mode} (top-k push) final accuracy within 1 point of DDP's (medians)"
+        if st and st.get("final_acc_delta_points") is not None:
+            d = st["final_acc_delta_points"]
+            out.append((what, d >= -1.0, f"{d:+.2f} points ({mode} {fmt_cell(st['final_acc'], st['final_acc_spread'], 4)})"))
+        elif mode == "async":
+            out.append((what, None, "not measured"))
     speedup("straggler", "async", 2.0)
+    if "async-asp" in summary.get("straggler", {}).get("100mbit", {}):
+        speedup("straggler", "async-asp", 2.0)
     speedup("straggler", "gossip", 2.0)
     return out
 
@@ -719,7 +722,10 @@ def notes_for(data: dict[str, Any], summary: dict[str, Any]) -> tuple[str, list[
            f"{slow['slowdown'] - 1:g}x their own measured time (bench/_straggler.py; every host of the case runs the "
            f"same model code, only that host's process has WAN_SLOWDOWN set): the host is slower without taking CPU "
            f"from the other three, which a cgroup quota or a busy loop would on this shared 2-core machine; "
-           f"evaluation and the optimizer step are not padded. " if slow else "")
+           f"evaluation and the optimizer step are not padded. async (SSP, staleness 4) holds a worker more than 4 "
+           f"clocks ahead of the slowest, so its three fast workers go at the straggler's pace (each pushed about "
+           f"a quarter of the updates); async-asp lifts the bound (a stale push's lr divided by its staleness). "
+           if slow else "")
         + f"Four hosts = four Linux network namespaces on one bridge (in a fifth namespace), addresses "
         f"{', '.join(net_info.get('hosts', []))}/24. Each host link shaped with tc tbf on both ends of its veth "
         f"(host egress and switch-port egress): rate as in the table, burst {bursts}, latency "
@@ -733,8 +739,10 @@ def notes_for(data: dict[str, Any], summary: dict[str, Any]) -> tuple[str, list[
         f"Times: training time starts at DDP's post-rendezvous barrier and at gossamer's FIRST worker 'ready' event "
         f"(so waiting for slower workers counts against gossamer); 'incl. startup' starts at process launch. "
         f"Evaluation is part of the measured time: DDP rank 0 and gossamer's lead evaluate the 360 eval digits; "
-        f"gossip's lead gathers the other workers' parameters for it on a thread beside its training (off the "
-        f"training path, but the 3 x 4.5 MB still cross its link); diloco evaluates once per round (20 steps). "
+        f"gossip's lead gathers the other workers' parameters for it on a thread beside its training, all three "
+        f"asked at once (off the training path, but the 3 x 4.5 MB fp32 still cross its link: on 100 Mbit/s one "
+        f"evaluation takes several seconds and the next is asked for at the first eval_every step after it, so "
+        f"gossip's evaluations are sparser than DDP's and its time to target is that of a later step); diloco evaluates once per round (20 steps). "
         f"samples/s = samples trained / training time. Wire bytes = sum over the 4 hosts of their veth tx counters "
         f"from launch to exit (payload + TCP/IP/Ethernet headers, control plane included); 'to target' is the "
         f"interpolated counter between training start and the first eval at/above the target. Caveats: "

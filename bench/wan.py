@@ -1,11 +1,26 @@
 """gossamer vs torch DDP (gloo) on an emulated slow network: four hosts in network namespaces.
 
     sudo .venv/bin/python bench/wan.py [--modes ddp,sync,async,gossip,diloco] [--rates 100mbit,1gbit]
+                                       [--repeats 3] [--first-run K] [--straggler] [--append]
                                        [--quick] [--target 0.95] [--steps 160] [--log-dir DIR]
                                        [--set MODE.FIELD=VALUE ...] [--delay 10ms] [--shards 4]
+    sudo .venv/bin/python bench/wan.py --merge-file LOG_DIR/runs.json   # a piece's runs into wan.json
 
-The default (both rates, five modes) takes about 14 minutes on a 2-core machine; --quick
-(40 steps) about 1 minute per run.
+Each (rate, mode) runs --repeats times (runs FIRST..FIRST+N-1, repeat by repeat so a load drift
+spreads over the modes); the table shows per cell the median [min-max] over the completed runs
+and ratios of medians to DDP; wan.json keeps every run. One repeat of the default (both rates,
+five modes) takes about 17 minutes on a 2-core machine; --quick (40 steps) about 1 minute per run.
+Run it in pieces: `--append` merges a piece's runs into the stored wan.json by (case, rate, mode,
+run), replacing runs with the same key; each piece also saves its runs to LOG_DIR/runs.json after
+every run, so a piece cut short can still be merged with --merge-file.
+
+--straggler adds the straggler case: --straggler-modes (ddp,async,gossip) at --straggler-rate
+(100mbit) with host --straggler-host (3) computing --slowdown (4) times slower: every host runs
+the model `_straggler:mlp` (bench/_straggler.py, the same MLP), and that host's processes pad each
+training forward and backward with a sleep of (F - 1) x its own measured time. Sleeping, not a
+cgroup quota or a busy loop: on this shared 2-core machine those would take CPU from the other
+three hosts or depend on what they get, while a padded host is F times slower than it would be
+here at that moment and leaves the cores to the others, as a slower machine would.
 
 Needs root (network namespaces, veth, tc); without it, it says so and exits with code 2.
 
@@ -25,7 +40,10 @@ Runs, one after the other in the same invocation, per rate:
   sync    gossamer BSP through parameter servers.
   async   gossamer SSP (staleness 4, lr/tau), top-k 1 % both ways (`compression` and
           `pull_compression` = "topk:0.01", error feedback).
-  gossip  gossamer push-sum gossip (exponential graph), no servers.
+  gossip  gossamer push-sum gossip (exponential graph), no servers; int8 CHOCO-style compressed
+          differences (gossamer sends differences whenever gossip compresses) and `overlap` (the
+          share goes out while the next step computes); gossip-fp32 (not in the default list) is
+          the uncompressed, blocking gossip of earlier runs.
   diloco  gossamer DiLoCo: 20 inner steps (SGD, as everywhere here; gossamer's default would be
           AdamW), int8 pseudo-gradients (its default), outer Nesterov step on the shards, synchronous.
 Every gossamer run gets a fresh cluster: the coordinator in host 0, on each host one on-demand
@@ -66,6 +84,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _netns import Topology, cleanup_stale, parse_rate, require_netns_or_exit  # noqa: E402
 from _report import RESULTS, write_report  # noqa: E402
+from _straggler import ENV as STRAGGLER_ENV  # noqa: E402
+from _wan_stats import cell_of, fmt_cell, merge_runs, summarise  # noqa: E402
 
 PY = sys.executable
 WORKERS = 4
@@ -82,9 +102,19 @@ WORKLOAD: dict[str, Any] = {
 MODE_SPECS: dict[str, dict[str, Any]] = {
     "sync": {"mode": "sync"},
     "async": {"mode": "async", "staleness": 4, "compression": "topk:0.01", "pull_compression": "topk:0.01"},
+    # not in the default list: no staleness bound (ASP): a fast worker never waits for a slow one,
+    # a stale push's lr is divided by its staleness (lr_staleness_scaling); for the straggler case
+    "async-asp": {"mode": "async", "staleness": None, "compression": "topk:0.01", "pull_compression": "topk:0.01"},
+    # not in the default list: top-k pushes, pulls as int8 differences (the workers train from closer
+    # parameters than top-k 1 % differences leave them; 4x the pull bytes of fp32/4)
+    "async-pull8": {"mode": "async", "staleness": 4, "compression": "topk:0.01", "pull_compression": "int8"},
     # not in the default list: int8 both ways, cheaper to encode than top-k and kinder to SGD
     "async-int8": {"mode": "async", "staleness": 4, "compression": "int8", "pull_compression": "int8"},
-    "gossip": {"mode": "gossip", "topology": "exponential"},
+    # int8 CHOCO-style differences (gossamer sends differences whenever gossip compresses) and
+    # the share exchanged while the next step computes
+    "gossip": {"mode": "gossip", "topology": "exponential", "compression": "int8", "overlap": True},
+    # not in the default list: the uncompressed, blocking gossip of earlier runs
+    "gossip-fp32": {"mode": "gossip", "topology": "exponential"},
     "diloco": {"mode": "diloco", "inner_steps": 20, "outer_step": "sync"},
 }
 #: total_steps and eval_every of a mode per global DDP step: async counts one version per push.
@@ -94,9 +124,15 @@ MODE_LABEL = {
     "sync": "PS, BSP, fp32",
     "async": "PS, SSP s=4, top-k 1% push + pull",
     "async-int8": "PS, SSP s=4, int8 push + pull",
-    "gossip": "push-sum gossip, exponential graph, fp32",
+    "async-pull8": "PS, SSP s=4, top-k 1% push, int8 pull",
+    "async-asp": "PS, ASP (no staleness bound), top-k 1% push + pull",
+    "gossip": "push-sum gossip, exponential graph, int8 differences (CHOCO), overlap",
+    "gossip-fp32": "push-sum gossip, exponential graph, fp32, no overlap",
     "diloco": "DiLoCo H=20, SGD inner, sync outer Nesterov, int8 pseudo-grad",
 }
+
+#: The straggler case: the model that pads compute where $WAN_SLOWDOWN says (bench/_straggler.py).
+STRAGGLER_MODEL = {"model": "_straggler:mlp"}
 
 T0 = time.monotonic()
 
@@ -151,10 +187,10 @@ class WireSampler(threading.Thread):
 # ------------------------------------------------------------------------------------------
 # DDP baseline
 # ------------------------------------------------------------------------------------------
-def run_ddp(net: Topology, run_dir: Path, steps: int, eval_every: int, timeout: float) -> dict[str, Any]:
-    cfg = {**WORKLOAD, "total_steps": steps, "eval_every": eval_every}
+def run_ddp(net: Topology, run_dir: Path, steps: int, eval_every: int, timeout: float,
+            slow: tuple[int, float] | None = None) -> dict[str, Any]:
+    cfg = {**WORKLOAD, "total_steps": steps, "eval_every": eval_every, **(STRAGGLER_MODEL if slow else {})}
     log = run_dir / "ddp-rank0.jsonl"
-    env = _env()
     wire = WireSampler(net)
     t_launch = time.time()
     procs = []
@@ -163,7 +199,7 @@ def run_ddp(net: Topology, run_dir: Path, steps: int, eval_every: int, timeout: 
             PY, str(HERE / "_ddp_worker.py"), "--rank", str(h.index), "--world", str(WORKERS),
             "--master", f"{net.hosts[0].addr}:{MASTER_PORT}", "--ifname", h.ifname,
             "--config", json.dumps(cfg), "--log", str(log), "--threads", "1",
-        ], log=run_dir / f"ddp-rank{h.index}.log", env=env, cwd=str(HERE.parent)))
+        ], log=run_dir / f"ddp-rank{h.index}.log", env=_env(h.index, slow), cwd=str(HERE.parent)))
     deadline = time.monotonic() + timeout
     status, message = "completed", ""
     while any(p.poll() is None for p in procs):
@@ -201,6 +237,8 @@ def run_ddp(net: Topology, run_dir: Path, steps: int, eval_every: int, timeout: 
 # gossamer: a fresh cluster per run, the client inside host 0's namespace
 # ------------------------------------------------------------------------------------------
 def _git_version() -> str:
+    if os.environ.get("WAN_VERSION"):  # a piece run from an exported snapshot of the tree (no .git)
+        return os.environ["WAN_VERSION"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=HERE.parent, timeout=10).stdout.strip()
@@ -216,8 +254,16 @@ def _loadavg() -> float:
         return float(f.read().split()[0])
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+def _env(host: int | None = None, slow: tuple[int, float] | None = None) -> dict[str, str]:
+    """Environment of a process on `host`; with `slow` = (straggler host, factor), bench/ on the path
+    (the `_straggler` model) and, on the straggler host only, its slowdown."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env.pop(STRAGGLER_ENV, None)
+    if slow:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(HERE)) if p)
+        if host == slow[0]:
+            env[STRAGGLER_ENV] = str(slow[1])
+    return env
 
 
 def _gossamer_cli() -> list[str]:
@@ -237,8 +283,10 @@ def gossamer_spec(mode: str, steps: int, eval_every: int, overrides: dict[str, d
 
 
 def run_gossamer(net: Topology, mode: str, run_dir: Path, spec: dict[str, Any], shards: int,
-                 timeout: float) -> dict[str, Any]:
-    env = _env()
+                 timeout: float, slow: tuple[int, float] | None = None) -> dict[str, Any]:
+    env = _env(None, slow)
+    if slow:
+        spec = {**spec, **STRAGGLER_MODEL}
     state = run_dir / "state"
     state.mkdir(parents=True, exist_ok=True)
     ready = run_dir / "coordinator.port"
@@ -267,7 +315,7 @@ def run_gossamer(net: Topology, mode: str, run_dir: Path, spec: dict[str, Any], 
         for h in net.hosts:
             agents.append(net.spawn(h.index, [*_gossamer_cli(), "worker", "join", address, "--name", f"w{h.index}",
                                               "--address", h.addr, "--threads", "1", "--spot", "--grace", "5"],
-                                    log=run_dir / f"w{h.index}.log", env=env, cwd=str(run_dir)))
+                                    log=run_dir / f"w{h.index}.log", env=_env(h.index, slow), cwd=str(run_dir)))
         result_file = run_dir / "follow.json"
         follower = net.spawn(0, [PY, str(Path(__file__).resolve()), "_follow", "--coordinator", address,
                                  "--spec", json.dumps(spec), "--nodes", str(len(agents)), "--out", str(result_file),
@@ -429,54 +477,74 @@ def _f(x: Any, d: int = 1, suffix: str = "") -> str:
     return f"{x:.{d}f}{suffix}"
 
 
+CELL_LABEL = {"normal": "", "straggler": " (straggler)"}
+
+
 def build_rows(runs: list[dict[str, Any]], target: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Markdown rows (formatted strings) and a numeric summary per rate (ratios vs DDP included)."""
+    """Markdown rows, one per (case, rate, mode) cell: median [min-max] over its runs, ratios of medians
+    to DDP's cell at the same (case, rate); and the numeric summary of every cell."""
+    stats = summarise(runs)
     rows = []
+    for (case, rate, mode), st in stats.items():
+        cell_runs = [r for r in runs if cell_of(r) == (case, rate, mode)]
+        statuses = sorted({r["status"] for r in cell_runs})
+        status = f"{st['completed']}/{st['runs']} completed" + (
+            "" if statuses == ["completed"] else " (" + ", ".join(statuses) + ")")
+        tt = fmt_cell(st["tt_target_s"], st["tt_target_s_spread"])
+        if st["completed"] and st["reached"] < st["completed"]:
+            tt = (tt + " " if tt else "") + f"(reached in {st['reached']}/{st['completed']})"
+        load = st["loadavg_spread"]
+        rows.append({
+            "case": case, "rate": rate, "mode": mode, "runs": status,
+            "setup": " / ".join(sorted({str(r.get("setup", MODE_LABEL.get(mode, mode))) for r in cell_runs})),
+            "samples/s": fmt_cell(st["samples_per_s"], st["samples_per_s_spread"], 0),
+            f"time to acc {target:g} (s)": tt,
+            "incl. startup (s)": fmt_cell(st["tt_target_e2e_s"], st["tt_target_e2e_s_spread"]),
+            "final acc": fmt_cell(st["final_acc"], st["final_acc_spread"], 4),
+            "best acc": fmt_cell(st["best_acc"], st["best_acc_spread"], 4),
+            "wire MB": fmt_cell(st["wire_MB"], st["wire_MB_spread"], 0),
+            "wire MB to target": fmt_cell(st["wire_MB_to_target"], st["wire_MB_to_target_spread"], 0),
+            "speedup to target vs DDP": fmt_cell(st["speedup_to_target"], st["speedup_to_target_spread"], 2, "x"),
+            "samples/s vs DDP": fmt_cell(st["samples_per_s_ratio"], None, 2, "x"),
+            "bytes vs DDP": fmt_cell(st["bytes_ratio"], None, 3, "x"),
+            "final acc - DDP (points)": fmt_cell(st["final_acc_delta_points"], None, 2),
+            "loadavg": fmt_cell(load[0], load) if load else "",
+            "version": ", ".join(sorted({str(r.get("version", "")) for r in cell_runs})),
+        })
     summary: dict[str, Any] = {}
-    by_rate: dict[str, dict[str, dict[str, Any]]] = {}
-    for run in runs:
-        by_rate.setdefault(run["rate"], {})[run["mode"]] = run
-    for rate, modes in by_rate.items():
-        ddp = modes.get("ddp")
-        dfig = ddp["fig"] if ddp and ddp["status"] == "completed" else {}
-        met = []
-        per_mode: dict[str, Any] = {}
-        for mode, run in modes.items():
-            fig = run.get("fig", {})
-            ratios: dict[str, float | None] = {"speedup_to_target": None, "samples_per_s_ratio": None,
-                                               "bytes_ratio": None, "final_acc_delta_points": None}
-            if dfig:
-                if fig.get("tt_target_s") and dfig.get("tt_target_s"):
-                    ratios["speedup_to_target"] = dfig["tt_target_s"] / fig["tt_target_s"]
-                if fig.get("samples_per_s") and dfig.get("samples_per_s"):
-                    ratios["samples_per_s_ratio"] = fig["samples_per_s"] / dfig["samples_per_s"]
-                if fig.get("wire_MB") and dfig.get("wire_MB"):
-                    ratios["bytes_ratio"] = fig["wire_MB"] / dfig["wire_MB"]
-                if fig.get("final_acc") is not None and dfig.get("final_acc") is not None:
-                    ratios["final_acc_delta_points"] = 100 * (fig["final_acc"] - dfig["final_acc"])
-            status = run["status"]
-            if run.get("message") and status != "completed":
-                status = f"{status}: {run['message'][:160]}"
-            rows.append({
-                "rate": rate, "mode": mode, "setup": MODE_LABEL.get(mode, mode), "status": status,
-                "samples/s": _f(fig.get("samples_per_s"), 0),
-                f"time to acc {target:g} (s)": _f(fig.get("tt_target_s")) or ("not reached" if fig else ""),
-                "incl. startup (s)": _f(fig.get("tt_target_e2e_s")),
-                "final acc": _f(fig.get("final_acc"), 4), "best acc": _f(fig.get("best_acc"), 4),
-                "wire MB": _f(fig.get("wire_MB"), 0), "wire MB to target": _f(fig.get("wire_MB_to_target"), 0),
-                "speedup to target vs DDP": _f(ratios["speedup_to_target"], 2, "x"),
-                "samples/s vs DDP": _f(ratios["samples_per_s_ratio"], 2, "x"),
-                "bytes vs DDP": _f(ratios["bytes_ratio"], 3, "x"),
-                "final acc - DDP (points)": _f(ratios["final_acc_delta_points"], 2),
-                "placement": run.get("placement", ""),
-            })
-            per_mode[mode] = {"status": run["status"], **{k: v for k, v in fig.items()}, **ratios}
-            sp, da = ratios["speedup_to_target"], ratios["final_acc_delta_points"]
-            if mode != "ddp" and sp is not None and sp >= 5 and da is not None and da >= -1:
-                met.append(f"{mode} ({sp:.1f}x, {da:+.1f} points)")
-        summary[rate] = {"ddp_time_to_target_s": dfig.get("tt_target_s"), "modes_meeting_5x_1pt": met,
-                         "modes": per_mode}
+    for (case, rate, mode), st in stats.items():
+        summary.setdefault(case, {}).setdefault(rate, {})[mode] = st
     return rows, summary
+
+
+def targets(summary: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
+    """Issue 16's WAN targets from the cell medians: (what, met (None: not measured), figures)."""
+    out: list[tuple[str, bool | None, str]] = []
+
+    def speedup(case: str, mode: str, need: float) -> None:
+        st = summary.get(case, {}).get("100mbit", {}).get(mode)
+        what = f"{case} 100mbit: {mode} reaches the target >= {need:g}x faster than DDP (medians)"
+        if not st or st.get("speedup_to_target") is None:
+            out.append((what, None, "not measured" if not st else "no time to target on one side"))
+            return
+        sp, rng = st["speedup_to_target"], st["speedup_to_target_spread"]
+        out.append((what, sp >= need and st["all_reached"],
+                    f"{fmt_cell(sp, rng, 2, 'x')}, reached in {st['reached']}/{st['completed']} runs"))
+
+    speedup("normal", "gossip", 2.0)
+    for mode in ("async", "async-pull8"):
+        st = summary.get("normal", {}).get("100mbit", {}).get(mode)
+        what = f"normal 100mbit: {mode} (top-k push) final accuracy within 1 point of DDP's (medians)"
+        if st and st.get("final_acc_delta_points") is not None:
+            d = st["final_acc_delta_points"]
+            out.append((what, d >= -1.0, f"{d:+.2f} points ({mode} {fmt_cell(st['final_acc'], st['final_acc_spread'], 4)})"))
+        elif mode == "async":
+            out.append((what, None, "not measured"))
+    speedup("straggler", "async", 2.0)
+    if "async-asp" in summary.get("straggler", {}).get("100mbit", {}):
+        speedup("straggler", "async-asp", 2.0)
+    speedup("straggler", "gossip", 2.0)
+    return out
 
 
 def plot(runs: list[dict[str, Any]], target: float, path: Path) -> None:
@@ -486,16 +554,22 @@ def plot(runs: list[dict[str, Any]], target: float, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
-    rates = list(dict.fromkeys(r["rate"] for r in runs))
-    fig, axes = plt.subplots(1, len(rates), figsize=(6.5 * len(rates), 4.6), squeeze=False)
-    for ax, rate in zip(axes[0], rates, strict=True):
+    panels = list(dict.fromkeys((r.get("case", "normal"), r["rate"]) for r in runs))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
+    colors: dict[str, Any] = {}
+    for ax, (case, rate) in zip(axes[0], panels, strict=True):
+        seen: set[str] = set()
         for run in runs:
-            if run["rate"] != rate or not run.get("evals") or not run.get("t0"):
+            if (run.get("case", "normal"), run["rate"]) != (case, rate) or not run.get("evals") or not run.get("t0"):
                 continue
+            mode = run["mode"]
+            color = colors.setdefault(mode, f"C{len(colors)}")
             t = [e[0] - run["t0"] for e in run["evals"]]
-            ax.plot(t, [e[2] for e in run["evals"]], marker=".", label=run["mode"])
+            ax.plot(t, [e[2] for e in run["evals"]], marker=".", lw=0.9, ms=3, color=color,
+                    label=None if mode in seen else mode)
+            seen.add(mode)
         ax.axhline(target, color="grey", ls="--", lw=0.8)
-        ax.set_title(f"{rate} per host link (tbf, both directions), 4 hosts")
+        ax.set_title(f"{rate} per host link, 4 hosts{CELL_LABEL.get(case, ' (' + case + ')')}; every run")
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(ticker.NullFormatter())
@@ -525,21 +599,20 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "_follow":
-        ap = argparse.ArgumentParser()
-        ap.add_argument("_follow")
-        ap.add_argument("--coordinator", required=True)
-        ap.add_argument("--spec", required=True)
-        ap.add_argument("--nodes", type=int, required=True)
-        ap.add_argument("--out", required=True)
-        ap.add_argument("--timeout", type=float, default=600)
-        ap.add_argument("--stall", type=float, default=120)
-        return follow(ap.parse_args())
-
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--modes", default="ddp,sync,async,gossip,diloco")
+    ap.add_argument("--modes", default="ddp,sync,async,gossip,diloco", help="'' or none: no normal-case runs")
     ap.add_argument("--rates", default="100mbit,1gbit")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each (case, rate, mode), interleaved")
+    ap.add_argument("--first-run", type=int, default=0, help="index of the first repeat (runs FIRST..FIRST+N-1)")
+    ap.add_argument("--straggler", action="store_true", help="also run the straggler case (see the module doc)")
+    ap.add_argument("--straggler-modes", default="ddp,async,gossip")
+    ap.add_argument("--straggler-rate", default="100mbit")
+    ap.add_argument("--slowdown", type=float, default=4.0, help="compute factor of the straggler host")
+    ap.add_argument("--straggler-host", type=int, default=WORKERS - 1, help="host index of the straggler")
+    ap.add_argument("--append", action="store_true",
+                    help="merge into bench/results/wan.json: a run with the same (case, rate, mode, run) replaces "
+                         "the stored one, the others stay")
     ap.add_argument("--quick", action="store_true", help="short smoke run (few steps)")
     ap.add_argument("--steps", type=int, default=None, help="global (DDP) steps of 4 x 32 samples (default 160)")
     ap.add_argument("--eval-every", type=int, default=None, help="in global steps (default 10)")
@@ -553,138 +626,238 @@ def main() -> int:
     ap.add_argument("--log-dir", default=None, help="process logs, one subdirectory per run (replaced if it "
                                                     "exists); default a new temporary directory")
     ap.add_argument("--no-write", action="store_true", help="do not write bench/results/wan.*")
-    ap.add_argument("--replot", action="store_true", help="only redraw wan.png from bench/results/wan.json")
-    args = ap.parse_args()
-    if args.replot:
-        data = json.loads((RESULTS / "wan.json").read_text())
-        plot(data["runs"], data["target"], RESULTS / "wan.png")
-        return 0
+    ap.add_argument("--replot", action="store_true", help="only redraw wan.png (and wan.md) from bench/results/wan.json")
+    ap.add_argument("--merge-file", default=None, metavar="RUNS_JSON",
+                    help="run nothing: merge the runs a piece saved (LOG_DIR/runs.json) into bench/results/wan.json")
+    return ap.parse_args()
 
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str, str, int]]:
+    """(case, rate, mode, run) in running order: repeat by repeat, so load drifts spread over the modes."""
+    modes = [m.strip() for m in args.modes.split(",") if m.strip() and m.strip() != "none"]
+    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+    slow_modes = [m.strip() for m in args.straggler_modes.split(",") if m.strip()] if args.straggler else []
+    for r in [*rates, args.straggler_rate]:
+        parse_rate(r)
+    unknown = [m for m in [*modes, *slow_modes] if m != "ddp" and m not in MODE_SPECS]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}; choose from ddp, {', '.join(MODE_SPECS)}")
+    out = []
+    for k in range(args.first_run, args.first_run + args.repeats):
+        out += [("normal", rate, mode, k) for rate in rates for mode in modes]
+        out += [("straggler", args.straggler_rate, mode, k) for mode in slow_modes]
+    return out
+
+
+def run_all(args: argparse.Namespace, todo: list[tuple[str, str, str, int]], steps: int, eval_every: int,
+            log_dir: Path, save: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every run of `todo` in one topology; `save(runs, net_info)` after each (a killed piece keeps its runs)."""
+    overrides = parse_overrides(args.set)
+    shards = max(1, min(args.shards, WORKERS))
+    version = _git_version()
+    runs: list[dict[str, Any]] = []
+    with Topology(WORKERS, rate=todo[0][1], delay=args.delay) as net:
+        net_info: dict[str, Any] = {"prefix": net.prefix, "hosts": [h.addr for h in net.hosts], "netem": net.netem,
+                                    "delay": args.delay, "latency": net.latency}
+        say(f"namespaces {net.switch} + {[h.ns for h in net.hosts]}; netem "
+            f"{'not asked for' if net.netem is None else ('used' if net.netem else 'NOT available: no delay added')}")
+        for i, (case, rate, mode, k) in enumerate(todo):
+            if net.rate != rate:
+                net.set_rate(rate)
+            net_info.setdefault("qdiscs", {})[rate] = net.qdiscs()
+            net_info.setdefault("burst", {})[rate] = net.burst_for(rate)
+            slow = (args.straggler_host, args.slowdown) if case == "straggler" else None
+            run_dir = log_dir / f"{case}-{rate}-{mode}-{k}"
+            shutil.rmtree(run_dir, ignore_errors=True)  # a stale port file or state must not be reused
+            run_dir.mkdir(parents=True)
+            say(f"[{i + 1}/{len(todo)}] {case} {rate} {mode} run {k}: starting")
+            t_run = time.monotonic()
+            load0 = _loadavg()
+            if mode == "ddp":
+                run = run_ddp(net, run_dir, steps, eval_every, args.run_timeout, slow)
+            else:
+                spec = gossamer_spec(mode, steps, eval_every, overrides)
+                run = run_gossamer(net, mode, run_dir, spec, shards, args.run_timeout, slow)
+            run.update(case=case, rate=rate, run=k, version=version, setup=MODE_LABEL.get(mode, mode), run_wall_s=time.monotonic() - t_run,
+                       loadavg=[load0, _loadavg()], time_start_unix=run["t_launch"], steps=steps,
+                       eval_every=eval_every, log_dir=str(run_dir))
+            if slow:
+                run["straggler"] = {"host": slow[0], "node": f"w{slow[0]}", "slowdown": slow[1],
+                                    "emulation": "bench/_straggler.py: padded training forward/backward"}
+            run["fig"] = figures(run, args.target) if run["status"] not in ("not available", "refused") else {}
+            fig = run["fig"]
+            say(f"{case} {rate} {mode} run {k}: {run['status']} {run.get('message', '')[:200]} | "
+                f"{fig.get('samples_per_s', float('nan')):.0f} samples/s, target in "
+                f"{fig.get('tt_target_s', float('nan')):.1f} s, final acc {fig.get('final_acc', float('nan')):.4f}, "
+                f"wire {fig.get('wire_MB', float('nan')):.1f} MB ({run['run_wall_s']:.0f} s wall, "
+                f"load {run['loadavg'][0]:.1f}-{run['loadavg'][1]:.1f})")
+            # The raw metric series and status polls stay in each run's follow.json under the log dir.
+            runs.append({k2: v for k2, v in run.items() if not k2.startswith("_") and k2 not in ("metrics", "polls")})
+            save(runs, net_info)
+    return runs, net_info
+
+
+def notes_for(data: dict[str, Any], summary: dict[str, Any]) -> tuple[str, list[tuple[str, bool | None, str]]]:
+    """The report's notes (targets first) from the stored bench data."""
+    goals = targets(summary)
+    verdicts = "; ".join(f"{'MET' if ok else ('NOT MEASURED' if ok is None else 'MISSED')}: {what}: {figs}"
+                         for what, ok, figs in goals)
+    net_info, runs = data.get("network", {}), data["runs"]
+    steps, eval_every = data["steps"], data["eval_every"]
+    bursts = ", ".join(f"{b} at {r}" for r, b in net_info.get("burst", {}).items())
+    loads = [x for r in runs for x in r.get("loadavg", [])]
+    reps = sorted({int(r.get("run", 0)) for r in runs})
+    versions = sorted({str(r.get("version", "")) for r in runs})
+    slow = next((r["straggler"] for r in runs if r.get("straggler")), None)
+    netem_txt = ("netem delay " + str(net_info.get("delay")) + " per direction under the tbf" if net_info.get("netem")
+                 else "no added latency (on this machine's kernel netem is absent)")
+    notes = (
+        f"**Issue 16 targets** (from the medians below): {verdicts}. "
+        f"Each (case, rate, mode) cell ran {len(reps)} time(s) (runs {', '.join(map(str, reps))}), repeat by repeat "
+        f"so that load drifts spread over the modes; cells show median [min-max] over the completed runs; ratios vs "
+        f"DDP are ratios of the medians (the speedup's range divides DDP's median by the cell's slowest and fastest "
+        f"run); every run's figures are in wan.json `runs`. "
+        + (f"Straggler case: host {slow['host']} ({slow['node']}, and DDP rank {slow['host']}) computes "
+           f"{slow['slowdown']:g}x slower: its training forward and backward are padded with a sleep of "
+           f"{slow['slowdown'] - 1:g}x their own measured time (bench/_straggler.py; every host of the case runs the "
+           f"same model code, only that host's process has WAN_SLOWDOWN set): the host is slower without taking CPU "
+           f"from the other three, which a cgroup quota or a busy loop would on this shared 2-core machine; "
+           f"evaluation and the optimizer step are not padded. async (SSP, staleness 4) holds a worker more than 4 "
+           f"clocks ahead of the slowest, so its three fast workers go at the straggler's pace (each pushed about "
+           f"a quarter of the updates); async-asp lifts the bound (a stale push's lr divided by its staleness). "
+           if slow else "")
+        + f"Four hosts = four Linux network namespaces on one bridge (in a fifth namespace), addresses "
+        f"{', '.join(net_info.get('hosts', []))}/24. Each host link shaped with tc tbf on both ends of its veth "
+        f"(host egress and switch-port egress): rate as in the table, burst {bursts}, latency "
+        f"{net_info.get('latency')} (queue limit, not delay); {netem_txt}. "
+        f"Workload: digits MLP 64-1024-1024-10 (1.13 M params, 4.5 MB fp32), per-worker batch 32, SGD lr 0.05 "
+        f"momentum 0.9, {steps} global steps of 4 x 32 samples for every mode (async: {steps * WORKERS} pushes of "
+        f"32), eval on the 360 held-out digits every {eval_every} global steps by rank 0 / gossamer's lead worker. "
+        f"Target eval accuracy {data['target']:g}. DDP: gloo, one rank per host, the same global batches as gossamer "
+        f"sync. gossamer: a fresh cluster per run (coordinator on h0; per host an on-demand node agent for the "
+        f"shards and a spot node agent that trains), ps_backup off, checkpoint_every 0, `--threads 1`. "
+        f"Times: training time starts at DDP's post-rendezvous barrier and at gossamer's FIRST worker 'ready' event "
+        f"(so waiting for slower workers counts against gossamer); 'incl. startup' starts at process launch. "
+        f"Evaluation is part of the measured time: DDP rank 0 and gossamer's lead evaluate the 360 eval digits; "
+        f"gossip's lead gathers the other workers' parameters for it on a thread beside its training, all three "
+        f"asked at once (off the training path, but the 3 x 4.5 MB fp32 still cross its link: on 100 Mbit/s one "
+        f"evaluation takes several seconds and the next is asked for at the first eval_every step after it, so "
+        f"gossip's evaluations are sparser than DDP's and its time to target is that of a later step); diloco evaluates once per round (20 steps). "
+        f"samples/s = samples trained / training time. Wire bytes = sum over the 4 hosts of their veth tx counters "
+        f"from launch to exit (payload + TCP/IP/Ethernet headers, control plane included); 'to target' is the "
+        f"interpolated counter between training start and the first eval at/above the target. Caveats: "
+        f"{os.cpu_count()} CPU cores shared by all 4 hosts (plus shard servers, node agents and the coordinator), so "
+        f"a mode's samples/s is bounded by CPU, not only the link; the machine is shared with other work: 1-min "
+        f"load average at the start/end of the runs {min(loads, default=0):.1f}-{max(loads, default=0):.1f} (per "
+        f"cell in the table); tbf emulates a bandwidth cap, not WAN latency or loss; accuracy on 360 eval samples "
+        f"moves in steps of 0.28 points. gossamer at {', '.join(versions)}."
+    )
+    return notes, goals
+
+
+def write(data: dict[str, Any]) -> None:
+    """wan.json (every run), wan.md (a row per cell) and wan.png from `data` (bench data with `runs`)."""
+    rows, summary = build_rows(data["runs"], data["target"])
+    notes, goals = notes_for(data, summary)
+    js, md = write_report("wan", rows, notes)
+    stored = json.loads(js.read_text())
+    stored.update({k: v for k, v in data.items() if k not in stored}, summary=_keyed(summary),
+                  targets=[{"target": w, "met": ok, "figures": f} for w, ok, f in goals])
+    tmp = js.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(stored, indent=1, default=str) + "\n")
+    os.replace(tmp, js)
+    plot(data["runs"], data["target"], RESULTS / "wan.png")
+    print(md.read_text())
+    say(f"wrote {js}, {md} and {RESULTS / 'wan.png'}")
+    for what, ok, figs in goals:
+        say(f"{'MET' if ok else ('NOT MEASURED' if ok is None else 'MISSED')}: {what}: {figs}")
+
+
+def _check_same_workload(old: dict[str, Any], steps: int, eval_every: int, target: float) -> None:
+    if old and (old.get("steps"), old.get("eval_every"), old.get("target")) != (steps, eval_every, target):
+        raise SystemExit(f"cannot merge: stored steps/eval_every/target {old.get('steps')}/{old.get('eval_every')}/"
+                         f"{old.get('target')}, this piece {steps}/{eval_every}/{target}")
+
+
+def _merged(old: dict[str, Any], piece: dict[str, Any]) -> dict[str, Any]:
+    """Bench data of `old` (stored wan.json; may be empty) with a piece's runs merged in by key."""
+    _check_same_workload(old, piece["steps"], piece["eval_every"], piece["target"])
+    network = {**old.get("network", {}), **piece["network"]}
+    for key in ("qdiscs", "burst"):
+        network[key] = {**old.get("network", {}).get(key, {}), **piece["network"].get(key, {})}
+    return {**piece, "network": network, "pieces": [*old.get("pieces", []), *piece["pieces"]],
+            "runs": merge_runs(old.get("runs", []), piece["runs"])}
+
+
+def _keyed(summary: dict[str, Any]) -> dict[str, Any]:
+    """JSON-safe summary (tuples as lists)."""
+    return json.loads(json.dumps(summary, default=list))
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "_follow":
+        ap = argparse.ArgumentParser()
+        ap.add_argument("_follow")
+        ap.add_argument("--coordinator", required=True)
+        ap.add_argument("--spec", required=True)
+        ap.add_argument("--nodes", type=int, required=True)
+        ap.add_argument("--out", required=True)
+        ap.add_argument("--timeout", type=float, default=600)
+        ap.add_argument("--stall", type=float, default=120)
+        return follow(ap.parse_args())
+
+    args = parse_args()
+    stored_path = RESULTS / "wan.json"
+    if args.replot:
+        write(json.loads(stored_path.read_text()))
+        return 0
+    if args.merge_file:
+        piece = json.loads(Path(args.merge_file).read_text())
+        old = json.loads(stored_path.read_text()) if stored_path.exists() else {}
+        write(_merged(old, piece))
+        return 0
+    todo = plan(args)
+    if not todo:
+        raise SystemExit("nothing to run (no modes and no --straggler)")
     require_netns_or_exit("bench/wan.py")
     stale = cleanup_stale()
     if stale:
         say(f"removed namespaces left by earlier runs that were killed: {stale}")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
-    for r in rates:
-        parse_rate(r)
-    unknown = [m for m in modes if m != "ddp" and m not in MODE_SPECS]
-    if unknown:
-        raise SystemExit(f"unknown mode(s) {unknown}; choose from ddp, {', '.join(MODE_SPECS)}")
     steps = args.steps or (40 if args.quick else 160)
     eval_every = args.eval_every or (5 if args.quick else 10)
-    overrides = parse_overrides(args.set)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="gsm-wan-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    shards = max(1, min(args.shards, WORKERS))
-    say(f"logs under {log_dir}; modes {modes}, rates {rates}, {steps} global steps, eval every {eval_every}, "
+    say(f"logs under {log_dir}; {len(todo)} runs: {todo}; {steps} global steps, eval every {eval_every}, "
         f"target {args.target}")
-
-    version = _git_version()
-    bursts = ""
-    runs: list[dict[str, Any]] = []
-    net_info: dict[str, Any] = {}
+    old: dict[str, Any] = {}
+    if args.append and stored_path.exists():
+        old = json.loads(stored_path.read_text())
+        _check_same_workload(old, steps, eval_every, args.target)
     t_bench = time.monotonic()
-    with Topology(WORKERS, rate=rates[0], delay=args.delay) as net:
-        net_info = {"prefix": net.prefix, "hosts": [h.addr for h in net.hosts], "netem": net.netem,
-                    "delay": args.delay, "latency": net.latency}
-        say(f"namespaces {net.switch} + {[h.ns for h in net.hosts]}; netem "
-            f"{'not asked for' if net.netem is None else ('used' if net.netem else 'NOT available: no delay added')}")
-        for rate in rates:
-            net.set_rate(rate)
-            net_info.setdefault("qdiscs", {})[rate] = net.qdiscs()
-            net_info.setdefault("burst", {})[rate] = net.burst_for(rate)
-            for mode in modes:
-                run_dir = log_dir / f"{rate}-{mode}"
-                shutil.rmtree(run_dir, ignore_errors=True)  # a stale port file or state must not be reused
-                run_dir.mkdir(parents=True)
-                say(f"{rate} {mode}: starting")
-                t_run = time.monotonic()
-                load0 = _loadavg()
-                if mode == "ddp":
-                    run = run_ddp(net, run_dir, steps, eval_every, args.run_timeout)
-                else:
-                    spec = gossamer_spec(mode, steps, eval_every, overrides)
-                    run = run_gossamer(net, mode, run_dir, spec, shards, args.run_timeout)
-                run["rate"] = rate
-                run["run_wall_s"] = time.monotonic() - t_run
-                run["loadavg"] = [load0, _loadavg()]
-                run["fig"] = figures(run, args.target) if run["status"] not in ("not available", "refused") else {}
-                fig = run["fig"]
-                say(f"{rate} {mode}: {run['status']} {run.get('message', '')[:200]} | "
-                    f"{fig.get('samples_per_s', float('nan')):.0f} samples/s, target in "
-                    f"{fig.get('tt_target_s', float('nan')):.1f} s, final acc {fig.get('final_acc', float('nan')):.4f}, "
-                    f"wire {fig.get('wire_MB', float('nan')):.1f} MB ({run['run_wall_s']:.0f} s wall)")
-                runs.append(run)
+
+    def piece_of(runs: list[dict[str, Any]], net_info: dict[str, Any]) -> dict[str, Any]:
+        return {"network": net_info, "workload": WORKLOAD, "mode_specs": MODE_SPECS,
+                "overrides": parse_overrides(args.set), "steps": steps, "eval_every": eval_every,
+                "target": args.target, "quick": args.quick, "runs": runs,
+                "pieces": [{"argv": sys.argv[1:], "bench_s": time.monotonic() - t_bench, "log_dir": str(log_dir),
+                            "time_unix": time.time(), "runs": len(runs)}]}
+
+    def save(runs: list[dict[str, Any]], net_info: dict[str, Any]) -> None:
+        # after every run: a piece that is killed keeps what it measured (`--merge-file` merges it)
+        tmp = log_dir / "runs.json.tmp"
+        tmp.write_text(json.dumps(piece_of(runs, net_info), default=str))
+        os.replace(tmp, log_dir / "runs.json")
+
+    runs, net_info = run_all(args, todo, steps, eval_every, log_dir, save)
     bench_s = time.monotonic() - t_bench
-
-    rows, summary = build_rows(runs, args.target)
-    bursts = ", ".join(f"{b} at {r}" for r, b in net_info.get("burst", {}).items())
-    loads = [x for r in runs for x in r.get("loadavg", [])]
-    met_rate = "100mbit" if "100mbit" in summary else rates[0]
-    met = summary.get(met_rate, {}).get("modes_meeting_5x_1pt", [])
-    verdict = (f"target met at {met_rate}: {', '.join(met)} reach(es) eval accuracy {args.target:g} >= 5x faster than "
-               "DDP with final accuracy at most 1 point lower" if met else
-               f"target NOT met at {met_rate}: no gossamer mode run here reaches eval accuracy {args.target:g} >= 5x "
-               "faster than DDP with final accuracy at most 1 point lower")
-    netem_txt = ("netem delay " + str(args.delay) + " per direction under the tbf" if net_info.get("netem") else
-                 ("no added latency: netem is not in this kernel (`tc qdisc add ... netem` -> 'Specified qdisc kind is "
-                  "unknown')" if args.delay else
-                  "no added latency (netem not requested; on this machine's kernel netem is absent anyway)"))
-    notes = (
-        f"**{verdict}.** "
-        f"Four hosts = four Linux network namespaces on one bridge (in a fifth namespace), addresses "
-        f"{', '.join(net_info.get('hosts', []))}/24. Each host link shaped with tc tbf on both ends of its veth (host egress "
-        f"and switch-port egress): rate as in the table, burst {bursts}, latency {net_info.get('latency')} "
-        f"(queue limit, not delay); {netem_txt}. "
-        f"Workload: digits MLP 64-1024-1024-10 (1.13 M params, 4.5 MB fp32), per-worker batch 32, SGD lr 0.05 momentum 0.9, "
-        f"{steps} global steps of 4 x 32 samples for every mode (async: {steps * WORKERS} pushes of 32), eval on the 360 "
-        f"held-out digits every {eval_every} global steps by rank 0 / gossamer's lead worker. Target eval accuracy "
-        f"{args.target:g}. DDP: gloo, one rank per host, the same global batches as gossamer sync. gossamer: a fresh "
-        f"cluster per run (coordinator on h0; per host an on-demand node agent for the shards, {shards} shard(s), and a "
-        f"spot node agent that trains), ps_backup off (no replication traffic), checkpoint_every 0, `--threads 1`. "
-        f"Times: training time starts at DDP's post-rendezvous barrier and at gossamer's FIRST worker 'ready' event "
-        f"(so waiting for slower workers counts against gossamer); 'incl. startup' starts at process launch. "
-        f"Evaluation is part of the measured time: DDP rank 0 and gossamer's lead evaluate the 360 eval digits; gossip's "
-        f"lead first gathers the other workers' parameters (push-sum average, 3 x 4.5 MB into its link), so gossip's "
-        f"time and bytes include that cost; diloco evaluates once per round (20 steps). "
-        f"samples/s = samples trained / training time. Wire bytes = sum over the 4 hosts of their veth tx counters "
-        f"(kernel, in each namespace) from launch to exit: payload + TCP/IP/Ethernet headers, control plane (gRPC "
-        f"heartbeats, metrics, rendezvous) included; 'to target' is the interpolated counter between training start "
-        f"and the first eval at/above the target. Caveats: this machine has {os.cpu_count()} CPU cores shared by all 4 "
-        f"hosts (plus shard servers, node agents and the coordinator), so compute contention is real and a mode's "
-        f"samples/s is bounded by CPU, not only the link; tbf emulates a bandwidth cap, not WAN latency or loss; one "
-        f"run per (rate, mode), no repetitions; accuracy on 360 eval samples moves in steps of 0.28 points; "
-        f"1-min load average at the start/end of the runs {min(loads, default=0):.1f}-{max(loads, default=0):.1f} "
-        f"(anything else running on the machine takes CPU from the emulated hosts: the runs are not isolated). "
-        f"gossamer at {version}. Whole bench: {bench_s / 60:.1f} min." + (" --quick smoke run." if args.quick else "")
-    )
-    # The raw metric series and status polls stay in each run's follow.json under the log dir.
-    clean_runs = [{k: v for k, v in r.items() if not k.startswith("_") and k not in ("metrics", "polls")}
-                  for r in runs]
-    if not args.no_write:
-        js, md = write_report("wan", rows, notes)
-        data = json.loads(js.read_text())
-        data.update(summary=summary, verdict=verdict, network=net_info, workload=WORKLOAD, mode_specs=MODE_SPECS,
-                    overrides=overrides, steps=steps, eval_every=eval_every, target=args.target, bench_s=bench_s,
-                    quick=args.quick, log_dir=str(log_dir), runs=clean_runs)
-        tmp = js.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-        os.replace(tmp, js)
-        plot(runs, args.target, RESULTS / "wan.png")
-        print(md.read_text())
-        say(f"wrote {js}, {md} and {RESULTS / 'wan.png'}; logs in {log_dir}")
-    else:
-        for row in rows:
+    say(f"{len(runs)} runs took {bench_s / 60:.1f} min; runs in {log_dir / 'runs.json'}")
+    if args.no_write:
+        for row in build_rows(runs, args.target)[0]:
             print(row)
-    say(verdict)
-    say(f"bench took {bench_s / 60:.1f} min")
-    if shutil.which("ip") and net_info.get("prefix"):
-        from _netns import list_namespaces
-
-        left = [n for n in list_namespaces() if n.startswith(net_info["prefix"])]
-        if left:
-            say(f"WARNING: namespaces left behind: {left}")
+        return 0
+    piece = piece_of(runs, net_info)
+    data = _merged(old, piece)
+    write(data)
     return 0
 
 

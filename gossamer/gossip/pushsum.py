@@ -35,6 +35,7 @@ import math
 import queue
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -478,16 +479,33 @@ class PushSumPeer:
         Peers that start together ask each other: asked one at a time without serving, each
         waited out the others' timeouts in turn (seconds of start-up skew on 4 workers).
         """
+        return self._await_snapshots(self._ask_all(peers, light), timeout, light, lambda: self.serve(z, step))
+
+    def request_snapshots(self, peers: list[str], timeout: float, *,
+                          cancelled: Callable[[], bool] = lambda: False) -> dict[str, Snapshot]:
+        """Ask every peer at once for its full state and wait up to `timeout` for the replies,
+        from any thread (nothing is served here: the training thread keeps answering between its
+        steps). Stops waiting early once `cancelled()` is true."""
+        return self._await_snapshots(self._ask_all(peers, False), timeout, False, cancelled)
+
+    def _ask_all(self, peers: list[str], light: bool) -> dict[str, tuple[int, Any]]:
         pending: dict[str, tuple[int, Any]] = {}
         for peer in peers:
             asked = self._ask_snapshot(self._peers.get(peer), light)
             if asked is not None:
                 pending[peer] = asked
+        return pending
+
+    def _await_snapshots(self, pending: dict[str, tuple[int, Any]], timeout: float, light: bool,
+                         between: Callable[[], object]) -> dict[str, Snapshot]:
+        """The replies to `pending` that arrive within `timeout`; `between()` runs each poll (a true
+        result ends the wait)."""
         got: dict[str, Snapshot] = {}
         deadline = time.monotonic() + timeout
         try:
             while pending and time.monotonic() < deadline:
-                self.serve(z, step)
+                if between():
+                    break
                 for peer, (rid, fut) in list(pending.items()):
                     if fut.done():
                         del pending[peer]

@@ -360,12 +360,12 @@ class _SnapshotCollector:
         self._thread.start()
 
     def _run(self, members: list[str], timeout_s: float) -> None:
-        for pid in members:
-            if self._stop.is_set():
-                return
-            snap = self._peer.request_snapshot(pid, timeout=timeout_s)
-            if snap is not None:
-                self._snaps.append(snap)
+        # All at once, not one after another: each peer answers between its own steps, so the
+        # waits overlap, and the replies share the link instead of queueing behind each other
+        # (4 peers on 100 Mbit/s: one evaluation per ~20 steps asked one by one). The budget is
+        # the one-by-one total.
+        got = self._peer.request_snapshots(members, timeout_s * max(1, len(members)), cancelled=self._stop.is_set)
+        self._snaps.extend(got.values())
 
     def done(self) -> bool:
         return not self._thread.is_alive()

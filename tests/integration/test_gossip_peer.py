@@ -424,6 +424,43 @@ def test_snapshot_round_trip_and_dead_endpoint_times_out(closing: list[PushSumPe
     assert b.request_snapshot("nobody", 0.5) is None
 
 
+def test_request_snapshots_asks_every_peer_at_once_from_another_thread(closing: list[PushSumPeer]) -> None:
+    """The lead's evaluation gather: every peer asked before any answers, each answering between
+    its own steps; a peer that never serves is left out when the asker is cancelled."""
+    closing += make_peers(4)
+    a, b, c, asker = closing
+    join(closing, 1)
+    zs = {p.peer_id: torch.full((DIM,), float(i)) for i, p in enumerate((a, b, c))}
+    got: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: got.update(asker.request_snapshots(["p0", "p1", "p2"], 30.0)))
+    t.start()
+    # Nobody serves until all three requests are in: asked one at a time, the first would wait forever.
+    while any(p._io.snap_requests.empty() for p in (a, b, c)) and t.is_alive():
+        time.sleep(0.005)
+    while t.is_alive():
+        for i, p in enumerate((a, b, c)):
+            p.serve(zs[p.peer_id], step=10 + i)
+        time.sleep(0.005)
+    t.join()
+    assert sorted(got) == ["p0", "p1", "p2"]
+    for i, (pid, snap) in enumerate(sorted(got.items())):
+        assert_close(snap.z, zs[pid], atol=0)
+        assert snap.step == 10 + i
+
+    stop = threading.Event()
+    partial: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: partial.update(
+        asker.request_snapshots(["p0", "p1"], 600.0, cancelled=stop.is_set)))
+    t.start()
+    while a._io.snap_requests.empty() or b._io.snap_requests.empty():
+        time.sleep(0.005)
+    a.serve(zs["p0"], step=20)  # p1 never answers
+    stop.set()
+    t.join(timeout=30)
+    assert not t.is_alive()  # cancelled, not waiting out its 600 s
+    assert set(partial) <= {"p0"}
+
+
 def test_a_finished_peer_refuses_mass_so_a_peer_still_training_keeps_its_weight(
     closing: list[PushSumPeer],
 ) -> None:

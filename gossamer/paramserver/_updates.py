@@ -50,9 +50,16 @@ class _Part:
     encoded: EncodedPart | None = None
     #: The chunks it covers (its reply's), kept once `grads` is handed over ([]: those of `grads`).
     chunks: list[int] = field(default_factory=list)
+    #: Answered without values (PUSH meta "reply": "ack"): the worker pulls them after, a part at a time.
+    ack: bool = False
 
     def __post_init__(self) -> None:
         self.chunks = sorted(self.chunks or self.grads)
+
+    @property
+    def reply_chunks(self) -> list[int]:
+        """The chunks whose values its PARAMS reply carries (none for an ack)."""
+        return [] if self.ack else self.chunks
 
     def add_to(self, total: dict[int, torch.Tensor], decoders: PushDecoders) -> None:
         """Add its gradient into `total`: its dense gradients (`take`), or a push held only
@@ -143,7 +150,8 @@ class Updates:
 
     def _reply_later(self, part: _Part, *, staleness: int = 0, lead: int | None = None) -> None:
         self.replication.after_backup(
-            lambda: self.replies.params(part.identity, part.rid, part.chunks, staleness=staleness, lead=lead)
+            lambda: self.replies.params(part.identity, part.rid, part.reply_chunks, staleness=staleness,
+                                       lead=lead)
         )
 
     def send_released(self, released: list[tuple[str, Held]]) -> None:
@@ -193,7 +201,8 @@ class Updates:
         self.gate.touch(sender, now)
         if not sync:
             self._note_restore_loss(sender, meta.clock)
-        part = _Part(identity=identity, rid=rid, basis=meta.basis, grads=grads, encoded=encoded, chunks=chunks)
+        part = _Part(identity=identity, rid=rid, basis=meta.basis, grads=grads, encoded=encoded, chunks=chunks,
+                     ack=not meta.values)
         del grads  # the part owns them: added into the sum, they are freed (this frame may outlive the step)
         if key[1] <= self.state.applied.get(sender, -1):
             # A retry (after a failover) of an update this shard already applied.
@@ -202,7 +211,7 @@ class Updates:
             self._reply_later(part)
             return
         if self.state.done:
-            self.replies.params(identity, rid, part.chunks, staleness=0)
+            self.replies.params(identity, rid, part.reply_chunks, staleness=0)
             return
         if sync:
             self._check_generation(meta.generation or 0)
@@ -274,7 +283,7 @@ class Updates:
                    delay=len(self.gate.active), encoded=_encoded([update]))
         if self.gate.must_wait(update.sender, now):
             for part in update.parts:
-                self.gate.hold(update.sender, (part.identity, part.rid, part.chunks), now)
+                self.gate.hold(update.sender, (part.identity, part.rid, part.reply_chunks), now)
         else:
             for part in update.parts:
                 self._reply_later(part, staleness=record.version_staleness, lead=record.lead)

@@ -12,8 +12,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gossamer.experiment import Experiment
-from gossamer.paramserver import ShardPlan
+from gossamer.paramserver import ShardClient, ShardPlan
 from gossamer.paramserver.local import LocalShards
+from gossamer.worker import ps_trainer
 from gossamer.worker.diloco import DilocoTrainer
 from gossamer.worker.layout import NodeLayout, ReplicatedLayout, make_layout
 from gossamer.worker.optimizer import inner_optimizer
@@ -287,3 +288,45 @@ def test_the_lead_frees_the_inner_state_and_residual_before_its_final_pull_and_c
     assert len(pushes) == 6 and trainer.final_path and Path(trainer.final_path).exists()
     assert held[-1] == (0, 0), f"the final pull came on top of the training state: {held}"
     assert held[0] == (0, 0) and len(held) == 2  # the first pull, before any step; then the final one
+
+
+def test_an_outer_push_is_acknowledged_and_its_shard_pulled_a_group_at_a_time_after_it(tmp_path: Path) -> None:
+    """No reply carries a shard's values beside the encoded push: each push's answer holds none, and the shard's
+    new values come after it in groups of at most `PULL_GROUP_BYTES`, before the next shard's push. The values
+    written are the same, bit for bit, as pulled in one group a shard."""
+    events: list[tuple[str, int, int]] = []  # (push | pull, shard, value bytes of the answer)
+    push_pull, pull = ShardClient.push_pull, ShardClient.pull
+
+    def spy_push(self: ShardClient, grads: dict[int, torch.Tensor], **kw: Any) -> Any:
+        shard = {self.plan.chunks[i].shard for i in grads}.pop()
+        res = push_pull(self, grads, **kw)
+        events.append(("push", shard, sum(4 * v.numel() for v in res.values.values())))
+        return res
+
+    def spy_pull(self: ShardClient, shards: Any = None, timeout_s: float | None = None, chunks: Any = None) -> Any:
+        res = pull(self, shards, timeout_s, chunks)
+        if chunks is not None:
+            events.append(("pull", {self.plan.chunks[i].shard for i in res.values}.pop(),
+                           sum(4 * v.numel() for v in res.values.values())))
+        return res
+
+    group = 2 * 4 * 2000  # two chunks of `_run_diloco`'s
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ShardClient, "push_pull", spy_push)
+        mp.setattr(ShardClient, "pull", spy_pull)
+        mp.setattr(ps_trainer, "PULL_GROUP_BYTES", 1 << 30)
+        whole, _ = _run_diloco(tmp_path / "w")
+        events.clear()
+        mp.setattr(ps_trainer, "PULL_GROUP_BYTES", group)
+        grouped, pushes = _run_diloco(tmp_path / "g")
+    assert grouped.rounds == 3 and len(pushes) == 6
+    assert torch.equal(whole.layout.flat, grouped.layout.flat)
+    shard_bytes = {s: 4 * sum(c.numel for c in grouped.plan.chunks_of_shard(s)) for s in (0, 1)}
+    assert all(b > group for b in shard_bytes.values())
+    pushed = [i for i, e in enumerate(events) if e[0] == "push"]
+    assert len(pushed) == 6 and all(events[i][2] == 0 for i in pushed), events  # acknowledged, no values
+    for i, start in enumerate(pushed):  # after each push, its shard's values in groups, then the next push
+        after = events[start + 1 : pushed[i + 1] if i + 1 < len(pushed) else len(events)]
+        assert {e[1] for e in after} == {events[start][1]} and len(after) > 1
+        assert all(0 < e[2] <= group for e in after), after
+        assert sum(e[2] for e in after) == shard_bytes[events[start][1]]

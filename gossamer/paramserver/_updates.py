@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -126,19 +127,28 @@ class Updates:
         return self.decoders.decode_seconds
 
     # -- applying -------------------------------------------------------------------------
-    def apply(self, grads: dict[int, torch.Tensor], lr_factor: float, applied: list[tuple[str, int]],
+    def apply(self, grads: dict[int, torch.Tensor] | None, lr_factor: float, applied: list[tuple[str, int]],
               *, delay: int = 0, encoded: list[EncodedPart] | None = None) -> None:
         """Apply an update covering `applied` (worker, clock or step), replicate it, checkpoint if due.
 
         `delay`: Delayed Nesterov's N (async: the active workers; 0 keeps it). `encoded`: the
         compressed pushes `grads` was decoded and added up from, in that order (None: not all
-        of them were), for the backup to do the same.
+        of them were), for the backup to do the same. `grads` None: `encoded` alone holds the
+        update, decoded again a group of chunks at a time into the step (never the dense sum).
         """
         if delay:
             self.state.set_delay(delay)
-        factor = self.state.step(grads, lr_factor, schedule=True)
-        self.state.remember(applied, latest=False)
-        self.replication.replicate(grads, factor, applied, delay=delay, encoded=encoded)
+        if grads is None:
+            assert encoded is not None
+            by_group = functools.partial(self.decoders.summed, encoded)
+            factor = self.state.step(by_group, lr_factor, schedule=True)
+            self.state.remember(applied, latest=False)
+            self.replication.replicate(lambda: by_group(sorted(self.state.chunks)), factor, applied, delay=delay,
+                                       encoded=encoded)
+        else:
+            factor = self.state.step(grads, lr_factor, schedule=True)
+            self.state.remember(applied, latest=False)
+            self.replication.replicate(grads, factor, applied, delay=delay, encoded=encoded)
         version = self.state.version
         die_at("after-apply", step=version, shard=self.config.shard)
         every = self.config.checkpoint_every
@@ -309,11 +319,14 @@ class Updates:
         contributions = [self._sync_step[s] for s in sorted(self._sync_step)]
         self._sync_step = {}
         self._sync_num_workers = None
-        summed: dict[int, torch.Tensor] = {}
         encoded = _encoded(contributions)  # their payloads: the sum below writes decoded buffers only
-        for contrib in contributions:  # a fixed order (by sender) keeps the sum deterministic
-            for part in contrib.parts:
-                part.add_to(summed, self.decoders)
+        summed: dict[int, torch.Tensor] | None = None
+        if encoded is None or any(part.grads for c in contributions for part in c.parts):
+            summed = {}  # some push held dense: the whole sum (otherwise summed a group of chunks at a time)
+            for contrib in contributions:  # a fixed order (by sender) keeps the sum deterministic
+                for part in contrib.parts:
+                    part.add_to(summed, self.decoders)
+        for contrib in contributions:
             self.gate.on_apply(contrib.sender, version=self.state.version, basis=self.state.version, now=now)
         self.apply(summed, self._linear(len(contributions)), [(c.sender, c.key) for c in contributions],
                    encoded=encoded)

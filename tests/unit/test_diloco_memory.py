@@ -330,3 +330,65 @@ def test_an_outer_push_is_acknowledged_and_its_shard_pulled_a_group_at_a_time_af
         assert {e[1] for e in after} == {events[start][1]} and len(after) > 1
         assert all(0 < e[2] <= group for e in after), after
         assert sum(e[2] for e in after) == shard_bytes[events[start][1]]
+
+
+class LargestNewStorage(TorchDispatchMode):
+    """The largest storage a torch op creates (in-place ops and views create none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def test_a_large_adamw_parameter_is_stepped_a_slice_at_a_time_to_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `SLICE_NUMEL` values an AdamW parameter stepped inside backward makes its temporaries (the
+    denominator) a slice's size, not the parameter's; the parameters and the state end bit for bit where one
+    whole `opt.step()` after backward puts them, from the first step (the state made lazily) on."""
+    from gossamer.worker import step_in_backward
+
+    slice_numel = 64
+    monkeypatch.setattr(step_in_backward, "SLICE_NUMEL", slice_numel)
+    exp = Experiment(name="m", mode="diloco", optimizer="adamw", weight_decay=0.1, chunk_numel=100,
+                     **DIGITS)  # type: ignore[arg-type]
+    layouts: list[ReplicatedLayout] = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layout = make_layout(_model(), exp, 0, 1, torch.device("cpu"))
+        assert isinstance(layout, ReplicatedLayout)
+        layouts.append(layout)
+    after, inside = layouts
+    opt_after = inner_optimizer(exp, after.module.parameters())
+    opt_inside = inner_optimizer(exp, inside.module.parameters())
+    inside.step_in_backward()
+    stepper = StepInBackward(opt_inside, inside.module)
+    largest: list[int] = []
+    step_sliced = stepper._step_sliced
+
+    def measured(p: torch.Tensor) -> None:
+        with LargestNewStorage() as mode:
+            step_sliced(p)
+        largest.append(mode.largest)
+
+    monkeypatch.setattr(stepper, "_step_sliced", measured)
+    for _ in range(3):
+        _backward(after)
+        opt_after.step()
+        with stepper.armed():
+            _backward(inside)
+    assert len(largest) == 3 * 2, largest  # the two weights (512 and 256 values) are sliced; the biases are not
+    weights = sorted(4 * p.numel() for p in inside.module.parameters() if p.numel() > slice_numel)
+    assert sorted(largest[:2]) == weights, largest  # the first step makes the state (zeros), whole
+    assert max(largest[2:]) <= 4 * slice_numel, largest  # then nothing larger than a slice
+    assert torch.equal(after.flat, inside.flat)
+    for pa, pi in zip(after.module.parameters(), inside.module.parameters(), strict=True):
+        sa, si = opt_after.state[pa], opt_inside.state[pi]
+        assert sorted(sa) == sorted(si) and all(torch.equal(sa[k], si[k]) for k in sa), (sa.keys(), si.keys())

@@ -51,6 +51,7 @@ from gossamer.protocol import (
 from gossamer.security import sender_tokens
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
+from gossamer.transport.outgoing import track
 from gossamer.transport.router import (
     NOT_BACKUP,
     OUT_OF_ORDER,
@@ -182,8 +183,12 @@ class Replication:
     def _send_sync(self) -> None:
         self._synced = False
         self._flush(replicated=False)  # nothing waits on a SYNC: it is not timed as a stall
-        meta, tensors = self.state.export()
-        self._send(self._frames("SYNC", meta.to_meta(), tensors))
+        # The live state, not a copy of it (2x the shard beside the state): a step while ZMQ still reads it
+        # writes aside (`ShardState.lend`).
+        meta, tensors = self.state.export(copy=False)
+        frames, tracker = track(self._frames("SYNC", meta.to_meta(), tensors))
+        if self._send(frames):
+            self.state.lend(tracker, tensors.values())
 
     def _frames(self, op: str, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
         """A message to the backup, signed as the shard's primary at this epoch."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -151,9 +151,10 @@ class ShardState:
         return lr_factor
 
     # -- readers of the live values -----------------------------------------------------
-    def lend(self, reader: Any) -> None:
-        """A send reads the live chunk values until `reader.done` (values sent without a copy)."""
-        self._lent.append((reader, {storage_of(p) for p in self.params.values()}))
+    def lend(self, reader: Any, tensors: Iterable[torch.Tensor] = ()) -> None:
+        """A send reads the live chunk values (and `tensors`, e.g. the optimizer's state) until `reader.done`
+        (values sent without a copy)."""
+        self._lent.append((reader, {storage_of(p) for p in (*self.params.values(), *tensors)}))
 
     @contextmanager
     def writes(self) -> Iterator[None]:
@@ -212,16 +213,19 @@ class ShardState:
             self.applied[sender] = max(self.applied.get(sender, -1), key) if latest else key
 
     # -- export and import --------------------------------------------------------------
-    def export(self) -> tuple[SyncMeta, dict[str, torch.Tensor]]:
-        """Chunk values and optimizer state as tensors ("c3", "c3/momentum_buffer") + meta."""
+    def export(self, *, copy: bool = True) -> tuple[SyncMeta, dict[str, torch.Tensor]]:
+        """Chunk values and optimizer state as tensors ("c3", "c3/momentum_buffer") + meta.
+
+        `copy` False: the live tensors themselves (a SYNC sent without a copy of the state, `lend`ed
+        to the send until ZMQ lets go of them, so a step meanwhile writes aside)."""
         tensors: dict[str, torch.Tensor] = {}
         scalars: dict[str, float] = {}
         opt = self.optimizer.state_dict()["state"]
         for i, idx in enumerate(sorted(self.params)):
-            tensors[chunk_key(idx)] = self.params[idx].clone()
+            tensors[chunk_key(idx)] = self.params[idx].clone() if copy else self.params[idx].detach()
             for name, val in opt.get(i, {}).items():
                 if isinstance(val, torch.Tensor) and val.dim() > 0:
-                    tensors[f"{chunk_key(idx)}/{name}"] = val.detach().clone()
+                    tensors[f"{chunk_key(idx)}/{name}"] = val.detach().clone() if copy else val.detach()
                 elif isinstance(val, torch.Tensor):
                     scalars[f"{idx}/{name}"] = float(val.item())
                 elif isinstance(val, int | float):

@@ -22,6 +22,7 @@ from gossamer.paramserver import (
     flatten_params,
     take_shard_values,
 )
+from gossamer.paramserver._copy_on_write import storage_of
 from gossamer.paramserver._snapshot import copy_in_background
 from gossamer.paramserver._state import ShardState
 from gossamer.protocol import PushMeta, chunk_key
@@ -319,3 +320,28 @@ def test_a_step_taken_a_group_of_chunks_at_a_time_is_the_whole_step_bit_for_bit(
         assert torch.equal(p, grouped.params[idx]), idx
         for key, v in whole.optimizer.state[p].items():
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(grouped.optimizer.state[grouped.params[idx]][key]))
+
+
+def test_a_sync_exports_the_live_state_and_a_step_while_it_is_sent_writes_aside() -> None:
+    """A SYNC to a backup sends the state itself, not a copy (2x the shard beside it): lent to the send, a step
+    meanwhile writes the values and the momentum out of place, so the SYNC still carries the version it named."""
+    plan = _plan()
+    state = _state(plan)
+    state.step(_grads(state), 1.0, schedule=False)  # momentum exists
+    before = {i: p.clone() for i, p in state.params.items()}
+    momentum = {i: state.optimizer.state[p]["momentum_buffer"].clone() for i, p in state.params.items()}
+    _, tensors = state.export(copy=False)
+    live = {storage_of(p) for p in state.params.values()} | {
+        storage_of(state.optimizer.state[p]["momentum_buffer"]) for p in state.params.values()}
+    assert {storage_of(t) for t in tensors.values()} == live  # no copy
+    reader = Reader(done=False)
+    state.lend(reader, tensors.values())
+    state.step(_grads(state, 2.0), 1.0, schedule=False)
+    for idx in state.params:
+        assert torch.equal(tensors[chunk_key(idx)], before[idx])
+        assert torch.equal(tensors[f"{chunk_key(idx)}/momentum_buffer"], momentum[idx])
+        assert not torch.equal(state.params[idx], before[idx])
+    reader.done = True
+    moved = {storage_of(p) for p in state.params.values()}
+    state.step(_grads(state), 1.0, schedule=False)  # the send is done: in place again
+    assert {storage_of(p) for p in state.params.values()} == moved

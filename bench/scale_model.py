@@ -559,7 +559,10 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "time once the push is gone (no shard's reply beside the encoded push), a large AdamW parameter stepped "
          "inside backward 1M values at a time (its temporaries a slice's), and a shard stepping an update summed "
          "from encoded pushes (sync and diloco primaries, every backup) 16 MB of chunks at a time, each group's "
-         "sum decoded from the payloads (no whole dense sum on either replica).")
+         "sum decoded from the payloads (no whole dense sum on either replica); `after9` also a primary SYNCing its "
+         "backup from the live state (tracked and lent, a step meanwhile writing aside) instead of a copy of "
+         "values and momentum (after8's ps1 primary: a backup attached after the first outer step cost 2x the "
+         "shard there).")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

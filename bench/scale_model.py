@@ -562,7 +562,10 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "sum decoded from the payloads (no whole dense sum on either replica); `after9` also a primary SYNCing its "
          "backup from the live state (tracked and lent, a step meanwhile writing aside) instead of a copy of "
          "values and momentum (after8's ps1 primary: a backup attached after the first outer step cost 2x the "
-         "shard there).")
+         "shard there). after9's primaries: 3.16-3.17x; its backups (and after8's ps1 backup) at 3.84-3.85x against after8's "
+         "ps0 backup at 2.45x with the same code, about 1.4x of the shard not accounted for (all four updates replayed, "
+         "no detach seen in `steps`); backups' apply_ms rose (1.5-2.2 s from 0.4 s): each forwarded push is decoded "
+         "twice, checked whole before the grouped step.")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

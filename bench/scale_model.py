@@ -554,7 +554,18 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "copies gone: a primary's decoded pushes handed to the update's sum (no worker's dense copy kept until "
          "the backup's ACK), a backup decoding forwarded pushes chunk by chunk into the sum and dropping each "
          "push's payload once decoded; `after7` also a sync/diloco primary holding each push only encoded until "
-         "the step (checked on arrival, decoded again into the step's sum).")
+         "the step (checked on arrival, decoded again into the step's sum). `before8` main at da2d041 (`after7`'s code), run beside `after8`: a "
+         "DiLoCo worker's outer push answered with an ack and the shard's new values pulled 16 MB of chunks at a "
+         "time once the push is gone (no shard's reply beside the encoded push), a large AdamW parameter stepped "
+         "inside backward 1M values at a time (its temporaries a slice's), and a shard stepping an update summed "
+         "from encoded pushes (sync and diloco primaries, every backup) 16 MB of chunks at a time, each group's "
+         "sum decoded from the payloads (no whole dense sum on either replica); `after9` also a primary SYNCing its "
+         "backup from the live state (tracked and lent, a step meanwhile writing aside) instead of a copy of "
+         "values and momentum (after8's ps1 primary: a backup attached after the first outer step cost 2x the "
+         "shard there). after9's primaries: 3.16-3.17x; its backups (and after8's ps1 backup) at 3.84-3.85x against after8's "
+         "ps0 backup at 2.45x with the same code, about 1.4x of the shard not accounted for (all four updates replayed, "
+         "no detach seen in `steps`); backups' apply_ms rose (1.5-2.2 s from 0.4 s): each forwarded push is decoded "
+         "twice, checked whole before the grouped step.")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

@@ -279,6 +279,9 @@ class PushMeta:
     """PUSH (worker -> shard): one local rank's part of a worker's update.
 
     `step`, `num_workers` and `generation` are sent (and read) only for a shard with a barrier.
+    `values` False (meta "reply": "ack"): the PARAMS answer carries no values, only the version and
+    the end flag; the worker pulls the new values after, a part at a time. A shard that does not
+    know the key answers with the values, as before.
     """
 
     #: The worker's update counter; a shard applies each clock of a worker once.
@@ -289,11 +292,14 @@ class PushMeta:
     step: int | None = None
     num_workers: int | None = None
     generation: int | None = None
+    values: bool = True
 
     def to_meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"clock": self.clock, "basis": self.basis}
         if self.pull_codec != "none":
             meta["pull_codec"] = self.pull_codec
+        if not self.values:
+            meta["reply"] = "ack"
         if self.step is not None:
             meta["step"] = self.step
             meta["num_workers"] = self.num_workers if self.num_workers is not None else 1
@@ -306,11 +312,15 @@ class PushMeta:
         pull_codec = _codec_spec("PUSH", meta, "pull_codec")
         clock = _int("PUSH", meta, "clock")
         basis = _int("PUSH", meta, "basis")
+        reply = meta.get("reply", "values")
+        if reply not in ("values", "ack"):
+            raise ProtocolError(f"PUSH meta 'reply' must be 'values' or 'ack', got {reply!r}")
+        values = reply == "values"
         if not barrier:
-            return cls(clock=clock, basis=basis, pull_codec=pull_codec)
+            return cls(clock=clock, basis=basis, pull_codec=pull_codec, values=values)
         return cls(clock=clock, basis=basis, pull_codec=pull_codec, step=_int("PUSH", meta, "step"),
                    num_workers=_int("PUSH", meta, "num_workers", 1), generation=_int("PUSH", meta, "generation",
-                                                                                     default=0))
+                                                                                     default=0), values=values)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -85,9 +85,11 @@ class PushDecoders:
         self.decode_into(grads, part)
         return grads
 
-    def decode_into(self, total: dict[int, torch.Tensor] | None, part: EncodedPart) -> list[int]:
+    def decode_into(self, total: dict[int, torch.Tensor] | None, part: EncodedPart,
+                    only: Collection[int] | None = None) -> list[int]:
         """Decode a compressed push chunk by chunk, each added into `total` as `accumulate` does
-        (None: only checked, nothing kept); returns the chunks it covers.
+        (None: only checked, nothing kept); returns the chunks it covers. `only`: decode those of its
+        chunks alone (a step taken a group of chunks at a time, `ShardState.step`).
 
         One chunk's decoded copy is alive at a time (not the part's whole dense gradient beside
         the sum); per element the additions are the same, so the bits are those of `decode` then
@@ -106,6 +108,8 @@ class PushDecoders:
         if stray:
             raise Reject(f"tensors {sorted(stray)[:4]} belong to no declared compressed chunk")
         for idx, meta in indices:
+            if only is not None and idx not in only:
+                continue
             g = decoder.decode(idx, part.tensors, meta)
             if not bool(torch.isfinite(g).all()):
                 raise Reject(f"chunk {idx}: decoded gradient is not finite")
@@ -125,6 +129,29 @@ class PushDecoders:
         primary would have sent instead), so a malformed forward costs no decoding; each part's
         sizes are then checked against the plan by the codecs before anything is allocated.
         """
+        split = self._split_forwarded(parts, tensors)
+        grads: dict[int, torch.Tensor] = {}
+        for n, part in enumerate(parts):
+            encoded, split[n] = EncodedPart(part, split[n]), {}
+            self._decode_forwarded(n, grads, encoded)
+            del encoded
+        return grads
+
+    def forwarded_parts(self, parts: tuple[PushCompression, ...],
+                        tensors: dict[str, torch.Tensor]) -> list[EncodedPart]:
+        """The pushes of an encoded REPLICATE, each checked (`forwarded`'s checks, then decoded chunk by chunk
+        with nothing kept), to be decoded again a group of chunks at a time into the step (`ShardState.step`
+        with a function of the chunks): the dense sum is never whole. It empties `tensors`; the parts hold the
+        payload until the step is taken."""
+        out = [EncodedPart(part, t) for part, t in zip(parts, self._split_forwarded(parts, tensors), strict=True)]
+        for n, encoded in enumerate(out):
+            self._decode_forwarded(n, None, encoded)
+        return out
+
+    def _split_forwarded(self, parts: tuple[PushCompression, ...],
+                         tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """An encoded REPLICATE's tensors by forwarded push, checked from the header (`forwarded`); empties
+        `tensors`."""
         split: list[dict[str, torch.Tensor]] = [{} for _ in parts]
         for name in tensors:
             head, sep, rest = name.partition("/")
@@ -146,17 +173,22 @@ class PushDecoders:
             raise Reject(f"REPLICATE's forwarded pushes carry {payload} B, not less than the {dense} B dense "
                          "gradient the primary sends instead")
         tensors.clear()
-        grads: dict[int, torch.Tensor] = {}
-        for n, part in enumerate(parts):
-            encoded, split[n] = EncodedPart(part, split[n]), {}
-            try:
-                self.decode_into(grads, encoded)
-            except ProtocolError as e:
-                raise Reject(f"REPLICATE forwarded push {n}: {e}") from None
-            except Reject as e:
-                raise Reject(f"REPLICATE forwarded push {n}: {e}", e.code, e.cause) from None
-            del encoded
-        return grads
+        return split
+
+    def summed(self, parts: list[EncodedPart], chunks: Collection[int]) -> dict[int, torch.Tensor]:
+        """The sum of `parts` over `chunks` alone, decoded and added in their order (the bits of the whole sum's)."""
+        total: dict[int, torch.Tensor] = {}
+        for part in parts:
+            self.decode_into(total, part, chunks)
+        return total
+
+    def _decode_forwarded(self, n: int, total: dict[int, torch.Tensor] | None, encoded: EncodedPart) -> None:
+        try:
+            self.decode_into(total, encoded)
+        except ProtocolError as e:
+            raise Reject(f"REPLICATE forwarded push {n}: {e}") from None
+        except Reject as e:
+            raise Reject(f"REPLICATE forwarded push {n}: {e}", e.code, e.cause) from None
 
     def _decoder(self, compression: PushCompression) -> ChunkCompressor:
         key = (compression.codec, compression.overrides)

@@ -26,6 +26,7 @@ the coordinator promotes once the node's lease has expired there too.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -50,6 +51,7 @@ from gossamer.protocol import (
 from gossamer.security import sender_tokens
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
+from gossamer.transport.outgoing import track
 from gossamer.transport.router import (
     NOT_BACKUP,
     OUT_OF_ORDER,
@@ -181,8 +183,12 @@ class Replication:
     def _send_sync(self) -> None:
         self._synced = False
         self._flush(replicated=False)  # nothing waits on a SYNC: it is not timed as a stall
-        meta, tensors = self.state.export()
-        self._send(self._frames("SYNC", meta.to_meta(), tensors))
+        # The live state, not a copy of it (2x the shard beside the state): a step while ZMQ still reads it
+        # writes aside (`ShardState.lend`).
+        meta, tensors = self.state.export(copy=False)
+        frames, tracker = track(self._frames("SYNC", meta.to_meta(), tensors))
+        if self._send(frames):
+            self.state.lend(tracker, tensors.values())
 
     def _frames(self, op: str, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
         """A message to the backup, signed as the shard's primary at this epoch."""
@@ -206,31 +212,33 @@ class Replication:
         self.bytes_out += frames_nbytes(frames)
         return True
 
-    def replicate(self, grads: dict[int, torch.Tensor], lr_factor: float, applied: list[tuple[str, int]],
-                  *, delay: int = 0, encoded: list[EncodedPart] | None = None) -> None:
+    def replicate(self, grads: dict[int, torch.Tensor] | Callable[[], dict[int, torch.Tensor]], lr_factor: float,
+                  applied: list[tuple[str, int]], *, delay: int = 0, encoded: list[EncodedPart] | None = None) -> None:
         """Forward the update just applied (a no-op without a backup).
 
         `encoded`: the compressed pushes `grads` was decoded and added up from, in order. They
         are forwarded instead of `grads` when their message is the smaller one and fits the
         frame limits; the backup decodes and adds them up as this primary did, so both apply
-        the same bits. Otherwise the dense fp32 gradient goes (both forms are exact).
+        the same bits. Otherwise the dense fp32 gradient goes (both forms are exact); `grads` a
+        function: it is made then (a step taken a group at a time never held it whole).
         """
         if self.socket is None:
             return
         meta = ReplicateMeta(lr_factor=lr_factor, applied=tuple(applied), delay=delay)
-        frames = self._encoded_frames(meta, grads, encoded) if encoded and self.config.replicate_encoded else None
+        frames = self._encoded_frames(meta, encoded) if encoded and self.config.replicate_encoded else None
         as_encoded = frames is not None
         if frames is None:
-            frames = self._frames("REPLICATE", meta.to_meta(), {chunk_key(i): g for i, g in grads.items()})
+            dense = grads() if callable(grads) else grads
+            frames = self._frames("REPLICATE", meta.to_meta(), {chunk_key(i): g for i, g in dense.items()})
+            del dense
         if self._send(frames):
             self.replicated_updates += 1
             self.replicated_encoded += int(as_encoded)
 
-    def _encoded_frames(self, meta: ReplicateMeta, grads: dict[int, torch.Tensor],
-                        encoded: list[EncodedPart]) -> list[bytes | memoryview] | None:
+    def _encoded_frames(self, meta: ReplicateMeta, encoded: list[EncodedPart]) -> list[bytes | memoryview] | None:
         """The REPLICATE of `encoded` (tensors "p{k}/<push tensor name>"), or None where the dense one
         is no larger or it would pass the backup's frame limits (many workers' pushes of a sync step)."""
-        dense = sum(4 * g.numel() for g in grads.values())
+        dense = sum(4 * c.numel for c in self.state.chunks.values())
         if sum(p.nbytes for p in encoded) >= dense:
             return None
         tensors = {f"p{k}/{name}": t for k, part in enumerate(encoded) for name, t in part.tensors.items()}
@@ -380,7 +388,12 @@ class Replication:
             meta = ReplicateMeta.from_meta(msg.meta)
         except ProtocolError as e:
             raise Reject(str(e)) from None
-        grads = self.decoders.forwarded(meta.parts, msg.tensors) if meta.parts else self._dense(msg.tensors)
+        if meta.parts:  # checked whole, then decoded again a group of chunks at a time into the step
+            parts = self.decoders.forwarded_parts(meta.parts, msg.tensors)
+            grads: dict[int, torch.Tensor] | Callable[[list[int]], dict[int, torch.Tensor]] = functools.partial(
+                self.decoders.summed, parts)
+        else:
+            grads = self._dense(msg.tensors)
         if meta.delay:
             self.state.set_delay(meta.delay)
         self.state.step(grads, meta.lr_factor, schedule=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,9 +23,25 @@ from gossamer.paramserver.shard_config import ShardConfig
 from gossamer.paramserver.shard_plan import Chunk, ShardPlan
 from gossamer.protocol import SyncMeta, chunk_key
 
-__all__ = ["ShardState"]
+__all__ = ["STEP_GROUP_BYTES", "ShardState"]
 
 _ENV: dict[str, Any] = {}
+#: A step taken from a function of the chunks (`ShardState.step`) asks for this many bytes of gradients at most.
+STEP_GROUP_BYTES = 16 << 20
+
+
+def _groups(indices: list[int], chunks: dict[int, Chunk], budget: int) -> list[list[int]]:
+    """`indices` in order, cut into groups of at most `budget` bytes of fp32 values (at least one chunk each)."""
+    groups: list[list[int]] = []
+    size = budget
+    for i in indices:
+        nbytes = 4 * chunks[i].numel
+        if size + nbytes > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
 
 
 def _environment() -> dict[str, Any]:
@@ -101,32 +117,44 @@ class ShardState:
         if isinstance(self.optimizer, DelayedNesterov):
             self.optimizer.set_delay(delay)
 
-    def step(self, grads: dict[int, torch.Tensor], lr_factor: float, *, schedule: bool) -> float:
+    def step(self, grads: dict[int, torch.Tensor] | Callable[[list[int]], dict[int, torch.Tensor]], lr_factor: float,
+             *, schedule: bool) -> float:
         """One optimizer step with `grads` (every chunk); returns the lr factor applied.
 
-        `schedule`: multiply in the lr schedule at this version (a primary does; its backup
-        replays the factor it is sent).
+        `grads` a function of chunk indices (their gradients): the step is taken a group of at most
+        `STEP_GROUP_BYTES` of chunks at a time, each group's gradient asked for, stepped and dropped
+        before the next (the optimizers are elementwise: the same bits as one step). `schedule`:
+        multiply in the lr schedule at this version (a primary does; its backup replays the factor
+        it is sent).
         """
         t0 = time.perf_counter()
-        for idx, p in self.params.items():
-            p.grad = grads[idx]
         if schedule:
             lr_factor *= lr_multiplier(self.version, self.config.total_steps, self.config.lr_schedule,
                                        self.config.warmup_steps)
         set_lr_factor(self.optimizer, self.config.optimizer.lr, lr_factor)
+        if callable(grads):
+            groups = _groups(sorted(self.params), self.chunks, STEP_GROUP_BYTES)
+        else:
+            groups, whole = [sorted(self.params)], grads
         with self.writes():
-            self.optimizer.step()
-        for p in self.params.values():
-            p.grad = None
+            for group in groups:
+                part = grads(group) if callable(grads) else whole
+                for idx in group:
+                    self.params[idx].grad = part[idx]
+                del part
+                self.optimizer.step()
+                for idx in group:
+                    self.params[idx].grad = None
         self.version += 1
         self.updates += 1
         self.apply_s += time.perf_counter() - t0
         return lr_factor
 
     # -- readers of the live values -----------------------------------------------------
-    def lend(self, reader: Any) -> None:
-        """A send reads the live chunk values until `reader.done` (values sent without a copy)."""
-        self._lent.append((reader, {storage_of(p) for p in self.params.values()}))
+    def lend(self, reader: Any, tensors: Iterable[torch.Tensor] = ()) -> None:
+        """A send reads the live chunk values (and `tensors`, e.g. the optimizer's state) until `reader.done`
+        (values sent without a copy)."""
+        self._lent.append((reader, {storage_of(p) for p in (*self.params.values(), *tensors)}))
 
     @contextmanager
     def writes(self) -> Iterator[None]:
@@ -185,16 +213,19 @@ class ShardState:
             self.applied[sender] = max(self.applied.get(sender, -1), key) if latest else key
 
     # -- export and import --------------------------------------------------------------
-    def export(self) -> tuple[SyncMeta, dict[str, torch.Tensor]]:
-        """Chunk values and optimizer state as tensors ("c3", "c3/momentum_buffer") + meta."""
+    def export(self, *, copy: bool = True) -> tuple[SyncMeta, dict[str, torch.Tensor]]:
+        """Chunk values and optimizer state as tensors ("c3", "c3/momentum_buffer") + meta.
+
+        `copy` False: the live tensors themselves (a SYNC sent without a copy of the state, `lend`ed
+        to the send until ZMQ lets go of them, so a step meanwhile writes aside)."""
         tensors: dict[str, torch.Tensor] = {}
         scalars: dict[str, float] = {}
         opt = self.optimizer.state_dict()["state"]
         for i, idx in enumerate(sorted(self.params)):
-            tensors[chunk_key(idx)] = self.params[idx].clone()
+            tensors[chunk_key(idx)] = self.params[idx].clone() if copy else self.params[idx].detach()
             for name, val in opt.get(i, {}).items():
                 if isinstance(val, torch.Tensor) and val.dim() > 0:
-                    tensors[f"{chunk_key(idx)}/{name}"] = val.detach().clone()
+                    tensors[f"{chunk_key(idx)}/{name}"] = val.detach().clone() if copy else val.detach()
                 elif isinstance(val, torch.Tensor):
                     scalars[f"{idx}/{name}"] = float(val.item())
                 elif isinstance(val, int | float):

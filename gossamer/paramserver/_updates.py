@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -50,9 +51,16 @@ class _Part:
     encoded: EncodedPart | None = None
     #: The chunks it covers (its reply's), kept once `grads` is handed over ([]: those of `grads`).
     chunks: list[int] = field(default_factory=list)
+    #: Answered without values (PUSH meta "reply": "ack"): the worker pulls them after, a part at a time.
+    ack: bool = False
 
     def __post_init__(self) -> None:
         self.chunks = sorted(self.chunks or self.grads)
+
+    @property
+    def reply_chunks(self) -> list[int]:
+        """The chunks whose values its PARAMS reply carries (none for an ack)."""
+        return [] if self.ack else self.chunks
 
     def add_to(self, total: dict[int, torch.Tensor], decoders: PushDecoders) -> None:
         """Add its gradient into `total`: its dense gradients (`take`), or a push held only
@@ -119,19 +127,28 @@ class Updates:
         return self.decoders.decode_seconds
 
     # -- applying -------------------------------------------------------------------------
-    def apply(self, grads: dict[int, torch.Tensor], lr_factor: float, applied: list[tuple[str, int]],
+    def apply(self, grads: dict[int, torch.Tensor] | None, lr_factor: float, applied: list[tuple[str, int]],
               *, delay: int = 0, encoded: list[EncodedPart] | None = None) -> None:
         """Apply an update covering `applied` (worker, clock or step), replicate it, checkpoint if due.
 
         `delay`: Delayed Nesterov's N (async: the active workers; 0 keeps it). `encoded`: the
         compressed pushes `grads` was decoded and added up from, in that order (None: not all
-        of them were), for the backup to do the same.
+        of them were), for the backup to do the same. `grads` None: `encoded` alone holds the
+        update, decoded again a group of chunks at a time into the step (never the dense sum).
         """
         if delay:
             self.state.set_delay(delay)
-        factor = self.state.step(grads, lr_factor, schedule=True)
-        self.state.remember(applied, latest=False)
-        self.replication.replicate(grads, factor, applied, delay=delay, encoded=encoded)
+        if grads is None:
+            assert encoded is not None
+            by_group = functools.partial(self.decoders.summed, encoded)
+            factor = self.state.step(by_group, lr_factor, schedule=True)
+            self.state.remember(applied, latest=False)
+            self.replication.replicate(lambda: by_group(sorted(self.state.chunks)), factor, applied, delay=delay,
+                                       encoded=encoded)
+        else:
+            factor = self.state.step(grads, lr_factor, schedule=True)
+            self.state.remember(applied, latest=False)
+            self.replication.replicate(grads, factor, applied, delay=delay, encoded=encoded)
         version = self.state.version
         die_at("after-apply", step=version, shard=self.config.shard)
         every = self.config.checkpoint_every
@@ -143,7 +160,8 @@ class Updates:
 
     def _reply_later(self, part: _Part, *, staleness: int = 0, lead: int | None = None) -> None:
         self.replication.after_backup(
-            lambda: self.replies.params(part.identity, part.rid, part.chunks, staleness=staleness, lead=lead)
+            lambda: self.replies.params(part.identity, part.rid, part.reply_chunks, staleness=staleness,
+                                       lead=lead)
         )
 
     def send_released(self, released: list[tuple[str, Held]]) -> None:
@@ -193,7 +211,8 @@ class Updates:
         self.gate.touch(sender, now)
         if not sync:
             self._note_restore_loss(sender, meta.clock)
-        part = _Part(identity=identity, rid=rid, basis=meta.basis, grads=grads, encoded=encoded, chunks=chunks)
+        part = _Part(identity=identity, rid=rid, basis=meta.basis, grads=grads, encoded=encoded, chunks=chunks,
+                     ack=not meta.values)
         del grads  # the part owns them: added into the sum, they are freed (this frame may outlive the step)
         if key[1] <= self.state.applied.get(sender, -1):
             # A retry (after a failover) of an update this shard already applied.
@@ -202,7 +221,7 @@ class Updates:
             self._reply_later(part)
             return
         if self.state.done:
-            self.replies.params(identity, rid, part.chunks, staleness=0)
+            self.replies.params(identity, rid, part.reply_chunks, staleness=0)
             return
         if sync:
             self._check_generation(meta.generation or 0)
@@ -274,7 +293,7 @@ class Updates:
                    delay=len(self.gate.active), encoded=_encoded([update]))
         if self.gate.must_wait(update.sender, now):
             for part in update.parts:
-                self.gate.hold(update.sender, (part.identity, part.rid, part.chunks), now)
+                self.gate.hold(update.sender, (part.identity, part.rid, part.reply_chunks), now)
         else:
             for part in update.parts:
                 self._reply_later(part, staleness=record.version_staleness, lead=record.lead)
@@ -300,11 +319,14 @@ class Updates:
         contributions = [self._sync_step[s] for s in sorted(self._sync_step)]
         self._sync_step = {}
         self._sync_num_workers = None
-        summed: dict[int, torch.Tensor] = {}
         encoded = _encoded(contributions)  # their payloads: the sum below writes decoded buffers only
-        for contrib in contributions:  # a fixed order (by sender) keeps the sum deterministic
-            for part in contrib.parts:
-                part.add_to(summed, self.decoders)
+        summed: dict[int, torch.Tensor] | None = None
+        if encoded is None or any(part.grads for c in contributions for part in c.parts):
+            summed = {}  # some push held dense: the whole sum (otherwise summed a group of chunks at a time)
+            for contrib in contributions:  # a fixed order (by sender) keeps the sum deterministic
+                for part in contrib.parts:
+                    part.add_to(summed, self.decoders)
+        for contrib in contributions:
             self.gate.on_apply(contrib.sender, version=self.state.version, basis=self.state.version, now=now)
         self.apply(summed, self._linear(len(contributions)), [(c.sender, c.key) for c in contributions],
                    encoded=encoded)

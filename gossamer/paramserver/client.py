@@ -215,10 +215,14 @@ class ShardClient:
                 moved.append(s)
         return moved
 
-    def pull(self, shards: Iterable[int] | None = None, timeout_s: float | None = None) -> PullResult:
-        """Current values of this client's chunks (only of those on `shards`, if given; `timeout_s`: not the default)."""
+    def pull(self, shards: Iterable[int] | None = None, timeout_s: float | None = None,
+             chunks: Iterable[int] | None = None) -> PullResult:
+        """Current values of this client's chunks (only of those on `shards`, if given, and of `chunks`, if given;
+        `timeout_s`: not the default)."""
+        only = None if chunks is None else set(chunks)
         reqs = {
-            s: self._msg("PULL", s, PullMeta(chunks=tuple(self._by_shard[s]), pull_codec=self.pull_codec).to_meta())
+            s: self._msg("PULL", s, PullMeta(chunks=tuple(i for i in self._by_shard[s] if only is None or i in only),
+                                             pull_codec=self.pull_codec).to_meta())
             for s in (self.shards if shards is None else shards)
         }
         return self._result(self._collect(self._send(reqs), timeout_s))
@@ -232,6 +236,7 @@ class ShardClient:
         step: int | None = None,
         num_workers: int | None = None,
         generation: int | None = None,
+        values: bool = True,
     ) -> dict[int, Message]:
         per_shard: dict[int, dict[str, torch.Tensor]] = {}
         for idx, g in grads.items():
@@ -245,7 +250,7 @@ class ShardClient:
             if s not in self._socks:
                 raise ConfigError("grads", f"chunks of shard {s} are not this client's")
             meta = PushMeta(clock=clock, basis=basis.get(s, 0), pull_codec=self.pull_codec, step=step,
-                            num_workers=num_workers, generation=generation).to_meta()
+                            num_workers=num_workers, generation=generation, values=values).to_meta()
             self.raw_bytes_up += sum(4 * t.numel() for t in tensors.values())
             if self.compressor is not None:
                 wire: dict[str, torch.Tensor] = {}
@@ -270,11 +275,14 @@ class ShardClient:
         num_workers: int | None = None,
         generation: int | None = None,
         consume: bool = False,
+        values: bool = True,
     ) -> PullResult:
         """Push gradients (by chunk index) and return the new values of those chunks.
 
         `basis` maps shard -> the version the gradients were computed on; in sync mode pass
         `step` and `num_workers`. `consume` with a compressor: `grads` is emptied once encoded.
+        `values` False: the shards answer with their versions and the end flag only (an ack), and
+        the caller pulls the values (`pull` with `chunks`); a shard that predates the ack sends them.
 
         Raises:
             ShardError: a shard rejected the push (nothing of it was applied there).
@@ -282,7 +290,7 @@ class ShardClient:
         """
         t0 = time.perf_counter()
         reqs = self._push_requests(grads, clock=clock, basis=basis, step=step, num_workers=num_workers,
-                                   generation=generation)
+                                   generation=generation, values=values)
         if consume and self.compressor is not None:
             grads.clear()  # encoded: a resend sends the payload, so the caller's buffers can go now
         self.encode_s += time.perf_counter() - t0

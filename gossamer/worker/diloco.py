@@ -43,9 +43,10 @@ class DilocoTrainer(ParameterServerTrainer):
     parameter inside backward (`StepInBackward`), so no whole-model gradient is held. On one
     local rank without a pull codec the round's start is a `RoundStart`: each chunk's theta_0
     with its error-feedback residual folded in, one buffer where two were held, which the
-    compressor turns into the new residual in place; the round is exchanged shard by shard, so
-    one shard's reply is held at a time. A push the re-formed barrier refused rebuilds its
-    buffers from the residual and the refused payload (`ChunkCompressor.take_back`); a part not
+    compressor turns into the new residual in place; the round is exchanged shard by shard: each
+    push is answered with an ack, and the shard's new values are pulled a group of chunks at a time
+    (`ParameterServerTrainer._pull_by_group`), so no shard's reply is held whole. A push the
+    re-formed barrier refused rebuilds its buffers from the residual and the refused payload (`ChunkCompressor.take_back`); a part not
     held (no feedback, or a worker count changed since the fold) is pulled again from the
     shards, which hold theta_0 until the barrier completes. `round_start="shards"`: nothing is
     held over the round; each shard's part is pulled and folded at the exchange. A stop
@@ -121,18 +122,20 @@ class DilocoTrainer(ParameterServerTrainer):
         return done
 
     def _recorded_push(self, grads: dict[int, torch.Tensor], start: int,
-                       refused: Callable[[dict[int, Any]], None]) -> bool:
+                       refused: Callable[[dict[int, Any]], None], *, values: bool = True) -> bool:
         """Push `grads` (emptied once encoded). Where a barrier may refuse it whole, the compressor's encodes are
-        recorded meanwhile and a refusal calls `refused` with them before the error goes on (`take_back`)."""
+        recorded meanwhile and a refusal calls `refused` with them before the error goes on (`take_back`).
+        `values` False: acknowledged only (`ParameterServerTrainer._push_pull`)."""
         comp = self.client.compressor
+        push = functools.partial(self._push_pull, grads, step=start, consume=True, values=values)
         if comp is None:
-            return self._push_pull(grads, step=start, consume=True)
+            return push()
         try:
             if not self.barrier:
-                return self._push_pull(grads, step=start, consume=True)
+                return push()
             comp.recorded = {}
             try:
-                return self._push_pull(grads, step=start, consume=True)
+                return push()
             except ShardError:
                 refused(comp.recorded)
                 raise
@@ -144,10 +147,11 @@ class DilocoTrainer(ParameterServerTrainer):
 
     def _round_by_shard(self, rs: RoundStart) -> bool:
         """A round exchanged shard by shard from its start `rs`: after the H steps, for each shard, the
-        compensated pseudo-gradient of its chunks is pushed and the reply written in before the next.
+        compensated pseudo-gradient of its chunks is pushed, acknowledged, and its new values pulled and
+        written in a group of chunks at a time before the next shard's.
 
-        One shard's reply at a time, never the model's. A shard's part not held as folded (a refused
-        push without feedback, a worker count changed since the fold under the barrier, `round_start=
+        Never a whole shard's reply, nor a pulled group beside the encoded push. A shard's part not held
+        as folded (a refused push without feedback, a worker count changed since the fold under the barrier, `round_start=
         "shards"`) is filled from the shards, which hold the round's start until every worker pushed.
         A shard that has moved on since the round started makes the round unpushable: its values are
         written in and the next round starts from there.
@@ -172,10 +176,15 @@ class DilocoTrainer(ParameterServerTrainer):
                 del res
             pseudo = rs.pseudo_gradient(chunks, n)
             try:
-                done = self._recorded_push(pseudo, start, functools.partial(_refused, rs, chunks, n)) or done
+                done = self._recorded_push(pseudo, start, functools.partial(_refused, rs, chunks, n),
+                                           values=False) or done
             finally:
                 del pseudo  # without a compressor nothing empties it: its buffers go before the next shard's
             self._sent.add(s)
+            # Acknowledged: the new values come a group of chunks at a time, the push gone (never a shard's reply
+            # beside the encoded push).
+            for u in self.unpulled:
+                done = self._pull_by_group(u) or done
         self._pending = None
         self.rounds += 1
         return done

@@ -16,7 +16,7 @@ from gossamer.compression.momentum_placement import density_warmup_steps, moment
 from gossamer.compression.worker_momentum import WorkerMomentum
 from gossamer.errors import ShardError
 from gossamer.faults import die_at, hold_at
-from gossamer.paramserver import ShardClient
+from gossamer.paramserver import ShardClient, ShardPlan
 from gossamer.protocol import AssignmentUpdate
 from gossamer.transport.router import FAILED_PRECONDITION, REFORM
 from gossamer.worker import sampler
@@ -28,7 +28,24 @@ from gossamer.worker.rank_trainer import OnSaved, RankTrainer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ParameterServerTrainer"]
+__all__ = ["PULL_GROUP_BYTES", "ParameterServerTrainer", "chunk_groups"]
+
+#: What one pull of `ParameterServerTrainer._pull_by_group` asks for at most (a larger chunk goes alone).
+PULL_GROUP_BYTES = 16 << 20
+
+
+def chunk_groups(chunks: list[int], plan: ShardPlan, budget: int) -> list[list[int]]:
+    """`chunks` in order, cut into groups of at most `budget` bytes of fp32 values (at least one chunk each)."""
+    groups: list[list[int]] = []
+    size = budget
+    for i in chunks:
+        nbytes = 4 * plan.chunks[i].numel
+        if size + nbytes > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
 
 
 class ParameterServerTrainer(RankTrainer):
@@ -89,6 +106,7 @@ class ParameterServerTrainer(RankTrainer):
         self.profiler.watch(self.client.pull_decoder, "decode")
         self.client.fault_ctx = {"worker": ctx.worker_index, "rank": ctx.local_rank}
         self.versions: dict[int, int] = {}
+        self.unpulled: list[int] = []  # shards a push acknowledged whose values are still to pull (`_push_pull`)
         self.periodic_model_checkpoints = False
         self._exchanging = False
         self.redone = 0  # sync steps computed again after the barrier re-formed
@@ -226,12 +244,16 @@ class ParameterServerTrainer(RankTrainer):
         self._count(node_samples)
         return done
 
-    def _push_pull(self, grads: dict[int, torch.Tensor], *, step: int, consume: bool = False) -> bool:
+    def _push_pull(self, grads: dict[int, torch.Tensor], *, step: int, consume: bool = False,
+                   values: bool = True) -> bool:
         """Push `grads` computed at shard version `step`, write the values of the reply; True at the end.
 
         Under a barrier the push names its step, the membership size and generation, so the
         shards can hold it for the others' and refuse it after a re-form. `consume`: `grads` is
         emptied once encoded (`ShardClient.push_pull`), its buffers freed during the round trip.
+        `values` False: the shards only acknowledge; the shards whose values are still to be pulled are
+        left in `unpulled`, for the caller to pull a group of chunks at a time (`_pull_by_group`) once the
+        push is gone (a shard that predates the ack sends the values: it is not left there).
         """
         die_at("mid-push", step=self.clock, **self.client.fault_ctx)
         self.client.fault_step = self.clock
@@ -246,9 +268,36 @@ class ParameterServerTrainer(RankTrainer):
                 num_workers=self.ctx.num_workers if barrier else None,
                 generation=self.ctx.generation if barrier else None,
                 consume=consume,
+                values=values,
             )
         self.exchange_s += time.perf_counter() - t0
         self._note_versions(res.versions)
+        if not values:
+            self.unpulled = [s for s in sorted(res.versions)
+                             if not any(i in res.values for i in self.client.chunks_of_shard(s))]
+        return self._assemble(res.values, res.done)
+
+    def _pull_by_group(self, shard: int) -> bool:
+        """Pull this rank's chunks of `shard` a group of at most `PULL_GROUP_BYTES` at a time, each written
+        in before the next is asked for; True at the end. All groups are of one version: where the shard
+        moved on between two of them (async, or a barrier re-formed without this worker) they are pulled
+        again from the first, and after three tries in one reply."""
+        groups = chunk_groups(self.client.chunks_of_shard(shard), self.client.plan, PULL_GROUP_BYTES)
+        for _ in range(3):
+            version, done = self.versions.get(shard), False
+            for group in groups:
+                t0 = time.perf_counter()
+                res = self.client.pull([shard], chunks=group)
+                self.exchange_s += time.perf_counter() - t0
+                if res.versions[shard] != version:
+                    self._note_versions({**self.versions, **res.versions})
+                    break
+                done = self._assemble(res.values, res.done) or done
+                del res
+            else:
+                return done
+        res = self.client.pull([shard])
+        self._note_versions({**self.versions, **res.versions})
         return self._assemble(res.values, res.done)
 
     def _exchange_overlapped(self, grads: dict[int, torch.Tensor], compute_s: float) -> bool:

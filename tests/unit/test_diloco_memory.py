@@ -12,8 +12,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gossamer.experiment import Experiment
-from gossamer.paramserver import ShardPlan
+from gossamer.paramserver import ShardClient, ShardPlan
 from gossamer.paramserver.local import LocalShards
+from gossamer.worker import ps_trainer
 from gossamer.worker.diloco import DilocoTrainer
 from gossamer.worker.layout import NodeLayout, ReplicatedLayout, make_layout
 from gossamer.worker.optimizer import inner_optimizer
@@ -287,3 +288,107 @@ def test_the_lead_frees_the_inner_state_and_residual_before_its_final_pull_and_c
     assert len(pushes) == 6 and trainer.final_path and Path(trainer.final_path).exists()
     assert held[-1] == (0, 0), f"the final pull came on top of the training state: {held}"
     assert held[0] == (0, 0) and len(held) == 2  # the first pull, before any step; then the final one
+
+
+def test_an_outer_push_is_acknowledged_and_its_shard_pulled_a_group_at_a_time_after_it(tmp_path: Path) -> None:
+    """No reply carries a shard's values beside the encoded push: each push's answer holds none, and the shard's
+    new values come after it in groups of at most `PULL_GROUP_BYTES`, before the next shard's push. The values
+    written are the same, bit for bit, as pulled in one group a shard."""
+    events: list[tuple[str, int, int]] = []  # (push | pull, shard, value bytes of the answer)
+    push_pull, pull = ShardClient.push_pull, ShardClient.pull
+
+    def spy_push(self: ShardClient, grads: dict[int, torch.Tensor], **kw: Any) -> Any:
+        shard = {self.plan.chunks[i].shard for i in grads}.pop()
+        res = push_pull(self, grads, **kw)
+        events.append(("push", shard, sum(4 * v.numel() for v in res.values.values())))
+        return res
+
+    def spy_pull(self: ShardClient, shards: Any = None, timeout_s: float | None = None, chunks: Any = None) -> Any:
+        res = pull(self, shards, timeout_s, chunks)
+        if chunks is not None:
+            events.append(("pull", {self.plan.chunks[i].shard for i in res.values}.pop(),
+                           sum(4 * v.numel() for v in res.values.values())))
+        return res
+
+    group = 2 * 4 * 2000  # two chunks of `_run_diloco`'s
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ShardClient, "push_pull", spy_push)
+        mp.setattr(ShardClient, "pull", spy_pull)
+        mp.setattr(ps_trainer, "PULL_GROUP_BYTES", 1 << 30)
+        whole, _ = _run_diloco(tmp_path / "w")
+        events.clear()
+        mp.setattr(ps_trainer, "PULL_GROUP_BYTES", group)
+        grouped, pushes = _run_diloco(tmp_path / "g")
+    assert grouped.rounds == 3 and len(pushes) == 6
+    assert torch.equal(whole.layout.flat, grouped.layout.flat)
+    shard_bytes = {s: 4 * sum(c.numel for c in grouped.plan.chunks_of_shard(s)) for s in (0, 1)}
+    assert all(b > group for b in shard_bytes.values())
+    pushed = [i for i, e in enumerate(events) if e[0] == "push"]
+    assert len(pushed) == 6 and all(events[i][2] == 0 for i in pushed), events  # acknowledged, no values
+    for i, start in enumerate(pushed):  # after each push, its shard's values in groups, then the next push
+        after = events[start + 1 : pushed[i + 1] if i + 1 < len(pushed) else len(events)]
+        assert {e[1] for e in after} == {events[start][1]} and len(after) > 1
+        assert all(0 < e[2] <= group for e in after), after
+        assert sum(e[2] for e in after) == shard_bytes[events[start][1]]
+
+
+class LargestNewStorage(TorchDispatchMode):
+    """The largest storage a torch op creates (in-place ops and views create none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def test_a_large_adamw_parameter_is_stepped_a_slice_at_a_time_to_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `SLICE_NUMEL` values an AdamW parameter stepped inside backward makes its temporaries (the
+    denominator) a slice's size, not the parameter's; the parameters and the state end bit for bit where one
+    whole `opt.step()` after backward puts them, from the first step (the state made lazily) on."""
+    from gossamer.worker import step_in_backward
+
+    slice_numel = 64
+    monkeypatch.setattr(step_in_backward, "SLICE_NUMEL", slice_numel)
+    exp = Experiment(name="m", mode="diloco", optimizer="adamw", weight_decay=0.1, chunk_numel=100,
+                     **DIGITS)  # type: ignore[arg-type]
+    layouts: list[ReplicatedLayout] = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layout = make_layout(_model(), exp, 0, 1, torch.device("cpu"))
+        assert isinstance(layout, ReplicatedLayout)
+        layouts.append(layout)
+    after, inside = layouts
+    opt_after = inner_optimizer(exp, after.module.parameters())
+    opt_inside = inner_optimizer(exp, inside.module.parameters())
+    inside.step_in_backward()
+    stepper = StepInBackward(opt_inside, inside.module)
+    largest: list[int] = []
+    step_sliced = stepper._step_sliced
+
+    def measured(p: torch.Tensor) -> None:
+        with LargestNewStorage() as mode:
+            step_sliced(p)
+        largest.append(mode.largest)
+
+    monkeypatch.setattr(stepper, "_step_sliced", measured)
+    for _ in range(3):
+        _backward(after)
+        opt_after.step()
+        with stepper.armed():
+            _backward(inside)
+    assert len(largest) == 3 * 2, largest  # the two weights (512 and 256 values) are sliced; the biases are not
+    weights = sorted(4 * p.numel() for p in inside.module.parameters() if p.numel() > slice_numel)
+    assert sorted(largest[:2]) == weights, largest  # the first step makes the state (zeros), whole
+    assert max(largest[2:]) <= 4 * slice_numel, largest  # then nothing larger than a slice
+    assert torch.equal(after.flat, inside.flat)
+    for pa, pi in zip(after.module.parameters(), inside.module.parameters(), strict=True):
+        sa, si = opt_after.state[pa], opt_inside.state[pi]
+        assert sorted(sa) == sorted(si) and all(torch.equal(sa[k], si[k]) for k in sa), (sa.keys(), si.keys())

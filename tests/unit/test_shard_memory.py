@@ -22,6 +22,7 @@ from gossamer.paramserver import (
     flatten_params,
     take_shard_values,
 )
+from gossamer.paramserver._copy_on_write import storage_of
 from gossamer.paramserver._snapshot import copy_in_background
 from gossamer.paramserver._state import ShardState
 from gossamer.protocol import PushMeta, chunk_key
@@ -41,8 +42,8 @@ def _plan() -> ShardPlan:
     return ShardPlan.for_module(_model(), 2, chunk_numel=100)
 
 
-def _config(shard: int = 0, mode: str = "async", **kw: object) -> ShardConfig:
-    return ShardConfig(experiment="mem", shard=shard, mode=mode, staleness=None, optimizer=SGD,
+def _config(shard: int = 0, mode: str = "async", optimizer: OptimizerConfig = SGD, **kw: object) -> ShardConfig:
+    return ShardConfig(experiment="mem", shard=shard, mode=mode, staleness=None, optimizer=optimizer,
                        total_steps=1000, **kw)  # type: ignore[arg-type]
 
 
@@ -284,3 +285,63 @@ def test_a_snapshot_keeps_the_storage_a_send_still_reads_instead_of_copying_it()
         for name, t in entry.items():
             torch.testing.assert_close(pending.snapshot.pieces[off][name], t, rtol=0, atol=0)
     assert all(p.data_ptr() not in old.values() for p in state.params.values())
+
+
+@pytest.mark.parametrize("optimizer", [SGD, OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, nesterov=True),
+                                       OptimizerConfig(name="adamw", lr=0.01)])
+def test_a_step_taken_a_group_of_chunks_at_a_time_is_the_whole_step_bit_for_bit(
+        optimizer: OptimizerConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sync step summed from encoded pushes asks for its gradient a group of chunks at a time (no whole sum):
+    each group at most `STEP_GROUP_BYTES`, every chunk once, and the state after is the whole step's, bitwise."""
+    from gossamer.paramserver import _state as state_module
+
+    plan = _plan()
+    flat = flatten_params(_model())
+    init = {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks_of_shard(0)}
+    whole, grouped = (ShardState(_config(optimizer=optimizer), plan, {i: v.clone() for i, v in init.items()}, {},
+                                 own_init=True) for _ in range(2))
+    g = torch.Generator().manual_seed(3)
+    monkeypatch.setattr(state_module, "STEP_GROUP_BYTES", 4 * 250)
+    asked: list[list[int]] = []
+    for _ in range(3):
+        grads = {idx: torch.randn(p.numel(), generator=g) for idx, p in whole.params.items()}
+
+        def by_group(chunks: list[int], grads: dict[int, torch.Tensor] = grads) -> dict[int, torch.Tensor]:
+            asked.append(chunks)
+            return {i: grads[i].clone() for i in chunks}
+
+        whole.step({i: t.clone() for i, t in grads.items()}, 1.0, schedule=True)
+        grouped.step(by_group, 1.0, schedule=True)
+    per_step = len(asked) // 3
+    assert per_step > 1 and all(sum(4 * plan.chunks[i].numel for i in c) <= 4 * 250 for c in asked)
+    assert sorted(i for c in asked[:per_step] for i in c) == sorted(whole.params)
+    assert whole.version == grouped.version == 3
+    for idx, p in whole.params.items():
+        assert torch.equal(p, grouped.params[idx]), idx
+        for key, v in whole.optimizer.state[p].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(grouped.optimizer.state[grouped.params[idx]][key]))
+
+
+def test_a_sync_exports_the_live_state_and_a_step_while_it_is_sent_writes_aside() -> None:
+    """A SYNC to a backup sends the state itself, not a copy (2x the shard beside it): lent to the send, a step
+    meanwhile writes the values and the momentum out of place, so the SYNC still carries the version it named."""
+    plan = _plan()
+    state = _state(plan)
+    state.step(_grads(state), 1.0, schedule=False)  # momentum exists
+    before = {i: p.clone() for i, p in state.params.items()}
+    momentum = {i: state.optimizer.state[p]["momentum_buffer"].clone() for i, p in state.params.items()}
+    _, tensors = state.export(copy=False)
+    live = {storage_of(p) for p in state.params.values()} | {
+        storage_of(state.optimizer.state[p]["momentum_buffer"]) for p in state.params.values()}
+    assert {storage_of(t) for t in tensors.values()} == live  # no copy
+    reader = Reader(done=False)
+    state.lend(reader, tensors.values())
+    state.step(_grads(state, 2.0), 1.0, schedule=False)
+    for idx in state.params:
+        assert torch.equal(tensors[chunk_key(idx)], before[idx])
+        assert torch.equal(tensors[f"{chunk_key(idx)}/momentum_buffer"], momentum[idx])
+        assert not torch.equal(state.params[idx], before[idx])
+    reader.done = True
+    moved = {storage_of(p) for p in state.params.values()}
+    state.step(_grads(state), 1.0, schedule=False)  # the send is done: in place again
+    assert {storage_of(p) for p in state.params.values()} == moved

@@ -52,28 +52,9 @@ from gossamer.transport.frames import FrameLimits, Message, encode
 from gossamer.transport.outgoing import ReplyBudget
 from gossamer.transport.ratelimit import RateLimit
 
-__all__ = ["STEP_SCALE_FLOOR", "MixStats", "PushSumPeer", "Snapshot", "step_scale"]
+__all__ = ["MixStats", "PushSumPeer", "Snapshot"]
 
 logger = logging.getLogger(__name__)
-
-
-#: `step_scale` is at most 1 / this.
-STEP_SCALE_FLOOR = 0.5
-
-
-def step_scale(weight: float) -> float:
-    """What a local step on the de-biased z is multiplied by so that it moves the numerator x = w z by a whole step.
-
-    SGP (Assran et al. 2019, Algorithm 1) takes the gradient step on x, so z moves by step / w.
-    Taken on z as it is, a node moves w times a step of the average, and w is about 1/2 to 2/3
-    when it steps: it sent `share` of its mass at its last step, and the in-neighbour's share
-    sent meanwhile is mixed at its next step (the exchange overlaps the compute). The average
-    then moved about half as far per step as in sync mode. The factor is at most
-    1 / `STEP_SCALE_FLOOR`: a node whose weight drained (an in-neighbour that skipped its sends,
-    the others finished) would otherwise take steps of hundreds of times the lr (an in-process
-    model of 3 nodes with 1/w unbounded diverged, 0.30 on digits).
-    """
-    return 1.0 / max(weight, STEP_SCALE_FLOOR)
 
 
 @dataclass(frozen=True)

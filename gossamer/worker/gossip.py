@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from gossamer.gossip import PushSumPeer, Snapshot, out_peer
-from gossamer.gossip.pushsum import step_scale
 from gossamer.gossip.shares import ShareWait, senders_to
 from gossamer.protocol import AssignmentUpdate
 from gossamer.worker.optimizer import inner_optimizer, schedule_lr
@@ -63,7 +62,6 @@ class GossipTrainer(RankTrainer):
             self.outer = torch.optim.SGD([self.theta0], lr=self.exp.outer_lr, momentum=self.exp.outer_momentum,
                                          nesterov=self.exp.outer_momentum > 0)
         self.me = str(ctx.worker_index)
-        self.mass = 1.0  # the node's push-sum weight at its last mix (local rank 0's, broadcast in the node)
         self.peer: PushSumPeer | None = None
         if ctx.local_rank == 0:
             self.peer = PushSumPeer(experiment=ctx.experiment_id, peer_id=self.me, host=ctx.host,
@@ -95,20 +93,12 @@ class GossipTrainer(RankTrainer):
 
     def _node_sync(self) -> None:
         """Local rank 0 mixed: every local rank takes its parameters (and step)."""
-        if self.peer is not None:
-            self.mass = self.peer.weight
         if self.ctx.local_world > 1:
             dist.broadcast(self.flat, src=0)
-            clock = torch.tensor([float(self.clock), self.mass], dtype=torch.float64)
+            clock = torch.tensor([float(self.clock)])
             dist.broadcast(clock, src=0)
-            self.clock, self.mass = int(clock[0].item()), float(clock[1].item())
+            self.clock = int(clock.item())
         self._params_changed()
-
-    def _scale_to_mass(self) -> None:
-        """Plain gossip: the step moves this node's push-sum numerator by a whole step (`step_scale`)."""
-        scale = step_scale(self.mass)
-        for group in self.opt.param_groups:
-            group["lr"] *= scale
 
     def _join(self) -> None:
         """Start from the most advanced peer's parameters (a late joiner copies a neighbour)."""
@@ -163,8 +153,6 @@ class GossipTrainer(RankTrainer):
             with self.profiler.region("compute"):
                 _, node_samples, _ = self._local_grad({"worker": self.ctx.worker_index, "rank": self.ctx.local_rank})
             schedule_lr(self.opt, self.exp, self.clock)
-            if self.outer is None:
-                self._scale_to_mass()
             self.opt.step()
             self._count(node_samples)
             if self.outer is None or self.clock % self.exp.inner_steps == 0 or self.clock >= self.exp.total_steps:

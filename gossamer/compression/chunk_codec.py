@@ -71,6 +71,10 @@ class ChunkCompressor:
     parameters costs one payload, not one each; sign, QSGD and PowerSGD keep one segment per
     parameter.
 
+    A parameter of dim < 2 (a bias, a normalisation gain) whose shape is in `shapes` travels
+    uncompressed ("none") when the codec chosen for it says `CodecEntry.dense_vectors` (sign), as
+    PowerSGD and DGC leave such tensors; the shards hold the shapes too, so both ends agree.
+
     Error feedback runs per chunk (key ``c{i}``) in the encoder, on the segments whose codec
     uses it: the residual is added before encoding and what decoding lost becomes the next
     residual. Keyed by chunk, it survives a change of codecs that re-cuts the segments. A caller
@@ -144,6 +148,10 @@ class ChunkCompressor:
                     "shapes", f"{name!r} has {numels[name]} elements, not shape {list(dims)}"
                 )
             self._shapes[name] = dims
+        # Vectors whose codec keeps them dense (`codec_of`); "none" is then one of the codecs.
+        self._vectors = {name for name, dims in self._shapes.items() if len(dims) < 2}
+        if self._vectors:
+            self._codec("none", "compression")
         self._starts: list[tuple[str, int, int]] = []  # (name, flat start, numel), non-empty
         total = 0
         for name, numel in plan.params:
@@ -185,11 +193,11 @@ class ChunkCompressor:
         return codec_entry(self._codecs[spec].name).elementwise
 
     def codec_of(self, param: str) -> str:
-        """The canonical codec spec used for parameter `param`."""
-        for pattern, spec in self.overrides:
-            if fnmatch.fnmatchcase(param, pattern):
-                return spec
-        return self.default_spec
+        """The canonical codec spec used for parameter `param` ("none" for a vector its codec keeps dense)."""
+        spec = next((s for pattern, s in self.overrides if fnmatch.fnmatchcase(param, pattern)), self.default_spec)
+        if param in self._vectors and codec_entry(self._codecs[spec].name).dense_vectors:
+            return "none"
+        return spec
 
     def codecs(self) -> dict[str, str]:
         """The codec spec of every parameter of the plan, in plan order."""

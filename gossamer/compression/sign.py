@@ -56,7 +56,8 @@ class SignCodec(Codec):
     Error bound: |x - x'| = ||x| - s| <= max(|x|, s) with s <= 1.5 mean(|x|) (zeros decode to
     +s), plus fp32 round-off. Biased: use it with error feedback (the default). The
     experiment's momentum runs on the worker, before this codec (EF-SGD with momentum,
-    worker_momentum.py).
+    worker_momentum.py). A parameter of dim < 2 (bias, norm gain) is not given to this codec at all
+    when the compressor knows the shapes: it travels as `none` (`CodecEntry.dense_vectors`).
     """
 
     name: ClassVar[str] = "sign"

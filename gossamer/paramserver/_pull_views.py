@@ -97,11 +97,16 @@ class PullViews:
         for idx in chunks:
             current = params[idx]
             view = self._views.get((sender, idx))
-            if view is None:  # first contact: full values, and they become the view
+            wire = None
+            if view is not None:
+                try:
+                    wire, cmeta = encoder.encode(idx, current - view)
+                except ValueError:  # the difference overflows fp32 (values near its max): whole values
+                    wire = None
+            if view is None or wire is None:  # first contact (or overflow): full values, and they become the view
                 tensors[chunk_key(idx)] = current.clone()
                 self._views[(sender, idx)] = current.clone()
                 continue
-            wire, cmeta = encoder.encode(idx, current - view)
             view.add_(encoder.decode(idx, wire, cmeta))
             tensors.update(wire)
             compressed[str(idx)] = cmeta

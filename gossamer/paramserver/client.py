@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,12 +94,14 @@ class ShardClient:
         curve: CurveKeyring | None = None,
         token: str = "",
         epochs: dict[int, int] | None = None,
+        shapes: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         """`compressor` encodes pushed gradients; `pull_codec` asks shards for compressed
         parameter differences instead of full values (see ShardServer); `curve`: connect
         with CurveZMQ (default: the keyring installed in this process, if any); `token`: the
         proof of `sender` the coordinator handed this worker; `epochs`: each shard's fencing
-        epoch as the coordinator last said (replies from older epochs are ignored)."""
+        epoch as the coordinator last said (replies from older epochs are ignored); `shapes`: the
+        parameters' shapes, for the pull decoder (default: the compressor's), as the shards know them."""
         if not sender:
             raise ConfigError("sender", "must be a non-empty string")
         if timeout_s <= 0:
@@ -156,7 +158,7 @@ class ShardClient:
                 pull_codec,
                 plan,
                 error_feedback=False,
-                shapes=compressor.shapes if compressor is not None else None,
+                shapes=shapes if shapes is not None else compressor.shapes if compressor is not None else None,
             )
         self._in_flight: dict[int, Message] | None = None
         # Called every poll slice while waiting for replies (e.g. to pick up new endpoints

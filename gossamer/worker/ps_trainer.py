@@ -88,6 +88,7 @@ class ParameterServerTrainer(RankTrainer):
             chunks=[c.index for c in self.mine],
             compressor=compressor,
             pull_codec=self.exp.pull_compression,
+            shapes=shapes,
             throttle=ctx.throttle,
             token=ctx.sender_token,
             epochs=ctx.shard_epochs,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import secrets
@@ -147,6 +148,23 @@ def discard_events(source: str, old: dict[str, float], new: dict[str, float]) ->
     return out
 
 
+# Every join and every reconcile reads each experiment's spec: parsing its JSON each time took
+# 30-40 % of the coordinator's CPU in a join storm with 50 experiments (bench/coordinator_load.py).
+# Bounded: one entry per distinct spec text, the oldest dropped past SPEC_CACHE.
+SPEC_CACHE = 4096
+
+
+@functools.lru_cache(maxsize=SPEC_CACHE)
+def _parsed_spec(spec_json: str) -> dict[str, Any]:
+    return {**_SPEC_DEFAULTS, **json.loads(spec_json)}
+
+
+@functools.lru_cache(maxsize=SPEC_CACHE)
+def _mode_of(spec_json: str) -> Mode:
+    spec = _parsed_spec(spec_json)
+    return resolve(spec["mode"], spec.get("outer_step", "sync"))  # "sync": Experiment's default
+
+
 @dataclass
 class ExpRec:
     id: str
@@ -205,13 +223,13 @@ class ExpRec:
 
     @property
     def spec(self) -> dict[str, Any]:
-        return {**_SPEC_DEFAULTS, **json.loads(self.spec_json)}
+        """The experiment's fields (defaults filled in): a copy, parsed once per spec."""
+        return dict(_parsed_spec(self.spec_json))
 
     @property
     def mode(self) -> Mode:
         """The mode table's row the experiment runs by."""
-        spec = self.spec
-        return resolve(spec["mode"], spec.get("outer_step", "sync"))  # "sync": Experiment's default
+        return _mode_of(self.spec_json)
 
     @property
     def active(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import logging
@@ -363,10 +364,24 @@ _SAFE_GLOBALS = {
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 
 
+def _enum_member(cls: object, name: object) -> Any:
+    """`getattr(cls, name)` as a pickle of an Enum member spells it on Python 3.11.0 to 3.11.4
+    (Debian 12's 3.11.2 among them; later versions pickle the value): only a member of one of
+    DCP's metadata enums, never an attribute of anything else (`getattr(PosixPath, "unlink")`
+    would hand the pickle a function to call)."""
+    if (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == _DCP_METADATA
+            and isinstance(name, str) and name in cls.__members__):
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not allowed "
+                                 "in checkpoint metadata")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's `.metadata` allowing only its metadata classes, sizes, dtypes and paths."""
+    """Unpickles DCP's `.metadata` allowing only its metadata classes and enum members, sizes, dtypes and paths."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if module in ("builtins", "__builtin__") and name == "getattr":
+            return _enum_member
         if "." not in name:
             if (module, name) in _SAFE_GLOBALS:
                 return super().find_class(module, name)

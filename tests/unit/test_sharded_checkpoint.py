@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -377,5 +378,55 @@ def test_metadata_that_would_run_code_is_refused(tmp_path: Path) -> None:
     }
     (shard / "manifest.json").write_text(json.dumps(manifest))
     verify_step(step)  # checksums match: only the unpickler stands in the way
+    with pytest.raises(CheckpointError, match="not allowed"):
+        load_flat(step)
+
+
+def _replace_metadata(step: Path, blob: bytes) -> Path:
+    """`step`'s shard 0 with `blob` as its DCP metadata, its manifest's checksum updated to match."""
+    shard = step / "shard-000"
+    (shard / ".metadata").write_bytes(blob)
+    manifest = json.loads((shard / "manifest.json").read_text())
+    manifest["files"][".metadata"] = {"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
+    (shard / "manifest.json").write_text(json.dumps(manifest))
+    verify_step(step)
+    return shard
+
+
+def _enum_as_getattr(data: bytes) -> bytes:
+    """`data` (a protocol-2+ pickle) with every DCP metadata enum member spelled as Python 3.11.0-3.11.4
+    pickle it: getattr(class, member name), not class(value)."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    class _AsGetattr(pickle.Pickler):
+        def reducer_override(self, obj: object) -> object:
+            if isinstance(obj, _MEM_FORMAT_ENCODING):
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    buf = io.BytesIO()
+    _AsGetattr(buf, protocol=2).dump(pickle.loads(data))  # noqa: S301 - our own file, written just above
+    return buf.getvalue()
+
+
+def test_metadata_pickled_by_python_3_11_2_loads(tmp_path: Path) -> None:
+    # Debian 12's Python 3.11.2 pickles Enum members as getattr(cls, name): every restore failed there.
+    step = _save_all(tmp_path, [_single(1)])
+    before = load_flat(step)
+    blob = _enum_as_getattr((step / "shard-000" / ".metadata").read_bytes())
+    assert b"getattr" in blob
+    _replace_metadata(step, blob)
+    after = load_flat(step)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+class _GetattrCall:
+    def __reduce__(self) -> tuple[object, tuple[object, str]]:
+        return (getattr, (Path, "cwd"))
+
+
+def test_metadata_getattr_of_anything_but_a_metadata_enum_member_is_refused(tmp_path: Path) -> None:
+    step = _save_all(tmp_path, [_single(1)])
+    _replace_metadata(step, pickle.dumps(_GetattrCall(), protocol=2))
     with pytest.raises(CheckpointError, match="not allowed"):
         load_flat(step)

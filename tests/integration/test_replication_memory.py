@@ -88,11 +88,12 @@ def test_a_backup_holds_its_state_the_forwarded_payload_and_the_sum_a_group_of_c
     # int8: a quarter of the dense bytes and a scale per block; forwarded only when smaller than the sum
     assert 0 < payload < shard, payload
     # Held: momentum (1x), the payload, and the step's sum a group of chunks (16 MiB, a quarter of this shard)
-    # at a time. Measured 2.21x at load 4.3 (payload 0.5x included). What the test proves: less than one whole
+    # at a time. Measured 2.03x (payload 0.5x included; 3 runs, quiet). What the test proves: less than one whole
     # dense sum beside those (main at da2d041 held it: 2.91x; before c8bdd58 also a push's dense copy: 3.73x).
     assert grown["backup"] < 2 * shard + payload, (grown, shard, payload)
     # The primary: momentum, the pushes' payloads (held encoded until the step, then forwarded), the values a
-    # reply may still read written aside (one copy), and the sum a group at a time. Measured 2.60x at load 4.3;
+    # reply may still read written aside (one copy), and the sum a group at a time. Measured 2.11x (3 runs, quiet;
+    # 2.67x to 3.07x when the replicas kept glibc's adaptive mmap threshold, unlike a role process);
     # less than half a dense sum beyond those (da2d041, the whole sum: 3.22x; before c8bdd58: 5.14x).
     assert grown["primary"] < 2.5 * shard + payload, (grown, shard, payload)
     print(f"shard {shard / _MIB:.0f} MiB, payload/step {payload / _MIB:.1f} MiB, grown "

@@ -83,6 +83,22 @@ def _windows(ids: torch.Tensor, seq_len: int, stride: int) -> tuple[torch.Tensor
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
+def _split(seq_len: int, max_chars: int, eval_fraction: float,
+           stride: int | None) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], int]:
+    """(train windows, eval windows, eval windows left out as copies of a train window)."""
+    if seq_len < 1 or max_chars < 2 or not 0 < eval_fraction < 1:
+        raise ValueError(f"bad arguments: seq_len={seq_len} max_chars={max_chars} eval_fraction={eval_fraction}")
+    ids = _text(max_chars)
+    split = len(ids) - int(len(ids) * eval_fraction)
+    train = _windows(ids[:split], seq_len, stride or seq_len)
+    x, y = _windows(ids[split:], seq_len, seq_len)
+    # Code repeats itself (licence headers, runs of spaces or '#'): an eval window equal to a train
+    # window would be scored on text the model was trained on.
+    seen = {row.tobytes() for row in train[0].numpy()}
+    keep = torch.tensor([row.tobytes() not in seen for row in x.numpy()], dtype=torch.bool)
+    return train, (x[keep], y[keep]), int((~keep).sum())
+
+
 def data(seq_len: int = 64, max_chars: int = 400_000, eval_fraction: float = 0.1,
          stride: int | None = None) -> tuple[TensorDataset, TensorDataset]:
     """Return (train, eval) datasets of (input ids, target ids), both LongTensor[seq_len].
@@ -90,17 +106,13 @@ def data(seq_len: int = 64, max_chars: int = 400_000, eval_fraction: float = 0.1
     The target is the input shifted by one character. The eval set is the last
     `eval_fraction` of the text, cut into non-overlapping windows; train windows come from
     the text before it, every `stride` characters (default `seq_len`: non-overlapping).
-    No eval character is an input or a target of a train window.
+    No eval character is an input or a target of a train window, and an eval window whose
+    input equals a train window's is left out (a few of boilerplate, on some Python versions).
 
     The text is the Python standard library's `.py` sources, so it differs between Python
     versions: every process of one experiment should run the same one.
     """
-    if seq_len < 1 or max_chars < 2 or not 0 < eval_fraction < 1:
-        raise ValueError(f"bad arguments: seq_len={seq_len} max_chars={max_chars} eval_fraction={eval_fraction}")
-    ids = _text(max_chars)
-    split = len(ids) - int(len(ids) * eval_fraction)
-    train = _windows(ids[:split], seq_len, stride or seq_len)
-    held = _windows(ids[split:], seq_len, seq_len)
+    train, held, _ = _split(seq_len, max_chars, eval_fraction, stride)
     return TensorDataset(*train), TensorDataset(*held)
 
 
@@ -127,7 +139,7 @@ def unigram_baseline(seq_len: int = 64, max_chars: int = 400_000, eval_fraction:
     split = len(ids) - int(len(ids) * eval_fraction)
     counts = torch.bincount(ids[:split].long(), minlength=VOCAB).double() + 1.0
     logp = (counts / counts.sum()).log()
-    targets = _windows(ids[split:], seq_len, seq_len)[1].reshape(-1)
+    targets = _split(seq_len, max_chars, eval_fraction, None)[1][1].reshape(-1)
     nats = float(-logp[targets].mean())
     return Baseline(nats, bits_per_char(nats))
 

@@ -29,7 +29,7 @@ def test_data_is_deterministic_with_shifted_targets_of_the_requested_shape() -> 
     x, y = train.tensors
     assert torch.equal(x[:, 1:], y[:, :-1])  # the target is the input one character on
     assert torch.equal(x[1:, 0], y[:-1, -1])  # non-overlapping windows, consecutive in the text
-    assert len(train) == (90_000 - 1) // 32 and len(held) == (10_000 - 1) // 32
+    assert len(train) == (90_000 - 1) // 32 and 0.95 * ((10_000 - 1) // 32) < len(held) <= (10_000 - 1) // 32
 
 
 def test_ids_stay_inside_the_fixed_vocabulary() -> None:
@@ -55,15 +55,34 @@ def test_eval_text_is_the_tail_and_no_train_window_touches_it() -> None:
     train, held = charlm.data(**SMALL)
     ids = charlm._text(SMALL["max_chars"]).long()
     split = len(ids) - len(ids) // 10
-    # Eval windows are the text from the split on, in order.
-    assert torch.equal(held.tensors[0].reshape(-1), ids[split : split + held.tensors[0].numel()])
+    # Eval windows are the text from the split on, in order, less those equal to a train window.
+    seen = {tuple(w) for w in train.tensors[0].tolist()}
+    tail = ids[split:].unfold(0, 33, 32)
+    kept = [w for w in tail.tolist() if tuple(w[:-1]) not in seen]
+    assert held.tensors[0].tolist() == [w[:-1] for w in kept] and held.tensors[1].tolist() == [w[1:] for w in kept]
+    assert len(kept) > 0.95 * len(tail)
     # The last train target ends before the split, so no eval character is seen in training.
     last_target = train.tensors[1][-1]
     end = len(train) * 32 + 1
     assert end <= split and torch.equal(last_target, ids[end - 32 : end])
     # And the eval text is not a copy of some train window either.
-    seen = {tuple(w) for w in train.tensors[0].tolist()}
     assert not any(tuple(w) in seen for w in held.tensors[0].tolist())
+
+
+def test_eval_windows_that_copy_a_train_window_are_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A corpus whose tail repeats its head: those eval windows would score memorised text."""
+    line = charlm.encode("# Licensed to the PSF under a contributor agreement.\n" * 3)[:64]
+    other = torch.randint(0, charlm.VOCAB, (192,), generator=torch.Generator().manual_seed(0)).to(line.dtype)
+    text = torch.cat([line, other[:128], line, other[128:]])  # train 64 + 128 | eval 64 + 64 (40 % of 320)
+    monkeypatch.setattr(charlm, "_text", lambda max_chars: text[:max_chars])
+    train, held = charlm.data(seq_len=32, max_chars=len(text), eval_fraction=0.4)
+    split = len(text) - int(len(text) * 0.4)
+    tail = text[split:].long().unfold(0, 33, 32)
+    trained = {tuple(w) for w in train.tensors[0].tolist()}
+    copies = [tuple(w[:-1]) in trained for w in tail.tolist()]
+    assert any(copies) and not all(copies), copies
+    assert len(held) == copies.count(False)
+    assert not any(tuple(w) in trained for w in held.tensors[0].tolist())
 
 
 def test_data_loads_fast() -> None:

@@ -16,7 +16,8 @@ Syntax: comma-separated faults, each ``kind[:key=value...]``. Kinds:
   thread at an exact spot). ``final-report``: a worker past its last step, its final step
   counted, before it reports its final counters (``die:at=final-report`` kills it there).
   ``serve-exit``: a shard's serve thread that died, its link to the backup closed, before it
-  ends (``shard=S`` matches).
+  ends (``shard=S`` matches). ``join``: the coordinator, on a Join it has received, before it
+  registers the node (its whole event loop stalls, as an overloaded one would).
 - ``slow-start:seconds=S``: a shard role of this node sleeps S s before it builds and serves (a
   slow host), so a test can start workers while a restored shard is not serving yet.
 - ``fail:at=POINT[:step=N][:shard=S][:once=PATH]``: the thread at POINT raises `InjectedFault`

@@ -21,6 +21,7 @@ from gossamer.coordinator.stragglers import StepRates, worker_speeds
 from gossamer.coordinator.streams import AssignmentStreams
 from gossamer.errors import ConfigError, NotFoundError
 from gossamer.experiment import Experiment
+from gossamer.faults import hold_at
 from gossamer.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Coordinator:
 
     # --- membership ------------------------------------------------------------------------
     async def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
+        hold_at("join")  # a stalled coordinator that serves a Join after its sender gave up on it (tests)
         now = time.time()
         curve_key = _curve_key(req, self.curve)
         node = self.nodes.get(check_node_id(req.node_id)) if req.node_id else None

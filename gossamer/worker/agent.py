@@ -142,6 +142,7 @@ class NodeAgent:
         # Proposed in the first Join, so a retry after a lost answer re-attaches to the record
         # that Join made instead of making a second node (an orphan left READY until its lease ran out).
         self._join_id = uuid.uuid4().hex[:12]
+        self._join_sent = False  # a Join timed out: the coordinator may still register this node
         self.name = config.name
         self.heartbeat_s = 1.0
         self.lease_s = 0.0  # how long a heartbeat the coordinator acknowledged lets this node's shards acknowledge
@@ -221,9 +222,10 @@ class NodeAgent:
         self._stub = pb_grpc.NodeServiceStub(self._channel)
         self._warm = asyncio.create_task(self._warm_up())  # beside the join: a node is warm by its first role
         await self._join()
-        if not self.node_id:  # stopped before the coordinator ever answered: there is nothing to leave
+        if not self.node_id:  # stopped before the coordinator ever answered
             log.info("stopped before joining %s", self.config.coordinator)
             self._warm.cancel()
+            await self._leave_unanswered_join()
             await self._channel.close()
             return
         if self.config.metrics_port is not None:
@@ -299,6 +301,22 @@ class NodeAgent:
             await self.metrics.stop()
         log.info("left the cluster in %.1f s", time.monotonic() - t0)
 
+    async def _leave_unanswered_join(self) -> None:
+        """A Join that timed out may still be served once the coordinator catches up (it names the node by
+        `_join_id`): leave under that id, or the coordinator would list a node nobody runs, and could give
+        it roles, until its lease ran out."""
+        if not self._join_sent:
+            return
+        assert self._stub is not None
+        until = time.monotonic() + min(5.0, 0.25 * self.config.grace_s)
+        failed = await deliver_leave(self._stub, pb.LeaveRequest(node_id=self._join_id, reason="stopped while joining"),
+                                     until=until)
+        if failed is None:
+            log.info("left: the coordinator had registered the unanswered Join")
+        elif failed != grpc.StatusCode.NOT_FOUND:
+            log.warning("Leave of the unanswered Join not delivered (%s); if the coordinator registers it, "
+                        "its lease will expire", failed.name)
+
     async def _join(self) -> None:
         assert self._stub is not None
         req = pb.JoinRequest(
@@ -327,6 +345,8 @@ class NodeAgent:
                 log.info("joined %s as node %s (address %s)", self.config.coordinator, self.node_id, self.address)
                 return
             except grpc.RpcError as e:
+                # Sent, but the answer did not come in time (a refused connection never reached it).
+                self._join_sent |= e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 # A refused token or a TLS mismatch will not fix itself: stop with the reason.
                 err = await asyncio.to_thread(explain_rpc_error, e, self.config.coordinator, self.config.security)
                 if isinstance(err, AuthError):

@@ -13,6 +13,8 @@ bench/results/compression.{json,md}.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import threading
@@ -89,8 +91,10 @@ def run(model: str, codec: str, momentum: float, seed: int, steps: int, workers:
             "bytes_up_per_step": sum(t.client.bytes_up for t in trainers) / pushes}
 
 
-def cell(model: str, codec: str, momentum: float, seeds: int, steps: int, workers: int) -> dict[str, Any]:
-    runs = [run(model, codec, momentum, s, steps, workers) for s in range(seeds)]
+def cell(model: str, codec: str, momentum: float, seeds: int, steps: int, workers: int,
+         first_seed: int = 0) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]
+    runs = [run(model, codec, momentum, s, steps, workers) for s in range(first_seed, first_seed + seeds)]
     finals = [r["final"] for r in runs]
     hits = [r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None]
     return {
@@ -100,6 +104,7 @@ def cell(model: str, codec: str, momentum: float, seeds: int, steps: int, worker
         "bytes_up_per_step": round(statistics.fmean(r["bytes_up_per_step"] for r in runs)),
         "time_to_target_s": round(statistics.fmean(hits), 2) if len(hits) == len(runs) else None,
         "wall_s": round(statistics.fmean(r["wall_s"] for r in runs), 2),
+        "load_1min": f"{load_before:.1f}-{os.getloadavg()[0]:.1f}",  # time columns depend on it, metrics not
     }
 
 
@@ -130,24 +135,31 @@ def main() -> None:
     ap.add_argument("--models", default="mlp,cnn,lm")
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--momenta", default="0,0.9")
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first_seed .. first_seed + seeds - 1")
     ap.add_argument("--quick", action="store_true", help="300 steps, 1 seed, MLP only")
     ap.add_argument("--name", default="compression", help="results file name under bench/results/")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows already in the results file and add these (a run split in parts)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     steps, seeds = (300, 1) if args.quick else (args.steps, args.seeds)
     models = ["mlp"] if args.quick else args.models.split(",")
     rows = []
+    old = Path(__file__).resolve().parent / "results" / f"{args.name}.json"
+    if args.append and old.exists():
+        rows = json.loads(old.read_text())["rows"]
     for model in models:
         for momentum in (float(m) for m in args.momenta.split(",")):
             for codec in args.codecs.split(","):
-                rows.append(cell(model, codec, momentum, seeds, steps, args.workers))
+                rows.append(cell(model, codec, momentum, seeds, steps, args.workers, args.first_seed))
                 print(rows[-1], flush=True)
                 judge(rows)
-                write_report(args.name, rows, notes(args.workers, steps, seeds))
+                write_report(args.name, rows, notes(args.workers, steps, seeds, args.first_seed))
 
 
-def notes(workers: int, steps: int, seeds: int) -> str:
-    return (f"async, {workers} workers, 2 shards, {steps} steps, {seeds} seed(s) per cell (mean, spread = max - min); "
+def notes(workers: int, steps: int, seeds: int, first_seed: int = 0) -> str:
+    which = f" (seeds {first_seed}-{first_seed + seeds - 1})" if first_seed else ""
+    return (f"async, {workers} workers, 2 shards, {steps} steps, {seeds} seed(s) per cell{which} (mean, spread = max - min); "
             "digits lr 0.05, LM SGD lr 0.05 clipped at norm 1 (1-layer d=32 char transformer, eval loss in nats/char); sign, topk and "
             "randk run the momentum on the worker (EF-SGD with momentum / DGC / randk's unbiased sample), the others on the shards; bytes are "
             "whole ZMQ messages; time to target: accuracy 0.95 / loss 2.6, mean over seeds when every seed got there")

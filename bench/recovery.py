@@ -20,7 +20,7 @@ primary), "ps-b" (on-demand: the backup), three spot workers. Measured:
    checkpoint. gossamer cannot resume a cancelled job, so the baseline is MODELLED from these
    measured restart and step-rate numbers.
 
-Writes bench/results/recovery.{json,md}; node logs stay under --log-dir (printed).
+Writes bench/results/recovery.{json,md} (--quick: recovery_quick.*); node logs stay under --log-dir (printed).
 """
 
 from __future__ import annotations
@@ -316,6 +316,37 @@ def kill_worker_and_rejoin(cluster: LocalCluster, client: Client, job: Any, smp:
     return out
 
 
+def standby_takes_over(cluster: LocalCluster, client: Client, job: Any, smp: Sampler, victim: str,
+                       standby: str) -> dict[str, Any]:
+    """A warm idle node (joined earlier, its fork server ready) takes a killed worker's place: the
+    spot pool's usual case, where a join's interpreter and imports are paid long before the kill."""
+    cluster.add_node(standby, spot=True)
+    log = cluster.log_dir / f"{standby}.log"
+    wait(lambda: "role processes start warm" in (log.read_text(errors="replace") if log.exists() else ""), 90,
+         f"{standby} warm")
+    sid = node_id(client, standby)
+    assert not [r for r in job.status()["roles"] if r.get("node") == standby], "the standby was given a role"
+    time.sleep(1.0)  # its warm-up burst passes
+    keys_before = set(smp.latest()[2])  # type: ignore[index]
+    t_kill = time.time()
+    cluster.kill_node(victim)
+    first = smp.wait_for(lambda s: any(k.startswith(sid + ":") for k in set(s[2]) - keys_before), 90,
+                         f"{standby}'s first applied update")
+    events = job.events(since_unix=t_kill - 1)
+    lost = first_event(events, "lost", f"node {victim} ", after=t_kill - 1)
+    assign = first_event(events, "reassign", f"node {standby} joins as worker", after=t_kill - 1)
+    out = {
+        "victim": victim, "standby": standby,
+        "kill_to_first_s": first[0] - t_kill,
+        "kill_to_lost_s": lost["time_unix"] - t_kill if lost else None,
+        "kill_to_assign_s": assign["time_unix"] - t_kill if assign else None,
+        "assign_to_first_s": first[0] - assign["time_unix"] if assign else None,
+    }
+    say(f"  standby {standby} replaced {victim}: first applied update {out['kill_to_first_s']:.2f} s after the "
+        f"kill ({_r(out['kill_to_assign_s'])} s to 'joins as worker', then {_r(out['assign_to_first_s'])} s)")
+    return out
+
+
 def _r(x: float | None) -> str:
     return "?" if x is None else f"{x:.2f}"
 
@@ -444,13 +475,14 @@ def main() -> None:
     torch.set_num_threads(1)
     kills = 2 if args.quick else 4
     failovers = 1 if args.quick else 2
+    standbys = 2 if args.quick else 4
     pairs = 1 if args.quick else 3
     window = 4.0 if args.quick else 6.0
     pre_s, post_s = 3.0, 4.0
     settle = 3.0 if args.quick else 5.0
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="gossamer-recovery-"))
     say(f"node logs in {log_dir}")
-    raw: dict[str, Any] = {"kills": [], "failovers": [], "restarts": [], "ckpt_runs": [], "loadavg": []}
+    raw: dict[str, Any] = {"kills": [], "standbys": [], "failovers": [], "restarts": [], "ckpt_runs": [], "loadavg": []}
 
     def load(phase: str) -> None:  # other work on this machine shows here (rates are CPU-bound)
         raw["loadavg"].append({"phase": phase, "t": round(time.monotonic() - T0, 1), "load1": os.getloadavg()[0]})
@@ -484,6 +516,15 @@ def main() -> None:
             raw["kills"].append(kill_worker_and_rejoin(cluster, client, job, smp, victim, f"w{nxt}", pre_s, post_s))
             nxt += 1
             time.sleep(1.0 + pre_s)  # the newcomer's start-up burst passes; then a clean pre-kill window
+
+        # ---- 3b: a warm standby (idle spot node) takes each killed worker's place
+        for i in range(standbys):
+            victim = workers_of(job.status())[0]["node"]
+            say(f"standby takeover {i + 1}/{standbys}")
+            load(f"standby {i + 1}")
+            raw["standbys"].append(standby_takes_over(cluster, client, job, smp, victim, f"w{nxt}"))
+            nxt += 1
+            time.sleep(1.0 + pre_s)
 
         # ---- 4: primary failovers (a spare on-demand node takes each new backup)
         for i in range(failovers):
@@ -542,6 +583,11 @@ def report(raw: dict[str, Any], quick: bool, log_dir: Path) -> None:
     j_boot = stats_of([k["join_from_role_start_s"] - k["join_from_ready_event_s"] for k in K
                        if k["join_from_role_start_s"] is not None and k["join_from_ready_event_s"] is not None])
     j_agent = stats_of([k["add_to_join_event_s"] for k in K])
+    S = raw.get("standbys", [])
+    s_first = stats_of([x["kill_to_first_s"] for x in S])
+    s_lost = stats_of([x["kill_to_lost_s"] for x in S])
+    s_assign = stats_of([x["kill_to_assign_s"] for x in S])
+    s_after = stats_of([x["assign_to_first_s"] for x in S])
     run_first = stats_of([r["running_to_first_step_s"] for r in R])
     loads = [x["load1"] for x in raw["loadavg"]]
     f_adv = stats_of([f["backup_advances_s"] for f in F])
@@ -618,6 +664,14 @@ def report(raw: dict[str, Any], quick: bool, log_dir: Path) -> None:
         {"metric": "join: worker 'ready' event -> first applied update", "gossamer": fmt(j_ready),
          "restart-from-checkpoint baseline": "", "baseline / gossamer": "",
          "note": "model built and role reported serving; left: HELLO + PULL + first step + push"},
+        {"metric": "warm standby: kill -9 of a worker node -> the idle node's first applied update",
+         "gossamer": fmt(s_first), "restart-from-checkpoint baseline": "", "baseline / gossamer": "",
+         "note": f"an idle spot node joined earlier (fork server warm) takes the killed worker's place: kill -> "
+                 f"'lost' {fmt(s_lost)}, kill -> 'joins as worker' {fmt(s_assign)}"},
+        {"metric": "warm standby: 'joins as worker' (reassign) event -> first applied update (target <= 2 s)",
+         "gossamer": fmt(s_after), "restart-from-checkpoint baseline": "", "baseline / gossamer": "",
+         "note": "issue 16's warm-role target: assignment delivery, a role forked from the warm server, model "
+                 "build, HELLO/PULL, first step, push"},
         {"metric": "PS failover: kill -9 primary node -> backup's version advances", "gossamer": fmt(f_adv),
          "restart-from-checkpoint baseline": f"{base_ps:.2f} s (detect + restart + redo)",
          "baseline / gossamer": ratio(base_ps, f_adv),
@@ -671,7 +725,7 @@ def report(raw: dict[str, Any], quick: bool, log_dir: Path) -> None:
         f"and start-ups slow; 1-min load average during the run {min(loads, default=0):.1f}–{max(loads, default=0):.1f} "
         "(anything else running on the machine inflates start-up times and makes rates noisy)."
     )
-    js, md = write_report("recovery", rows, notes)
+    js, md = write_report("recovery_quick" if quick else "recovery", rows, notes)
     data = json.loads(js.read_text())
     data["raw"] = raw
     data["summary"] = {

@@ -180,6 +180,7 @@ class PushSumPeer:
         self._holds: dict[int, _Hold] = {}
         self._returned: list[_Hold] = []
         self._early: list[Incoming] = []  # taken off the inbox by `arrived_from`, folded by the next mix
+        self._heard: dict[str, int] = {}  # member -> latest step of its mass that came in (`heard`)
         self._ids = itertools.count()
         self._rids = itertools.count()
         self._closed = False
@@ -256,6 +257,7 @@ class PushSumPeer:
                 hold.generation = -1
                 self._returned.append(hold)
         self._peers = peers
+        self._heard = {pid: step for pid, step in self._heard.items() if pid in peers and pid not in removed}
         if generation > self.generation:
             self.generation = generation
             self.weight = 1.0
@@ -351,18 +353,31 @@ class PushSumPeer:
         """The senders of mass sent at `step` or later that has come in, waiting for the next mix
         (with `timeout`, waiting up to that long for a message when none is in)."""
         self._check_open()
-        if timeout > 0:
-            with contextlib.suppress(queue.Empty):
-                self._early.append(self._io.inbox.get(timeout=timeout))
-        self._take_inbox()
+        self._take_inbox(timeout)
         return {inc.sender for inc in self._early if inc.step >= step}
 
-    def _take_inbox(self) -> None:
+    def heard(self, timeout: float = 0.0) -> dict[str, int]:
+        """The latest step of the mass each current member sent that has come in (mixed or not):
+        how far along this peer's in-neighbours are (with `timeout`, waiting up to that long for a
+        message when none is in)."""
+        self._check_open()
+        self._take_inbox(timeout)
+        return dict(self._heard)
+
+    def _take_inbox(self, timeout: float = 0.0) -> None:
+        if timeout > 0:
+            with contextlib.suppress(queue.Empty):
+                self._took(self._io.inbox.get(timeout=timeout))
         while True:
             try:
-                self._early.append(self._io.inbox.get_nowait())
+                self._took(self._io.inbox.get_nowait())
             except queue.Empty:
                 return
+
+    def _took(self, inc: Incoming) -> None:
+        self._early.append(inc)
+        if inc.sender in self._peers and inc.step > self._heard.get(inc.sender, -1):
+            self._heard[inc.sender] = inc.step
 
     def pending(self, peer: str | None = None) -> int:
         """Holds still waiting for their answer (ACK, NACK or CANCELLED), to `peer` or all.

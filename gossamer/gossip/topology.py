@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-__all__ = ["TOPOLOGIES", "out_peer"]
+__all__ = ["TOPOLOGIES", "out_peer", "revisit_rounds"]
 
 #: The graph names accepted by `out_peer` (the experiment's `topology` field).
 TOPOLOGIES = ("exponential", "ring", "random")
@@ -48,3 +48,16 @@ def out_peer(topology: str, rank: int, n: int, round: int, seed: int = 0) -> int
         return (rank + (1 << (round % k))) % n
     pick = random.Random(_stable_seed(seed, round, rank)).randrange(n - 1)
     return pick if pick < rank else pick + 1
+
+
+def revisit_rounds(topology: str, n: int) -> int | None:
+    """Every in-neighbour of a rank pushes to it again within this many rounds (n ranks); None: no
+    bound (``random``: a rank may go any number of rounds without hearing from a given peer).
+
+    ``exponential``: the peer 2**i hops behind pushes once every ceil(log2 n) rounds; ``ring``: every round.
+    """
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"unknown gossip topology {topology!r}; expected one of {TOPOLOGIES}")
+    if topology == "random":
+        return None
+    return max(1, (n - 1).bit_length()) if topology == "exponential" else 1

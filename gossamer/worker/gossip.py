@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from gossamer.gossip import PushSumPeer, Snapshot, out_peer
-from gossamer.gossip.shares import ShareWait, senders_to
+from gossamer.gossip.shares import LagBound, ShareWait, senders_to
 from gossamer.protocol import AssignmentUpdate
 from gossamer.worker.optimizer import inner_optimizer, schedule_lr
 from gossamer.worker.rank import Hook, RankContext
@@ -57,6 +57,7 @@ class GossipTrainer(RankTrainer):
         self.sends = 0  # steps whose share left for a peer
         self.lone_steps = 0  # steps with no peer known (a share has nowhere to go)
         self.shares = ShareWait()
+        self.lag = LagBound()
         if self.mode.rounds:  # decentralized DiLoCo: an outer step on each node every `inner_steps`
             self.theta0 = self.flat.detach().clone().requires_grad_(True)
             self.outer = torch.optim.SGD([self.theta0], lr=self.exp.outer_lr, momentum=self.exp.outer_momentum,
@@ -146,6 +147,8 @@ class GossipTrainer(RankTrainer):
                     if self.outer is None:  # decentralized DiLoCo mixes once per round, in _mix_round
                         # Not waited for (ShareWait) here: per step, the lockstep let a node whose in-neighbour
                         # skipped sends drain its weight and train alone (final consensus 1.7-2.5, bench/modes).
+                        # Only a node ahead of a neighbour by more than the lag waits (LagBound).
+                        self._bound_lag()
                         self.peer.mix(self.flat)
                     self.peer.serve(self.flat, self.clock)
                 if self.outer is None:
@@ -234,6 +237,18 @@ class GossipTrainer(RankTrainer):
         self._node_sync()
         with torch.no_grad():
             self.theta0.copy_(self.flat)
+
+    def _bound_lag(self) -> None:
+        """Plain gossip: hold this step while an in-neighbour is more than the lag behind (`LagBound`)."""
+        peer = self.peer
+        assert peer is not None
+
+        def serve() -> None:
+            peer.serve(self.flat, self.clock)
+            self._apply_updates()  # a peer that left is no longer waited for
+
+        self.lag.wait(peer, self.exp.topology, len(self.members) + 1, self.clock, serve=serve,
+                      should_stop=self.should_stop)
 
     def _await_shares(self) -> None:
         """Decentralized DiLoCo without `overlap`: mix the in-neighbours' shares of this round now (`ShareWait`)."""
@@ -331,6 +346,7 @@ class GossipTrainer(RankTrainer):
                 "gossip_pending": float(self.peer.pending()), "gossip_skipped_sends": float(self.skipped_sends),
                 "gossip_sends": float(self.sends), "gossip_lone_steps": float(self.lone_steps),
                 "gossip_late_shares": float(self.shares.late), "gossip_share_timeouts": float(self.shares.timeouts),
+                "gossip_lag_waits": float(self.lag.waits), "gossip_lag_timeouts": float(self.lag.timeouts),
             }
             if self.outer is not None:
                 values["outer_rounds"] = float(self.rounds)

@@ -13,7 +13,7 @@ import torch
 import zmq
 
 from gossamer.gossip import PushSumPeer, out_peer
-from gossamer.gossip.shares import ShareWait, senders_to
+from gossamer.gossip.shares import LagBound, ShareWait, senders_to
 from gossamer.transport.frames import Message, decode, encode
 
 pytestmark = pytest.mark.timeout(60)
@@ -536,3 +536,40 @@ def test_share_wait_mixes_a_share_sent_late_in_this_step_and_waits_once_for_a_si
     assert short.wait(b, {"2"}, 8, serve=lambda: None, should_stop=lambda: False) == set()
     assert short.wait(b, {"2"}, 9, serve=lambda: None, should_stop=lambda: False) == {"2"}
     assert short.timeouts == 2
+
+
+def test_lag_bound_holds_a_node_ahead_until_its_neighbour_moves_on_and_waits_once_for_a_silent_one(
+    closing: list[PushSumPeer],
+) -> None:
+    peers = [PushSumPeer(experiment=EXP, peer_id=str(i), numel=DIM) for i in range(3)]
+    closing.extend(peers)
+    join(peers, 0)
+    a, b, c = peers
+    a.send(torch.ones(DIM), "1", step=5)
+    deadline = time.monotonic() + 20.0
+    while b.heard(timeout=0.1).get("0") != 5 and time.monotonic() < deadline:
+        pass
+    assert b.heard() == {"0": 5}  # c has sent nothing: not an in-neighbour heard from
+    bound = LagBound(lag=1, limit_s=20.0)
+    # 3 peers, exponential graph: a neighbour comes back every 2 rounds, so step 7 may begin at 5.
+    assert bound.wait(b, "exponential", 3, 7, serve=lambda: None, should_stop=lambda: False) == set()
+    assert bound.waits == 0
+    sender = threading.Timer(0.3, lambda: a.send(torch.ones(DIM), "1", step=6))
+    sender.start()
+    assert bound.wait(b, "exponential", 3, 8, serve=lambda: None, should_stop=lambda: False) == set()
+    sender.join()
+    assert bound.waits == 1 and bound.timeouts == 0 and b.heard()["0"] == 6
+    # A neighbour that stays behind (dead, not yet removed) costs one bounded wait, not one per step.
+    short = LagBound(lag=1, limit_s=0.2)
+    assert short.wait(b, "exponential", 3, 20, serve=lambda: None, should_stop=lambda: False) == {"0"}
+    assert short.wait(b, "exponential", 3, 21, serve=lambda: None, should_stop=lambda: False) == set()
+    assert short.timeouts == 1 and short.waits == 1
+    # Once it sends again it is waited for again; a member that left is not.
+    c.send(torch.ones(DIM), "1", step=10)
+    a.send(torch.ones(DIM), "1", step=10)
+    while b.heard(timeout=0.1) != {"0": 10, "2": 10} and time.monotonic() < deadline:
+        pass
+    assert short.wait(b, "exponential", 3, 22, serve=lambda: None, should_stop=lambda: False) == {"0", "2"}
+    b.set_membership({"2": c.endpoint}, 1)  # "0" left
+    assert b.heard() == {"2": 10}
+    assert short.wait(b, "random", 2, 40, serve=lambda: None, should_stop=lambda: False) == set()  # no bound

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from gossamer.gossip import TOPOLOGIES, out_peer
+from gossamer.gossip.topology import revisit_rounds
 
 SIZES = [2, 3, 4, 5, 7, 8, 16, 33]
 
@@ -129,3 +130,19 @@ def test_unknown_topology_and_bad_ranks_raise() -> None:
         out_peer("ring", 4, 4, 0)
     with pytest.raises(ValueError):
         out_peer("ring", 0, 4, -1)
+
+
+@pytest.mark.parametrize("topology", ["exponential", "ring"])
+@pytest.mark.parametrize("n", SIZES)
+def test_every_in_neighbour_comes_back_within_revisit_rounds(topology: str, n: int) -> None:
+    # LagBound reads a neighbour's progress from its latest share: it must come again this often.
+    rounds = revisit_rounds(topology, n)
+    assert rounds is not None and rounds >= 1
+    span = 4 * rounds
+    for me in range(n):
+        senders = {i for r in range(span) for i in range(n) if out_peer(topology, i, n, r) == me}
+        assert senders
+        for start in range(span - rounds + 1):
+            window = {i for r in range(start, start + rounds) for i in range(n) if out_peer(topology, i, n, r) == me}
+            assert window == senders, (me, start, window, senders)
+    assert revisit_rounds("random", n) is None

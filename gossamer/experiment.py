@@ -111,6 +111,10 @@ class Experiment:
     #: ranks keeps a copy).
     round_start: str = "memory"
     topology: str = "exponential"
+    #: gossip: a node does not begin a step while an in-neighbour is more than this many steps behind
+    #: (`LagBound`, SGP's bounded delay); None: never waits, so a straggler does not slow the others, at
+    #: the cost of models that agree less at the end (README, gossip).
+    gossip_lag: int | None = 1
     parallelism: str = "ddp"  # inside a node: ddp | fsdp | pipeline (gossamer/worker/layout.py)
     pipeline_microbatches: int = 4
     pipeline_schedule: str = "gpipe"  # gpipe | 1f1b
@@ -369,6 +373,13 @@ def _check_layout(exp: Experiment, row: Mode) -> None:
     """`topology` and the layout inside a node: `parallelism` and the pipeline's settings."""
     if exp.topology not in TOPOLOGIES:
         raise ConfigError("topology", f"unknown topology {exp.topology!r}; choose {', '.join(TOPOLOGIES)}")
+    if exp.gossip_lag is not None and (
+        not isinstance(exp.gossip_lag, int) or isinstance(exp.gossip_lag, bool) or exp.gossip_lag < 0
+    ):
+        raise ConfigError("gossip_lag", f"must be an integer >= 0 or None, got {exp.gossip_lag!r}")
+    if exp.gossip_lag != 1 and (row.servers or row.rounds):
+        raise ConfigError("gossip_lag", f"only applies to mode gossip ({row.label} "
+                                        f"{'has parameter servers' if row.servers else 'mixes once per round'})")
     if exp.parallelism not in PARALLELISMS:
         raise ConfigError("parallelism", f"unknown parallelism {exp.parallelism!r}; choose {', '.join(PARALLELISMS)}")
     if exp.parallelism not in row.parallelisms:

@@ -57,7 +57,7 @@ class GossipTrainer(RankTrainer):
         self.sends = 0  # steps whose share left for a peer
         self.lone_steps = 0  # steps with no peer known (a share has nowhere to go)
         self.shares = ShareWait()
-        self.lag = LagBound()
+        self.lag = LagBound(self.exp.gossip_lag) if self.exp.gossip_lag is not None else None
         if self.mode.rounds:  # decentralized DiLoCo: an outer step on each node every `inner_steps`
             self.theta0 = self.flat.detach().clone().requires_grad_(True)
             self.outer = torch.optim.SGD([self.theta0], lr=self.exp.outer_lr, momentum=self.exp.outer_momentum,
@@ -242,6 +242,8 @@ class GossipTrainer(RankTrainer):
         """Plain gossip: hold this step while an in-neighbour is more than the lag behind (`LagBound`)."""
         peer = self.peer
         assert peer is not None
+        if self.lag is None:  # gossip_lag None: never held
+            return
 
         def serve() -> None:
             peer.serve(self.flat, self.clock)
@@ -346,7 +348,8 @@ class GossipTrainer(RankTrainer):
                 "gossip_pending": float(self.peer.pending()), "gossip_skipped_sends": float(self.skipped_sends),
                 "gossip_sends": float(self.sends), "gossip_lone_steps": float(self.lone_steps),
                 "gossip_late_shares": float(self.shares.late), "gossip_share_timeouts": float(self.shares.timeouts),
-                "gossip_lag_waits": float(self.lag.waits), "gossip_lag_timeouts": float(self.lag.timeouts),
+                "gossip_lag_waits": float(self.lag.waits if self.lag else 0),
+                "gossip_lag_timeouts": float(self.lag.timeouts if self.lag else 0),
             }
             if self.outer is not None:
                 values["outer_rounds"] = float(self.rounds)

@@ -52,6 +52,24 @@ def test_a_slow_node_keeps_the_others_within_the_lag(tmp_path: Path, make_cluste
     assert result.metrics["eval_accuracy"] >= 0.93, result.metrics
 
 
+def test_gossip_lag_none_never_holds_a_node_for_a_slow_one(tmp_path: Path, make_cluster: MakeCluster) -> None:
+    """The user's choice for a pool with a straggler: the fast nodes run at their own pace."""
+    spec = {**SPEC, "name": "gossip-nolag", "min_workers": 3, "max_workers": 3, "total_steps": 200, "gossip_lag": None}
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
+        client = Client(cluster.start_coordinator(port=0))
+        cluster.add_node("w0", spot=True, env={"GOSSAMER_FAULT": "delay:seconds=0.03"})
+        cluster.add_node("w1", spot=True)
+        cluster.add_node("w2", spot=True)
+        wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 3, 90, "nodes")
+        job = client.submit(spec)
+        result = job.wait(timeout=240)
+        history = job.metrics()
+    assert result.status == "completed", result
+    final = _final_counters(history)
+    assert len(final) == 3 and all(p["step"] == 200 for p in final.values()), final
+    assert all(p["gossip_lag_waits"] == 0 for p in final.values()), final
+
+
 def test_a_peer_killed_near_the_end_does_not_hold_the_others(tmp_path: Path, make_cluster: MakeCluster) -> None:
     spec = {**SPEC, "name": "gossip-lag-kill", "min_workers": 3, "max_workers": 4, "total_steps": 400}
     with make_cluster(state_dir=tmp_path / "state") as cluster:

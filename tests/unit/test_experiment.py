@@ -49,6 +49,9 @@ def test_defaults_round_trip_through_json() -> None:
         ("optimizer", "lbfgs"),
         ("model", "no_colon"),
         ("topology", "star"),
+        ("gossip_lag", -1),
+        ("gossip_lag", True),
+        ("gossip_lag", None),  # BASE is not gossip: the lag bound is gossip's alone
         ("parallelism", "tensor"),
         ("total_steps", 0),
     ],
@@ -243,3 +246,13 @@ def test_modes_with_servers_need_at_least_one(mode: tuple[str, str]) -> None:
     with pytest.raises(ConfigError) as e:
         Experiment(**BASE, mode="gossip", num_ps_shards=-1)
     assert e.value.field == "num_ps_shards"
+
+
+def test_gossip_lag_is_gossips_and_none_turns_the_bound_off() -> None:
+    assert Experiment(**{**BASE, "mode": "gossip"}).gossip_lag == 1
+    exp = Experiment(**{**BASE, "mode": "gossip", "gossip_lag": None})
+    assert exp.gossip_lag is None and Experiment.from_json(exp.to_json()) == exp
+    assert Experiment(**{**BASE, "mode": "gossip", "gossip_lag": 4}).gossip_lag == 4
+    with pytest.raises(ConfigError, match="only applies to mode gossip") as err:
+        Experiment(**{**BASE, "mode": "diloco", "outer_step": "gossip", "gossip_lag": 3})
+    assert err.value.field == "gossip_lag"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 _GOING = ("queued", "starting", "running")
@@ -15,6 +16,12 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str, interval: fl
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(interval)
+
+
+def wait_for_line(log: Path, text: str, timeout_s: float) -> None:
+    """Wait until a process's log file holds `text` (what it said, not a guess at when it said it)."""
+    wait_for(lambda: text in (log.read_text(errors="replace") if log.exists() else ""), timeout_s,
+             f"{text!r} in {log}", interval=0.05)
 
 
 def wait_steps(job: Any, steps: int, timeout: float, what: str, interval: float = 0.1) -> dict[str, Any]:

@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from gossamer.local_cluster import LocalCluster
+from tests.chaos._wait import wait_for_line
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _wait_for_line(log: Path, text: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in (log.read_text(errors="replace") if log.exists() else ""):
-        assert time.monotonic() < deadline, f"{text!r} not in {log} within {timeout_s} s"
-        time.sleep(0.05)
 
 
 def test_a_leave_sent_while_the_coordinator_restarts_is_delivered(tmp_path: Path) -> None:
@@ -25,10 +18,10 @@ def test_a_leave_sent_while_the_coordinator_restarts_is_delivered(tmp_path: Path
         cluster.start_coordinator(port=0)
         node = cluster.add_node("leaver")
         log = cluster.log_dir / "leaver.log"
-        _wait_for_line(log, "joined 127.0.0.1", 60)  # its Join answered (listed is not enough: the reply may be in flight)
+        wait_for_line(log, "joined 127.0.0.1", 60)  # its Join answered (listed is not enough: the reply may be in flight)
         cluster.kill_coordinator()
         node.send_signal(signal.SIGTERM)  # a spot notice while the coordinator is down
-        _wait_for_line(log, "Leave not delivered yet", 60)  # tried, and refused, before the restart
+        wait_for_line(log, "Leave not delivered yet", 60)  # tried, and refused, before the restart
         assert node.poll() is None  # still trying, within its grace
         cluster.start_coordinator()  # same port and state
         assert node.wait(timeout=60) == 0

@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from gossamer.local_cluster import LocalCluster
+from tests.chaos._wait import wait_for_line
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _wait_for_line(log: Path, text: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in (log.read_text(errors="replace") if log.exists() else ""):
-        assert time.monotonic() < deadline, f"{text!r} not in {log} within {timeout_s} s"
-        time.sleep(0.05)
 
 
 def test_a_node_stopped_during_an_unanswered_join_is_listed_left_not_alive(tmp_path: Path) -> None:
@@ -27,9 +20,9 @@ def test_a_node_stopped_during_an_unanswered_join_is_listed_left_not_alive(tmp_p
         cluster.start_coordinator(port=0)
         node = cluster.add_node("hasty")
         log = cluster.log_dir / "hasty.log"
-        _wait_for_line(cluster.log_dir / "coordinator.log", "holding 8 s at join", 60)  # the Join is in, unanswered
+        wait_for_line(cluster.log_dir / "coordinator.log", "holding 8 s at join", 60)  # the Join is in, unanswered
         node.send_signal(signal.SIGTERM)
-        _wait_for_line(log, "stopped before joining", 30)
+        wait_for_line(log, "stopped before joining", 30)
         assert "DEADLINE_EXCEEDED" in log.read_text(errors="replace")  # its Join timed out, then it stopped
         assert node.wait(timeout=60) == 0
         with cluster.client() as client:

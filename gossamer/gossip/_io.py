@@ -82,6 +82,10 @@ _SEEN_SENDERS = 1024
 #: of peers; one far above it (1e308 passed as finite) left the receiver unable to send again.
 _MAX_WEIGHT = float(1 << 20)
 _REDIAL_S = 1.0  # after a refused handshake, a neighbour's socket is opened again this often
+# Neighbours are dialled on first send, not on joining: a peer of an exponential graph of n
+# sends to log2(n) of them, and n sockets (plus their handshake monitors) per peer is n^2
+# connections in the pool. Past this many, the least recently used idle socket is closed.
+MAX_IDLE_DEALERS = 64
 _LOG_EVERY_S = 5.0
 #: Why a snapshot request was refused: the connection, or the peer, holds its most in unread replies.
 OVER_BUDGET = "reply_budget"
@@ -239,7 +243,8 @@ class PeerIO:
         self._values = ReceivedValues(_SEEN_SENDERS)  # references of MASSes sent as differences
         self._generation = 0
         self._refusing = False  # finished: incoming mass goes back to its sender
-        self._dealers: dict[str, tuple[str, zmq.Socket]] = {}
+        self._members: dict[str, str] = {}  # neighbour -> endpoint, dialled on first send
+        self._dealers: OrderedDict[str, tuple[str, zmq.Socket]] = OrderedDict()  # least recently used first
         self._sock_peer: dict[zmq.Socket, str | None] = {}  # DEALER -> neighbour (None: snapshot)
         self._snap_socks: dict[int, zmq.Socket] = {}
         self._watch: dict[zmq.Socket, HandshakeMonitor] = {}  # DEALER -> its handshake monitor
@@ -462,8 +467,8 @@ class PeerIO:
     def _send_mass(
         self, peer: str, hid: int, frames: list[Any], raw_extra: int, info: dict[str, Any]
     ) -> None:
-        entry = self._dealers.get(peer)
-        if entry is None:  # left the membership between send() and here: take the mass back
+        entry = self._dealer(peer)
+        if entry is None:  # left the membership between send() and here (or cannot be dialled): take it back
             self.settled.put((hid, True))
             return
         self._outstanding[hid] = _Outstanding(peer, time.monotonic() + self._ack_timeout)
@@ -533,6 +538,28 @@ class PeerIO:
         except (zmq.ZMQError, AuthError) as e:
             logger.error("gossip peer %s: cannot connect to %s at %r: %s", self.peer_id, pid, endpoint, e)
 
+    def _dealer(self, pid: str) -> tuple[str, zmq.Socket] | None:
+        """The socket to member `pid`, dialled now if it has none (None: not a member, or undiallable)."""
+        entry = self._dealers.get(pid)
+        if entry is not None:
+            self._dealers.move_to_end(pid)
+            return entry
+        endpoint = self._members.get(pid)
+        if endpoint is None:
+            return None
+        if len(self._dealers) >= MAX_IDLE_DEALERS:
+            busy = {o.peer for o in self._outstanding.values()} | set(self._redial)
+            idle = next((p for p in self._dealers if p not in busy), None)
+            if idle is not None:  # every socket busy: go over the cap rather than lose a hold's reply
+                self._close(self._dealers.pop(idle)[1])
+        self._dial(pid, endpoint)
+        return self._dealers.get(pid)
+
+    @property
+    def connections(self) -> int:
+        """Neighbour sockets open now."""
+        return len(self._dealers)
+
     def _on_handshake_event(self, monitor: zmq.Socket) -> None:
         sock = self._watched.get(monitor)
         watch = self._watch.get(sock) if sock is not None else None
@@ -563,9 +590,7 @@ class PeerIO:
                 # The trainer folds these holds back itself; replies to them are now stale.
                 for hid in [h for h, o in self._outstanding.items() if o.peer == pid]:
                     del self._outstanding[hid]
-        for pid, endpoint in peers.items():
-            if pid not in self._dealers:
-                self._dial(pid, endpoint)
+        self._members = dict(peers)
         for pid in [p for p in self._redial if p not in self._dealers]:
             del self._redial[pid]
         self._generation = generation

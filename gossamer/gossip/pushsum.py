@@ -215,6 +215,11 @@ class PushSumPeer:
         return self._io.refused_handshakes
 
     @property
+    def connections(self) -> int:
+        """Sockets open to neighbours: the ones sent to lately, dialled at the first send to each."""
+        return self._io.connections
+
+    @property
     def duplicates(self) -> int:
         """MASS copies answered from an earlier decision (retransmits, or late after CANCEL)."""
         return self._io.duplicates

@@ -178,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
             model = run(n, topology, args.eps, real=False, seed=1, max_rounds=max_rounds)
             row.update({"rounds": model["rounds"], "rounds_after_churn": model["rounds_after_churn"]})
             row["rounds_per_log2_n"] = round(model["rounds"] / math.log2(n), 2)
-            if n <= real_max and model["rounds"] <= 200:
+            # The random graph sends to a new neighbour most rounds: ~4 file descriptors per socket
+            # (its TCP connection, the accepted end, ZMQ mailboxes, the handshake monitor), and at 128
+            # peers in one process that passed this machine's limit of 20,000.
+            cap = min(real_max, 100) if topology == "random" else real_max
+            if n <= cap and model["rounds"] <= 200:
                 real = run(n, topology, args.eps, real=True, seed=1, max_rounds=max_rounds)
                 row.update({"real_rounds": real["rounds"], "real_rounds_after_churn": real["rounds_after_churn"],
                             "real_wall_s": real["wall_s"]})
@@ -186,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             print(row, flush=True)
     notes = (f"Push-sum (share 1/2) to a consensus distance of {args.eps:g} of the initial one, {DIM}-dim values; "
              f"rounds = synchronous rounds (every peer sends once, then mixes). `rounds`: numpy model of the round; "
-             f"`real_rounds`: real PushSumPeers over loopback ZMQ in one process (up to {real_max} peers). "
+             f"`real_rounds`: real PushSumPeers over loopback ZMQ in one process (up to {real_max} peers; random: "
+             f"up to 100, the open-file limit of one process holding every peer's sockets). "
              f"Churn: {CHURN:.0%} of the peers replaced after the first convergence (new generation, weights reset), "
              "rounds to the target again. Exponential should grow as log2 n (rounds_per_log2_n flat); ring as n.")
     write_report("gossip_scale", rows, notes, Path(args.out))

@@ -20,6 +20,7 @@ Writes bench/results/ps_scale.{json,md}.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 from typing import Any
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     numel = args.numel or ((1 << 20) if args.quick else (4 << 20))
     iters = 4 if args.quick else 8
     measured: list[dict[str, Any]] = []
+    load_start = os.getloadavg()[0]
     for s in (int(x) for x in args.shards.split(",")):
         row = {"kind": "measured", "shards": s, "workers": 1,
                "round_ms": round(round_s(numel, s, iters) * 1e3, 2),
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
              f"rate {cal['rate_gbps']:.2f} GB/s (one shard process, one client). Model rows: {args.model_mb:g} MB "
              f"model, every shard and worker on its own host with a {args.nic_gbps:g} Gb/s NIC, W workers each "
              "pushing and pulling the whole model per step (see the module docstring). The machine has 2 shared "
-             "cores: measured points past 2 shards time-share them, so they bound the real curve from below.")
+             "cores: measured points past 2 shards time-share them, so they bound the real curve from below. "
+             f"1-minute load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
     write_report("ps_scale", measured + predicted, notes, pathlib.Path(args.out))
     return 0
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from gossamer.coordinator.records import NodeRec, RoleRec
@@ -42,6 +42,23 @@ def lease_verdict(node: NodeRec, *, now: float, lease_timeout_s: float, heartbea
     if node.stream_lost_at and now - quiet_from - blind_since(quiet_from) > fast:
         return f"connection closed and no heartbeat for {silent:.1f}s", silent
     return None
+
+
+def lease_suspects(nodes: Iterable[NodeRec], *, now: float, lease_timeout_s: float,
+                   is_open: Callable[[str], bool]) -> tuple[int, list[NodeRec]]:
+    """The live nodes with an open assignment stream (a count), and the live nodes `lease_verdict` may remove.
+
+    One pass, every lease sweep (twice a second): at 10,000 nodes a `lease_verdict` call per
+    node took 9 % of the coordinator's CPU. Only a node silent past `lease_timeout_s` or with its
+    stream dropped can get a verdict (a starved coordinator's longer lease only shortens the list).
+    """
+    connected, suspects = 0, []
+    for n in nodes:
+        if n.alive:
+            connected += is_open(n.id)
+            if n.stream_lost_at or now - n.last_seen > lease_timeout_s:
+                suspects.append(n)
+    return connected, suspects
 
 
 def replacement_order(lost: Sequence[RoleRec]) -> list[RoleRec]:

@@ -32,6 +32,7 @@ import zmq
 from gossamer.compression import Codec, Payload
 from gossamer.errors import AuthError, ProtocolError
 from gossamer.gossip.differences import ReceivedValues
+from gossamer.gossip.neighbours import NeighbourSockets
 from gossamer.protocol import CancelMeta, MassMeta, SnapMeta
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
@@ -82,10 +83,6 @@ _SEEN_SENDERS = 1024
 #: of peers; one far above it (1e308 passed as finite) left the receiver unable to send again.
 _MAX_WEIGHT = float(1 << 20)
 _REDIAL_S = 1.0  # after a refused handshake, a neighbour's socket is opened again this often
-# Neighbours are dialled on first send, not on joining: a peer of an exponential graph of n
-# sends to log2(n) of them, and n sockets (plus their handshake monitors) per peer is n^2
-# connections in the pool. Past this many, the least recently used idle socket is closed.
-MAX_IDLE_DEALERS = 64
 _LOG_EVERY_S = 5.0
 #: Why a snapshot request was refused: the connection, or the peer, holds its most in unread replies.
 OVER_BUDGET = "reply_budget"
@@ -243,8 +240,7 @@ class PeerIO:
         self._values = ReceivedValues(_SEEN_SENDERS)  # references of MASSes sent as differences
         self._generation = 0
         self._refusing = False  # finished: incoming mass goes back to its sender
-        self._members: dict[str, str] = {}  # neighbour -> endpoint, dialled on first send
-        self._dealers: OrderedDict[str, tuple[str, zmq.Socket]] = OrderedDict()  # least recently used first
+        self._dealers = NeighbourSockets(self._dial, self._close)
         self._sock_peer: dict[zmq.Socket, str | None] = {}  # DEALER -> neighbour (None: snapshot)
         self._snap_socks: dict[int, zmq.Socket] = {}
         self._watch: dict[zmq.Socket, HandshakeMonitor] = {}  # DEALER -> its handshake monitor
@@ -467,23 +463,19 @@ class PeerIO:
     def _send_mass(
         self, peer: str, hid: int, frames: list[Any], raw_extra: int, info: dict[str, Any]
     ) -> None:
-        entry = self._dealer(peer)
-        if entry is None:  # left the membership between send() and here (or cannot be dialled): take it back
+        sock = self._dealers.for_send(peer, lambda: {o.peer for o in self._outstanding.values()} | set(self._redial))
+        if sock is None:  # left the membership between send() and here (or cannot be dialled): take it back
             self.settled.put((hid, True))
             return
         self._outstanding[hid] = _Outstanding(peer, time.monotonic() + self._ack_timeout)
-        self._send(entry[1], None, frames, MASS, info, raw_extra)
+        self._send(sock, None, frames, MASS, info, raw_extra)
 
     def _on_timers(self, now: float) -> None:
         for pid, at in list(self._redial.items()):
             if at > now:
                 continue
             del self._redial[pid]
-            entry = self._dealers.get(pid)
-            if entry is not None:
-                self._close(entry[1])
-                del self._dealers[pid]
-                self._dial(pid, entry[0])
+            self._dealers.redial(pid)
         while self._delayed and self._delayed[0][0] <= now:
             _, _, sock, identity, frames, raw_extra, reply = heapq.heappop(self._delayed)
             self._send_now(sock, identity, frames, raw_extra, reply)
@@ -491,10 +483,10 @@ class PeerIO:
             if out.deadline > now:
                 continue
             out.deadline = now + self._ack_timeout
-            entry = self._dealers.get(out.peer)
-            if entry is not None:
+            dealer = self._dealers.get(out.peer)
+            if dealer is not None:
                 frames = self._message(CANCEL, {"id": hid, "inc": self.incarnation})
-                self._send(entry[1], None, frames, CANCEL, {"peer": out.peer, "id": hid})
+                self._send(dealer, None, frames, CANCEL, {"peer": out.peer, "id": hid})
 
     # -- membership and snapshots --------------------------------------------------------
     def _close(self, sock: zmq.Socket) -> None:
@@ -532,28 +524,12 @@ class PeerIO:
         self._sock_peer[sock] = peer
         return sock
 
-    def _dial(self, pid: str, endpoint: str) -> None:
+    def _dial(self, pid: str, endpoint: str) -> zmq.Socket | None:
         try:
-            self._dealers[pid] = (endpoint, self._connect(endpoint, pid))
+            return self._connect(endpoint, pid)
         except (zmq.ZMQError, AuthError) as e:
             logger.error("gossip peer %s: cannot connect to %s at %r: %s", self.peer_id, pid, endpoint, e)
-
-    def _dealer(self, pid: str) -> tuple[str, zmq.Socket] | None:
-        """The socket to member `pid`, dialled now if it has none (None: not a member, or undiallable)."""
-        entry = self._dealers.get(pid)
-        if entry is not None:
-            self._dealers.move_to_end(pid)
-            return entry
-        endpoint = self._members.get(pid)
-        if endpoint is None:
             return None
-        if len(self._dealers) >= MAX_IDLE_DEALERS:
-            busy = {o.peer for o in self._outstanding.values()} | set(self._redial)
-            idle = next((p for p in self._dealers if p not in busy), None)
-            if idle is not None:  # every socket busy: go over the cap rather than lose a hold's reply
-                self._close(self._dealers.pop(idle)[1])
-        self._dial(pid, endpoint)
-        return self._dealers.get(pid)
 
     @property
     def connections(self) -> int:
@@ -583,14 +559,10 @@ class PeerIO:
             self._redial[peer] = time.monotonic() + _REDIAL_S
 
     def _set_members(self, peers: dict[str, str], generation: int) -> None:
-        for pid, (endpoint, sock) in list(self._dealers.items()):
-            if peers.get(pid) != endpoint:
-                del self._dealers[pid]
-                self._close(sock)
-                # The trainer folds these holds back itself; replies to them are now stale.
-                for hid in [h for h, o in self._outstanding.items() if o.peer == pid]:
-                    del self._outstanding[hid]
-        self._members = dict(peers)
+        gone = set(self._dealers.set_members(peers))
+        # The trainer folds holds to those back itself; replies to them are now stale.
+        for hid in [h for h, o in self._outstanding.items() if o.peer in gone]:
+            del self._outstanding[hid]
         for pid in [p for p in self._redial if p not in self._dealers]:
             del self._redial[pid]
         self._generation = generation

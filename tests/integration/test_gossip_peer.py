@@ -13,7 +13,7 @@ import torch
 import zmq
 
 from gossamer.gossip import PushSumPeer, out_peer
-from gossamer.gossip._io import MAX_IDLE_DEALERS
+from gossamer.gossip.neighbours import MAX_IDLE_SOCKETS
 from gossamer.gossip.shares import LagBound, ShareWait, senders_to
 from gossamer.transport.frames import Message, decode, encode
 
@@ -222,7 +222,7 @@ def test_holds_to_a_vanished_peer_come_back_when_it_is_removed(
 def test_a_peer_dials_only_the_neighbours_it_sends_to_and_caps_its_idle_sockets(
     closing: list[PushSumPeer],
 ) -> None:
-    n = MAX_IDLE_DEALERS + 6
+    n = MAX_IDLE_SOCKETS + 6
     closing += make_peers(n, numel=16, ack_timeout_s=0.5)
     peers = closing
     join(peers, 1)
@@ -232,14 +232,14 @@ def test_a_peer_dials_only_the_neighbours_it_sends_to_and_caps_its_idle_sockets(
     for j in range(1, n):  # p0 sends to every member in turn, each hold answered before the next
         a.send(zs[0], peers[j].peer_id, step=j)
         assert a.wait_settled(10.0)
-        assert a.connections == min(j, MAX_IDLE_DEALERS)
+        assert a.connections == min(j, MAX_IDLE_SOCKETS)
     assert all(p.connections == 0 for p in peers[1:])  # they only answered on their own server
     for p, z in zip(peers, zs, strict=True):
         p.mix(z)
     assert sum(p.weight for p in peers) == pytest.approx(float(n), abs=1e-9)
     # An evicted neighbour is dialled again when next sent to, and the mass still lands.
     a.send(zs[0], peers[1].peer_id, step=n)
-    assert a.wait_settled(10.0) and a.connections == MAX_IDLE_DEALERS
+    assert a.wait_settled(10.0) and a.connections == MAX_IDLE_SOCKETS
     assert peers[1].mix(zs[1]).received == 1
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from gossamer.coordinator.blind_time import BlindTime
-from gossamer.coordinator.failover import lease_verdict, shard_lease_s
+from gossamer.coordinator.failover import lease_suspects, lease_verdict, shard_lease_s
 from gossamer.coordinator.records import NodeRec
+from gossamer.v1 import coordinator_pb2 as pb
 
 LEASE, BEAT, TICK = 4.0, 0.5, 0.5
 
@@ -103,3 +106,21 @@ def test_a_hold_before_the_first_sweep_is_measured_from_the_start() -> None:
     assert blind.sweep(3.0) == pytest.approx(2.5)  # held 2.5 s before the reaper ever swept
     assert lease_verdict(_node(0.0), now=4.6, lease_timeout_s=LEASE, heartbeat_interval_s=BEAT,
                          blind_since=blind.since) is None
+
+
+def test_lease_suspects_are_every_node_a_verdict_could_remove_and_no_other() -> None:
+    rng = random.Random(0)
+    nodes = []
+    for i in range(400):
+        n = _node(rng.uniform(0.0, 20.0))
+        n.id, n.state = f"n{i}", rng.choice([pb.NODE_STATE_READY, pb.NODE_STATE_BUSY, pb.NODE_STATE_LOST])
+        n.stream_lost_at = rng.choice([0.0, 0.0, rng.uniform(0.0, 20.0)])
+        nodes.append(n)
+    open_ids = {n.id for n in nodes if rng.random() < 0.7}
+    now = 20.0
+    connected, suspects = lease_suspects(nodes, now=now, lease_timeout_s=LEASE, is_open=open_ids.__contains__)
+    assert connected == sum(n.alive and n.id in open_ids for n in nodes)
+    removable = [n for n in nodes
+                 if lease_verdict(n, now=now, lease_timeout_s=LEASE, heartbeat_interval_s=BEAT) is not None]
+    assert removable and set(map(id, removable)) <= set(map(id, suspects))
+    assert all(n.alive and (n.stream_lost_at or now - n.last_seen > LEASE) for n in suspects)

@@ -13,7 +13,8 @@ alternate between checkpoints off and on (the machine's load hits both alike).
 
 The server times every optimizer step (`ShardState.step`, wrapped here) in the serve thread's
 CPU time (wall time on a machine shared with other jobs mostly measures their load) and says
-whether a snapshot was pending (opened, not yet delivered to the writer) when it ran. The serve thread's
+whether a snapshot was pending (opened, not yet delivered to the writer, or not yet written where
+the writer streams it from the live state) when it ran. The serve thread's
 time attributable to a checkpoint: opening it, plus what the steps that ran while one was
 pending took over the median step of the blocks without checkpoints. Latency: each push+reply,
 in the blocks without checkpoints, in the blocks with them, and the pushes in flight while a
@@ -65,13 +66,19 @@ def _server(q: Any, stop: Any, ckpt_on: Any, numel: int, every: int, root: str) 
     steps: list[tuple[bool, bool, float, float]] = []  # (checkpoints on, a snapshot pending, seconds, ended at)
     opens: list[float] = []
     pending = [False]
+    opened: list[Any] = [None]  # the newest snapshot_later's: a snapshot written from the live state (`.done`)
     state = server._state  # noqa: SLF001 — the bench times each optimizer step
     step = state.step
 
+    def is_pending() -> bool:
+        """A snapshot opened and not yet delivered to the writer (a copier's), or not yet written (a stream's)."""
+        return pending[0] or not getattr(opened[0], "done", True)
+
     def timed_step(grads: dict[int, torch.Tensor], lr_factor: float, *, schedule: bool) -> float:
+        was = is_pending()
         t0 = time.thread_time()
         out = step(grads, lr_factor, schedule=schedule)
-        steps.append((ckpt_on.is_set(), pending[0], time.thread_time() - t0, time.time()))
+        steps.append((ckpt_on.is_set(), was, time.thread_time() - t0, time.time()))
         return out
 
     def deliver(snap: Any) -> None:
@@ -83,7 +90,7 @@ def _server(q: Any, stop: Any, ckpt_on: Any, numel: int, every: int, root: str) 
             return
         t0 = time.thread_time()
         pending[0] = True
-        server.snapshot_later(version, deliver)
+        opened[0] = server.snapshot_later(version, deliver)
         opens.append(time.thread_time() - t0)
 
     state.step = timed_step  # type: ignore[method-assign]
@@ -92,7 +99,7 @@ def _server(q: Any, stop: Any, ckpt_on: Any, numel: int, every: int, root: str) 
     server.start()
     stop.wait()
     deadline = time.monotonic() + 120
-    while pending[0] and time.monotonic() < deadline:  # a snapshot still being copied reaches the writer
+    while is_pending() and time.monotonic() < deadline:  # a snapshot still being copied reaches the writer
         time.sleep(0.05)
     ck.wait(120)
     q.put({"steps": steps, "opens": opens, "saved": ck.saved, "skipped": ck.skipped, "failed": ck.failed,

@@ -282,7 +282,8 @@ def run_mode(mode: str, steps: int | None, plan: ShardPlan, model_bytes: int, la
         agents = {p.pid: name for name, p in cluster.nodes.items()}
     return {"mode": mode, "label": label, "spec": spec, "roles": roles, "procs": watch.procs, "agents": agents,
             "coordinator": coord_pid, "metrics": metrics, "events": events, "probe": prober.samples,
-            "seconds": t_end - t_submit}
+            "seconds": t_end - t_submit, "first_update_s": (t_first or t_end) - t_submit,
+            "versions": int(st.get("version", 0) or spec["total_steps"])}
 
 
 def memory_rows(run: dict[str, Any], plan: ShardPlan, model_bytes: int, torch_mb: float) -> list[dict[str, Any]]:
@@ -466,9 +467,12 @@ def checkpoint_row(run: dict[str, Any]) -> dict[str, Any]:
     ck = [e for e in run["events"] if e["kind"] == "checkpoint"]
     if not lat:
         return {"label": run["label"], "mode": run["mode"], "probes": 0}
+    training_s = run["seconds"] - run.get("first_update_s", 0.0)
     return {"label": run["label"], "mode": run["mode"], "probes": len(lat), "checkpoint_events": len(ck),
             "stats_p50_ms": 1000 * lat[len(lat) // 2], "stats_p99_ms": 1000 * lat[int(len(lat) * 0.99)],
-            "stats_max_ms": 1000 * lat[-1]}
+            "stats_max_ms": 1000 * lat[-1],
+            # From the first update seen (polled every 0.5 s) to the end: the run's update rate.
+            "training_s": training_s, "updates_per_s": run.get("versions", 0) / training_s if training_s > 0 else 0.0}
 
 
 def main() -> None:

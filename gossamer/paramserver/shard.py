@@ -382,6 +382,7 @@ class ShardServer:
             "resyncs": rep.resyncs,
             "replicated_updates": rep.replicated_updates,
             "replicated_encoded": rep.replicated_encoded,
+            "replicate_window_waits": rep.window_waits,
             "replicate_bytes": rep.bytes_out,
             "promotions": rep.promotions,
             "refused_promotions": rep.refused_promotions,

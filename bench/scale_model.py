@@ -569,7 +569,14 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "shard there). after9's primaries: 3.16-3.17x; its backups (and after8's ps1 backup) at 3.84-3.85x against after8's "
          "ps0 backup at 2.45x with the same code, about 1.4x of the shard not accounted for (all four updates replayed, "
          "no detach seen in `steps`); backups' apply_ms rose (1.5-2.2 s from 0.4 s): each forwarded push is decoded "
-         "twice, checked whole before the grouped step.")
+         "twice, checked whole before the grouped step. `before21` main at 34d2b7c; `after21a` a checkpoint "
+         "written from the live state (no copy: each tensor frozen until the writer has it in the file, an update "
+         "writing out of place what is not written yet within 16 MiB, then waiting for the writer), the async "
+         "primaries 5.8x to 3.8x; `after21b` also at most 64 MiB of REPLICATEs unacknowledged (a dense update "
+         "of these shards one at a time), the async backups 3.75x to 2.77x. What a primary holds after both: "
+         "its state (2x) and the two workers' dense pushes ZMQ reads as they come (2x); a backup its state and "
+         "one update's gradient. The Serving table's `updates_per_s`: versions over the time from the first "
+         "update seen to the end (compare within one load).")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

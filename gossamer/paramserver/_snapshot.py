@@ -26,7 +26,9 @@ class _Piece:
 
     offset: int
     name: str
-    live: torch.Tensor  # the state's tensor (a write out of place moves it to new memory)
+    # The state's tensor (a write out of place moves it to new memory); None once written, so that a
+    # snapshot kept for its counts keeps no tensor the state has replaced since (a SYNC's, a restore's).
+    live: torch.Tensor | None
     held: torch.Tensor | None  # an alias of its storage at the snapshot's version; None once written
     storage: int
     nbytes: int
@@ -34,7 +36,11 @@ class _Piece:
     aside: bool = False  # an update moved the live tensor off: the snapshot alone holds that storage
 
     def still_live(self) -> bool:
-        return not self.written and storage_of(self.live) == self.storage
+        live = self.live  # read once: the writer's thread may let go of it meanwhile
+        return not self.written and live is not None and storage_of(live) == self.storage
+
+    def let_go(self) -> None:
+        self.written, self.held, self.live = True, None, None
 
 
 class PendingSnapshot:
@@ -83,6 +89,7 @@ class PendingSnapshot:
         self._cond = threading.Condition()
         self.aside = 0  # bytes of the snapshot that updates left aside (new memory for the live state)
         self.pieces_aside = 0
+        self.waits = 0  # writes that waited for the writer to write their piece
         self.wait_seconds = 0.0  # what the serve thread waited for the writer
         self.serve_copies = 0  # tensors the serve thread copied for it (a write with no out-of-place twin)
         self.finish_seconds = 0.0  # what the serve thread paid: waits, and copies for writes it could not turn around
@@ -110,14 +117,13 @@ class PendingSnapshot:
 
     def written(self, offset: int, name: str) -> None:
         with self._cond:
-            piece = self._pieces[offset, name]
-            piece.written, piece.held = True, None
+            self._pieces[offset, name].let_go()
             self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
             for piece in self._pieces.values():
-                piece.written, piece.held = True, None
+                piece.let_go()
             self._cond.notify_all()
 
     # -- the serve thread's side (under the shard's lock) ---------------------------------------
@@ -130,6 +136,7 @@ class PendingSnapshot:
         with self._cond:
             if not piece.written and self.aside + piece.nbytes > self.aside_bytes and self._wait_left > 0:
                 t0 = time.perf_counter()
+                self.waits += 1
                 self._cond.wait_for(lambda: piece.written, timeout=self._wait_left)
                 waited = time.perf_counter() - t0
                 self._wait_left -= waited

@@ -187,12 +187,11 @@ def test_a_writer_that_does_not_write_costs_at_most_its_wait_then_writes_go_asid
         s.step(_grads(s, 0), 1.0, schedule=False)
     expected = state.snapshot(3)
     pending = state.open_snapshot(3, aside_bytes=0, wait_s=0.2)  # handed to a writer that is stuck
-    t0 = time.monotonic()
     for seed in (1, 2):
         state.step(_grads(state, seed), 1.0, schedule=False)
         reference.step(_grads(reference, seed), 1.0, schedule=False)
-    assert time.monotonic() - t0 < 5  # the wait is bounded over the snapshot, not per piece
-    assert pending.wait_seconds == pytest.approx(0.2, abs=0.15)
+    # The wait is bounded over the snapshot, not per piece: one write waited its 0.2 s, the rest went aside.
+    assert pending.waits == 1 and pending.wait_seconds > 0.1
     assert pending.pieces_aside == 2 * len(state.chunks)  # everything went aside once the wait was spent
     _assert_same_state(reference, state)
     _assert_same_snapshot(pending.read_all(), expected)
@@ -249,3 +248,18 @@ def test_the_shard_hands_its_snapshot_over_and_writes_in_place_once_it_is_writte
         assert refused.done
     finally:
         server.close()
+
+
+def test_a_save_that_fails_releases_the_snapshot(tmp_path: Path) -> None:
+    state = _state(OPTIMIZERS["momentum"])
+    state.step(_grads(state, 0), 1.0, schedule=False)
+    pending = state.open_snapshot(5, aside_bytes=0)
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    with pytest.raises(OSError):
+        save_shard(blocker, pending.snapshot)  # its step directory cannot be made
+    assert pending.done  # nothing stays frozen for a save that ended
+    ptrs = [storage_of(p) for p in state.params.values()]
+    state.step(_grads(state, 1), 1.0, schedule=False)
+    assert pending.waits == 0  # no wait for a writer that is gone
+    assert [storage_of(p) for p in state.params.values()] == ptrs  # in place

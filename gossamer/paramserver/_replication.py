@@ -351,6 +351,10 @@ class Replication:
             endpoint, self.backup_endpoint = self.backup_endpoint, ""
             self.close()
             self.set_backup(endpoint)
+        if self._awaiting and now - self._awaiting[0][1] > self.config.backup_timeout_s and self.socket is not None:
+            # What the backup sent while the serve thread was busy (a long step, a wait for the checkpoint's
+            # writer) counts: it is silent only if nothing came.
+            self.on_replies(self.socket)
         if self._awaiting and now - self._awaiting[0][1] > self.config.backup_timeout_s:
             logger.error("%s: backup %s silent for %.1fs; acknowledging unreplicated until a new backup is "
                          "attached", self._name, self.backup_endpoint, self.config.backup_timeout_s)

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 FORMAT = "gossamer-sharded/1"
 _STEP_RE = re.compile(r"step-(\d+)")
 _BLOCK = 1 << 20
+_WRITERS = 2  # DCP's writer threads: 800 MB to the page cache in 0.63 s against 1.04 s with one, on this host
 
 # DCP warns on every call without a process group, even when no_dist=True asks for exactly that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -106,21 +107,26 @@ class _StreamPlanner(DefaultSavePlanner):
     def __init__(self, stream: PieceStream) -> None:
         super().__init__()
         self._stream = stream
-        self._last: tuple[int, str] | None = None
+        self._last: dict[int, tuple[int, str]] = {}  # by writer thread: the tensor it asked for last
 
     def resolve_data(self, write_item: WriteItem) -> Any:
-        # DCP writes one tensor at a time in the plan's order: asked for the next one, the one
-        # before is in the file.
-        self.finish()
+        # Each of DCP's writer threads writes one tensor at a time, in its file's order: asked for
+        # its next one, the one before is in its file.
+        thread = threading.get_ident()
+        self._written(thread)
         name, _, off = write_item.index.fqn.rpartition("/")
-        self._last = (int(off), name)
+        self._last[thread] = (int(off), name)
         return self._stream.take(int(off), name)
 
+    def _written(self, thread: int) -> None:
+        last = self._last.pop(thread, None)
+        if last is not None:
+            self._stream.written(*last)
+
     def finish(self) -> None:
-        """The last tensor asked for is in the file (DCP returned)."""
-        if self._last is not None:
-            self._stream.written(*self._last)
-            self._last = None
+        """The last tensors asked for are in their files (DCP returned)."""
+        for thread in list(self._last):
+            self._written(thread)
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -250,8 +256,10 @@ def _save_shard(root: str | os.PathLike[str], snap: ShardSnapshot) -> Path:
     planner = _StreamPlanner(snap.stream) if snap.stream is not None else None
     try:
         try:
-            # Not fsynced here: `_seal_files` fsyncs every file (the data, then .metadata) as it hashes it.
-            dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=False), planner=planner, no_dist=True)
+            # Not fsynced here: `_seal_files` fsyncs every file (the data, then .metadata) as it hashes it. Two
+            # writer threads, two files: a streamed snapshot is written (and its tensors released) sooner.
+            dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=False, thread_count=_WRITERS),
+                     planner=planner, no_dist=True)
         except CheckpointException as e:
             raise CheckpointError(f"{tmp}: DCP save failed: {_dcp_cause(e)}") from e
         finally:

@@ -13,7 +13,8 @@ alternate between checkpoints off and on (the machine's load hits both alike).
 
 The server times every optimizer step (`ShardState.step`, wrapped here) in the serve thread's
 CPU time (wall time on a machine shared with other jobs mostly measures their load) and says
-whether a snapshot was pending (opened, not yet delivered to the writer) when it ran. The serve thread's
+whether a snapshot was pending (opened, not yet delivered to the writer, or not yet written where
+the writer streams it from the live state) when it ran. The serve thread's
 time attributable to a checkpoint: opening it, plus what the steps that ran while one was
 pending took over the median step of the blocks without checkpoints. Latency: each push+reply,
 in the blocks without checkpoints, in the blocks with them, and the pushes in flight while a
@@ -65,13 +66,19 @@ def _server(q: Any, stop: Any, ckpt_on: Any, numel: int, every: int, root: str) 
     steps: list[tuple[bool, bool, float, float]] = []  # (checkpoints on, a snapshot pending, seconds, ended at)
     opens: list[float] = []
     pending = [False]
+    opened: list[Any] = [None]  # the newest snapshot_later's: a snapshot written from the live state (`.done`)
     state = server._state  # noqa: SLF001 — the bench times each optimizer step
     step = state.step
 
+    def is_pending() -> bool:
+        """A snapshot opened and not yet delivered to the writer (a copier's), or not yet written (a stream's)."""
+        return pending[0] or not getattr(opened[0], "done", True)
+
     def timed_step(grads: dict[int, torch.Tensor], lr_factor: float, *, schedule: bool) -> float:
+        was = is_pending()
         t0 = time.thread_time()
         out = step(grads, lr_factor, schedule=schedule)
-        steps.append((ckpt_on.is_set(), pending[0], time.thread_time() - t0, time.time()))
+        steps.append((ckpt_on.is_set(), was, time.thread_time() - t0, time.time()))
         return out
 
     def deliver(snap: Any) -> None:
@@ -83,7 +90,7 @@ def _server(q: Any, stop: Any, ckpt_on: Any, numel: int, every: int, root: str) 
             return
         t0 = time.thread_time()
         pending[0] = True
-        server.snapshot_later(version, deliver)
+        opened[0] = server.snapshot_later(version, deliver)
         opens.append(time.thread_time() - t0)
 
     state.step = timed_step  # type: ignore[method-assign]
@@ -92,15 +99,22 @@ def _server(q: Any, stop: Any, ckpt_on: Any, numel: int, every: int, root: str) 
     server.start()
     stop.wait()
     deadline = time.monotonic() + 120
-    while pending[0] and time.monotonic() < deadline:  # a snapshot still being copied reaches the writer
+    while is_pending() and time.monotonic() < deadline:  # a snapshot still being copied reaches the writer
         time.sleep(0.05)
     ck.wait(120)
-    q.put({"steps": steps, "opens": opens, "saved": ck.saved, "skipped": ck.skipped, "failed": ck.failed,
+    q.put({"peak_mb": _vm_hwm_mb(), "steps": steps, "opens": opens, "saved": ck.saved, "skipped": ck.skipped, "failed": ck.failed,
            "write_s": ck.last_seconds, "serve_copy_s": server.snapshot_serve_seconds,
            "stats": {k: v for k, v in server.stats().items() if k in ("cow_copies", "cow_s", "apply_s",
                                                                          "snapshot_chunks_copied",
                                                                          "snapshot_chunks_adopted")}})
     server.close()
+
+
+def _vm_hwm_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / MB
+    return float("nan")
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -196,7 +210,7 @@ def summarise(label: str, numel: int, every: int, r: dict[str, Any]) -> dict[str
         "push_p50_ms_on": _pct(lat_on, 50) * ms, "push_p99_ms_on": _pct(lat_on, 99) * ms,
         "push_max_ms_on": max(lat_on) * ms,
         "push_mean_ms_pending": statistics.mean(lat_pending) * ms if lat_pending else float("nan"),
-        "write_s": r["write_s"], "cow_copies": r["stats"].get("cow_copies", 0),
+        "write_s": r["write_s"], "peak_mb": r.get("peak_mb", float("nan")), "cow_copies": r["stats"].get("cow_copies", 0),
         "chunks_copied": r["stats"].get("snapshot_chunks_copied", ""),
         "chunks_left_by_writes": r["stats"].get("snapshot_chunks_adopted", ""),
     }
@@ -209,8 +223,10 @@ NOTES = ("One ShardServer process holding {numel:.0f}M fp32 values with SGD mome
          "the steps that ran while a snapshot was pending; below 0: those steps were cheaper than the quiet median, "
          "within its noise; quiet steps also write out of place, or before copy, the values a PARAMS reply still "
          "sends, `cow_copies`); `chunks_*`: of the delivered snapshots, chunks the copier copied / chunks an update "
-         "wrote out of place, left to the snapshot; `serve_copy_ms_per_ckpt`: what the shard itself "
-         "counts as copies on the serve thread; `step_ms_*`: one optimizer step; `push_*`: push+reply latency "
+         "wrote out of place, left to the snapshot (`after21` on: pieces written straight from the live state / "
+         "pieces updates wrote out of place within the snapshot's 16 MiB); `serve_copy_ms_per_ckpt`: what the "
+         "shard itself counts on the serve thread: copies, and from `after21` on the wall time its updates "
+         "waited for the writer (past the 16 MiB); `peak_mb`: the server process's peak RSS (VmHWM); `step_ms_*`: one optimizer step; `push_*`: push+reply latency "
          "with checkpoints off / on, `push_mean_ms_pending`: the pushes whose step ran with a snapshot pending. "
          "Timings on a loaded 2-core machine shared with other jobs: compare within a run, and rows by their "
          "ratio to their own quiet figures.")

@@ -18,13 +18,15 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import WriteItem
 
 from gossamer.checkpoint.manifest import MANIFEST, fsync_dir, recover_dir, replace_dir
 from gossamer.errors import CheckpointError
@@ -33,6 +35,7 @@ from gossamer.faults import die_at
 __all__ = [
     "FORMAT",
     "AsyncCheckpointer",
+    "PieceStream",
     "ShardSnapshot",
     "complete_steps",
     "latest_good",
@@ -49,11 +52,28 @@ log = logging.getLogger(__name__)
 FORMAT = "gossamer-sharded/1"
 _STEP_RE = re.compile(r"step-(\d+)")
 _BLOCK = 1 << 20
+_WRITERS = 2  # DCP's writer threads: 800 MB to the page cache in 0.63 s against 1.04 s with one, on this host
 
 # DCP warns on every call without a process group, even when no_dist=True asks for exactly that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 Pieces = list[tuple[int, int, list[str]]]
+
+
+class PieceStream(Protocol):
+    """Where a snapshot's piece tensors come from while it is written (`ShardSnapshot.stream`)."""
+
+    def take(self, offset: int, name: str) -> torch.Tensor:
+        """The tensor of piece `offset`'s `name`, to be written now (nothing writes it until `written`)."""
+        ...
+
+    def written(self, offset: int, name: str) -> None:
+        """That tensor is in the file: its source may change or go."""
+        ...
+
+    def close(self) -> None:
+        """The save ended (written, failed or abandoned): every tensor is released."""
+        ...
 
 
 @dataclass
@@ -63,6 +83,9 @@ class ShardSnapshot:
     `pieces` maps a flat offset to 1-D fp32 tensors of equal numel: "param" plus elementwise
     optimizer state ("momentum_buffer", "exp_avg", ...); `scalars` holds per-piece scalar
     state such as AdamW's "step". `layout` is [(parameter name, shape)] in flat order.
+    With a `stream`, `pieces` only describe the tensors (meta tensors of their size): the save
+    asks the stream for each one as it writes it, in `pieces`' order, and says when it is
+    written (a shard's live state written without a copy of it, `PendingSnapshot`).
     """
 
     experiment: str
@@ -75,6 +98,35 @@ class ShardSnapshot:
     scalars: dict[int, dict[str, float]] = field(default_factory=dict)
     layout: list[tuple[str, list[int]]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    stream: PieceStream | None = None
+
+
+class _StreamPlanner(DefaultSavePlanner):
+    """DCP's default planner, each tensor read from the snapshot's stream as it is written."""
+
+    def __init__(self, stream: PieceStream) -> None:
+        super().__init__()
+        self._stream = stream
+        self._last: dict[int, tuple[int, str]] = {}  # by writer thread: the tensor it asked for last
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        # Each of DCP's writer threads writes one tensor at a time, in its file's order: asked for
+        # its next one, the one before is in its file.
+        thread = threading.get_ident()
+        self._written(thread)
+        name, _, off = write_item.index.fqn.rpartition("/")
+        self._last[thread] = (int(off), name)
+        return self._stream.take(int(off), name)
+
+    def _written(self, thread: int) -> None:
+        last = self._last.pop(thread, None)
+        if last is not None:
+            self._stream.written(*last)
+
+    def finish(self) -> None:
+        """The last tensors asked for are in their files (DCP returned)."""
+        for thread in list(self._last):
+            self._written(thread)
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -178,12 +230,21 @@ def save_shard(root: str | os.PathLike[str], snap: ShardSnapshot) -> Path:
 
     DCP writes into a hidden temporary sibling; the manifest goes in last, then the directory
     is renamed into place, so a shard directory is complete or absent. The snapshot's tensors
-    must not change while this runs.
+    must not change while this runs; a streamed snapshot's (`ShardSnapshot.stream`) are read
+    one at a time and released as each is written, and all of them whatever happens.
 
     Raises:
         ValueError: a malformed snapshot.
         CheckpointError: DCP failed to write.
     """
+    try:
+        return _save_shard(root, snap)
+    finally:
+        if snap.stream is not None:
+            snap.stream.close()
+
+
+def _save_shard(root: str | os.PathLike[str], snap: ShardSnapshot) -> Path:
     _check_snapshot(snap)
     parent = step_dir(root, snap.step)
     parent.mkdir(parents=True, exist_ok=True)
@@ -192,11 +253,18 @@ def save_shard(root: str | os.PathLike[str], snap: ShardSnapshot) -> Path:
     tmp = parent / f".{name}.tmp-{os.getpid()}-{time.time_ns()}"
     tmp.mkdir()
     state = {f"{k}/{off}": t.detach() for off, s in snap.pieces.items() for k, t in s.items()}
+    planner = _StreamPlanner(snap.stream) if snap.stream is not None else None
     try:
         try:
-            dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=True)
+            # Not fsynced here: `_seal_files` fsyncs every file (the data, then .metadata) as it hashes it. Two
+            # writer threads, two files: a streamed snapshot is written (and its tensors released) sooner.
+            dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=False, thread_count=_WRITERS),
+                     planner=planner, no_dist=True)
         except CheckpointException as e:
             raise CheckpointError(f"{tmp}: DCP save failed: {_dcp_cause(e)}") from e
+        finally:
+            if planner is not None:
+                planner.finish()
         die_at("mid-checkpoint", step=snap.step, shard=snap.shard)
         _write_json(tmp / MANIFEST, _manifest(snap, _seal_files(tmp)))
         fsync_dir(tmp)

@@ -7,7 +7,10 @@ pushes it was made of, as they arrived (the backup decodes them with the primary
 adds them up in the primary's order, `_push_decoding`), when every push of the update was
 compressed and their message is smaller than the dense one and fits the frame limits; else the
 dense fp32 gradient the primary applied (uncompressed pushes, a sync step whose workers' pushes
-add up to more bytes than their sum, `ShardConfig.replicate_encoded` off). A worker's PUSH is acknowledged (its reply sent) only once the
+add up to more bytes than their sum, `ShardConfig.replicate_encoded` off). REPLICATEs go while those the backup
+has not acknowledged yet stay within `REPLICATE_WINDOW_BYTES` (one always may): many small ones are on their way
+at once, a dense update of a large shard one at a time, so the backup holds one such gradient beside its state,
+not every one the primary applied meanwhile (ZMQ reads what arrives). A worker's PUSH is acknowledged (its reply sent) only once the
 backup has acknowledged that version: an acknowledged update survives the loss of either
 replica. A backup that does not answer for `backup_timeout_s`, or whose queue is full (it does
 not keep up), is detached; the primary then acknowledges unreplicated (counted) and re-attaches
@@ -58,12 +61,16 @@ from gossamer.transport.router import (
     STALE_EPOCH,
     UNAUTHENTICATED,
     configure_socket,
+    queue_depth,
 )
 
-__all__ = ["Replication"]
+__all__ = ["REPLICATE_WINDOW_BYTES", "Replication"]
 
 logger = logging.getLogger(__name__)
 
+#: Bytes of REPLICATEs on their way to the backup and not acknowledged yet, past which the next one waits for an
+#: ACK (the first always goes): a 1M-parameter shard's dense updates pipeline 16 deep, a 100M one's go one at a time.
+REPLICATE_WINDOW_BYTES = 64 << 20
 _RETRY_S = 1.0  # a backup that refused the CURVE handshake is dialled again this often
 _RESYNC_FIRST_S, _RESYNC_MAX_S = 1.0, 30.0  # backoff of re-attaching a detached backup
 
@@ -104,6 +111,12 @@ class Replication:
         self.acked = 0
         self._synced = False
         self._awaiting: deque[tuple[int, float, Callable[[], None]]] = deque()
+        # REPLICATEs made and not sent yet (version, frames, forwarded encoded), and those sent but not acknowledged
+        # (version, bytes): the next goes once the bytes on their way leave it room (`REPLICATE_WINDOW_BYTES`).
+        self._outbox: deque[tuple[int, list[bytes | memoryview], bool]] = deque()
+        self._in_flight: deque[tuple[int, int]] = deque()
+        self.window_bytes = REPLICATE_WINDOW_BYTES
+        self.window_waits = 0  # REPLICATEs that waited for the backup's ACK of those before them
         self.bytes_out = 0
         self.unreplicated = 0  # updates acknowledged to workers without a backup copy
         self.replicated_updates = 0
@@ -173,6 +186,8 @@ class Replication:
         self._send_sync()
 
     def close(self) -> None:
+        self._outbox.clear()
+        self._in_flight.clear()
         if self._watch is not None:
             self._watch.close()
             self._watch = None
@@ -183,6 +198,8 @@ class Replication:
     def _send_sync(self) -> None:
         self._synced = False
         self._flush(replicated=False)  # nothing waits on a SYNC: it is not timed as a stall
+        self._outbox.clear()  # the SYNC carries what they would have; REPLICATEs after it go behind it
+        self._in_flight.clear()
         # The live state, not a copy of it (2x the shard beside the state): a step while ZMQ still reads it
         # writes aside (`ShardState.lend`).
         meta, tensors = self.state.export(copy=False)
@@ -231,7 +248,27 @@ class Replication:
             dense = grads() if callable(grads) else grads
             frames = self._frames("REPLICATE", meta.to_meta(), {chunk_key(i): g for i, g in dense.items()})
             del dense
-        if self._send(frames):
+        if len(self._outbox) >= queue_depth(self.limits):
+            logger.error("%s: %d updates wait for backup %s (it does not keep up); detaching it", self._name,
+                         len(self._outbox), self.backup_endpoint)
+            self._detach()
+            return
+        self._outbox.append((self.state.version, frames, as_encoded))
+        self._send_next()
+        if self._outbox:
+            self.window_waits += 1
+
+    def _send_next(self) -> None:
+        """Send the waiting REPLICATEs that fit the window beside those not acknowledged yet."""
+        while self._outbox and self.socket is not None:
+            version, frames, as_encoded = self._outbox[0]
+            nbytes = frames_nbytes(frames)
+            if self._in_flight and sum(n for _, n in self._in_flight) + nbytes > self.window_bytes:
+                return
+            self._outbox.popleft()
+            if not self._send(frames):
+                return
+            self._in_flight.append((version, nbytes))
             self.replicated_updates += 1
             self.replicated_encoded += int(as_encoded)
 
@@ -269,6 +306,9 @@ class Replication:
                         logger.info("%s: backup %s synced at version %d", self._name, self.backup_endpoint,
                                     reply.version)
                     self.acked = max(self.acked, reply.version)
+                    while self._in_flight and self._in_flight[0][0] <= self.acked:
+                        self._in_flight.popleft()
+                    self._send_next()
                     self._flush(replicated=self._synced)
                 elif reply.meta.get("code") == OUT_OF_ORDER:
                     logger.warning("%s: backup out of order (%s); re-syncing", self._name, reply.meta.get("error"))
@@ -311,6 +351,10 @@ class Replication:
             endpoint, self.backup_endpoint = self.backup_endpoint, ""
             self.close()
             self.set_backup(endpoint)
+        if self._awaiting and now - self._awaiting[0][1] > self.config.backup_timeout_s and self.socket is not None:
+            # What the backup sent while the serve thread was busy (a long step, a wait for the checkpoint's
+            # writer) counts: it is silent only if nothing came.
+            self.on_replies(self.socket)
         if self._awaiting and now - self._awaiting[0][1] > self.config.backup_timeout_s:
             logger.error("%s: backup %s silent for %.1fs; acknowledging unreplicated until a new backup is "
                          "attached", self._name, self.backup_endpoint, self.config.backup_timeout_s)

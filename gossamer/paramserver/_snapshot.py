@@ -1,8 +1,9 @@
-"""A checkpoint snapshot that costs serving nothing: it holds the live tensors, and writes to them go aside."""
+"""A checkpoint snapshot written from the live state, a piece at a time, without a copy of it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,50 +12,60 @@ import torch
 from gossamer.checkpoint.sharded import ShardSnapshot
 from gossamer.paramserver._copy_on_write import storage_of
 
-__all__ = ["PendingSnapshot", "copy_in_background"]
+__all__ = ["ASIDE_BYTES", "WAIT_S", "PendingSnapshot"]
+
+#: Bytes of the snapshot an update may leave aside (write out of place) before it waits for the writer instead.
+ASIDE_BYTES = 16 << 20
+#: Seconds the serve thread waits for the writer, over one snapshot, before it writes aside whatever is left.
+WAIT_S = 2.0
 
 
 @dataclass
-class _Chunk:
-    """One chunk of a pending snapshot: the live tensors and, on the same storages, the snapshot's."""
+class _Piece:
+    """One tensor of the snapshot: a chunk's values or one of its optimizer buffers."""
 
     offset: int
-    live: dict[str, torch.Tensor]  # "param" and the optimizer's tensors, as the state holds them
-    held: dict[str, torch.Tensor]  # aliases of their storages when the snapshot was opened
-    ready: dict[str, torch.Tensor] | None = None  # the copier's copies, not handed over yet
-    settled: bool = False  # its piece is in the snapshot
+    name: str
+    # The state's tensor (a write out of place moves it to new memory); None once written, so that a
+    # snapshot kept for its counts keeps no tensor the state has replaced since (a SYNC's, a restore's).
+    live: torch.Tensor | None
+    held: torch.Tensor | None  # an alias of its storage at the snapshot's version; None once written
+    storage: int
+    nbytes: int
+    written: bool = False
+    aside: bool = False  # an update moved the live tensor off: the snapshot alone holds that storage
 
-    def still_live(self) -> list[str]:
-        """The tensors the state still writes to on the snapshot's storage (frozen until copied)."""
-        return [name for name, t in self.live.items() if storage_of(t) == storage_of(self.held[name])]
+    def still_live(self) -> bool:
+        live = self.live  # read once: the writer's thread may let go of it meanwhile
+        return not self.written and live is not None and storage_of(live) == self.storage
 
-    def copies(self) -> dict[str, torch.Tensor]:
-        """Copies of the snapshot's tensors (safe without the lock: nothing writes a frozen storage)."""
-        return {name: t.clone() for name, t in self.held.items()}
+    def let_go(self) -> None:
+        self.written, self.held, self.live = True, None, None
 
 
 class PendingSnapshot:
-    """The shard's state at one version, without a copy on the serve thread.
+    """The shard's state at one version, written to its checkpoint from the live tensors.
 
-    Opening it takes aliases of the live tensors and freezes their storages: while the
-    snapshot is pending, the state writes to them out of place (`WritesAside`), so the
-    aliases keep this version's values and an update never waits for a copy. A copier thread
-    copies the chunks from the last (an update walks them from the first), reading the frozen
-    aliases without the shard's lock, and publishes each copy; the copy becomes the chunk's
-    piece, which unfreezes the chunk (writes to it are in place again), as soon as the lock
-    is free or an update reaches the chunk, whichever comes first (`release`). A chunk an
-    update moved first keeps the alias, which nothing writes to any more. Either way each
-    piece holds the version the snapshot was opened at, and the memory is one copy of the
-    state, as a copying snapshot's; an update pays at most the new memory of the chunks the
-    copier has not reached.
+    Opening it takes aliases of the live tensors and freezes their storages; the checkpoint
+    writer reads each one as it writes it (`take`), in reverse chunk order, and unfreezes it
+    once it is in the file (`written`): nothing is copied for the checkpoint. An update that
+    reaches a tensor not written yet writes it out of place (`WritesAside`: the snapshot keeps
+    the old storage) while the snapshot's tensors left aside stay within `aside_bytes`, and
+    past that waits for the writer to write it (it walks the chunks from the first, the writer
+    from the last, so they meet once), then writes in place. The memory a checkpoint costs is
+    at most `aside_bytes` and the serve thread's wait at most `wait_s` per snapshot (past it,
+    what is left is written aside). Either way every piece holds the snapshot's version.
     """
 
-    def __init__(self, skeleton: ShardSnapshot, sources: list[tuple[int, torch.Tensor, dict[str, Any]]]) -> None:
+    def __init__(self, skeleton: ShardSnapshot, sources: list[tuple[int, torch.Tensor, dict[str, Any]]], *,
+                 aside_bytes: int = ASIDE_BYTES, wait_s: float = WAIT_S) -> None:
         """`skeleton`: the snapshot's fields with no pieces yet; `sources`: (flat offset, chunk
         values, the optimizer's state of the chunk) of every chunk, all live (not copies)."""
         self.snapshot = skeleton
-        self._chunks: list[_Chunk] = []
-        for offset, value, state in sources:
+        self.aside_bytes = aside_bytes
+        self._wait_left = wait_s
+        self._pieces: dict[tuple[int, str], _Piece] = {}
+        for offset, value, state in sorted(sources, key=lambda s: s[0], reverse=True):  # the writer's order
             live: dict[str, torch.Tensor] = {"param": value}
             scalars: dict[str, float] = {}
             for name, val in state.items():
@@ -66,101 +77,95 @@ class PendingSnapshot:
                     scalars[name] = float(val)
             if scalars:
                 self.snapshot.scalars[offset] = scalars
-            held = {name: t.detach().reshape(-1) for name, t in live.items()}
-            self._chunks.append(_Chunk(offset, live, held))
-        self._by_storage = {storage_of(t): c for c in self._chunks for t in c.held.values()}
-        self.copy_order = tuple(reversed(self._chunks))  # the copier's: from the last chunk
-        self.copied = 0  # chunks the copier copied (their live tensors stayed where they were)
-        self.adopted = 0  # chunks whose live tensors a write moved off (the snapshot keeps the storage)
+            entry: dict[str, torch.Tensor] = {}
+            for name, t in live.items():
+                held = t.detach().reshape(-1)
+                self._pieces[offset, name] = _Piece(offset, name, t, held, storage_of(held),
+                                                    held.numel() * held.element_size())
+                entry[name] = torch.empty(held.shape, dtype=held.dtype, device="meta")
+            self.snapshot.pieces[offset] = entry
+        self.snapshot.stream = self
+        self._by_storage = {p.storage: p for p in self._pieces.values()}
+        self._cond = threading.Condition()
+        self.aside = 0  # bytes of the snapshot that updates left aside (new memory for the live state)
+        self.pieces_aside = 0
+        self.waits = 0  # writes that waited for the writer to write their piece
+        self.wait_seconds = 0.0  # what the serve thread waited for the writer
         self.serve_copies = 0  # tensors the serve thread copied for it (a write with no out-of-place twin)
-        self.finish_seconds = 0.0  # what the serve thread paid: copies for writes it could not turn around
+        self.finish_seconds = 0.0  # what the serve thread paid: waits, and copies for writes it could not turn around
 
     @property
     def done(self) -> bool:
-        """Every piece is the snapshot's own (copied, or left behind by a write)."""
-        self.settle()
-        return all(c.settled for c in self._chunks)
+        """Every piece is written (or the save ended): nothing of the state is frozen for it any more."""
+        return all(p.written for p in self._pieces.values())
 
     @property
-    def published(self) -> int:
-        """Chunks whose copy the copier has made and not handed over yet."""
-        return sum(1 for c in self._chunks if c.ready is not None and not c.settled)
+    def pieces_in_place(self) -> int:
+        """Pieces written straight from the live state (no update moved them meanwhile)."""
+        return sum(1 for p in self._pieces.values() if p.written and not p.aside)
 
     def frozen(self) -> set[int]:
-        """The storages a write must leave alone: the snapshot's, still under the live state."""
-        return {storage_of(c.held[name]) for c in self._chunks if not c.settled for name in c.still_live()}
+        """The storages a write must leave alone: the snapshot's not written yet, still under the live state."""
+        return {p.storage for p in list(self._pieces.values()) if p.still_live()}
 
-    def settle(self) -> None:
-        """Hand over the copies published so far; chunks every tensor of which a write moved off
-        are the snapshot's as they are (call under the lock)."""
-        for c in self._chunks:
-            if c.settled:
-                continue
-            if c.ready is not None:
-                self._put_copy(c, c.ready)
-            elif not c.still_live():
-                self._put(c, c.held)
-                self.adopted += 1
+    # -- the writer's side (any thread, without the shard's lock) -----------------------------
+    def take(self, offset: int, name: str) -> torch.Tensor:
+        held = self._pieces[offset, name].held
+        if held is None:
+            raise RuntimeError(f"snapshot piece {name}/{offset} taken after it was written")
+        return held
 
+    def written(self, offset: int, name: str) -> None:
+        with self._cond:
+            self._pieces[offset, name].let_go()
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            for piece in self._pieces.values():
+                piece.let_go()
+            self._cond.notify_all()
+
+    # -- the serve thread's side (under the shard's lock) ---------------------------------------
     def release(self, storage: int) -> set[int]:
-        """A write is about to reach `storage`: if the copier has published the copy of its
-        chunk, the copy becomes the piece; returns the storages no longer frozen (call under
-        the lock)."""
-        c = self._by_storage.get(storage)
-        if c is None or c.settled or c.ready is None:
+        """A write is about to reach `storage`: returns {storage} if it may write in place (the
+        writer has written it, at once or after a wait), else set() (it writes aside)."""
+        piece = self._by_storage.get(storage)
+        if piece is None:
             return set()
-        freed = {storage_of(c.held[name]) for name in c.still_live()}
-        self._put_copy(c, c.ready)
-        return freed
-
-    def to_copy(self) -> list[_Chunk]:
-        """The chunks for the copier, last first (call under the lock)."""
-        self.settle()
-        return [c for c in reversed(self._chunks) if not c.settled]
-
-    def copy_next(self) -> bool:
-        """Copy one more chunk on this thread (the caller holds the lock); False once none is left."""
-        todo = self.to_copy()
-        if not todo:
-            return False
-        todo[0].ready = todo[0].copies()
-        self.settle()
-        return True
-
-    def _put_copy(self, c: _Chunk, copies: dict[str, torch.Tensor]) -> None:
-        still = set(c.still_live())  # a tensor a write moved off keeps its alias: nothing writes it
-        self._put(c, {name: copies[name] if name in still else held for name, held in c.held.items()})
-        if still:
-            self.copied += 1
-        else:  # every tensor moved off before the copy was handed over: the copy goes unused
-            self.adopted += 1
-
-    def _put(self, c: _Chunk, tensors: dict[str, torch.Tensor]) -> None:
-        self.snapshot.pieces[c.offset] = tensors
-        c.settled, c.ready, c.held, c.live = True, None, {}, {}
+        with self._cond:
+            if not piece.written and self.aside + piece.nbytes > self.aside_bytes and self._wait_left > 0:
+                t0 = time.perf_counter()
+                self.waits += 1
+                self._cond.wait_for(lambda: piece.written, timeout=self._wait_left)
+                waited = time.perf_counter() - t0
+                self._wait_left -= waited
+                self.wait_seconds += waited
+                self.finish_seconds += waited
+            if piece.written:
+                return {storage}
+            self.aside += piece.nbytes
+            self.pieces_aside += 1
+            piece.aside = True
+            return set()
 
     def note_write(self, copies: int, seconds: float) -> None:
         """A write ran beside this snapshot: `copies` tensors had to be copied first, in `seconds`."""
         self.serve_copies += copies
         self.finish_seconds += seconds
-        self.settle()
 
-
-def copy_in_background(pending: PendingSnapshot, lock: Any, deliver: Callable[[ShardSnapshot], object]) -> None:
-    """The copier thread's body: copy each chunk without the lock (its storages are frozen),
-    publish the copy, hand copies over whenever the lock is free, then give the whole
-    snapshot to `deliver`."""
-    for chunk in pending.copy_order:
-        if chunk.settled:  # an update moved it off, or took its copy
-            continue
-        chunk.ready = chunk.copies()  # one assignment: a reader sees no copy or all of it
-        if chunk.settled:  # handed over meanwhile (or moved off): the copy is not needed
-            chunk.ready = None
-        if lock.acquire(blocking=False):
-            try:
-                pending.settle()
-            finally:
-                lock.release()
-    with lock:
-        pending.settle()
-    deliver(pending.snapshot)
+    # -- for tests and tools: the whole snapshot in memory -----------------------------------
+    def read_all(self) -> ShardSnapshot:
+        """Write the pieces not written yet into memory (copies), as a checkpoint writer would, and return them
+        as a snapshot."""
+        pieces: dict[int, dict[str, torch.Tensor]] = {}
+        for (offset, name), piece in list(self._pieces.items()):
+            if piece.written:
+                continue
+            pieces.setdefault(offset, {})[name] = self.take(offset, name).clone()
+            self.written(offset, name)
+        self.close()
+        snap = self.snapshot
+        return ShardSnapshot(experiment=snap.experiment, step=snap.step, shard=snap.shard, num_shards=snap.num_shards,
+                             total_numel=snap.total_numel, version=snap.version, pieces=pieces,
+                             scalars=snap.scalars, layout=snap.layout, extra=snap.extra)

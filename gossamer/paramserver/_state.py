@@ -170,11 +170,11 @@ class ShardState:
             return
         t0 = time.perf_counter()
         release = None
-        if len(pendings) == 1:  # a copy the copier has ready lets the write stay in place
+        if len(pendings) == 1:  # a piece the writer has written (or will, shortly) is written in place
             pending = pendings[0]
 
             def release(ptr: int) -> set[int]:
-                return pending.release(ptr) - lent
+                return set() if ptr in lent else pending.release(ptr)
 
         mode = WritesAside(frozen, release)
         with mode:
@@ -193,8 +193,9 @@ class ShardState:
         self._pending = [weakref.ref(p) for p in alive]
         return alive
 
-    def open_snapshot(self, step: int) -> PendingSnapshot:
-        """This version's state for a checkpoint, with no copy here (`PendingSnapshot`)."""
+    def open_snapshot(self, step: int, **limits: Any) -> PendingSnapshot:
+        """This version's state for a checkpoint, written from the live tensors (`PendingSnapshot`, `limits` its
+        `aside_bytes` and `wait_s`): give its `snapshot` to a writer (`save_shard`), or `close` it."""
         layout = [(name, list(self.shapes.get(name, (numel,)))) for name, numel in self.plan.params]
         skeleton = ShardSnapshot(
             experiment=self.config.experiment, step=step, shard=self.config.shard,
@@ -203,7 +204,7 @@ class ShardState:
         )
         sources = [(c.flat_offset, self.params[idx], dict(self.optimizer.state.get(self.params[idx], {})))
                    for idx, c in sorted(self.chunks.items())]
-        pending = PendingSnapshot(skeleton, sources)
+        pending = PendingSnapshot(skeleton, sources, **limits)
         self._pending = [*(weakref.ref(p) for p in self._pendings()), weakref.ref(pending)]
         return pending
 

@@ -25,7 +25,7 @@ from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
 from gossamer.paramserver._seeding import Seeding
 from gossamer.paramserver._serve import OVER_BUDGET, ServeLoop
-from gossamer.paramserver._snapshot import PendingSnapshot, copy_in_background
+from gossamer.paramserver._snapshot import PendingSnapshot
 from gossamer.paramserver._state import ShardState
 from gossamer.paramserver._updates import Updates
 from gossamer.paramserver.shard_config import ShardConfig
@@ -91,8 +91,8 @@ class ShardServer:
         self.endpoint = ""
         self._snapshot_finish: PendingSnapshot | None = None  # the newest snapshot_later's
         self._finish_s = 0.0
-        # Chunks of delivered snapshots: copied by the copier / left to the snapshot by an update
-        # that wrote them out of place (new memory on the serve thread, no copy).
+        # Pieces (a chunk's values or one optimizer buffer) of the snapshots before the newest: written from
+        # the live state / left to the snapshot by an update that wrote them out of place (new memory, no copy).
         self._snapshot_chunks = {"copied": 0, "adopted": 0}
         #: Called (serve thread) when a rebuild from the workers' copies ends: (sender, version), or ("", 0)
         #: when no copy came before the deadline.
@@ -207,39 +207,38 @@ class ShardServer:
         """This shard's state for a sharded checkpoint (copies; call on the serve thread)."""
         return self._state.snapshot(step)
 
-    def snapshot_later(self, step: int, deliver: Callable[[ShardSnapshot], object]) -> threading.Thread:
-        """This version's state for a checkpoint, copied beside serving; `deliver` gets it once whole.
+    def snapshot_later(self, step: int, deliver: Callable[[ShardSnapshot], object]) -> PendingSnapshot:
+        """This version's state for a checkpoint, handed to `deliver` (a writer, e.g.
+        `AsyncCheckpointer.submit`) at once, with nothing copied.
 
-        Call on the serve thread (under the lock): nothing is copied here, nor by later updates,
-        which write what the snapshot still holds out of place (`PendingSnapshot`). A thread
-        copies the chunks no update has moved off yet, outside the lock, and takes the lock
-        only to hand each copy over. Returns the copier thread.
+        Call on the serve thread (under the lock). The snapshot streams the live tensors to its
+        writer, which releases each one once written; updates meanwhile write what it has not
+        written yet out of place, or wait for the writer past a small budget (`PendingSnapshot`).
+        `deliver` returning False (it will not write it) or raising closes the snapshot.
+        Returns the pending snapshot.
         """
         pending = self._state.open_snapshot(step)
         if self._snapshot_finish is not None:
-            self._finish_s += self._snapshot_finish.finish_seconds
+            self._note_snapshot(self._snapshot_finish)
         self._snapshot_finish = pending
+        taken = False
+        try:
+            taken = deliver(pending.snapshot) is not False
+        finally:
+            if not taken:
+                pending.close()
+        return pending
 
-        def hand_over(snap: ShardSnapshot) -> None:
-            # Forget it here: its pieces are the checkpointer's to free once written, not kept
-            # until the next checkpoint (a whole copy of the state) nor freed on the serve thread.
-            with self._lock:
-                self._snapshot_chunks["copied"] += pending.copied
-                self._snapshot_chunks["adopted"] += pending.adopted
-                if self._snapshot_finish is pending:
-                    self._finish_s += pending.finish_seconds
-                    self._snapshot_finish = None
-            deliver(snap)
-
-        thread = threading.Thread(target=copy_in_background, args=(pending, self._lock, hand_over),
-                                  name=f"snapshot-shard-{self.config.shard}", daemon=True)
-        thread.start()
-        return thread
+    def _note_snapshot(self, pending: PendingSnapshot) -> None:
+        self._finish_s += pending.finish_seconds
+        self._snapshot_chunks["copied"] += pending.pieces_in_place
+        self._snapshot_chunks["adopted"] += pending.pieces_aside
 
     @property
     def snapshot_serve_seconds(self) -> float:
-        """Time the serve thread spent copying for snapshots (all so far): only writes with no
-        out-of-place twin copy (none of torch's SGD/AdamW or DelayedNesterov's)."""
+        """Time the serve thread spent for snapshots (all so far): waiting for the writer to write
+        a piece an update reached past the snapshot's budget of writes aside, and copies for
+        writes with no out-of-place twin (none of torch's SGD/AdamW or DelayedNesterov's)."""
         with self._lock:
             return self._finish_s + (self._snapshot_finish.finish_seconds if self._snapshot_finish else 0.0)
 
@@ -350,6 +349,7 @@ class ShardServer:
         hist = gate.stats()
         rep = self._replication
         refused = self._loop.refused
+        last = self._snapshot_finish
         return {
             "experiment": self.config.experiment,
             "shard": self.config.shard,
@@ -360,8 +360,8 @@ class ShardServer:
             "apply_s": self._state.apply_s,
             "cow_copies": self._state.cow_copies,
             "cow_s": self._state.cow_s,
-            "snapshot_chunks_copied": self._snapshot_chunks["copied"],
-            "snapshot_chunks_adopted": self._snapshot_chunks["adopted"],
+            "snapshot_chunks_copied": self._snapshot_chunks["copied"] + (last.pieces_in_place if last else 0),
+            "snapshot_chunks_adopted": self._snapshot_chunks["adopted"] + (last.pieces_aside if last else 0),
             "staleness": hist["staleness"],
             "version_staleness": hist["version_staleness"],
             "waits": hist["waits"],
@@ -382,6 +382,7 @@ class ShardServer:
             "resyncs": rep.resyncs,
             "replicated_updates": rep.replicated_updates,
             "replicated_encoded": rep.replicated_encoded,
+            "replicate_window_waits": rep.window_waits,
             "replicate_bytes": rep.bytes_out,
             "promotions": rep.promotions,
             "refused_promotions": rep.refused_promotions,

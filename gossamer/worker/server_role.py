@@ -226,12 +226,11 @@ class ServerRole:
 
     # --- checkpoints and metrics -----------------------------------------------------------
     def _take_snapshot(self, version: int) -> None:
-        """At a checkpoint boundary (serve thread): copy the state beside serving, then save it.
+        """At a checkpoint boundary (serve thread): save the state beside serving, streamed from the live tensors.
 
-        Skipped while the previous save still runs (its copy would be dropped, after holding
-        another copy of the state meanwhile). `ckpt_snapshot_s` is what the serve thread pays:
-        opening the snapshot and any copy a write had to make for it (updates write what the
-        snapshot still holds out of place instead, `PendingSnapshot`).
+        Skipped while the previous save still runs. `ckpt_snapshot_s` is what the serve thread
+        pays: opening the snapshot, waits for the writer (an update past the snapshot's budget
+        of writes out of place) and any copy a write had to make for it (`PendingSnapshot`).
         """
         ck = self.checkpointer
         assert ck is not None
@@ -239,7 +238,10 @@ class ServerRole:
             ck.skipped += 1
             return
         t0 = time.perf_counter()
-        self.server.snapshot_later(version, ck.submit)
+        try:
+            self.server.snapshot_later(version, ck.submit)
+        except RuntimeError as e:  # the checkpointer closed as the role stops: the update stands, unsaved
+            log.warning("checkpoint at version %d not taken: %s", version, e)
         self._snapshot_open_s += time.perf_counter() - t0
 
     def _saved(self, path: Path, snap: Any, seconds: float) -> None:

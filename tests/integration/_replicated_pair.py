@@ -25,10 +25,11 @@ def _status_kb(key: str) -> int:
     raise AssertionError(f"no {key} in /proc/self/status")
 
 
-def replica(conn: Connection, backup: bool) -> None:
-    """Serve shard 0 (sync, Nesterov momentum); answer the test's requests on `conn`:
+def replica(conn: Connection, backup: bool, mode: str = "sync") -> None:
+    """Serve shard 0 (in `mode`, Nesterov momentum); answer the test's requests on `conn`:
     ("attach", endpoint): attach that backup and wait until it is synced; "reset": reset the peak
-    RSS (clear_refs 5) and answer the current RSS in bytes; "peak": answer (peak RSS bytes, version)."""
+    RSS (clear_refs 5) and answer the current RSS in bytes; "peak": answer (peak RSS bytes, version);
+    ("window", bytes): set its REPLICATE window; "stats": answer its stats."""
     torch.set_num_threads(1)
     from gossamer.paramserver import OptimizerConfig, ShardConfig, ShardServer
     from gossamer.worker.allocator import mmap_large_allocations
@@ -38,7 +39,7 @@ def replica(conn: Connection, backup: bool) -> None:
     mmap_large_allocations()
 
     p = plan()
-    config = ShardConfig(experiment=EXPERIMENT, shard=0, mode="sync", staleness=None,
+    config = ShardConfig(experiment=EXPERIMENT, shard=0, mode=mode, staleness=None,
                          optimizer=OptimizerConfig(name="sgd", lr=0.01, momentum=0.9, nesterov=True),
                          total_steps=10**6, backup_timeout_s=600.0)
     server = ShardServer(config, p, {c.index: torch.zeros(c.numel) for c in p.chunks},
@@ -50,7 +51,12 @@ def replica(conn: Connection, backup: bool) -> None:
             request = conn.recv()
             if request == "stop":
                 return
-            if isinstance(request, tuple):
+            if isinstance(request, tuple) and request[0] == "window":
+                server._replication.window_bytes = request[1]  # noqa: SLF001 — the test sizes the window
+                conn.send(True)
+            elif request == "stats":
+                conn.send(server.stats())
+            elif isinstance(request, tuple):
                 endpoint = request[1]
                 server.post(lambda e=endpoint: server.set_backup(e))
                 deadline = time.monotonic() + 120

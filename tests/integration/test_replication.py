@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
 import torch
 
@@ -85,3 +87,52 @@ def test_silent_backup_is_detached_and_counted_not_waited_on_forever() -> None:
     finally:
         client.close()
         primary.close()
+
+
+def test_a_backup_that_answered_while_the_primary_was_busy_is_not_taken_for_silent() -> None:
+    """Two pushes read in one batch; the second's step outlasts `backup_timeout_s` while the backup acknowledges
+    the first: the primary reads that ACK before judging the backup silent (it was detached before)."""
+    primary, backup = _server(False, backup_timeout_s=0.5), _server(True)
+    clients = [ShardClient(experiment="chaos", sender=f"w{i}", plan=primary.plan, endpoints={0: primary.endpoint},
+                           timeout_s=20) for i in range(2)]
+    state = primary._state  # noqa: SLF001 — a step made slow, as a large shard's or one waiting for a checkpoint
+    step = state.step
+    slow = threading.Event()
+    released = threading.Event()
+
+    steps_since = [0]
+
+    def slow_step(*args: Any, **kw: Any) -> float:
+        out = step(*args, **kw)
+        if slow.is_set():
+            steps_since[0] += 1
+            if steps_since[0] == 2:  # the second push of the batch: the backup acknowledges the first meanwhile
+                deadline = time.monotonic() + 10
+                while backup.version < state.version - 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.6)  # the step outlasts backup_timeout_s, the first push's ACK unread
+        return out
+
+    state.step = slow_step  # type: ignore[method-assign]
+    try:
+        primary.post(lambda: primary.set_backup(backup.endpoint))
+        _push(clients[0], 2)
+        _wait(lambda: primary.replicated)
+        before = primary.stats()  # pushes answered while the SYNC was on its way count as unreplicated
+        primary.post(lambda: released.wait(10))  # the serve thread busy while both pushes arrive
+        g = {c.index: torch.ones(c.numel) for c in primary.plan.chunks}
+        for i, c in enumerate(clients):
+            c.push_async(g, clock=10 + i, basis={0: 0})
+        slow.set()
+        released.set()
+        for c in clients:
+            c.wait()
+        st = primary.stats()
+        assert st["backup_detaches"] == before["backup_detaches"] == 0, st["backup_detaches"]
+        assert st["replicated"] and st["unreplicated"] == before["unreplicated"], (st["unreplicated"], before)
+        _wait(lambda: backup.version == primary.version == 4)
+    finally:
+        for c in clients:
+            c.close()
+        primary.close()
+        backup.close()

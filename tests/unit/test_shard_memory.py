@@ -13,7 +13,7 @@ from torch import nn
 
 from gossamer.checkpoint import save_model_checkpoint
 from gossamer.checkpoint.manifest import read_manifest
-from gossamer.checkpoint.sharded import AsyncCheckpointer, ShardSnapshot
+from gossamer.checkpoint.sharded import AsyncCheckpointer, save_shard, step_dir
 from gossamer.paramserver import (
     OptimizerConfig,
     ShardConfig,
@@ -23,7 +23,6 @@ from gossamer.paramserver import (
     take_shard_values,
 )
 from gossamer.paramserver._copy_on_write import storage_of
-from gossamer.paramserver._snapshot import copy_in_background
 from gossamer.paramserver._state import ShardState
 from gossamer.protocol import PushMeta, chunk_key
 from gossamer.transport.frames import Message
@@ -119,11 +118,16 @@ def test_a_snapshot_opens_without_copying_and_holds_its_version_across_a_write()
     state.step(_grads(state), 1.0, schedule=False)  # momentum exists
     expected = state.snapshot(7)  # the copying snapshot of version 1
     pending = state.open_snapshot(7)
-    assert not pending.snapshot.pieces  # nothing copied yet
-    assert pending.copy_next()  # the copier takes one chunk
-    state.step(_grads(state, 3.0), 1.0, schedule=False)  # the write finishes the rest first
-    assert pending.done and pending.finish_seconds >= 0.0
-    snap = pending.snapshot
+    pieces = pending.snapshot.pieces
+    assert all(t.device.type == "meta" for entry in pieces.values() for t in entry.values())  # nothing copied
+    last = max(pieces)
+    kept = {name: pending.take(last, name).clone() for name in pieces[last]}
+    for name in pieces[last]:
+        pending.written(last, name)  # the writer wrote the last chunk
+    state.step(_grads(state, 3.0), 1.0, schedule=False)  # the write leaves the rest to the snapshot
+    assert pending.finish_seconds == 0.0 and pending.pieces_aside == 2 * (len(pieces) - 1)
+    snap = pending.read_all()
+    snap.pieces[last] = kept
     assert snap.version == expected.version == 1
     assert sorted(snap.pieces) == sorted(expected.pieces)
     for off, entry in expected.pieces.items():
@@ -132,20 +136,26 @@ def test_a_snapshot_opens_without_copying_and_holds_its_version_across_a_write()
             torch.testing.assert_close(snap.pieces[off][name], t, rtol=0, atol=0)
 
 
-def test_the_copier_delivers_a_whole_snapshot_while_the_lock_is_shared() -> None:
-    state = _state(_plan())
+def test_the_checkpointer_writes_a_whole_snapshot_from_the_live_state(tmp_path: Path) -> None:
+    state, other = _state(_plan()), _state(_plan(), shard=1)
     state.step(_grads(state), 1.0, schedule=False)
+    other.step(_grads(other), 1.0, schedule=False)
     expected = state.snapshot(3)
-    lock = threading.RLock()
-    got: list[ShardSnapshot] = []
+    save_shard(tmp_path, other.snapshot(3))  # the other shard's part of the step
+    ck = AsyncCheckpointer(tmp_path)
     pending = state.open_snapshot(3)
-    thread = threading.Thread(target=copy_in_background, args=(pending, lock, got.append))
-    thread.start()
-    thread.join(timeout=30)
-    assert len(got) == 1 and got[0] is pending.snapshot
-    for off, entry in expected.pieces.items():
-        for name, t in entry.items():
-            torch.testing.assert_close(got[0].pieces[off][name], t, rtol=0, atol=0)
+    assert ck.submit(pending.snapshot)
+    ck.wait(30)
+    assert ck.saved == 1 and pending.done
+    meta, tensors = state.read_checkpoint(str(step_dir(tmp_path, 3)))
+    assert meta.state_version == 1
+    for idx, c in state.chunks.items():
+        for name, t in expected.pieces[c.flat_offset].items():
+            key = chunk_key(idx) if name == "param" else f"{chunk_key(idx)}/{name}"
+            torch.testing.assert_close(tensors[key], t, rtol=0, atol=0)
+    ptrs = [p.data_ptr() for p in state.params.values()]
+    state.step(_grads(state), 1.0, schedule=False)
+    assert [p.data_ptr() for p in state.params.values()] == ptrs  # written: the state steps in place again
 
 
 def test_a_sync_load_takes_the_optimizer_state_it_is_given() -> None:
@@ -279,11 +289,13 @@ def test_a_snapshot_keeps_the_storage_a_send_still_reads_instead_of_copying_it()
     pending = state.open_snapshot(5)
     state.lend(Reader(done=False))  # a reply of this version is still being sent
     state.step(_grads(state, 2.0), 1.0, schedule=False)
-    assert pending.done and state.cow_copies == 1
+    assert state.cow_copies == 1
+    for off in expected.pieces:
+        assert pending.take(off, "param").data_ptr() == old[off]  # the old storage, not a third copy
+    snap = pending.read_all()
     for off, entry in expected.pieces.items():
-        assert pending.snapshot.pieces[off]["param"].data_ptr() == old[off]  # the old storage, not a third copy
         for name, t in entry.items():
-            torch.testing.assert_close(pending.snapshot.pieces[off][name], t, rtol=0, atol=0)
+            torch.testing.assert_close(snap.pieces[off][name], t, rtol=0, atol=0)
     assert all(p.data_ptr() not in old.values() for p in state.params.values())
 
 

@@ -1,18 +1,22 @@
-"""A checkpoint snapshot costs serving no copy: updates write what it holds out of place, with the same bits."""
+"""A checkpoint snapshot costs serving no copy: it is written from the live state; updates write what it has
+not written yet out of place (the same bits), or wait for the writer past a small budget."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from gossamer.checkpoint.sharded import ShardSnapshot
+from gossamer.checkpoint.sharded import ShardSnapshot, save_shard, step_dir
 from gossamer.paramserver import OptimizerConfig, ShardConfig, ShardPlan
 from gossamer.paramserver._copy_on_write import WritesAside, storage_of
-from gossamer.paramserver._snapshot import copy_in_background
+from gossamer.paramserver._snapshot import PendingSnapshot
 from gossamer.paramserver._state import ShardState
+from gossamer.protocol import chunk_key
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -60,6 +64,46 @@ def _assert_same_snapshot(got: ShardSnapshot, expected: ShardSnapshot) -> None:
             assert torch.equal(got.pieces[off][name], t), (off, name)
 
 
+def _write_in_thread(state: ShardState, root: Path, step: int, **kw: Any) -> tuple[PendingSnapshot, threading.Thread,
+                                                                                  threading.Event]:
+    """Open a snapshot and write it with `save_shard` on a thread that starts once the event is set."""
+    pending = state.open_snapshot(step, **kw)
+    go = threading.Event()
+
+    def write() -> None:
+        go.wait(30)
+        save_shard(root, pending.snapshot)
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    return pending, thread, go
+
+
+def _write(pending: PendingSnapshot, offsets: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """What a checkpoint writer does, into memory: each piece of `offsets` read (copied here) and released."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for off in offsets:
+        for name in pending.snapshot.pieces[off]:
+            out.setdefault(off, {})[name] = pending.take(off, name).clone()
+            pending.written(off, name)
+    return out
+
+
+def _read_back(state: ShardState, root: Path, step: int) -> ShardSnapshot:
+    meta, tensors = state.read_checkpoint(str(step_dir(root, step)))
+    pieces: dict[int, dict[str, torch.Tensor]] = {}
+    for idx, c in state.chunks.items():
+        key = chunk_key(idx)
+        pieces[c.flat_offset] = {"param": tensors[key], **{n.split("/", 1)[1]: t for n, t in tensors.items()
+                                                           if n.startswith(f"{key}/")}}
+    scalars: dict[int, dict[str, float]] = {}
+    for k, v in meta.scalars.items():
+        idx, name = k.split("/", 1)
+        scalars.setdefault(state.chunks[int(idx)].flat_offset, {})[name] = v
+    return ShardSnapshot(experiment="", step=step, shard=0, num_shards=1, total_numel=0,
+                         version=meta.state_version, pieces=pieces, scalars=scalars)
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_updates_during_a_snapshot_copy_nothing_and_keep_the_bits_of_in_place_updates(name: str) -> None:
     reference, state = _state(OPTIMIZERS[name]), _state(OPTIMIZERS[name])
@@ -68,74 +112,88 @@ def test_updates_during_a_snapshot_copy_nothing_and_keep_the_bits_of_in_place_up
             s.step(_grads(s, seed), 1.0, schedule=False)
     expected = state.snapshot(9)  # the copying snapshot of this version
     pending = state.open_snapshot(9)
-    held = {c.flat_offset: storage_of(state.params[i]) for i, c in state.chunks.items()}
-    assert pending.copy_next()  # the copier took one chunk before the update came
+    order = list(pending.snapshot.pieces)
+    assert order == sorted(order, reverse=True)  # the writer starts from the last chunk
+    first = order[0]
+    held = {off: storage_of(pending.take(off, "param")) for off in order}
+    assert held == {c.flat_offset: storage_of(state.params[i]) for i, c in state.chunks.items()}  # no copy
+    written = _write(pending, [first])  # the writer wrote the last chunk before the updates came
     for seed in range(3, 6):  # updates keep landing while the snapshot is pending
         reference.step(_grads(reference, seed), 0.5, schedule=False)
         state.step(_grads(state, seed), 0.5, schedule=False)
     _assert_same_state(reference, state)  # out of place, the same arithmetic: the same bits
-    assert pending.done
     assert pending.serve_copies == 0 and pending.finish_seconds == 0.0  # the serve thread copied nothing
-    assert pending.copied == 1 and pending.adopted == len(state.chunks) - 1
-    _assert_same_snapshot(pending.snapshot, expected)
-    for off, entry in pending.snapshot.pieces.items():  # the update left its storage to the snapshot
-        if off != max(held):  # the copier's first: the last chunk
-            assert storage_of(entry["param"]) == held[off]
+    per_chunk = len(pending.snapshot.pieces[first])
+    assert pending.pieces_aside == (len(state.chunks) - 1) * per_chunk  # within the budget: written aside
+    for off in order[1:]:  # the updates left the storage to the snapshot
+        assert storage_of(pending.take(off, "param")) == held[off] != storage_of(
+            state.params[next(i for i, c in state.chunks.items() if c.flat_offset == off)])
+    written.update(_write(pending, order[1:]))
+    assert pending.done
+    _assert_same_snapshot(dataclasses.replace(pending.snapshot, pieces=written, stream=None), expected)
 
 
-def test_the_snapshot_stays_at_its_version_while_the_copier_races_updates() -> None:
+def test_a_checkpoint_written_while_updates_land_holds_its_version(tmp_path: Path) -> None:
     reference, state = _state(OPTIMIZERS["momentum"], chunks=40), _state(OPTIMIZERS["momentum"], chunks=40)
     lock = threading.RLock()
     for s in (reference, state):
         s.step(_grads(s, 0), 1.0, schedule=False)
     expected = state.snapshot(4)
-    got: list[ShardSnapshot] = []
     with lock:
-        pending = state.open_snapshot(4)
-        copier = threading.Thread(target=copy_in_background, args=(pending, lock, got.append))
-        copier.start()
+        pending, writer, go = _write_in_thread(state, tmp_path, 4)
+    go.set()
     seed = 1
-    while copier.is_alive() or seed < 4:  # at least 3 updates, interleaved with the copier's hand-overs
+    while writer.is_alive() or seed < 4:  # at least 3 updates, interleaved with the writer
         with lock:
             state.step(_grads(state, seed), 1.0, schedule=False)
         reference.step(_grads(reference, seed), 1.0, schedule=False)
         seed += 1
-    copier.join(timeout=30)
-    assert len(got) == 1 and got[0] is pending.snapshot
-    assert pending.serve_copies == 0 and pending.finish_seconds == 0.0
-    assert pending.copied + pending.adopted == len(state.chunks)
-    _assert_same_snapshot(got[0], expected)
+    writer.join(timeout=30)
+    assert pending.done and pending.serve_copies == 0
+    _assert_same_snapshot(_read_back(state, tmp_path, 4), expected)
     _assert_same_state(reference, state)
-    # Once the snapshot is whole, writes are in place again.
+    # Once the snapshot is written, writes are in place again.
     ptrs = [storage_of(p) for p in state.params.values()]
     state.step(_grads(state, seed), 1.0, schedule=False)
     assert [storage_of(p) for p in state.params.values()] == ptrs
 
 
-def test_an_update_takes_the_copiers_published_copies_and_writes_in_place() -> None:
-    reference, state = _state(OPTIMIZERS["momentum"]), _state(OPTIMIZERS["momentum"])
+def test_an_update_past_the_budget_waits_for_the_writer_and_writes_in_place(tmp_path: Path) -> None:
+    reference, state = _state(OPTIMIZERS["momentum"], chunks=20), _state(OPTIMIZERS["momentum"], chunks=20)
     for s in (reference, state):
         s.step(_grads(s, 0), 1.0, schedule=False)
     expected = state.snapshot(2)
-    lock = threading.RLock()
-    got: list[ShardSnapshot] = []
-    with lock:  # the serve thread holds the lock: the copier copies and publishes, but cannot hand over
-        pending = state.open_snapshot(2)
-        copier = threading.Thread(target=copy_in_background, args=(pending, lock, got.append))
-        copier.start()
-        deadline = time.monotonic() + 60
-        while pending.published < len(state.chunks) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert pending.published == len(state.chunks)
-        ptrs = [storage_of(p) for p in state.params.values()]
-        state.step(_grads(state, 1), 1.0, schedule=False)
-        assert [storage_of(p) for p in state.params.values()] == ptrs  # in place: the copies were ready
-        assert pending.copied == len(state.chunks) and pending.adopted == 0 and pending.serve_copies == 0
-    copier.join(timeout=30)
+    piece = 4 * state.chunks[0].numel
+    pending, writer, go = _write_in_thread(state, tmp_path, 2, aside_bytes=2 * piece)
+    ptrs = {i: storage_of(p) for i, p in state.params.items()}
+    momenta = {i: storage_of(state.optimizer.state[p]["momentum_buffer"]) for i, p in state.params.items()}
+    go.set()  # the writer starts from the last chunk, the update from the first: it must wait for it
+    state.step(_grads(state, 1), 1.0, schedule=False)
     reference.step(_grads(reference, 1), 1.0, schedule=False)
+    writer.join(timeout=30)
     _assert_same_state(reference, state)
-    assert len(got) == 1
-    _assert_same_snapshot(got[0], expected)
+    assert pending.aside <= 2 * piece and pending.pieces_aside == 2  # the first chunk's two, within the budget
+    assert pending.wait_seconds > 0 and pending.finish_seconds >= pending.wait_seconds
+    moved = [i for i, p in state.params.items() if storage_of(p) != ptrs[i]]
+    moved += [i for i, p in state.params.items() if storage_of(state.optimizer.state[p]["momentum_buffer"]) != momenta[i]]
+    assert moved == [0, 0]  # every other chunk stepped in place, after the writer had written it
+    _assert_same_snapshot(_read_back(state, tmp_path, 2), expected)
+
+
+def test_a_writer_that_does_not_write_costs_at_most_its_wait_then_writes_go_aside() -> None:
+    reference, state = _state(OPTIMIZERS["momentum"]), _state(OPTIMIZERS["momentum"])
+    for s in (reference, state):
+        s.step(_grads(s, 0), 1.0, schedule=False)
+    expected = state.snapshot(3)
+    pending = state.open_snapshot(3, aside_bytes=0, wait_s=0.2)  # handed to a writer that is stuck
+    for seed in (1, 2):
+        state.step(_grads(state, seed), 1.0, schedule=False)
+        reference.step(_grads(reference, seed), 1.0, schedule=False)
+    # The wait is bounded over the snapshot, not per piece: one write waited its 0.2 s, the rest went aside.
+    assert pending.waits == 1 and pending.wait_seconds > 0.1
+    assert pending.pieces_aside == 2 * len(state.chunks)  # everything went aside once the wait was spent
+    _assert_same_state(reference, state)
+    _assert_same_snapshot(pending.read_all(), expected)
 
 
 @pytest.mark.parametrize("foreach", [True, False])
@@ -168,10 +226,7 @@ def test_torch_optimizers_step_out_of_place_with_the_same_bits(name: str, foreac
             assert torch.equal(p, q)
 
 
-def test_the_shard_keeps_no_snapshot_once_it_is_handed_over() -> None:
-    import gc
-    import weakref
-
+def test_the_shard_hands_its_snapshot_over_and_writes_in_place_once_it_is_written() -> None:
     from gossamer.paramserver import ShardServer
 
     state = _state(OPTIMIZERS["momentum"])
@@ -181,12 +236,29 @@ def test_the_shard_keeps_no_snapshot_once_it_is_handed_over() -> None:
     try:
         got: list[ShardSnapshot] = []
         with server._lock:  # noqa: SLF001 — snapshot_later runs on the serve thread, under the lock
-            copier = server.snapshot_later(1, got.append)
-        copier.join(timeout=30)
-        assert len(got) == 1 and server.stats()["snapshot_chunks_copied"] == len(state.chunks)
-        piece = weakref.ref(next(iter(got[0].pieces.values()))["param"])
-        got.clear()  # the checkpointer is done with it
-        gc.collect()
-        assert piece() is None  # freed where the checkpointer let go, not kept until the next checkpoint
+            pending = server.snapshot_later(1, got.append)
+        assert len(got) == 1 and got[0] is pending.snapshot and got[0].stream is pending
+        assert all(t.device.type == "meta" for entry in got[0].pieces.values() for t in entry.values())  # no copy
+        pending.read_all()  # what a checkpointer does
+        assert pending.done and server.stats()["snapshot_chunks_copied"] == len(state.chunks)
+        # A writer that refuses it (a save still running): the snapshot is closed at once.
+        with server._lock:  # noqa: SLF001
+            refused = server.snapshot_later(2, lambda snap: False)
+        assert refused.done
     finally:
         server.close()
+
+
+def test_a_save_that_fails_releases_the_snapshot(tmp_path: Path) -> None:
+    state = _state(OPTIMIZERS["momentum"])
+    state.step(_grads(state, 0), 1.0, schedule=False)
+    pending = state.open_snapshot(5, aside_bytes=0)
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    with pytest.raises(OSError):
+        save_shard(blocker, pending.snapshot)  # its step directory cannot be made
+    assert pending.done  # nothing stays frozen for a save that ended
+    ptrs = [storage_of(p) for p in state.params.values()]
+    state.step(_grads(state, 1), 1.0, schedule=False)
+    assert pending.waits == 0  # no wait for a writer that is gone
+    assert [storage_of(p) for p in state.params.values()] == ptrs  # in place

@@ -28,7 +28,6 @@ class NeighbourSockets:
                  cap: int = MAX_IDLE_SOCKETS) -> None:
         self._dial, self._close, self.cap = dial, close, cap
         self._members: dict[str, str] = {}
-        self._undiallable: set[str] = set()  # dial failed (said once): not tried again until the next membership
         self._open: OrderedDict[str, tuple[str, zmq.Socket]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -49,7 +48,7 @@ class NeighbourSockets:
             self._open.move_to_end(pid)
             return entry[1]
         endpoint = self._members.get(pid)
-        if endpoint is None or pid in self._undiallable:
+        if endpoint is None:
             return None
         if len(self._open) >= self.cap:
             held = busy()
@@ -71,13 +70,10 @@ class NeighbourSockets:
         for pid in gone:
             self._close(self._open.pop(pid)[1])
         self._members = dict(peers)
-        self._undiallable.clear()
         return gone
 
     def _open_one(self, pid: str, endpoint: str) -> zmq.Socket | None:
         sock = self._dial(pid, endpoint)
-        if sock is None:
-            self._undiallable.add(pid)
-        else:
+        if sock is not None:
             self._open[pid] = (endpoint, sock)
         return sock

@@ -324,6 +324,21 @@ class PushMeta:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CreditMeta:
+    """CREDIT (worker -> shard): may a push of `nbytes` be sent now? The shard answers GRANT (with the
+    request's rid) when it may, and the push follows under that same rid (see `paramserver.push_credits`)."""
+
+    nbytes: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"nbytes": self.nbytes}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> CreditMeta:
+        return cls(nbytes=_int("CREDIT", meta, "nbytes", 1))
+
+
+@dataclass(frozen=True, kw_only=True)
 class PushCompression:
     """The compressed form of a PUSH (its tensors are codec payloads, not raw chunks)."""
 

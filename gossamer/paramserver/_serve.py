@@ -19,7 +19,15 @@ from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
 from gossamer.paramserver._seeding import Seeding
 from gossamer.paramserver._updates import Updates
-from gossamer.protocol import Authority, HelloMeta, PullMeta, WelcomeMeta, parse_chunk_key
+from gossamer.paramserver.push_credits import CREDIT_MIN_BYTES, PushCredits
+from gossamer.protocol import (
+    Authority,
+    CreditMeta,
+    HelloMeta,
+    PullMeta,
+    WelcomeMeta,
+    parse_chunk_key,
+)
 from gossamer.security import sender_tokens
 from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits, Message, decode, frames_nbytes
@@ -30,6 +38,7 @@ from gossamer.transport.router import (
     FENCED,
     INTERNAL,
     INVALID_ARGUMENT,
+    NOT_A_WORKER,
     NOT_FOUND,
     NOT_PRIMARY,
     RESOURCE_EXHAUSTED,
@@ -47,7 +56,7 @@ _POLL_MS = 20
 _EXPIRE_EVERY_S = 0.05
 _RECV_BATCH = 256
 #: Ops only the workers send: only a primary holding its lease serves them, and only to their own sender.
-_WORKER_OPS = ("HELLO", "PULL", "PUSH", "LEAVE", "SEED")
+_WORKER_OPS = ("HELLO", "PULL", "PUSH", "LEAVE", "SEED", "CREDIT")
 #: Ops that speak for their sender: with CURVE, only over the connection of that sender's node key.
 _SENDER_OPS = (*_WORKER_OPS, "SYNC", "REPLICATE")
 #: Requests refused because the connection, or the server, holds its most in unread replies.
@@ -88,6 +97,9 @@ class ServeLoop:
         #: Why the serve loop ended other than by its stop event (its thread died), else None.
         self.failure: BaseException | None = None
         self._serving = False  # the loop owns the sockets from its start until it returns
+        # One dense push of this shard read at a time (a large compressed one may share it).
+        shard_bytes = sum(4 * c.numel for c in self.state.chunks.values())
+        self.credits = PushCredits(max(CREDIT_MIN_BYTES, shard_bytes))
 
     @property
     def curve_refused(self) -> int:
@@ -185,6 +197,7 @@ class ServeLoop:
                 fail_at("serve-loop", step=self.state.version, shard=self.config.shard)
                 with self.lock:
                     self.updates.expire(now)
+                    self._grant(self.credits.expire(now, self.updates.is_member))
                     self.replication.check(now)
                     for fn in self.periodic:
                         fn(now)
@@ -225,6 +238,10 @@ class ServeLoop:
         except Exception as e:  # keep serving whatever one request did
             logger.exception("%s: internal error handling a request", self._name)
             self.replies.error(identity, rid, f"internal error: {type(e).__name__}: {e}", INTERNAL)
+        finally:
+            if op == "PUSH":  # read and handled (held for a barrier, applied, or refused): the next may come
+                with self.lock:
+                    self._grant(self.credits.pushed(identity, time.monotonic()))
 
     def _dispatch(self, identity: bytes, msg: Message, key: str | None = None) -> None:
         if msg.experiment != self.config.experiment:
@@ -263,6 +280,8 @@ class ServeLoop:
             self._on_pull(identity, msg, now)
         elif msg.op == "PUSH":
             self.updates.on_push(identity, msg, now)
+        elif msg.op == "CREDIT":
+            self._on_credit(identity, msg, now)
         elif msg.op == "STATS":
             self.replies.send(identity, "STATS", {"rid": rid, **self._stats()})
         elif msg.op == "LEAVE":
@@ -290,6 +309,25 @@ class ServeLoop:
         if rep.fenced:
             raise Reject(f"shard {self.config.shard}'s node lease lapsed (epoch {rep.epoch}): it acknowledges "
                          "nothing until the lease is renewed", FENCED, "fenced")
+
+    def _on_credit(self, identity: bytes, msg: Message, now: float) -> None:
+        if msg.tensors:
+            raise Reject("CREDIT carries no tensors")
+        meta = CreditMeta.from_meta(msg.meta)
+        if not self.updates.is_member(msg.sender):
+            raise Reject(f"CREDIT from {msg.sender!r} refused: not a current worker of experiment "
+                         f"{self.config.experiment!r} at this shard", NOT_A_WORKER, cause="not_member")
+        if meta.nbytes > self.limits.max_message_bytes:
+            raise Reject(f"a push of {meta.nbytes} bytes is over this shard's message limit "
+                         f"({self.limits.max_message_bytes} bytes)")
+        try:
+            self._grant(self.credits.ask(identity, msg.sender, msg.meta.get("rid"), meta.nbytes, now))
+        except OverflowError as e:
+            raise Reject(f"no credit for now: {e}", RESOURCE_EXHAUSTED, cause=OVER_BUDGET) from None
+
+    def _grant(self, grants: list[tuple[bytes, Any]]) -> None:
+        for identity, rid in grants:
+            self.replies.send(identity, "GRANT", {"rid": rid})
 
     def _on_seed(self, msg: Message, now: float) -> None:
         """A worker's copy of (some of) this shard's chunks, at the shard version it last pulled."""

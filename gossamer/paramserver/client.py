@@ -16,6 +16,7 @@ from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.errors import ConfigError, ProtocolError, ShardError, UnavailableError
 from gossamer.faults import die_at
 from gossamer.paramserver.pulled_values import apply_deltas
+from gossamer.paramserver.push_credits import CreditAsker
 from gossamer.paramserver.shard_plan import ShardPlan
 from gossamer.protocol import (
     HelloMeta,
@@ -148,6 +149,7 @@ class ShardClient:
         self.busy_retries = 0  # requests sent again after a RESOURCE_EXHAUSTED answer
         self._socks: dict[int, zmq.Socket] = {s: self._connect(s) for s in self._endpoints}
         self._rid = 0
+        self.credits = CreditAsker()  # a large push waits for its shard's GRANT
         self.throttle = throttle
         self.compressor = compressor
         self.pull_codec = pull_codec
@@ -310,6 +312,13 @@ class ShardClient:
         reqs = self._push_requests(snap, clock=clock, basis=basis)
         self.encode_s += time.perf_counter() - t0
         self._in_flight = self._send(reqs)
+        asked = {s: m for s, m in reqs.items() if self.credits.asking(s)}
+        if asked:  # a large push goes once granted: wait for that here, so it still travels behind compute
+            try:
+                self._collect(asked, until_sent=True)
+            except BaseException:
+                self._in_flight = None
+                raise
 
     def wait(self) -> PullResult:
         """The reply to the push sent by `push_async`."""
@@ -412,35 +421,8 @@ class ShardClient:
         self._socks[shard].close(linger=0)
         self._socks[shard] = self._connect(shard)
 
-    def _handshake_trouble(self, shards: list[int]) -> str:
-        """Why requests to `shards` got no reply, as far as the socket monitors know."""
-        notes = []
-        for s in shards:
-            if s in self._asked_again:
-                notes.append(f"shard {s} refused for now, asked again until the timeout: {self._asked_again[s]}")
-                continue
-            watch = self._watch.get(s)
-            if watch is None:
-                continue
-            failure = watch.check()
-            if not watch.succeeded and (failure is None or not watch.fatal) and s in self._refused:
-                # The retry's socket saw less (or nothing yet): the refusal that caused it says why.
-                failure = self._refused[s]
-            if failure is not None:
-                notes.append(f"shard {s} at {self._endpoints.get(s)} did not complete the ZMQ handshake: {failure}")
-
-            elif watch.dropped:
-                notes.append(f"shard {s} at {self._endpoints.get(s)} dropped the connection {watch.dropped} time(s): "
-                             "it stopped, or refused a message over its size limit (MAXMSGSIZE)")
-        return "; ".join(notes)
-
-    def _msg(
-        self,
-        op: str,
-        shard: int,
-        meta: dict[str, Any] | None = None,
-        tensors: dict[str, torch.Tensor] | None = None,
-    ) -> Message:
+    def _msg(self, op: str, shard: int, meta: dict[str, Any] | None = None,
+             tensors: dict[str, torch.Tensor] | None = None) -> Message:
         self._rid += 1
         auth = {"auth": self.token} if self.token else {}
         return Message(
@@ -457,7 +439,7 @@ class ShardClient:
 
     def _send_one(self, s: int, msg: Message) -> None:
         t0 = time.perf_counter()
-        frames = encode(msg)
+        frames = encode(self.credits.to_send(s, msg))
         self.encode_s += time.perf_counter() - t0
         nbytes = frames_nbytes(frames)
         if self.throttle is not None:
@@ -481,8 +463,10 @@ class ShardClient:
             self._send_one(s, msg)
         return dict(reqs)
 
-    def _collect(self, reqs: dict[int, Message], timeout_s: float | None = None) -> dict[int, Message]:
-        """Wait for the reply to every request in `reqs` (shard -> request).
+    def _collect(self, reqs: dict[int, Message], timeout_s: float | None = None,
+                 until_sent: bool = False) -> dict[int, Message]:
+        """Wait for the reply to every request in `reqs` (shard -> request); `until_sent`: only until
+        each (a push that asked for a credit) is granted and sent.
 
         Polls in short slices: between them `on_wait` may move shards (failover), and a
         request to a moved shard is sent again to its new endpoint.
@@ -522,7 +506,7 @@ class ShardClient:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 lost = sorted(waiting)
-                why = self._handshake_trouble(lost)
+                why = _handshake_trouble(self, lost)
                 for s in lost:  # a late reply must not be read as the next request's
                     self._reconnect(s)
                 raise UnavailableError(f"shards {lost} did not answer within {timeout_s:.1f}s"
@@ -563,18 +547,18 @@ class ShardClient:
                     if not self._current(s, reply):
                         ask_again[s] = time.monotonic() + _RETRY_S
                         break
+                    if reply.op == "GRANT":  # the push may go now; its answer gets a whole timeout
+                        self.credits.granted(s, reply.meta.get("rid"))
+                        self._send_one(s, waiting[s])
+                        deadline = time.monotonic() + timeout_s
+                        if until_sent:
+                            del waiting[s]
+                        continue
                     self._note_answer(s, reply)
                     self._asked_again.pop(s, None)
                     replies[s] = reply
                     del waiting[s]
-        errors = [
-            f"shard {s}: {r.meta.get('error', '?')} ({r.meta.get('code', '?')})"
-            for s, r in sorted(replies.items())
-            if r.op == "ERROR"
-        ]
-        if errors:
-            codes = {str(r.meta.get("code", "")) for r in replies.values() if r.op == "ERROR"}
-            raise ShardError("; ".join(errors), codes)
+        _raise_errors(replies)
         return replies
 
     def _redial_refused(self, waiting: dict[int, Message], retry_at: dict[int, float], retried: set[int]) -> None:
@@ -664,3 +648,33 @@ class ShardClient:
             if self.pull_decoder is not None:
                 self._held.update(values)
         return PullResult(versions=versions, values=values, done=done, staleness=staleness)
+
+
+def _handshake_trouble(client: ShardClient, shards: list[int]) -> str:
+    """Why requests to `shards` got no reply, as far as the socket monitors know."""
+    notes = []
+    for s in shards:
+        if s in client._asked_again:
+            notes.append(f"shard {s} refused for now, asked again until the timeout: {client._asked_again[s]}")
+            continue
+        watch = client._watch.get(s)
+        if watch is None:
+            continue
+        failure = watch.check()
+        if not watch.succeeded and (failure is None or not watch.fatal) and s in client._refused:
+            # The retry's socket saw less (or nothing yet): the refusal that caused it says why.
+            failure = client._refused[s]
+        if failure is not None:
+            notes.append(f"shard {s} at {client._endpoints.get(s)} did not complete the ZMQ handshake: {failure}")
+        elif watch.dropped:
+            notes.append(f"shard {s} at {client._endpoints.get(s)} dropped the connection {watch.dropped} time(s): "
+                         "it stopped, or refused a message over its size limit (MAXMSGSIZE)")
+    return "; ".join(notes)
+
+
+def _raise_errors(replies: dict[int, Message]) -> None:
+    """Raise `ShardError` naming every shard that answered ERROR (and its code)."""
+    errors = [f"shard {s}: {r.meta.get('error', '?')} ({r.meta.get('code', '?')})"
+              for s, r in sorted(replies.items()) if r.op == "ERROR"]
+    if errors:
+        raise ShardError("; ".join(errors), {str(r.meta.get("code", "")) for r in replies.values() if r.op == "ERROR"})

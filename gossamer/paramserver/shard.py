@@ -403,4 +403,5 @@ class ShardServer:
             "reply_budget_bytes": self._replies.outgoing.max_bytes,
             "pull_views": self._views.senders(),
             "gathering": self._updates.gathering,
+            **self._loop.credits.stats(),
         }

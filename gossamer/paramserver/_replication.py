@@ -114,7 +114,8 @@ class Replication:
         # REPLICATEs made and not sent yet (version, frames, forwarded encoded), and those sent but not acknowledged
         # (version, bytes): the next goes once the bytes on their way leave it room (`REPLICATE_WINDOW_BYTES`).
         self._outbox: deque[tuple[int, list[bytes | memoryview], bool]] = deque()
-        self._in_flight: deque[tuple[int, int]] = deque()
+        # Sent, not acknowledged: (version, bytes, the tracker done once libzmq let go of the frames).
+        self._in_flight: deque[tuple[int, int, zmq.MessageTracker]] = deque()
         self.window_bytes = REPLICATE_WINDOW_BYTES
         self.window_waits = 0  # REPLICATEs that waited for the backup's ACK of those before them
         self.bytes_out = 0
@@ -263,14 +264,21 @@ class Replication:
         while self._outbox and self.socket is not None:
             version, frames, as_encoded = self._outbox[0]
             nbytes = frames_nbytes(frames)
-            if self._in_flight and sum(n for _, n in self._in_flight) + nbytes > self.window_bytes:
+            if self._in_flight and sum(n for _, n, _ in self._in_flight) + nbytes > self.window_bytes:
                 return
             self._outbox.popleft()
+            frames, tracker = track(frames)  # the payload (a worker's push) is held until libzmq lets go
             if not self._send(frames):
                 return
-            self._in_flight.append((version, nbytes))
+            self._in_flight.append((version, nbytes, tracker))
             self.replicated_updates += 1
             self.replicated_encoded += int(as_encoded)
+
+    def held_bytes(self) -> int:
+        """Bytes of updates this primary still holds for its backup: waiting for the window, or sent and
+        not yet let go of by libzmq (each frame a view of the push it forwards, or its dense gradient)."""
+        waiting = sum(frames_nbytes(frames) for _, frames, _ in self._outbox)
+        return waiting + sum(n for _, n, tracker in self._in_flight if not tracker.done)
 
     def _encoded_frames(self, meta: ReplicateMeta, encoded: list[EncodedPart]) -> list[bytes | memoryview] | None:
         """The REPLICATE of `encoded` (tensors "p{k}/<push tensor name>"), or None where the dense one

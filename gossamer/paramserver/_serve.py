@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -100,6 +101,9 @@ class ServeLoop:
         # One dense push of this shard read at a time (a large compressed one may share it).
         shard_bytes = sum(4 * c.numel for c in self.state.chunks.values())
         self.credits = PushCredits(max(CREDIT_MIN_BYTES, shard_bytes))
+        #: Pushes kept back while a checkpoint's writer is behind, in arrival order (identity, message, key).
+        self._deferred: collections.deque[tuple[bytes, Message, str | None]] = collections.deque()
+        self.deferred_pushes = 0
 
     @property
     def curve_refused(self) -> int:
@@ -191,12 +195,19 @@ class ServeLoop:
                     except zmq.Again:
                         break
                     self._on_frames(frames)
+            if self._deferred:
+                self._run_deferred()
+            if self.credits.waiting():  # an update's payload the backup was sent may be gone now
+                with self.lock:
+                    self._reserve()
+                    self._grant(self.credits.regrant(time.monotonic()))
             now = time.monotonic()
             if now >= next_expire:
                 next_expire = now + _EXPIRE_EVERY_S
                 fail_at("serve-loop", step=self.state.version, shard=self.config.shard)
                 with self.lock:
                     self.updates.expire(now)
+                    self._reserve()
                     self._grant(self.credits.expire(now, self.updates.is_member))
                     self.replication.check(now)
                     for fn in self.periodic:
@@ -214,21 +225,46 @@ class ServeLoop:
                 logger.warning("%s: dropped a message without a routable identity", self._name)
             return
         identity, payload = admitted
-        rid: Any = None
-        op = ""
         try:
             msg = decode(payload, self.limits)
-            rid, op = msg.meta.get("rid"), msg.op
             key = self.router.peer_key(payload)
-            # The message's tensors now hold the frames they need; a frame no tensor holds any
-            # more (a forwarded push decoded into the sum) is then freed at once, not after the op.
-            for held in (frames, payload):
-                if isinstance(held, list):
-                    held.clear()
+        except ProtocolError as e:
+            self.updates.discarded["nonfinite" if "finite" in str(e) else "rejected"] += 1
+            self.replies.error(identity, None, str(e), INVALID_ARGUMENT)
+            return
+        except Exception as e:  # keep serving whatever one request did
+            logger.exception("%s: internal error decoding a request", self._name)
+            self.replies.error(identity, None, f"internal error: {type(e).__name__}: {e}", INTERNAL)
+            return
+        # The message's tensors now hold the frames they need; a frame no tensor holds any
+        # more (a forwarded push decoded into the sum) is then freed at once, not after the op.
+        for held in (frames, payload):
+            if isinstance(held, list):
+                held.clear()
+        if msg.op == "PUSH" and (self._deferred or self._holds_back()):
+            # A checkpoint's writer is behind: applied now, the push would wait for it and so would every
+            # request behind it. Kept back (its credit with it: no other large push comes meanwhile) while
+            # pulls and the rest are served.
+            self._deferred.append((identity, msg, key))
+            self.deferred_pushes += 1
+            return
+        self._handle(identity, msg, key)
+
+    def _holds_back(self) -> bool:
+        with self.lock:
+            return self.state.holds_back(time.monotonic())
+
+    def _run_deferred(self) -> None:
+        while self._deferred and not self._holds_back():
+            self._handle(*self._deferred.popleft())
+
+    def _handle(self, identity: bytes, msg: Message, key: str | None) -> None:
+        rid, op = msg.meta.get("rid"), msg.op
+        try:
             with self.lock:
                 self._dispatch(identity, msg, key)
         except ProtocolError as e:
-            if op == "PUSH" or not op:
+            if op == "PUSH":
                 self.updates.discarded["nonfinite" if "finite" in str(e) else "rejected"] += 1
             self.replies.error(identity, rid, str(e), INVALID_ARGUMENT)
         except Reject as e:
@@ -241,6 +277,7 @@ class ServeLoop:
         finally:
             if op == "PUSH":  # read and handled (held for a barrier, applied, or refused): the next may come
                 with self.lock:
+                    self._reserve()
                     self._grant(self.credits.pushed(identity, time.monotonic()))
 
     def _dispatch(self, identity: bytes, msg: Message, key: str | None = None) -> None:
@@ -321,9 +358,14 @@ class ServeLoop:
             raise Reject(f"a push of {meta.nbytes} bytes is over this shard's message limit "
                          f"({self.limits.max_message_bytes} bytes)")
         try:
+            self._reserve()
             self._grant(self.credits.ask(identity, msg.sender, msg.meta.get("rid"), meta.nbytes, now))
         except OverflowError as e:
             raise Reject(f"no credit for now: {e}", RESOURCE_EXHAUSTED, cause=OVER_BUDGET) from None
+
+    def _reserve(self) -> None:
+        """What is already read and held of pushes counts against the credits: the updates for the backup."""
+        self.credits.reserved = self.replication.held_bytes()
 
     def _grant(self, grants: list[tuple[bytes, Any]]) -> None:
         for identity, rid in grants:

@@ -12,12 +12,16 @@ import torch
 from gossamer.checkpoint.sharded import ShardSnapshot
 from gossamer.paramserver._copy_on_write import storage_of
 
-__all__ = ["ASIDE_BYTES", "WAIT_S", "PendingSnapshot"]
+__all__ = ["ASIDE_BYTES", "DEFER_S", "WAIT_S", "PendingSnapshot"]
 
 #: Bytes of the snapshot an update may leave aside (write out of place) before it waits for the writer instead.
 ASIDE_BYTES = 16 << 20
 #: Seconds the serve thread waits for the writer, over one snapshot, before it writes aside whatever is left.
 WAIT_S = 2.0
+#: Seconds the serve loop keeps pushes back (serving every other request meanwhile) for the writer, over one
+#: snapshot, before it applies them anyway (writing aside, or waiting at most `WAIT_S`). Under a worker's
+#: timeout at the shard (30 s by default), so a worker kept waiting is not taken for gone.
+DEFER_S = 10.0
 
 
 @dataclass
@@ -58,12 +62,14 @@ class PendingSnapshot:
     """
 
     def __init__(self, skeleton: ShardSnapshot, sources: list[tuple[int, torch.Tensor, dict[str, Any]]], *,
-                 aside_bytes: int = ASIDE_BYTES, wait_s: float = WAIT_S) -> None:
+                 aside_bytes: int = ASIDE_BYTES, wait_s: float = WAIT_S, defer_s: float = DEFER_S) -> None:
         """`skeleton`: the snapshot's fields with no pieces yet; `sources`: (flat offset, chunk
         values, the optimizer's state of the chunk) of every chunk, all live (not copies)."""
         self.snapshot = skeleton
         self.aside_bytes = aside_bytes
         self._wait_left = wait_s
+        self.defer_s = defer_s
+        self._defer_until: float | None = None
         self._pieces: dict[tuple[int, str], _Piece] = {}
         for offset, value, state in sorted(sources, key=lambda s: s[0], reverse=True):  # the writer's order
             live: dict[str, torch.Tensor] = {"param": value}
@@ -127,6 +133,20 @@ class PendingSnapshot:
             self._cond.notify_all()
 
     # -- the serve thread's side (under the shard's lock) ---------------------------------------
+    def holds_back(self, now: float) -> bool:
+        """An update now would wait for the writer (what it has not written yet is more than the room left
+        to write aside): the serve loop keeps updates back and serves the rest meanwhile, for at most
+        `defer_s` over this snapshot (counted from the first time it said so)."""
+        if self._defer_until is not None and now >= self._defer_until:
+            return False
+        with self._cond:
+            left = sum(p.nbytes for p in self._pieces.values() if p.still_live())
+        if left <= self.aside_bytes - self.aside:
+            return False
+        if self._defer_until is None:
+            self._defer_until = now + self.defer_s
+        return True
+
     def release(self, storage: int) -> set[int]:
         """A write is about to reach `storage`: returns {storage} if it may write in place (the
         writer has written it, at once or after a wait), else set() (it writes aside)."""

@@ -28,6 +28,10 @@ __all__ = ["STEP_GROUP_BYTES", "ShardState"]
 _ENV: dict[str, Any] = {}
 #: A step taken from a function of the chunks (`ShardState.step`) asks for this many bytes of gradients at most.
 STEP_GROUP_BYTES = 16 << 20
+#: Seconds in a row updates are kept back while replies still send the live values (a worker's PARAMS, a
+#: backup's SYNC): applied then, an update writes those values out of place, a copy of the shard beside
+#: the one on its way out. Past it (a slow link, or a reader that never reads) updates go on, writing aside.
+LENT_HOLD_S = 1.0
 
 
 def _groups(indices: list[int], chunks: dict[int, Chunk], budget: int) -> list[list[int]]:
@@ -100,6 +104,7 @@ class ShardState:
         # MessageTracker, and the storages it reads) and a snapshot still pending. A write
         # leaves what they read alone (`writes`).
         self._lent: list[tuple[Any, set[int]]] = []
+        self._lent_since: float | None = None  # since when some reply has sent the live values without a break
         # Weak: the copier thread (or whoever opened it) keeps a snapshot alive until it is whole; once
         # handed over, its pieces must not be freed later on the serve thread, nor kept between checkpoints.
         self._pending: list[weakref.ref[PendingSnapshot]] = []
@@ -186,6 +191,19 @@ class ShardState:
             p.note_write(mode.copies, mode.copy_s)
         del pendings
         self._pendings()
+
+    def holds_back(self, now: float) -> bool:
+        """Whether an update should wait: now it would wait for a checkpoint's writer
+        (`PendingSnapshot.holds_back`), or write aside the values a reply still sends (`LENT_HOLD_S`)."""
+        if any(p.holds_back(now) for p in self._pendings()):
+            return True
+        self._lent = [(r, ptrs) for r, ptrs in self._lent if not r.done]
+        if not self._lent:
+            self._lent_since = None
+            return False
+        if self._lent_since is None:
+            self._lent_since = now
+        return now - self._lent_since < LENT_HOLD_S
 
     def _pendings(self) -> list[PendingSnapshot]:
         """The snapshots still pending (forgets the rest)."""

@@ -34,8 +34,9 @@ class _Ask:
 
 
 class PushCredits:
-    """Which connections may send a large push now: at most `budget_bytes` of granted pushes at once,
-    and always one (a push larger than the budget goes alone). First come, first granted.
+    """Which connections may send a large push now: at most `budget_bytes` of granted pushes (and of
+    `reserved` bytes) at once, and always one when nothing is held (a push larger than the budget goes
+    alone). First come, first granted.
 
     Pure bookkeeping, time passed in; the serve loop sends the GRANTs it returns. A connection has
     at most one request: asking again (a resend, with a new request id) replaces its request or
@@ -57,6 +58,9 @@ class PushCredits:
         self.refused = 0
         #: The most bytes granted at once.
         self.peak_granted_bytes = 0
+        #: Bytes of pushes already read that the server still holds (set by its owner before each call):
+        #: they count against the budget as grants do.
+        self.reserved = 0
 
     @property
     def granted_bytes(self) -> int:
@@ -111,12 +115,16 @@ class PushCredits:
                     self.expired += stale
         return self._grant(now)
 
+    def regrant(self, now: float) -> list[tuple[bytes, Any]]:
+        """Grant what fits now (after `reserved` went down)."""
+        return self._grant(now)
+
     def _grant(self, now: float) -> list[tuple[bytes, Any]]:
         grants: list[tuple[bytes, Any]] = []
         granted = self.granted_bytes
         while self._waiting:
             identity, ask = next(iter(self._waiting.items()))
-            if self._granted and granted + ask.nbytes > self.budget_bytes:
+            if (self._granted or self.reserved > 0) and granted + self.reserved + ask.nbytes > self.budget_bytes:
                 break
             del self._waiting[identity]
             ask.at = now

@@ -404,4 +404,5 @@ class ShardServer:
             "pull_views": self._views.senders(),
             "gathering": self._updates.gathering,
             **self._loop.credits.stats(),
+            "push_deferrals": self._loop.deferred_pushes,
         }

@@ -77,6 +77,7 @@ def test_silent_backup_is_detached_and_counted_not_waited_on_forever() -> None:
     try:
         primary.post(lambda: primary.set_backup(backup.endpoint))
         _push(client, 5)
+        _wait(lambda: primary.replicated)  # attached (a posted command) and synced: it may come after the pushes
         backup.close()  # gone without a word
         t0 = time.monotonic()
         _push(client, 5, start=5)

@@ -140,32 +140,37 @@ def test_an_async_backup_holds_one_forwarded_dense_update_at_a_time(pair: tuple[
     64 MiB dense updates go one at a time, so the backup holds its state and one update's gradient (1x the
     shard), not every update the primary sent meanwhile. Measured over the state: backup 1.00x-1.06x (main,
     every REPLICATE sent at once: 1.87x-2.00x); primary 1.94x-2.00x, the two pushes ZMQ read as they came,
-    before push credits (1.26x with them: the next test)."""
+    before push credits (1.06x with them: the next test)."""
     primary, backup, endpoint = pair
     shard = 4 * NUMEL
     grown = _train_async(endpoint, 5, primary, backup)
-    waited = _ask(primary, "stats")["replicate_window_waits"]  # type: ignore[index]
+    stats = _ask(primary, "stats")
+    waited = stats["replicate_window_waits"]  # type: ignore[index]
     assert waited > 0, "no REPLICATE waited for the window: the test shows nothing"
     assert grown["backup"] < 1.5 * shard, (grown, shard)
     assert grown["primary"] < 2.5 * shard, (grown, shard)
-    print(f"shard {shard / _MIB:.0f} MiB, {waited} REPLICATEs waited for an ACK, grown over the state: "
+    print(f"shard {shard / _MIB:.0f} MiB, {waited} REPLICATEs waited for an ACK, "
+          f"{stats['cow_copies']} writes aside (kept back {stats['push_deferrals']}), grown over the state: "  # type: ignore[index]
           + ", ".join(f"{r} {v / shard:.2f}x" for r, v in grown.items()))
 
 
 @pytest.mark.parametrize("pair", ["async"], indirect=True)
 def test_an_async_primary_reads_one_dense_push_at_a_time(pair: tuple[Connection, Connection, str]) -> None:
-    """Two workers' 64 MiB dense pushes, back to back: each asks the primary for a credit first and is sent
-    when granted, so the primary holds its state and the one push it applies, not the other worker's too.
-    Measured over the state: primary 1.26x with credits, 2.06x without (same machine, same test)."""
+    """Two workers' 64 MiB dense pushes at once: each asks the primary for a credit first and is sent when
+    granted, once the primary holds no other push (to apply, or still to forward to its backup), so it holds
+    its state and one push, not the other worker's too. Measured over the state, same machine, same test:
+    primary 1.06x (four runs); 2.06x without credits; 1.13x-1.81x with credits that did not count the pushes
+    still held for the backup."""
     primary, backup, endpoint = pair
     shard = 4 * NUMEL
     grown = _train_async(endpoint, 5, primary, backup)
     stats = _ask(primary, "stats")
     assert stats["credit_waited"] > 0, "no push waited for a credit: the test shows nothing"  # type: ignore[index]
     assert stats["credit_peak_bytes"] == shard, stats  # type: ignore[index]
-    assert grown["primary"] < 1.5 * shard, (grown, shard)
+    assert grown["primary"] < 1.3 * shard, (grown, shard)
     print(f"shard {shard / _MIB:.0f} MiB, {stats['credit_waited']} pushes waited for a credit, "  # type: ignore[index]
-          f"grown over the state: primary {grown['primary'] / shard:.2f}x")
+          f"{stats['push_deferrals']} kept back, {stats['cow_copies']} writes aside of values a reply "  # type: ignore[index]
+          f"still sent; grown over the state: primary {grown['primary'] / shard:.2f}x")
 
 
 @pytest.mark.parametrize("pair", ["async"], indirect=True)

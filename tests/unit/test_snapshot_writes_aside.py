@@ -262,3 +262,28 @@ def test_a_save_that_fails_releases_the_snapshot(tmp_path: Path) -> None:
     state.step(_grads(state, 1), 1.0, schedule=False)
     assert pending.waits == 0  # no wait for a writer that is gone
     assert [storage_of(p) for p in state.params.values()] == ptrs  # in place
+
+
+def test_updates_are_held_back_while_the_writer_is_behind_for_at_most_defer_s() -> None:
+    """`holds_back`: an update now would wait for the writer (more is unwritten than the room left aside), so
+    the serve loop keeps it back; not once the writer is close enough, nor past `defer_s` of a stuck writer."""
+    state = _state(OPTIMIZERS["momentum"], chunks=20)
+    state.step(_grads(state, 0), 1.0, schedule=False)
+    piece = 4 * state.chunks[0].numel
+    pending = state.open_snapshot(2, aside_bytes=4 * piece, defer_s=5.0)
+    assert state.holds_back(100.0)  # 40 pieces (values and momentum of 20 chunks) unwritten, room for 4
+    offsets = list(pending.snapshot.pieces)  # the writer's order
+    for offset in offsets[:-2]:
+        for name in pending.snapshot.pieces[offset]:
+            pending.take(offset, name)
+            pending.written(offset, name)
+    assert not state.holds_back(101.0)  # 4 pieces left: an update writes them aside
+    state.step(_grads(state, 1), 1.0, schedule=False)
+    assert pending.wait_seconds == 0 and pending.pieces_aside == 4
+    pending.close()
+    stuck = state.open_snapshot(3, aside_bytes=0, defer_s=5.0)
+    assert not stuck.done
+    assert state.holds_back(200.0) and state.holds_back(204.9)  # counted from the first time it held back
+    assert not state.holds_back(205.0)
+    stuck.close()
+    assert not state.holds_back(205.0)

@@ -574,9 +574,16 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "writing out of place what is not written yet within 16 MiB, then waiting for the writer), the async "
          "primaries 5.8x to 3.8x; `after21b` also at most 64 MiB of REPLICATEs unacknowledged (a dense update "
          "of these shards one at a time), the async backups 3.75x to 2.77x. What a primary holds after both: "
-         "its state (2x) and the two workers' dense pushes ZMQ reads as they come (2x); a backup its state and "
-         "one update's gradient. The Serving table's `updates_per_s`: versions over the time from the first "
-         "update seen to the end (compare within one load).")
+         "its state (2x) and the two workers' dense pushes ZMQ reads as they come (2x), the helper thought; a "
+         "backup its state and one update's gradient. `after22` (session 12) push credits: a push of 16 MiB or "
+         "more sent once its shard grants it (one dense push of the shard read at a time): the async primaries "
+         "stayed at 3.80x, so the two pushes were not what held them; `after22b` also pushes kept back (serving "
+         "the rest) while a reply still sends the live values (at most 1 s in a row) or a checkpoint's writer is "
+         "behind: 3.07x (its ps0 backup detached under load and re-synced: 3.76x, old state and the SYNC's new one "
+         "at once); `after22c` also credits counting the pushes a primary still holds for its backup: async "
+         "primaries 2.79-2.80x, hosts 2.77-2.78x; sync unchanged at 3.27x (a sync primary holds both workers' "
+         "dense pushes for the barrier: 3.77-3.78x). The Serving table's `updates_per_s`: versions over the "
+         "time from the first update seen to the end (compare within one load).")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

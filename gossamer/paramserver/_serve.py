@@ -54,6 +54,7 @@ __all__ = ["ServeLoop"]
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 20
+_DEFERRED_POLL_MS = 1
 _EXPIRE_EVERY_S = 0.05
 _RECV_BATCH = 256
 #: Ops only the workers send: only a primary holding its lease serves them, and only to their own sender.
@@ -185,7 +186,8 @@ class ServeLoop:
                 polled_backup = self.replication.socket
                 if polled_backup is not None:
                     poller.register(polled_backup, zmq.POLLIN)
-            ready = dict(poller.poll(_POLL_MS))
+            # Pushes kept back go as soon as what held them is gone (a reply leaving takes a millisecond).
+            ready = dict(poller.poll(_DEFERRED_POLL_MS if self._deferred else _POLL_MS))
             if polled_backup is not None and polled_backup in ready:
                 self.replication.on_replies(polled_backup)
             if sock in ready:

@@ -1,0 +1,89 @@
+"""Whether a codec runs its numba kernel (`_numba_kernels`), and loading it: numba only for large tensors.
+
+A kernel writes the same payload bytes as the torch path it replaces, so it is an optimisation
+a peer cannot see. Below `MIN_NUMEL` values, or without numba, or once a kernel failed to
+compile, the codecs take their torch path; `GOSSAMER_CODEC_JIT=0` turns the kernels off.
+numba is imported at the first large tensor (about 0.4 s, kept off role-process startup), and
+compiled kernels are cached on disk under the user's cache directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = ["MIN_NUMEL", "ENV", "available", "call", "set_enabled"]
+
+#: Tensors from this many values on use the kernels: below it a chunked torch pass is a few
+#: milliseconds at most, and a process that never sees one never imports numba.
+MIN_NUMEL = 1 << 20
+ENV = "GOSSAMER_CODEC_JIT"
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_state: dict[str, Any] = {"enabled": os.environ.get(ENV, "1") != "0", "module": None, "tried": False}
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn the kernels on or off for this process (tests compare both paths); returns the old setting."""
+    old = bool(_state["enabled"])
+    _state["enabled"] = flag
+    return old
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    for candidate in (Path(base) / "gossamer" / "numba", Path(tempfile.gettempdir()) / f"gossamer-numba-{os.getuid()}"):
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+            if os.access(candidate, os.W_OK):
+                return candidate
+        except OSError:
+            continue
+    return Path(tempfile.mkdtemp(prefix="gossamer-numba-"))
+
+
+def _load() -> ModuleType | None:
+    with _lock:
+        if not _state["tried"]:
+            _state["tried"] = True
+            try:
+                import numba
+
+                if not os.environ.get("NUMBA_CACHE_DIR"):
+                    # numba's default is __pycache__ beside the source, often read-only site-packages
+                    setattr(numba.config, "CACHE_DIR", str(_cache_dir()))  # noqa: B010 (untyped in numba's stubs)
+                from gossamer.compression import _numba_kernels
+            except Exception as exc:  # ImportError, or numba refusing this numpy/CPU
+                log.info("codec kernels unavailable, codecs use torch: %s", exc)
+            else:
+                _state["module"] = _numba_kernels
+    return _state["module"]
+
+
+def available(numel: int) -> bool:
+    """Whether a tensor of `numel` values goes through a kernel (imports numba on first use)."""
+    return numel >= MIN_NUMEL and bool(_state["enabled"]) and _load() is not None
+
+
+def call(name: str, *args: Any) -> Any:
+    """Run kernel `name`; None when it cannot (the caller takes its torch path). Tensors are
+    passed as numpy views. A kernel that fails (to compile, say) is not tried again."""
+    module = _state["module"]
+    fn: Callable[..., Any] | None = None if module is None or not _state["enabled"] else getattr(module, name, None)
+    if fn is None or any(isinstance(a, torch.Tensor) and not a.is_contiguous() for a in args):
+        return None
+    try:
+        return fn(*(a.detach().numpy() if isinstance(a, torch.Tensor) else a for a in args))
+    except Exception:
+        log.warning("codec kernel %s failed; this process uses the torch path from now on", name, exc_info=True)
+        _state["enabled"] = False
+        return None

@@ -20,10 +20,13 @@ _SIGN_ROW = 64
 _INT8_BLOCK = 512  # quantization.INT8_BLOCK (not imported: this module loads numba only)
 _INT8_GROUP = 16
 _SIGN_GROUP = 4096
+_ABOVE_GROUP = 2048
 _PACK_MAGIC = np.uint64(0x8040201008040201)
 _FP16_MAX_BITS = np.uint32(0x477FE000)  # 65504
 _BF16_MAX_BITS = np.uint32(0x7F7F0000)  # about 3.39e38
 _kernel = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+# Helpers are inlined into their kernel (a call per block cost up to 1.5x: LLVM did not inline them).
+_helper = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False, inline="always")
 # Sums may be reassociated (vectorised); their error bound does not depend on the order.
 _sum_kernel = numba.njit(
     nogil=True, cache=True, error_model="numpy", boundscheck=False, fastmath={"reassoc", "nsz"}
@@ -73,38 +76,52 @@ def int8_encode(x, q, scales):  # type: ignore[no-untyped-def]
     scale_bits = scales.view(np.uint16)
     nonzero = 0
     safe = np.empty(_INT8_GROUP, dtype=np.float32)
+    tops = np.empty(_INT8_GROUP, dtype=np.uint32)
     span = _INT8_GROUP * _INT8_BLOCK
     groups = n // span
-    # A group's maxima first, then its values while they are in L1/L2: one pass over DRAM,
-    # and fixed-size inner loops, which LLVM vectorises (a loop per block cost 1.5x).
+    if groups:
+        for k in range(_INT8_GROUP):
+            tops[k] = _abs_peak(xbits[k * _INT8_BLOCK : (k + 1) * _INT8_BLOCK])
+    # Group by group: the scales from the maxima, then the values, in L1/L2, while the same
+    # loop reads the next group's maxima from DRAM (one pass over memory, overlapped with
+    # the arithmetic: maxima then values group by group cost 1.3x, block by block 1.5x).
     for g in range(groups):
         base = g * span
         for k in range(_INT8_GROUP):
-            at = base + k * _INT8_BLOCK
-            status = _int8_scale(xbits[at : at + _INT8_BLOCK], scale_bits, g * _INT8_GROUP + k, safe, k)
+            status = _int8_scale(tops[k], scale_bits, g * _INT8_GROUP + k, safe, k)
             if status < 0:
                 return -1
             nonzero |= status
+        ahead = base + span if g + 1 < groups else base  # the last group re-reads itself
         for k in range(_INT8_GROUP):
             at = base + k * _INT8_BLOCK
-            _int8_round(x[at : at + _INT8_BLOCK], safe[k], q[at : at + _INT8_BLOCK])
+            nxt = ahead + k * _INT8_BLOCK
+            tops[k] = _int8_round(
+                x[at : at + _INT8_BLOCK], safe[k], q[at : at + _INT8_BLOCK], xbits[nxt : nxt + _INT8_BLOCK]
+            )
     for b in range(groups * _INT8_GROUP, scale_bits.size):
         lo = b * _INT8_BLOCK
         hi = min(n, lo + _INT8_BLOCK)
-        status = _int8_scale(xbits[lo:hi], scale_bits, b, safe, 0)
+        status = _int8_scale(_abs_peak(xbits[lo:hi]), scale_bits, b, safe, 0)
         if status < 0:
             return -1
         nonzero |= status
-        _int8_round(x[lo:hi], safe[0], q[lo:hi])
+        _int8_round(x[lo:hi], safe[0], q[lo:hi], xbits[lo:hi])
     return nonzero
 
 
-@_kernel
-def _int8_scale(xbits, scale_bits, b, safe, k):  # type: ignore[no-untyped-def]
-    """Block b's fp16 scale (absmax rounded up, `quantization._scales`) and the divisor."""
+@_helper
+def _abs_peak(xbits):  # type: ignore[no-untyped-def]
+    """max |x| as fp32 bits: nonnegative floats order as their bits; NaN/Inf come out on top."""
     top = np.uint32(0)
     for j in range(xbits.size):
-        top = max(top, np.uint32(xbits[j] & _F32_ABS))  # |x| ordered as integers; NaN/Inf on top
+        top = max(top, np.uint32(xbits[j] & _F32_ABS))
+    return top
+
+
+@_helper
+def _int8_scale(top, scale_bits, b, safe, k):  # type: ignore[no-untyped-def]
+    """Block b's fp16 scale (absmax rounded up, `quantization._scales`) and the divisor."""
     if top >= _F32_INF:
         return -1
     amax = _f32_from_bits(top)
@@ -116,10 +133,14 @@ def _int8_scale(xbits, scale_bits, b, safe, k):  # type: ignore[no-untyped-def]
     return 1 if top else 0
 
 
-@_kernel
-def _int8_round(x, safe, q):  # type: ignore[no-untyped-def]
+@_helper
+def _int8_round(x, safe, q, ahead):  # type: ignore[no-untyped-def]
+    """q = round(x / safe * 127) (rint: half to even, as torch.round); returns `ahead`'s peak."""
+    top = np.uint32(0)
     for j in range(x.size):
-        q[j] = np.int32(np.rint(x[j] / safe * _LEVELS))  # rint: half to even, as torch.round
+        q[j] = np.int32(np.rint(x[j] / safe * _LEVELS))
+        top = max(top, np.uint32(ahead[j] & _F32_ABS))
+    return top
 
 
 @_kernel
@@ -137,7 +158,7 @@ def int8_decode(q, scale, out):  # type: ignore[no-untyped-def]
     return low > -128
 
 
-@_kernel
+@_helper
 def _int8_scaled(q, s, out):  # type: ignore[no-untyped-def]
     low = np.int32(0)
     for j in range(q.size):
@@ -204,19 +225,20 @@ def sign_encode(x, packed):  # type: ignore[no-untyped-def]
 
 @_kernel
 def sign_decode(packed, scale, out):  # type: ignore[no-untyped-def]
-    """+scale where a bit is set, -scale where not (`SignCodec._decode`'s values)."""
+    """+scale where a bit is set, -scale where not (`SignCodec._decode`'s values, -0.0 for a
+    zero scale as there): the bits of scale with the sign bit from the packed bit."""
     n = out.size
-    table = np.empty(256 * 8, dtype=np.float32)
-    for b in range(256):
-        for j in range(8):
-            table[8 * b + j] = scale if (b >> (7 - j)) & 1 else -scale
+    sbits = np.uint32(np.array([scale], dtype=np.float32).view(np.uint32)[0])
+    one = np.uint32(1)
+    outbits = out.view(np.uint32)
     whole = n // 8
     for i in range(whole):
-        t = 8 * np.intp(packed[i])
+        b = np.uint32(packed[i])
         for j in range(8):
-            out[8 * i + j] = table[t + j]
+            outbits[8 * i + j] = sbits | ((~(b >> np.uint32(7 - j)) & one) << np.uint32(31))
     for j in range(n - whole * 8):
-        out[8 * whole + j] = table[8 * np.intp(packed[whole]) + j]
+        b = np.uint32(packed[whole])
+        outbits[8 * whole + j] = sbits | ((~(b >> np.uint32(7 - j)) & one) << np.uint32(31))
     return True
 
 
@@ -277,14 +299,34 @@ def above(x, threshold_bits, pos, values):  # type: ignore[no-untyped-def]
     """Positions (increasing) and values of the x with |x| >= threshold, written while they
     fit `pos`; returns how many there are, or -1 when x holds NaN/Inf."""
     xbits = x.view(np.uint32)
-    cap = pos.size
+    bound = np.uint32(threshold_bits)  # a Python int: compared with a uint32, numba would go through fp64
+    flags = np.empty(_ABOVE_GROUP, dtype=np.uint8)
+    words = flags.view(np.uint64)
+    n = x.size
     count = 0
     peak = np.uint32(0)
-    for j in range(x.size):
+    # A vectorised pass flags a group, then only the words of 8 flags holding a hit are
+    # looked at (a tenth of them at 1 %): a branch per value cost twice as much.
+    for g in range(n // _ABOVE_GROUP):
+        base = g * _ABOVE_GROUP
+        part = xbits[base : base + _ABOVE_GROUP]
+        for j in range(_ABOVE_GROUP):
+            u = np.uint32(part[j] & _F32_ABS)
+            peak = max(peak, u)
+            flags[j] = u >= bound
+        for w in range(_ABOVE_GROUP // 8):
+            if words[w]:
+                for j in range(8 * w, 8 * w + 8):
+                    if flags[j]:
+                        if count < pos.size:
+                            pos[count] = base + j
+                            values[count] = x[base + j]
+                        count += 1
+    for j in range(n // _ABOVE_GROUP * _ABOVE_GROUP, n):
         u = np.uint32(xbits[j] & _F32_ABS)
         peak = max(peak, u)
-        if u >= threshold_bits:
-            if count < cap:
+        if u >= bound:
+            if count < pos.size:
                 pos[count] = j
                 values[count] = x[j]
             count += 1

@@ -39,7 +39,9 @@ class _CastCodec(Codec):
         kernel = self._decode_kernel
         if kernel and raw.dtype == self.wire_dtype and raw.shape == (n,) and _jit.available(n):
             dst = torch.empty(n, dtype=torch.float32) if out is None else out
-            if _jit.call(kernel, raw.view(torch.int16), dst):
+            bits = raw.view(torch.int16)
+            done = _jit.call_parts(kernel, n, 1, lambda lo, hi: (bits[lo:hi], dst[lo:hi]))
+            if done is not None and all(done):
                 return dst
         if out is None or raw.dtype != self.wire_dtype or raw.shape != (n,):
             v = payload_tensor(p, "values", self.wire_dtype, (n,))
@@ -108,8 +110,11 @@ class _HalfCodec(_CastCodec):
         # whole tensor the careful way, which raises or clamps.
         top = torch.finfo(self.wire_dtype).max
         wire = self._pool.take(key, self.wire_dtype, flat.numel())
-        if _jit.available(flat.numel()) and _jit.call(self._encode_kernel, flat, wire.view(torch.int16)):
-            return Payload({"values": wire})
+        if _jit.available(flat.numel()):
+            bits = wire.view(torch.int16)
+            done = _jit.call_parts(self._encode_kernel, flat.numel(), 1, lambda lo, hi: (flat[lo:hi], bits[lo:hi]))
+            if done is not None and all(done):
+                return Payload({"values": wire})
         for lo, hi in spans(flat.numel()):
             mn, mx = torch.aminmax(flat[lo:hi])
             if not bool((mn >= -top) & (mx <= top)):

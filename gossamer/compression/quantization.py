@@ -106,11 +106,15 @@ class Int8Codec(Codec):
         n = flat.numel()
         q = self._pool.take(key, torch.int8, n)
         absmax = torch.empty(-(-n // INT8_BLOCK), dtype=torch.float16)
-        status = _jit.call("int8_encode", flat, q, absmax.view(torch.int16))
-        if status is None or status < 0:
+        bits = absmax.view(torch.int16)
+        statuses = _jit.call_parts(
+            "int8_encode", n, INT8_BLOCK * 16,  # whole groups of blocks (`_numba_kernels`) but the last
+            lambda lo, hi: (flat[lo:hi], q[lo:hi], bits[lo // INT8_BLOCK : -(-hi // INT8_BLOCK)]),
+        )
+        if statuses is None or min(statuses) < 0:
             return None
         # no nonzero scale: fp32 zeros, as `_scales`
-        return Payload({"q": q, "absmax": absmax if status else absmax.float()}, {"block": INT8_BLOCK})
+        return Payload({"q": q, "absmax": absmax if max(statuses) else absmax.float()}, {"block": INT8_BLOCK})
 
     def _encode_chunked(self, flat: torch.Tensor, key: str | None) -> Payload | None:
         """`_encode_whole`'s payload in one pass over `flat`, chunk by chunk in cache.
@@ -178,8 +182,13 @@ class Int8Codec(Codec):
         if raw.dtype != torch.int8 or raw.shape != (n,):
             payload_tensor(p, "q", torch.int8, (n,))  # raises, naming what is wrong
         out = into(out, n)
-        if _jit.available(n) and _jit.call("int8_decode", raw, absmax, out):
-            return out
+        if _jit.available(n):
+            done = _jit.call_parts(
+                "int8_decode", n, INT8_BLOCK,
+                lambda lo, hi: (raw[lo:hi], absmax[lo // INT8_BLOCK : -(-hi // INT8_BLOCK)], out[lo:hi]),
+            )
+            if done is not None and all(done):
+                return out
         whole = n // INT8_BLOCK * INT8_BLOCK
         step = CHUNK // INT8_BLOCK * INT8_BLOCK
         # Chunk by chunk: check the range (-128 is not a level; an int8 min costs a sixth of

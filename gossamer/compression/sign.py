@@ -127,8 +127,11 @@ class SignCodec(Codec):
         if n % 8 and int(bits[-1]) & ((1 << (8 - n % 8)) - 1):
             raise ProtocolError("sign: padding bits of the last byte are set")
         out = into(out, n)
-        if _jit.available(n) and _jit.call("sign_decode", bits, float(scale), out):
-            return out
+        if _jit.available(n):
+            s = float(scale)
+            done = _jit.call_parts("sign_decode", n, 8, lambda lo, hi: (bits[lo // 8 : -(-hi // 8)], s, out[lo:hi]))
+            if done is not None and all(done):
+                return out
         whole = n // 8 * 8
         if whole:
             # Each byte indexes a row of 8 values +-scale: one gather writes the output.

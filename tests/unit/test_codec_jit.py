@@ -91,7 +91,21 @@ def _inputs(n: int, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.usefixtures("jit_everywhere")
+@pytest.fixture(params=["one part", "three parts"])
+def parts(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """One kernel call per tensor, or (as with 3 torch threads and large tensors) three
+    concurrent calls on consecutive parts where the codec splits its work (`_jit.call_parts`)."""
+    threads = torch.get_num_threads()
+    if request.param == "three parts":
+        monkeypatch.setattr(_jit, "PART_MIN", 64)
+        torch.set_num_threads(3)
+    else:
+        monkeypatch.setattr(_jit, "PART_MIN", 1 << 40)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("jit_everywhere", "parts")
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("n", SIZES)
 def test_kernel_payload_and_decode_are_the_torch_paths_bit_for_bit(spec: str, n: int) -> None:

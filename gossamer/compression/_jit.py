@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, Any] = {"enabled": os.environ.get(ENV, "1") != "0", "module": None, "tried": False}
 _pools: dict[int, ThreadPoolExecutor] = {}
+# A forked child has none of the pools' threads; a pool it inherited would never run a task.
+os.register_at_fork(after_in_child=_pools.clear)
 
 
 def set_enabled(flag: bool) -> bool:

@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_report  # noqa: E402
 
+from gossamer.compression import _jit  # noqa: E402
 from gossamer.compression.codec_spec import parse_codec  # noqa: E402
 
 #: (spec, target ratio to memcpy), in the order of the table.
@@ -136,7 +137,9 @@ def main() -> None:
         f"write into the wire buffer of the previous round once it is dropped (`WirePool`), as "
         f"a training loop does from its second step. ratio_to_memcpy = memcpy time / (encode + decode time), "
         f"median of {args.repeats} rounds (min and max beside it). torch threads = "
-        f"{torch.get_num_threads()}; load average {_load()}."
+        f"{torch.get_num_threads()}; codec kernels: "
+        f"{'numba (compiled in the uncounted first round)' if _jit.available(numel) else 'torch only'}; "
+        f"load average {_load()}."
     )
     js, md = write_report(args.name, rows, notes, args.out_dir)
     print(md.read_text())

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from gossamer.compression import _jit
 from gossamer.compression._kernels import finite_sum, spans
 from gossamer.compression.codec import Codec, Payload, all_finite, fp32_slack, payload_tensor
 from gossamer.compression.wire_pool import WirePool
@@ -19,6 +20,8 @@ class _CastCodec(Codec):
 
     wire_dtype: ClassVar[torch.dtype]
     decodes_finite: ClassVar[bool] = True  # a finite value of a narrower float stays finite
+    _decode_kernel: ClassVar[str] = ""  # `_jit` kernels: 16-bit wire values to fp32
+    _encode_kernel: ClassVar[str] = ""  # and fp32 to them
 
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:
         flat = x.reshape(-1)
@@ -33,6 +36,13 @@ class _CastCodec(Codec):
     def _decode(self, p: Payload, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
         n = math.prod(shape)
         raw = p.tensors["values"]
+        kernel = self._decode_kernel
+        if kernel and raw.dtype == self.wire_dtype and raw.shape == (n,) and _jit.available(n):
+            dst = torch.empty(n, dtype=torch.float32) if out is None else out
+            bits = raw.view(torch.int16)
+            done = _jit.call_parts(kernel, n, 1, lambda lo, hi: (bits[lo:hi], dst[lo:hi]))
+            if done is not None and all(done):
+                return dst
         if out is None or raw.dtype != self.wire_dtype or raw.shape != (n,):
             v = payload_tensor(p, "values", self.wire_dtype, (n,))
             return v.float() if out is None else out.copy_(v)
@@ -100,6 +110,11 @@ class _HalfCodec(_CastCodec):
         # whole tensor the careful way, which raises or clamps.
         top = torch.finfo(self.wire_dtype).max
         wire = self._pool.take(key, self.wire_dtype, flat.numel())
+        if _jit.available(flat.numel()):
+            bits = wire.view(torch.int16)
+            done = _jit.call_parts(self._encode_kernel, flat.numel(), 1, lambda lo, hi: (flat[lo:hi], bits[lo:hi]))
+            if done is not None and all(done):
+                return Payload({"values": wire})
         for lo, hi in spans(flat.numel()):
             mn, mx = torch.aminmax(flat[lo:hi])
             if not bool((mn >= -top) & (mx <= top)):
@@ -132,6 +147,8 @@ class FP16Codec(_HalfCodec):
 
     name: ClassVar[str] = "fp16"
     wire_dtype: ClassVar[torch.dtype] = torch.float16
+    _encode_kernel: ClassVar[str] = "fp16_encode"
+    _decode_kernel: ClassVar[str] = "fp16_decode"
     mantissa_bits: ClassVar[int] = 10
     half_ulp_subnormal: ClassVar[float] = 2.0**-25
 
@@ -145,5 +162,7 @@ class BF16Codec(_HalfCodec):
 
     name: ClassVar[str] = "bf16"
     wire_dtype: ClassVar[torch.dtype] = torch.bfloat16
+    _encode_kernel: ClassVar[str] = "bf16_encode"
+    _decode_kernel: ClassVar[str] = "bf16_decode"
     mantissa_bits: ClassVar[int] = 7
     half_ulp_subnormal: ClassVar[float] = 2.0**-134

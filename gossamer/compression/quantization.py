@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from gossamer.compression import _jit
 from gossamer.compression._kernels import CHUNK, Scratch, finite_sum, spans
 from gossamer.compression.codec import (
     Codec,
@@ -77,7 +78,10 @@ class Int8Codec(Codec):
 
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:
         if x.dtype == torch.float32 and x.numel() >= INT8_BLOCK:
-            fast = self._encode_chunked(x.reshape(-1), key)
+            flat = x.reshape(-1)
+            fast = self._encode_jit(flat, key) if _jit.available(flat.numel()) else None
+            if fast is None:
+                fast = self._encode_chunked(flat, key)
             if fast is not None:
                 return fast
         if not all_finite(x):
@@ -96,6 +100,21 @@ class Int8Codec(Codec):
             {"q": q.reshape(-1)[:n].clone(), "absmax": absmax.contiguous()},
             {"block": INT8_BLOCK},
         )
+
+    def _encode_jit(self, flat: torch.Tensor, key: str | None) -> Payload | None:
+        """`_encode_chunked`'s payload, byte for byte, from the numba kernel; None as there."""
+        n = flat.numel()
+        q = self._pool.take(key, torch.int8, n)
+        absmax = torch.empty(-(-n // INT8_BLOCK), dtype=torch.float16)
+        bits = absmax.view(torch.int16)
+        statuses = _jit.call_parts(
+            "int8_encode", n, INT8_BLOCK * 16,  # whole groups of blocks (`_numba_kernels`) but the last
+            lambda lo, hi: (flat[lo:hi], q[lo:hi], bits[lo // INT8_BLOCK : -(-hi // INT8_BLOCK)]),
+        )
+        if statuses is None or min(statuses) < 0:
+            return None
+        # no nonzero scale: fp32 zeros, as `_scales`
+        return Payload({"q": q, "absmax": absmax if max(statuses) else absmax.float()}, {"block": INT8_BLOCK})
 
     def _encode_chunked(self, flat: torch.Tensor, key: str | None) -> Payload | None:
         """`_encode_whole`'s payload in one pass over `flat`, chunk by chunk in cache.
@@ -163,6 +182,13 @@ class Int8Codec(Codec):
         if raw.dtype != torch.int8 or raw.shape != (n,):
             payload_tensor(p, "q", torch.int8, (n,))  # raises, naming what is wrong
         out = into(out, n)
+        if _jit.available(n):
+            done = _jit.call_parts(
+                "int8_decode", n, INT8_BLOCK,
+                lambda lo, hi: (raw[lo:hi], absmax[lo // INT8_BLOCK : -(-hi // INT8_BLOCK)], out[lo:hi]),
+            )
+            if done is not None and all(done):
+                return out
         whole = n // INT8_BLOCK * INT8_BLOCK
         step = CHUNK // INT8_BLOCK * INT8_BLOCK
         # Chunk by chunk: check the range (-128 is not a level; an int8 min costs a sixth of

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from gossamer.compression import _jit
 from gossamer.compression._kernels import Scratch, pack_signs, spans
 from gossamer.compression.codec import Codec, Payload, all_finite, fp32_slack, into, payload_tensor
 from gossamer.errors import ProtocolError
@@ -70,18 +71,16 @@ class SignCodec(Codec):
     def _encode(self, x: torch.Tensor, shape: tuple[int, ...], key: str | None) -> Payload:
         flat = x.reshape(-1)
         n = flat.numel()
-        total = squares = 0.0
-        for lo, hi in spans(n):
-            part = flat[lo:hi]
-            work = torch.abs(part, out=self._scratch.get(part.dtype, hi - lo))
-            rows = (hi - lo) // _ROW * _ROW
-            # Rows of 64 summed in fp32 (in cache), the row sums in fp64: each row sum of
-            # nonnegative terms is within 63 * 2**-24 < 2**-18 of its value whatever the order.
-            total += float(work[:rows].view(-1, _ROW).sum(dim=1).sum(dtype=torch.float64))
-            total += float(work[rows:].sum(dtype=torch.float64))
-            work.mul_(work)
-            squares += float(work[:rows].view(-1, _ROW).sum(dim=1).sum(dtype=torch.float64))
-            squares += float(work[rows:].sum(dtype=torch.float64))
+        bits: torch.Tensor | None = None
+        sums = None
+        if flat.dtype == torch.float32 and _jit.available(n):
+            bits = torch.empty(-(-n // 8), dtype=torch.uint8)
+            sums = _jit.call("sign_encode", flat, bits)
+        if sums is None:
+            bits = None
+            total, squares = self._sums(flat)
+        else:
+            total, squares = sums
         if not (math.isfinite(total) and math.isfinite(squares)):  # NaN/Inf, or fp32 sums near fp32's max
             if not all_finite(flat):
                 raise ValueError(f"{self.spec}: cannot encode a tensor holding NaN or Inf")
@@ -96,10 +95,27 @@ class SignCodec(Codec):
             s32 = torch.nextafter(s32, torch.zeros(1))
         return Payload(
             {
-                "bits": pack_signs(flat, self._scratch),
+                "bits": pack_signs(flat, self._scratch) if bits is None else bits,
                 "scale": s32,
             }
         )
+
+    def _sums(self, flat: torch.Tensor) -> tuple[float, float]:
+        """(sum |x|, sum x**2) in fp64, of fp32 sums over rows of 64 values."""
+        total = squares = 0.0
+        n = flat.numel()
+        for lo, hi in spans(n):
+            part = flat[lo:hi]
+            work = torch.abs(part, out=self._scratch.get(part.dtype, hi - lo))
+            rows = (hi - lo) // _ROW * _ROW
+            # Rows of 64 summed in fp32 (in cache), the row sums in fp64: each row sum of
+            # nonnegative terms is within 63 * 2**-24 < 2**-18 of its value whatever the order.
+            total += float(work[:rows].view(-1, _ROW).sum(dim=1).sum(dtype=torch.float64))
+            total += float(work[rows:].sum(dtype=torch.float64))
+            work.mul_(work)
+            squares += float(work[:rows].view(-1, _ROW).sum(dim=1).sum(dtype=torch.float64))
+            squares += float(work[rows:].sum(dtype=torch.float64))
+        return total, squares
 
     def _decode(self, p: Payload, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
         n = math.prod(shape)
@@ -111,6 +127,11 @@ class SignCodec(Codec):
         if n % 8 and int(bits[-1]) & ((1 << (8 - n % 8)) - 1):
             raise ProtocolError("sign: padding bits of the last byte are set")
         out = into(out, n)
+        if _jit.available(n):
+            s = float(scale)
+            done = _jit.call_parts("sign_decode", n, 8, lambda lo, hi: (bits[lo // 8 : -(-hi // 8)], s, out[lo:hi]))
+            if done is not None and all(done):
+                return out
         whole = n // 8 * 8
         if whole:
             # Each byte indexes a row of 8 values +-scale: one gather writes the output.

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import struct
 from typing import ClassVar
 
 import torch
 
+from gossamer.compression import _jit
 from gossamer.compression._kernels import Scratch, spans
 from gossamer.compression.codec import (
     Codec,
@@ -93,7 +95,7 @@ def topk_select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
         # Aimed as far above k as the threshold is below: what passes it is almost surely
         # among the top k, so the exact selection only ranks the band in between.
         sure = float(ranked[max(0, math.floor(k * m / n * (2 - overshoot)) - 1)])
-        cands, values = _above(flat, threshold)
+        cands, values = _above(flat, threshold, expect=math.ceil(rank * n / m))
         if cands.numel() >= k:
             keep = _largest(values.abs(), k, sure)
             return torch.masked_select(cands, keep), torch.masked_select(values, keep)
@@ -130,8 +132,10 @@ def _largest(mags: torch.Tensor, k: int, sure: float = math.inf) -> torch.Tensor
     return keep
 
 
-def _above(flat: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _above(flat: torch.Tensor, threshold: float, expect: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions (int64, increasing) and values of the entries with |x| >= threshold.
+
+    Through the numba kernel when there is one (`expect`: about how many will pass).
 
     Comparing into bool and `nonzero` cost 10x an fp32 `abs` per value here, so they only
     run on the groups whose largest magnitude reaches the threshold (about a tenth of them
@@ -140,6 +144,10 @@ def _above(flat: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Te
     longer). The hits come out row by row, each row's in column order: increasing.
     NaN/Inf shows in the column maxima (a max propagates NaN), so it costs no pass of its own.
     """
+    if flat.dtype == torch.float32 and _jit.available(flat.numel()):
+        fast = _above_jit(flat, threshold, expect)
+        if fast is not None:
+            return fast
     found: list[torch.Tensor] = []
     kept: list[torch.Tensor] = []
     for lo, hi in spans(flat.numel()):
@@ -168,6 +176,25 @@ def _above(flat: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Te
     if not found:
         return torch.zeros(0, dtype=torch.int64), flat[:0]
     return torch.cat(found), torch.cat(kept)
+
+
+def _above_jit(flat: torch.Tensor, threshold: float, expect: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`_above` in one pass of the numba kernel; None when it cannot run."""
+    # |x| >= threshold compared as the bits of nonnegative fp32 values (threshold is one)
+    bits = struct.unpack("<I", struct.pack("<f", threshold))[0]
+    cap = expect + expect // 2 + 1024
+    for _ in range(2):  # a second pass only when more passed than there was room for
+        pos = torch.empty(cap, dtype=torch.int64)
+        values = torch.empty(cap, dtype=torch.float32)
+        count = _jit.call("above", flat, bits, pos, values)
+        if count is None:
+            return None
+        if count < 0:
+            raise ValueError("topk: cannot encode a tensor holding NaN or Inf")
+        if count <= cap:
+            return pos[:count], values[:count]
+        cap = count
+    return None
 
 
 class TopKCodec(Codec):
@@ -238,7 +265,10 @@ class TopKCodec(Codec):
             else torch.float32
         )
         values = payload_tensor(p, "values", vdtype, (k,)).float()
-        out = into(out, n).zero_()
+        out = into(out, n)
+        if _jit.available(n) and _jit.call("scatter", idx, values, out):
+            return out
+        out.zero_()
         if k == 0:
             return out
         if int(idx[0]) < 0 or int(idx[-1]) >= n:

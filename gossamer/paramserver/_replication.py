@@ -53,7 +53,14 @@ from gossamer.protocol import (
 )
 from gossamer.security import sender_tokens
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
-from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
+from gossamer.transport.frames import (
+    ZERO_COPY_THRESHOLD,
+    FrameLimits,
+    Message,
+    decode,
+    encode,
+    frames_nbytes,
+)
 from gossamer.transport.outgoing import track
 from gossamer.transport.router import (
     NOT_BACKUP,
@@ -115,7 +122,7 @@ class Replication:
         # (version, bytes): the next goes once the bytes on their way leave it room (`REPLICATE_WINDOW_BYTES`).
         self._outbox: deque[tuple[int, list[bytes | memoryview], bool]] = deque()
         # Sent, not acknowledged: (version, bytes, the tracker done once libzmq let go of the frames).
-        self._in_flight: deque[tuple[int, int, zmq.MessageTracker]] = deque()
+        self._in_flight: deque[tuple[int, int, zmq.MessageTracker | None]] = deque()
         self.window_bytes = REPLICATE_WINDOW_BYTES
         self.window_waits = 0  # REPLICATEs that waited for the backup's ACK of those before them
         self.bytes_out = 0
@@ -267,7 +274,9 @@ class Replication:
             if self._in_flight and sum(n for _, n, _ in self._in_flight) + nbytes > self.window_bytes:
                 return
             self._outbox.popleft()
-            frames, tracker = track(frames)  # the payload (a worker's push) is held until libzmq lets go
+            tracker: zmq.MessageTracker | None = None
+            if nbytes >= ZERO_COPY_THRESHOLD:  # smaller ones pyzmq copies: tracking would force a zero-copy hand-off
+                frames, tracker = track(frames)  # the payload (a worker's push) is held until libzmq lets go
             if not self._send(frames):
                 return
             self._in_flight.append((version, nbytes, tracker))
@@ -278,7 +287,7 @@ class Replication:
         """Bytes of updates this primary still holds for its backup: waiting for the window, or sent and
         not yet let go of by libzmq (each frame a view of the push it forwards, or its dense gradient)."""
         waiting = sum(frames_nbytes(frames) for _, frames, _ in self._outbox)
-        return waiting + sum(n for _, n, tracker in self._in_flight if not tracker.done)
+        return waiting + sum(n for _, n, tracker in self._in_flight if tracker is not None and not tracker.done)
 
     def _encoded_frames(self, meta: ReplicateMeta, encoded: list[EncodedPart]) -> list[bytes | memoryview] | None:
         """The REPLICATE of `encoded` (tensors "p{k}/<push tensor name>"), or None where the dense one

@@ -20,7 +20,7 @@ from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
 from gossamer.paramserver._seeding import Seeding
 from gossamer.paramserver._updates import Updates
-from gossamer.paramserver.push_credits import CREDIT_MIN_BYTES, PushCredits
+from gossamer.paramserver.push_credits import CREDIT_MIN_BYTES, MAX_WAITING, PushCredits
 from gossamer.protocol import (
     Authority,
     CreditMeta,
@@ -105,6 +105,7 @@ class ServeLoop:
         #: Pushes kept back while a checkpoint's writer is behind, in arrival order (identity, message, key).
         self._deferred: collections.deque[tuple[bytes, Message, str | None]] = collections.deque()
         self.deferred_pushes = 0
+        self._deferred_bytes = 0
 
     @property
     def curve_refused(self) -> int:
@@ -243,14 +244,23 @@ class ServeLoop:
         for held in (frames, payload):
             if isinstance(held, list):
                 held.clear()
-        if msg.op == "PUSH" and (self._deferred or self._holds_back()):
+        nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
+        if msg.op == "PUSH" and (self._deferred or self._holds_back()) and self._may_defer(nbytes):
             # A checkpoint's writer is behind: applied now, the push would wait for it and so would every
             # request behind it. Kept back (its credit with it: no other large push comes meanwhile) while
             # pulls and the rest are served.
             self._deferred.append((identity, msg, key))
+            self._deferred_bytes += nbytes
             self.deferred_pushes += 1
             return
         self._handle(identity, msg, key)
+
+    def _may_defer(self, nbytes: int) -> bool:
+        """Kept-back pushes stay within one dense push of the shard (the credits' budget): past it, or a flood of
+        small ones, a push is handled at once as before (written aside, or a bounded wait for the writer)."""
+        if not self._deferred:
+            return True
+        return len(self._deferred) < MAX_WAITING and self._deferred_bytes + nbytes <= self.credits.budget_bytes
 
     def _holds_back(self) -> bool:
         with self.lock:
@@ -258,7 +268,9 @@ class ServeLoop:
 
     def _run_deferred(self) -> None:
         while self._deferred and not self._holds_back():
-            self._handle(*self._deferred.popleft())
+            identity, msg, key = self._deferred.popleft()
+            self._deferred_bytes -= sum(t.numel() * t.element_size() for t in msg.tensors.values())
+            self._handle(identity, msg, key)
 
     def _handle(self, identity: bytes, msg: Message, key: str | None) -> None:
         rid, op = msg.meta.get("rid"), msg.op

@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.optim.sgd import sgd as sgd_per_tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from gossamer.errors import ConfigError
 from gossamer.paramserver.delayed_nesterov import DelayedNesterov
 
-__all__ = ["FOREACH_MAX_NUMEL", "OptimizerConfig", "build_optimizer", "set_lr_factor"]
+__all__ = ["FOREACH_MAX_NUMEL", "FusedSGD", "OptimizerConfig", "build_optimizer", "set_lr_factor"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +76,14 @@ def build_optimizer(config: OptimizerConfig, params: list[torch.Tensor]) -> torc
     implementation is used: the multi-tensor one makes its temporaries (AdamW's denominators,
     nesterov's or weight decay's adjusted gradients) for every tensor at once, one more copy
     of everything it steps (bench/scale_model.py), where per tensor they are one tensor's.
+    There SGD with momentum is `FusedSGD`: the per-tensor bits in one pass over memory.
     """
     foreach = None if sum(p.numel() for p in params) <= FOREACH_MAX_NUMEL else False
     if config.delayed:
         return DelayedNesterov(params, lr=config.lr, momentum=config.momentum)
     if config.name == "sgd":
-        return torch.optim.SGD(
+        sgd = FusedSGD if foreach is False and config.momentum and FusedSGD.supported(params) else torch.optim.SGD
+        return sgd(
             params,
             lr=config.lr,
             momentum=config.momentum,
@@ -100,3 +105,63 @@ def set_lr_factor(optimizer: torch.optim.Optimizer, base_lr: float, factor: floa
     """Set every param group's lr to `base_lr * factor` (used for staleness-aware lr)."""
     for group in optimizer.param_groups:
         group["lr"] = base_lr * factor
+
+
+#: torch's fused CPU SGD kernel steps 64-byte units with its vector loop and only the values
+#: after the last whole unit with its scalar loop, which rounds differently: so only a tensor's
+#: last `numel % _FUSED_UNIT` values would differ from the per-tensor kernels.
+_FUSED_UNIT = 16
+
+
+class FusedSGD(torch.optim.SGD):
+    """SGD with momentum in one pass over values, momentum and gradient: the same bits as
+    `torch.optim.SGD(foreach=False)`, about 0.7x its time.
+
+    The per-tensor SGD reads and writes the momentum buffer twice and the values once per
+    step (``buf.mul_(m).add_(g)``, ``p.add_(buf, alpha=-lr)``); torch's fused kernel once. At
+    52M values here: 54 ms against 70-77 ms a step. The fused kernel's scalar tail rounds
+    differently from its vector loop (and from the per-tensor kernels, which are the same
+    bits however a tensor is cut into chunks), so each tensor's whole 16-value units step
+    fused and the rest (fewer than 16 values) per tensor: a shard steps exactly what one torch
+    process stepping the whole model with per-tensor SGD would. The first step (no momentum
+    buffer yet) and any step under a dispatch mode (`WritesAside`, which must see the writes
+    to each whole tensor) take the per-tensor path.
+    """
+
+    @staticmethod
+    def supported(params: list[torch.Tensor]) -> bool:
+        """Whether this torch has the fused CPU kernel and `params` are all fp32 on the CPU."""
+        return hasattr(torch, "_fused_sgd_") and all(p.device.type == "cpu" and p.dtype == torch.float32
+                                                     for p in params)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if closure is not None or _get_current_dispatch_mode() is not None:
+            return super().step(closure)
+        for group in self.param_groups:
+            if group["maximize"] or group["differentiable"]:
+                return super().step()
+            stepping = [p for p in group["params"] if p.grad is not None]
+            if any("momentum_buffer" not in self.state[p] for p in stepping):
+                return super().step()
+        for group in self.param_groups:
+            heads: list[list[Any]] = [[], [], []]  # values, gradients, momentum buffers
+            tails: list[list[Any]] = [[], [], []]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p]["momentum_buffer"]
+                flat_p, flat_g, flat_b = p.view(-1), p.grad.view(-1), buf.view(-1)
+                cut = flat_p.numel() - flat_p.numel() % _FUSED_UNIT
+                for out, t in zip(heads, (flat_p, flat_g, flat_b), strict=True):
+                    out.append(t[:cut])
+                if cut < flat_p.numel():
+                    for out, t in zip(tails, (flat_p, flat_g, flat_b), strict=True):
+                        out.append(t[cut:])
+            kw = {"weight_decay": group["weight_decay"], "momentum": group["momentum"], "lr": group["lr"],
+                  "dampening": group["dampening"], "nesterov": group["nesterov"], "maximize": False}
+            if heads[0]:
+                torch._fused_sgd_(heads[0], heads[1], heads[2], is_first_step=False, **kw)
+            if tails[0]:
+                sgd_per_tensor(tails[0], tails[1], tails[2], foreach=False, **kw)
+        return None

@@ -74,12 +74,15 @@ def say(msg: str) -> None:
 # ------------------------------------------------------------------------------------------
 # /proc
 # ------------------------------------------------------------------------------------------
-def _status_kb(pid: int | str, key: str) -> int:
+def _status_kb(pid: int | str, *keys: str) -> dict[str, int]:
+    """`keys` of /proc/PID/status in kB (0 where absent)."""
+    out = dict.fromkeys(keys, 0)
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return 0
+            key, _, rest = line.partition(":")
+            if key in out:
+                out[key] = int(rest.split()[0])
+    return out
 
 
 def _stat(pid: int | str) -> tuple[int, int]:
@@ -147,10 +150,15 @@ class ProcWatch(threading.Thread):
                 ppid, pgrp = _stat(d)
                 if pgrp not in groups:
                     continue
-                hwm = _status_kb(d, "VmHWM")
-                rec = self.procs.setdefault(int(d), {"ppid": ppid, "pgrp": pgrp, "hwm_kb": 0, "ports": set(),
+                kb = _status_kb(d, "VmHWM", "RssAnon", "RssFile")
+                rec = self.procs.setdefault(int(d), {"ppid": ppid, "pgrp": pgrp, "hwm_kb": 0, "anon_kb": 0,
+                                                     "file_kb": 0, "ports": set(),
                                                      "cmd": Path(f"/proc/{d}/cmdline").read_bytes()})
-                rec["hwm_kb"] = max(rec["hwm_kb"], hwm)
+                rec["hwm_kb"] = max(rec["hwm_kb"], kb["VmHWM"])
+                # sampled, not the kernel's own peak: what of the resident set is anonymous (the role's
+                # tensors, heaps) and what file pages (shared libraries, shared with the host's others)
+                rec["anon_kb"] = max(rec["anon_kb"], kb["RssAnon"])
+                rec["file_kb"] = max(rec["file_kb"], kb["RssFile"])
                 if not rec["ports"]:
                     rec["ports"] = _ports(int(d), listening)
             except (OSError, ValueError, IndexError):
@@ -305,6 +313,8 @@ def memory_rows(run: dict[str, Any], plan: ShardPlan, model_bytes: int, torch_mb
         fs = forkservers.get(rec["ppid"])
         base = kb_to_mb(fs["hwm_kb"]) if fs is not None else torch_mb
         row: dict[str, Any] = {"label": run["label"], "mode": run["mode"], "node": node or "-"}
+        if rec.get("anon_kb"):
+            row.update(sampled_anon_mb=kb_to_mb(rec["anon_kb"]), sampled_file_mb=kb_to_mb(rec["file_kb"]))
         if pid == run["coordinator"]:
             row["role"] = "coordinator"
         elif pid in agents:
@@ -371,6 +381,8 @@ def step_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append({"label": run["label"], "mode": run["mode"], "source": src, "steps": int(v["ps_updates"]),
                          "apply_ms": 1000 * v["ps_apply_s"] / v["ps_updates"],
                          "cow_copies": int(v.get("ps_cow_copies", 0)),
+                         # a primary's updates acknowledged while its backup was detached (it re-syncs after)
+                         "unreplicated": int(v.get("ps_unreplicated", 0)),
                          "ckpt_saved": int(v.get("ckpt_saved", 0)),
                          "ckpt_snapshot_ms": 1000 * v.get("ckpt_snapshot_s", 0) / max(1.0, v.get("ckpt_saved", 0)
                                                                                       + v.get("ckpt_skipped", 0)),
@@ -582,7 +594,17 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "behind: 3.07x (its ps0 backup detached under load and re-synced: 3.76x, old state and the SYNC's new one "
          "at once); `after22c` also credits counting the pushes a primary still holds for its backup: async "
          "primaries 2.79-2.80x, hosts 2.77-2.78x; sync unchanged at 3.27x (a sync primary holds both workers' "
-         "dense pushes for the barrier: 3.77-3.78x). The Serving table's `updates_per_s`: versions over the "
+         "dense pushes for the barrier: 3.77-3.78x). `s13`, `s13b`, `s13c` (session 13, main at 5c3b616 + FusedSGD) "
+         "diloco: hosts 4.20-4.23x, backups 4.96-5.01x, primaries 3.40-3.45x; `s13-jit-off` the same with "
+         "GOSSAMER_CODEC_JIT=0 (no numba in any role): hosts 3.32-3.33x, backups 3.83x, primaries 2.82-2.83x, "
+         "workers 4.27-4.28x against 4.56-4.59x. `sampled_anon_mb` / `sampled_file_mb` (from s13b): the largest "
+         "RssAnon and RssFile seen by the 0.2 s sampler (what is the role's own memory, what shared library pages); "
+         "the step table's `unreplicated` (from s13c): a primary's updates acknowledged while its backup was "
+         "detached, after which the backup re-syncs (its old state and the SYNC's at once): 2 of 4 on both "
+         "primaries in s13c, the backups applying an update in 1.9-2.1 s on the loaded 2 cores. Push+pull "
+         "`s13pp1`-`s13pp3`, `newpp1`-`newpp2` (this code) and, run alternately with the `newpp` ones, 5c3b616 "
+         "(0.58, 0.55, not in this table: its own tree): 0.49-0.60 for both today, against 0.64-0.73 on "
+         "session 12's machine. The Serving table's `updates_per_s`: versions over the "
          "time from the first update seen to the end (compare within one load).")
 
 

@@ -71,13 +71,17 @@ from gossamer.transport.router import (
     queue_depth,
 )
 
-__all__ = ["REPLICATE_WINDOW_BYTES", "Replication"]
+__all__ = ["REPLICATE_WINDOW_BYTES", "SYNC_PART_BYTES", "Replication", "sync_parts"]
 
 logger = logging.getLogger(__name__)
 
 #: Bytes of REPLICATEs on their way to the backup and not acknowledged yet, past which the next one waits for an
 #: ACK (the first always goes): a 1M-parameter shard's dense updates pipeline 16 deep, a 100M one's go one at a time.
 REPLICATE_WINDOW_BYTES = 64 << 20
+#: A SYNC goes as messages of at most about this many bytes of state (a group of whole chunks each),
+#: all at once: the backup loads each into place and drops it as it comes, so it holds its state and the
+#: few parts ZMQ has read ahead (its receive queue's depth), not its old state beside a whole new one.
+SYNC_PART_BYTES = 16 << 20
 _RETRY_S = 1.0  # a backup that refused the CURVE handshake is dialled again this often
 _RESYNC_FIRST_S, _RESYNC_MAX_S = 1.0, 30.0  # backoff of re-attaching a detached backup
 
@@ -117,6 +121,9 @@ class Replication:
         self._retry_at = 0.0
         self.acked = 0
         self._synced = False
+        self.sync_parts_in = 0  # SYNC parts this backup loaded
+        # A SYNC in parts being loaded on a backup: (its version, its number of parts, the parts loaded so far).
+        self._sync_in: tuple[int, int, int] | None = None
         self._awaiting: deque[tuple[int, float, Callable[[], None]]] = deque()
         # REPLICATEs made and not sent yet (version, frames, forwarded encoded), and those sent but not acknowledged
         # (version, bytes): the next goes once the bytes on their way leave it room (`REPLICATE_WINDOW_BYTES`).
@@ -158,6 +165,13 @@ class Replication:
             logger.error("%s: promotion at epoch %d refused: this backup is at epoch %d (%s)", self._name, epoch,
                          self.epoch, reason)
             return False
+        if self._sync_in is not None:
+            # The coordinator promotes only a backup its primary said was synced; a SYNC under way means that
+            # word was overtaken (the primary re-synced it just before it was lost). Said, not hidden.
+            logger.error("%s: promoted with a SYNC to version %d loaded %d of %d parts: its chunks mix that "
+                         "version's values with older ones", self._name, *self._sync_in[:1], self._sync_in[2],
+                         self._sync_in[1])
+            self._sync_in = None
         self.is_primary = True
         self.epoch = epoch
         self.promotions += 1
@@ -179,7 +193,8 @@ class Replication:
             return
         assert self.context is not None
         b = self.context.socket(zmq.DEALER)
-        configure_socket(b, self.limits)
+        # every part of a SYNC is queued at once (views of the live state: the depth costs no memory)
+        configure_socket(b, self.limits, send_depth=queue_depth(self.limits) + self._max_sync_parts())
         if self.curve is not None:
             try:
                 self.curve.secure_client(b, endpoint)
@@ -208,12 +223,20 @@ class Replication:
         self._flush(replicated=False)  # nothing waits on a SYNC: it is not timed as a stall
         self._outbox.clear()  # the SYNC carries what they would have; REPLICATEs after it go behind it
         self._in_flight.clear()
-        # The live state, not a copy of it (2x the shard beside the state): a step while ZMQ still reads it
-        # writes aside (`ShardState.lend`).
+        # The live state, not a copy of it (2x the shard beside the state): a step while ZMQ still reads a part
+        # writes its chunks aside (`ShardState.lend`). In parts of whole chunks (`SYNC_PART_BYTES`), so the backup
+        # never holds a whole second state.
         meta, tensors = self.state.export(copy=False)
-        frames, tracker = track(self._frames("SYNC", meta.to_meta(), tensors))
-        if self._send(frames):
-            self.state.lend(tracker, tensors.values())
+        parts = sync_parts(tensors, SYNC_PART_BYTES)
+        for k, part in enumerate(parts):
+            frames, tracker = track(self._frames("SYNC", {**meta.to_meta(), "part": k, "parts": len(parts)}, part))
+            if not self._send(frames):
+                return
+            self.state.lend(tracker, part.values(), values=False)
+
+    def _max_sync_parts(self) -> int:
+        """The most parts a SYNC of this shard can take (values and up to two optimizer buffers per value)."""
+        return 1 + 3 * 4 * sum(c.numel for c in self.state.chunks.values()) // SYNC_PART_BYTES + len(self.state.chunks)
 
     def _frames(self, op: str, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
         """A message to the backup, signed as the shard's primary at this epoch."""
@@ -433,11 +456,43 @@ class Replication:
                          STALE_EPOCH, "stale_epoch")
         self.epoch = authority.epoch  # a newer primary, named by the coordinator before this backup heard
 
-    def on_sync(self, msg: Message) -> None:
-        """A full-state SYNC from the primary."""
+    def on_sync(self, msg: Message) -> bool:
+        """One part of a full-state SYNC from the primary, loaded into place; True once the last part
+        is (the backup then holds the primary's state at the SYNC's version).
+
+        Parts come in order on the primary's connection; part 0 starts a SYNC (and abandons one not
+        finished: the primary sent a new one), the others must continue the SYNC being loaded. Until
+        the last, the state mixes chunks of the old and the new one; the primary counts the backup
+        as replicated only once it acknowledged the last.
+        """
         self._from_primary(msg)
-        self.load(SyncMeta.from_meta(msg.meta), msg.tensors)
-        logger.info("%s: backup synced at version %d", self._name, self.state.version)
+        meta = SyncMeta.from_meta(msg.meta)
+        part, parts = msg.meta.get("part", 0), msg.meta.get("parts", 1)
+        if (not isinstance(part, int) or not isinstance(parts, int) or isinstance(part, bool)
+                or isinstance(parts, bool) or not 0 <= part < parts or parts > self._max_sync_parts()):
+            raise Reject(f"SYNC meta 'part' {part!r} of 'parts' {parts!r} is out of range")
+        if part == 0:
+            self._sync_in = (meta.state_version, parts, 0)
+        if self._sync_in is None or self._sync_in[:2] != (meta.state_version, parts) or self._sync_in[2] != part:
+            self._sync_in = None
+            raise Reject(f"SYNC part {part} of {parts} at version {meta.state_version} continues no SYNC this "
+                         "backup is loading", OUT_OF_ORDER)
+        if part == 0 and parts == 1:
+            self.load(meta, msg.tensors)  # the whole state in one message
+        else:
+            self.state.load_chunks(meta, msg.tensors)
+            msg.tensors.clear()
+        self.sync_parts_in += 1
+        if part + 1 < parts:
+            self._sync_in = (meta.state_version, parts, part + 1)
+            return False
+        self._sync_in = None
+        if parts > 1:
+            self.state.finish_load(meta)
+            self.acked = self.state.version
+        logger.info("%s: backup synced at version %d (%d part%s)", self._name, self.state.version, parts,
+                    "" if parts == 1 else "s")
+        return True
 
     def on_replicate(self, msg: Message) -> None:
         """Replay one update the primary applied."""
@@ -472,3 +527,22 @@ class Replication:
         if set(grads) != set(self.state.chunks):
             raise Reject("REPLICATE must carry every chunk of the shard")
         return grads
+
+
+def sync_parts(tensors: dict[str, torch.Tensor], part_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """An exported state ("c3", "c3/momentum_buffer", ...) cut into groups of whole chunks, in chunk order,
+    each of at most `part_bytes` unless one chunk alone is larger; at least one group."""
+    by_chunk: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        by_chunk.setdefault(name.partition("/")[0], {})[name] = t
+    parts: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(by_chunk, key=parse_chunk_key):
+        group = by_chunk[key]
+        nbytes = sum(t.numel() * t.element_size() for t in group.values())
+        if parts[-1] and size + nbytes > part_bytes:
+            parts.append({})
+            size = 0
+        parts[-1].update(group)
+        size += nbytes
+    return parts

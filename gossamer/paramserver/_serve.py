@@ -323,8 +323,8 @@ class ServeLoop:
             self.replication.on_replicate(msg)
             self.replies.send(identity, "ACK", {"rid": rid})
         elif msg.op == "SYNC":
-            self.replication.on_sync(msg)
-            self.replies.send(identity, "ACK", {"rid": rid, "synced": True})
+            if self.replication.on_sync(msg):  # the last part of the SYNC: the others are not answered
+                self.replies.send(identity, "ACK", {"rid": rid, "synced": True})
         elif msg.op == "HELLO":
             self._on_hello(identity, msg, now)
         elif msg.op == "PULL":

@@ -12,7 +12,7 @@ import torch
 
 from gossamer.checkpoint.sharded import ShardSnapshot, restore_range, verify_step
 from gossamer.envinfo import fingerprint
-from gossamer.errors import ConfigError
+from gossamer.errors import ConfigError, ProtocolError
 from gossamer.lr_schedule import lr_multiplier
 from gossamer.paramserver._copy_on_write import WritesAside, storage_of
 from gossamer.paramserver._reject import Reject
@@ -21,7 +21,7 @@ from gossamer.paramserver.delayed_nesterov import DelayedNesterov
 from gossamer.paramserver.optimizer import build_optimizer, set_lr_factor
 from gossamer.paramserver.shard_config import ShardConfig
 from gossamer.paramserver.shard_plan import Chunk, ShardPlan
-from gossamer.protocol import SyncMeta, chunk_key
+from gossamer.protocol import SyncMeta, chunk_key, parse_chunk_key
 
 __all__ = ["STEP_GROUP_BYTES", "ShardState"]
 
@@ -156,10 +156,12 @@ class ShardState:
         return lr_factor
 
     # -- readers of the live values -----------------------------------------------------
-    def lend(self, reader: Any, tensors: Iterable[torch.Tensor] = ()) -> None:
+    def lend(self, reader: Any, tensors: Iterable[torch.Tensor] = (), *, values: bool = True) -> None:
         """A send reads the live chunk values (and `tensors`, e.g. the optimizer's state) until `reader.done`
-        (values sent without a copy)."""
-        self._lent.append((reader, {storage_of(p) for p in (*self.params.values(), *tensors)}))
+        (values sent without a copy). `values` False: only `tensors` (a part of a SYNC, its chunks' values
+        among them)."""
+        lent = (*self.params.values(), *tensors) if values else tuple(tensors)
+        self._lent.append((reader, {storage_of(p) for p in lent}))
 
     @contextmanager
     def writes(self) -> Iterator[None]:
@@ -261,25 +263,51 @@ class ShardState:
             t = tensors.get(chunk_key(idx))
             if t is None or t.numel() != c.numel:
                 raise Reject(f"state lacks chunk {idx} or has the wrong size")
-        state: dict[int, dict[str, Any]] = {}
-        for i, idx in enumerate(sorted(self.params)):
-            entry: dict[str, Any] = {}
-            prefix = f"{chunk_key(idx)}/"
-            for name, t in tensors.items():
-                if name.startswith(prefix):
-                    if t.numel() != self.chunks[idx].numel:
-                        raise Reject(f"state tensor {name} has the wrong size")
-                    entry[name[len(prefix):]] = t.detach().reshape(-1).to(torch.float32)
-            for key, val in meta.scalars.items():
-                if key.startswith(f"{idx}/"):
-                    entry[key.split("/", 1)[1]] = torch.tensor(float(val))
-            if entry:
-                state[i] = entry
+        self.load_chunks(meta, tensors)
+        self.finish_load(meta)
+
+    def load_chunks(self, meta: SyncMeta, tensors: dict[str, torch.Tensor]) -> list[int]:
+        """Replace the values and optimizer state of the chunks whose values `tensors` carries ("c3",
+        with "c3/<state>"), as `load` does; the other chunks stay as they are. Returns those chunks.
+        Raises Reject for a chunk not on this shard, a wrong size, or a state tensor of a chunk it
+        does not carry. The version is unchanged (`finish_load`): a SYNC in parts loads them one by one.
+        """
+        carried: dict[int, str] = {}
+        for name in tensors:
+            if "/" not in name:
+                idx = _chunk_of(name)
+                if idx is None or idx not in self.chunks:
+                    raise Reject(f"state tensor {name!r} is no chunk of this shard")
+                carried[idx] = name
+        entries: dict[int, dict[str, Any]] = {idx: {} for idx in carried}
+        for name, t in tensors.items():
+            if "/" not in name:
+                if t.numel() != self.chunks[parse_chunk_key(name)].numel:  # a key `carried` checked
+                    raise Reject(f"state lacks chunk {name} or has the wrong size")
+                continue
+            head, _, rest = name.partition("/")
+            idx = _chunk_of(head)
+            if idx is None or idx not in entries or not rest:
+                raise Reject(f"state tensor {name!r} belongs to no chunk it carries")
+            if t.numel() != self.chunks[idx].numel:
+                raise Reject(f"state tensor {name} has the wrong size")
+            entries[idx][rest] = t.detach().reshape(-1).to(torch.float32)
+        for key, val in meta.scalars.items():
+            head, _, rest = key.partition("/")
+            if head.isdigit() and int(head) in entries and rest:
+                entries[int(head)][rest] = torch.tensor(float(val))
         with self.writes():
-            for idx, p in self.params.items():
-                p.copy_(tensors[chunk_key(idx)].reshape(-1))
-            groups = self.optimizer.state_dict()["param_groups"]
-            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+            for idx, name in carried.items():
+                param = self.params[idx]
+                param.copy_(tensors[name].reshape(-1))
+                if entries[idx]:
+                    self.optimizer.state[param] = entries[idx]
+                else:
+                    self.optimizer.state.pop(param, None)
+        return sorted(carried)
+
+    def finish_load(self, meta: SyncMeta) -> None:
+        """The version and applied clocks of a loaded state (after every `load_chunks` of it)."""
         self.version = int(meta.state_version)
         self.applied = dict(meta.applied)
 
@@ -346,3 +374,11 @@ class ShardState:
                 p.copy_(state["values"][idx])
             self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+
+
+def _chunk_of(name: str) -> int | None:
+    """The chunk index of a chunk key ("c3"), None for any other name."""
+    try:
+        return parse_chunk_key(name)
+    except ProtocolError:
+        return None

@@ -380,6 +380,7 @@ class ShardServer:
             "unreplicated": rep.unreplicated,
             "backup_detaches": rep.backup_detaches,
             "resyncs": rep.resyncs,
+            "sync_parts_in": rep.sync_parts_in,
             "replicated_updates": rep.replicated_updates,
             "replicated_encoded": rep.replicated_encoded,
             "replicate_window_waits": rep.window_waits,

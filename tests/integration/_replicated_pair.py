@@ -29,7 +29,8 @@ def replica(conn: Connection, backup: bool, mode: str = "sync") -> None:
     """Serve shard 0 (in `mode`, Nesterov momentum); answer the test's requests on `conn`:
     ("attach", endpoint): attach that backup and wait until it is synced; "reset": reset the peak
     RSS (clear_refs 5) and answer the current RSS in bytes; "peak": answer (peak RSS bytes, version);
-    ("window", bytes): set its REPLICATE window; "stats": answer its stats."""
+    ("window", bytes): set its REPLICATE window; "stats": answer its stats; "resync": detach the backup and
+    attach it again (a full SYNC), once it is synced again; "digest": a hash of its whole state and version."""
     torch.set_num_threads(1)
     from gossamer.paramserver import OptimizerConfig, ShardConfig, ShardServer
     from gossamer.worker.allocator import mmap_large_allocations
@@ -65,13 +66,17 @@ def replica(conn: Connection, backup: bool, mode: str = "sync") -> None:
                 conn.send(True)
             elif request == "stats":
                 conn.send(server.stats())
+            elif request == "resync":
+                endpoint = server._replication.backup_endpoint  # noqa: SLF001 — the test re-attaches the same backup
+                server.post(lambda e=endpoint: (server.set_backup(""), server.set_backup(e)))
+                _wait_replicated(server)
+                conn.send(True)
+            elif request == "digest":
+                conn.send(_digest(server))
             elif isinstance(request, tuple):
                 endpoint = request[1]
                 server.post(lambda e=endpoint: server.set_backup(e))
-                deadline = time.monotonic() + 120
-                while not server.replicated:
-                    assert time.monotonic() < deadline, "the backup did not sync"
-                    time.sleep(0.01)
+                _wait_replicated(server)
                 conn.send(True)
             elif request == "reset":
                 Path("/proc/self/clear_refs").write_text("5")
@@ -80,3 +85,25 @@ def replica(conn: Connection, backup: bool, mode: str = "sync") -> None:
                 conn.send((_status_kb("VmHWM") * 1024, server.version))
     finally:
         server.close()
+
+
+def _wait_replicated(server) -> None:  # type: ignore[no-untyped-def]
+    time.sleep(0.05)  # the posted detach runs first
+    deadline = time.monotonic() + 120
+    while not server.replicated:
+        assert time.monotonic() < deadline, "the backup did not sync"
+        time.sleep(0.01)
+
+
+def _digest(server) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    import hashlib
+
+    state = server.state_dict()
+    h = hashlib.sha256()
+    for idx in sorted(state["values"]):
+        h.update(state["values"][idx].numpy().tobytes())
+    for entry in state["optimizer"]["state"].values():
+        for name in sorted(entry):
+            value = entry[name]
+            h.update(name.encode() + (value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode()))
+    return int(state["version"]), h.hexdigest()

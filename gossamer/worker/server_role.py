@@ -14,6 +14,7 @@ import torch
 
 from gossamer.checkpoint.fetch import Source, fetch_newest
 from gossamer.checkpoint.sharded import AsyncCheckpointer, latest_good
+from gossamer.compression import kernels_unless_asked
 from gossamer.experiment import Experiment
 from gossamer.faults import fault
 from gossamer.metric_families import staleness_buckets
@@ -91,6 +92,7 @@ class ServerRole:
 
     def _start(self) -> None:
         """Build the shard from the seeded model, restore it if asked, bind, report SERVING."""
+        kernels_unless_asked()  # a shard only decodes: numba's memory buys it little (`kernels_unless_asked`)
         if (slow := fault("slow-start")) is not None:
             time.sleep(float(slow.get("seconds", "0")))
         model, _, _ = build(self.exp, torch.device("cpu"))

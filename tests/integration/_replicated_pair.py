@@ -39,14 +39,10 @@ def replica(conn: Connection, backup: bool, mode: str = "sync") -> None:
     # keeps of freed buffers in its heaps (2.67x to 3.07x for the primary) hides what the shard holds.
     mmap_large_allocations()
 
-    # As a replica is once it has decoded its first compressed push: the codec kernels' library (numba, about
-    # 130 MB once per process, README "Compression") loaded before the peak is reset, so the peak counts what
-    # the replica holds per update, which is what these tests bound.
-    from gossamer.compression.codec_spec import parse_codec
+    # As a shard role process does at start (`ServerRole._start`): the codecs' torch paths, no numba.
+    from gossamer.compression import kernels_unless_asked
 
-    warm = parse_codec("int8", seed=0)
-    x = torch.randn(1 << 18)
-    warm.decode(warm.encode(x, key="warm"), tuple(x.shape), torch.float32)
+    kernels_unless_asked()
 
     p = plan()
     config = ShardConfig(experiment=EXPERIMENT, shard=0, mode=mode, staleness=None,

@@ -193,3 +193,28 @@ def test_malformed_payloads_are_refused_by_both_paths(n: int) -> None:
 
 def test_small_tensors_do_not_use_the_kernels() -> None:
     assert not _jit.available(_jit.MIN_NUMEL - 1)
+
+
+_DECODES_A_LARGE_PUSH = """
+import sys, torch
+from gossamer.compression import kernels_unless_asked, parse_codec
+on = kernels_unless_asked()  # what a shard role process does at start
+codec = parse_codec("int8")
+x = torch.randn(1 << 20)
+assert torch.allclose(codec.decode(codec.encode(x), (1 << 20,), torch.float32), x, atol=0.05)
+print(on, "numba" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(("env", "want"), [(None, "False False"), ("1", "True True"), ("0", "False False")])
+def test_a_shard_process_decodes_without_numba_unless_asked(env: str | None, want: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if k != _jit.ENV}
+    if env is not None:
+        environ[_jit.ENV] = env
+    out = subprocess.run([sys.executable, "-c", _DECODES_A_LARGE_PUSH], env=environ, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split("\n")[-2]
+    assert out == want, out

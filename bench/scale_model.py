@@ -604,7 +604,13 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "primaries in s13c, the backups applying an update in 1.9-2.1 s on the loaded 2 cores. Push+pull "
          "`s13pp1`-`s13pp3`, `newpp1`-`newpp2` (this code) and, run alternately with the `newpp` ones, 5c3b616 "
          "(0.58, 0.55, not in this table: its own tree): 0.49-0.60 for both today, against 0.64-0.73 on "
-         "session 12's machine. The Serving table's `updates_per_s`: versions over the "
+         "session 12's machine. `s13d` a SYNC sent in parts of about 16 MiB, each loaded into place as it comes "
+         "(the re-synced backups 3.29x, from 4.96-5.01x, with the same 2 unreplicated updates per primary); "
+         "`s13d-jit-off` the same without numba: hosts 2.64-2.65x. `after23` (every mode) also shard processes "
+         "keeping to the codecs' torch paths unless GOSSAMER_CODEC_JIT=1: diloco hosts 2.76-2.78x, async 2.78x, "
+         "sync 3.27x unchanged (the barrier still holds both workers' dense pushes); its push+pull row's raw ZMQ "
+         "took 0.38 s against 0.21-0.22 s in `after23b`-`after23d` right after (0.51-0.52, quiet). "
+         "The Serving table's `updates_per_s`: versions over the "
          "time from the first update seen to the end (compare within one load).")
 
 

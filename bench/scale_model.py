@@ -394,6 +394,11 @@ def step_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
 # Push+pull against raw ZMQ (same bytes, same frames, loopback TCP, server in its own process)
 # ------------------------------------------------------------------------------------------
 def _shard_server(port_q: Any, stop: Any, spec: dict[str, Any]) -> None:
+    from gossamer.worker.allocator import mmap_large_allocations
+
+    # as a shard role process starts (`_role_process.setup`): large buffers by mmap, one torch thread
+    mmap_large_allocations()
+    torch.set_num_threads(1)
     exp = Experiment.from_dict(spec)
     with torch.device("meta"):
         model = mlp()
@@ -609,7 +614,12 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "`s13d-jit-off` the same without numba: hosts 2.64-2.65x. `after23` (every mode) also shard processes "
          "keeping to the codecs' torch paths unless GOSSAMER_CODEC_JIT=1: diloco hosts 2.76-2.78x, async 2.78x, "
          "sync 3.27x unchanged (the barrier still holds both workers' dense pushes); its push+pull row's raw ZMQ "
-         "took 0.38 s against 0.21-0.22 s in `after23b`-`after23d` right after (0.51-0.52, quiet). "
+         "took 0.38 s against 0.21-0.22 s in `after23b`-`after23d` right after (0.51-0.52, quiet). From "
+         "`after23e` on, the push+pull shard process starts as a shard role's does (glibc's mmap threshold fixed "
+         "at 1 MiB, one torch thread): 0.43-0.45 in `after23e`-`after23g`, gossamer 0.50-0.55 s a round against "
+         "0.40-0.44 s before: each received frame of 1 MiB or more is then a fresh mapping whose pages fault in "
+         "(the raw echo's process, like the shard before, reuses freed heap); `after23h`-`after23i` also "
+         "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (transparent huge pages are `madvise` here): 0.47, 0.49. "
          "The Serving table's `updates_per_s`: versions over the "
          "time from the first update seen to the end (compare within one load).")
 

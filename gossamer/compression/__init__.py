@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 from gossamer.compression.registry import CODEC_NAMES, CODECS, CodecEntry
 
 if TYPE_CHECKING:
-    from gossamer.compression._jit import kernels_unless_asked
     from gossamer.compression.chunk_codec import ChunkCompressor, Segment
     from gossamer.compression.codec import WIRE_DTYPES, Codec, Payload
     from gossamer.compression.codec_spec import parse_codec
@@ -37,7 +36,6 @@ __all__ = [
     "Segment",
     "SignCodec",
     "TopKCodec",
-    "kernels_unless_asked",
     "parse_codec",
 ]
 
@@ -59,7 +57,6 @@ _LAZY = {
     "QSGDCodec": "quantization",
     "SignCodec": "sign",
     "TopKCodec": "sparsification",
-    "kernels_unless_asked": "_jit",
 }
 
 

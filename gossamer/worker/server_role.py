@@ -14,7 +14,7 @@ import torch
 
 from gossamer.checkpoint.fetch import Source, fetch_newest
 from gossamer.checkpoint.sharded import AsyncCheckpointer, latest_good
-from gossamer.compression import kernels_unless_asked
+from gossamer.compression.kernels import kernels_unless_asked
 from gossamer.experiment import Experiment
 from gossamer.faults import fault
 from gossamer.metric_families import staleness_buckets

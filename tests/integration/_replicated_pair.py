@@ -40,7 +40,7 @@ def replica(conn: Connection, backup: bool, mode: str = "sync") -> None:
     mmap_large_allocations()
 
     # As a shard role process does at start (`ServerRole._start`): the codecs' torch paths, no numba.
-    from gossamer.compression import kernels_unless_asked
+    from gossamer.compression.kernels import kernels_unless_asked
 
     kernels_unless_asked()
 

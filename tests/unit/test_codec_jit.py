@@ -197,7 +197,8 @@ def test_small_tensors_do_not_use_the_kernels() -> None:
 
 _DECODES_A_LARGE_PUSH = """
 import sys, torch
-from gossamer.compression import kernels_unless_asked, parse_codec
+from gossamer.compression import parse_codec
+from gossamer.compression.kernels import kernels_unless_asked
 on = kernels_unless_asked()  # what a shard role process does at start
 codec = parse_codec("int8")
 x = torch.randn(1 << 20)

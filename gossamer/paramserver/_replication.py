@@ -124,6 +124,7 @@ class Replication:
         self.sync_parts_in = 0  # SYNC parts this backup loaded
         # A SYNC in parts being loaded on a backup: (its version, its number of parts, the parts loaded so far).
         self._sync_in: tuple[int, int, int] | None = None
+        self._sync_chunks: set[str] = set()  # the chunks (keys) the SYNC being loaded has brought
         self._awaiting: deque[tuple[int, float, Callable[[], None]]] = deque()
         # REPLICATEs made and not sent yet (version, frames, forwarded encoded), and those sent but not acknowledged
         # (version, bytes): the next goes once the bytes on their way leave it room (`REPLICATE_WINDOW_BYTES`).
@@ -477,11 +478,23 @@ class Replication:
             self._sync_in = None
             raise Reject(f"SYNC part {part} of {parts} at version {meta.state_version} continues no SYNC this "
                          "backup is loading", OUT_OF_ORDER)
-        if part == 0 and parts == 1:
-            self.load(meta, msg.tensors)  # the whole state in one message
-        else:
-            self.state.load_chunks(meta, msg.tensors)
-            msg.tensors.clear()
+        if part == 0:
+            self._sync_chunks = set()
+        try:
+            if part == 0 and parts == 1:
+                self.load(meta, msg.tensors)  # the whole state in one message
+            else:
+                if again := self._sync_chunks.intersection(chunk_key(i) for i in self.state.chunks
+                                                           if chunk_key(i) in msg.tensors):
+                    raise Reject(f"SYNC part {part} carries chunks an earlier part did: {sorted(again)[:4]}")
+                self._sync_chunks.update(chunk_key(i) for i in self.state.load_chunks(meta, msg.tensors))
+                msg.tensors.clear()
+                if part + 1 == parts and len(self._sync_chunks) != len(self.state.chunks):
+                    raise Reject(f"SYNC of {parts} parts carried {len(self._sync_chunks)} of this shard's "
+                                 f"{len(self.state.chunks)} chunks")
+        except Reject:
+            self._sync_in = None  # this SYNC is broken off: the primary sends a new one
+            raise
         self.sync_parts_in += 1
         if part + 1 < parts:
             self._sync_in = (meta.state_version, parts, part + 1)

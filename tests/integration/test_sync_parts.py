@@ -106,12 +106,25 @@ def test_a_backup_loads_a_sync_part_by_part_and_refuses_parts_out_of_sequence(
             assert torch.equal(state["values"][idx], torch.full((1000,), 10.0 + idx))
             assert torch.equal(state["optimizer"]["state"][idx]["momentum_buffer"], torch.full((1000,), -10.0 - idx))
         assert server.stats()["sync_parts_in"] == 4
+        synced = {idx: t.clone() for idx, t in state["values"].items()}
+        # A SYNC whose parts leave a chunk out, or bring one twice, is refused at that part (the version stays).
+        assert _send(sock, _part(key, 10, 0, 2, [0, 1])) is None
+        reply = _send(sock, _part(key, 10, 1, 2, [2]))
+        assert reply is not None and reply.op == "ERROR" and "3 of this shard's 4" in str(reply.meta), reply
+        assert _send(sock, _part(key, 10, 0, 2, [0, 1])) is None
+        reply = _send(sock, _part(key, 10, 1, 2, [1, 2, 3]))
+        assert reply is not None and reply.op == "ERROR" and "earlier part" in str(reply.meta), reply
+        assert server.version == 9
         # A part carrying a chunk this shard does not have is refused, and the backup keeps serving.
         bad = _part(key, 11, 0, 1, [0, 1, 2, 3])
         bad.tensors["c9"] = torch.zeros(1000)
         reply = _send(sock, bad)
         assert reply is not None and reply.op == "ERROR" and "c9" in str(reply.meta.get("error")), reply
         assert server.version == 9
+        # The refused SYNCs' parts 0 were loaded into place (a SYNC mixes versions until its last part): the
+        # values now are those parts' for chunks 0 and 1, version 9's for 2 and 3.
+        now = server.state_dict()["values"]
+        assert torch.equal(now[0], torch.full((1000,), 1.0)) and torch.equal(now[3], synced[3])
     finally:
         sock.close()
         ctx.term()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -131,8 +132,7 @@ class FusedSGD(torch.optim.SGD):
     @staticmethod
     def supported(params: list[torch.Tensor]) -> bool:
         """Whether this torch has the fused CPU kernel and `params` are all fp32 on the CPU."""
-        return hasattr(torch, "_fused_sgd_") and all(p.device.type == "cpu" and p.dtype == torch.float32
-                                                     for p in params)
+        return _fused_cpu_sgd() and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -165,3 +165,16 @@ class FusedSGD(torch.optim.SGD):
             if tails[0]:
                 sgd_per_tensor(tails[0], tails[1], tails[2], foreach=False, **kw)
         return None
+
+
+@functools.cache
+def _fused_cpu_sgd() -> bool:
+    """Whether torch's fused SGD runs on the CPU here (torch 2.3, which the package allows, has the op
+    for CUDA only): tried once on four values."""
+    try:
+        p, g, b = torch.ones(4), torch.ones(4), torch.ones(4)
+        torch._fused_sgd_([p], [g], [b], weight_decay=0.0, momentum=0.5, lr=0.5, dampening=0.0, nesterov=False,
+                          maximize=False, is_first_step=False)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return bool(torch.equal(b, torch.full((4,), 1.5)) and torch.equal(p, torch.full((4,), 0.25)))

@@ -109,3 +109,19 @@ def test_build_optimizer_takes_it_for_a_large_shard_with_momentum_only() -> None
         is torch.optim.SGD
     assert type(build_optimizer(OptimizerConfig(name="sgd", lr=0.1, momentum=0.9), [t.half() for t in big])) \
         is torch.optim.SGD
+
+
+def test_a_torch_without_the_fused_cpu_kernel_gets_per_tensor_sgd(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gossamer.paramserver import optimizer
+
+    def cuda_only(*args: Any, **kwargs: Any) -> None:  # as torch 2.3's op answers CPU tensors
+        raise RuntimeError("_fused_sgd_: not implemented for 'CPU'")
+
+    big = [torch.empty(FOREACH_MAX_NUMEL // 2 + 1), torch.empty(FOREACH_MAX_NUMEL // 2)]
+    optimizer._fused_cpu_sgd.cache_clear()
+    monkeypatch.setattr(torch, "_fused_sgd_", cuda_only)
+    try:
+        assert not FusedSGD.supported(big)
+        assert type(build_optimizer(OptimizerConfig(name="sgd", lr=0.1, momentum=0.9), big)) is torch.optim.SGD
+    finally:
+        optimizer._fused_cpu_sgd.cache_clear()

@@ -19,6 +19,7 @@ from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._snapshot import PendingSnapshot
 from gossamer.paramserver.delayed_nesterov import DelayedNesterov
 from gossamer.paramserver.optimizer import build_optimizer, set_lr_factor
+from gossamer.paramserver.optimizer import step as optimizer_step
 from gossamer.paramserver.shard_config import ShardConfig
 from gossamer.paramserver.shard_plan import Chunk, ShardPlan
 from gossamer.protocol import SyncMeta, chunk_key, parse_chunk_key
@@ -147,7 +148,7 @@ class ShardState:
                 for idx in group:
                     self.params[idx].grad = part[idx]
                 del part
-                self.optimizer.step()
+                optimizer_step(self.optimizer)
                 for idx in group:
                     self.params[idx].grad = None
         self.version += 1

@@ -40,7 +40,7 @@ from gossamer.transport.router import (
 )
 from gossamer.transport.throttle import TokenBucket
 
-__all__ = ["PullResult", "ShardClient"]
+__all__ = ["PullResult", "ShardClient", "poll_ms"]
 
 logger = logging.getLogger(__name__)
 
@@ -514,7 +514,7 @@ class ShardClient:
             by_sock = {sent_to[s]: s for s in waiting}
             if polled != by_sock:  # a poller per socket set, not one per poll slice
                 poller, polled = _poller_of(by_sock), by_sock
-            ready = poller.poll(min(left_ms, 100))
+            ready = poller.poll(poll_ms(left_ms, (*busy.values(), *ask_again.values()), time.monotonic()))
             if not ready:
                 self._redial_refused(waiting, retry_at, retried)
             for sock, _ in ready:
@@ -648,6 +648,16 @@ class ShardClient:
             if self.pull_decoder is not None:
                 self._held.update(values)
         return PullResult(versions=versions, values=values, done=done, staleness=staleness)
+
+
+def poll_ms(left_ms: int, resend_at: Iterable[float], now: float, slice_ms: int = 100) -> int:
+    """How long a wait for replies polls: a slice (`slice_ms`) of what is `left_ms`, and no later than the
+    first request to be sent again (`resend_at`, monotonic times): a shard that answered RESOURCE_EXHAUSTED
+    or asked to be asked again sends nothing meanwhile, so a poll past that time only adds to the step."""
+    wake = min(left_ms, slice_ms)
+    for at in resend_at:
+        wake = min(wake, max(0, math.ceil((at - now) * 1000)))
+    return wake
 
 
 def _handshake_trouble(client: ShardClient, shards: list[int]) -> str:

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from gossamer.errors import ConfigError
 from gossamer.paramserver.delayed_nesterov import DelayedNesterov
 
-__all__ = ["FOREACH_MAX_NUMEL", "FusedSGD", "OptimizerConfig", "build_optimizer", "set_lr_factor"]
+__all__ = ["FOREACH_MAX_NUMEL", "FusedSGD", "OptimizerConfig", "build_optimizer", "set_lr_factor", "step"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,44 @@ def set_lr_factor(optimizer: torch.optim.Optimizer, base_lr: float, factor: floa
     """Set every param group's lr to `base_lr * factor` (used for staleness-aware lr)."""
     for group in optimizer.param_groups:
         group["lr"] = base_lr * factor
+
+
+def step(optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer.step()`; torch's own SGD (`build_optimizer` for a small shard) through its functional form.
+
+    `Optimizer.step`'s wrappers (profiler range, hooks, grad mode, the dynamo guard) and SGD's
+    group set-up cost about 100 us a step here, most of a small model's update (bench/overhead.py);
+    the functional form is what `SGD.step` itself calls with the same arguments, so the same bits,
+    and a dispatch mode (`WritesAside`) sees the same writes. Anything else (hooks, a first step
+    that creates the momentum buffers, options this path does not take) goes through `step()`.
+    """
+    if type(optimizer) is not torch.optim.SGD or not _plain_sgd(optimizer):
+        optimizer.step()
+        return
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        momentum = group["momentum"]
+        bufs = [optimizer.state[p].get("momentum_buffer") for p in params] if momentum else [None] * len(params)
+        if momentum and any(b is None for b in bufs):
+            optimizer.step()  # the first step creates the buffers (torch stores them in its state)
+            return
+        with torch.no_grad():
+            sgd_per_tensor(params, [p.grad for p in params], bufs, foreach=False,
+                           weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
+                           dampening=group["dampening"], nesterov=group["nesterov"], maximize=False)
+
+
+def _plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    """No hooks on `optimizer` or on every optimizer, and no option the functional path leaves out."""
+    from torch.optim import optimizer as base
+
+    if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+            or base._global_optimizer_pre_hooks or base._global_optimizer_post_hooks):
+        return False
+    return all(not g.get("maximize") and not g.get("differentiable") and not g.get("fused") and not g.get("foreach")
+               for g in optimizer.param_groups)
 
 
 #: torch's fused CPU SGD kernel steps 64-byte units with its vector loop and only the values

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import heapq
 import json
@@ -247,8 +248,17 @@ class ShardPlan:
         """The chunks local rank `rank` of `world` exchanges (greedy balance over all chunks)."""
         if world <= 0 or not 0 <= rank < world:
             raise ConfigError("rank", f"rank {rank} is not in a world of {world}")
-        placement = _greedy(self.chunks, world)
-        return [c for c in self.chunks if placement[c.index] == rank]
+        # Worked out once per world size (a trainer asks every step); the plan is immutable.
+        by_rank = self._by_rank.get(world)
+        if by_rank is None:
+            placement = _greedy(self.chunks, world)
+            by_rank = self._by_rank[world] = tuple(
+                tuple(c for c in self.chunks if placement[c.index] == r) for r in range(world))
+        return list(by_rank[rank])
+
+    @functools.cached_property
+    def _by_rank(self) -> dict[int, tuple[tuple[Chunk, ...], ...]]:
+        return {}
 
     def shard_numel(self, shard: int) -> int:
         return sum(c.numel for c in self.chunks if c.shard == shard)

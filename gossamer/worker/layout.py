@@ -665,7 +665,10 @@ class ReplicatedLayout(NodeLayout):
                       before_reduce: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
         if self._grad_released and not self._no_flat_grad:
             self._bind_grad()  # zeroed, as zero_grad leaves it
-        self.module.zero_grad(set_to_none=self._no_flat_grad)
+        elif self._views_checked and self.flat_grad is not None:
+            self.flat_grad.zero_()  # every .grad is a view of it (checked at the first backward): one kernel
+        else:
+            self.module.zero_grad(set_to_none=self._no_flat_grad)
         with self.autocast():
             out = self.objective.forward(self.module, batch)
         total, predictions = self.objective.loss_sum(out, batch)

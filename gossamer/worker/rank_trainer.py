@@ -160,8 +160,9 @@ class RankTrainer(abc.ABC):
     def _count(self, node_samples: torch.Tensor) -> None:
         self.clock += 1
         self.stats.steps += 1
-        self.stats.samples += int(node_samples[0].item())
-        self.stats.loss = node_samples[1].item() / max(1.0, node_samples[0].item())
+        samples, loss_sum = node_samples.tolist()  # one read of the tensor, not three
+        self.stats.samples += int(samples)
+        self.stats.loss = loss_sum / max(1.0, samples)
 
     # --- evaluation --------------------------------------------------------------------
     def _evaluate(self, step: int) -> dict[str, float]:

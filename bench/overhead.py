@@ -3,12 +3,19 @@
     python bench/overhead.py [--steps 2000] [--batch 32] [--repeats 3]
 
 Writes bench/results/overhead.{json,md}. Target: gossamer / plain <= 1.5.
+
+The same run also measures the floor any exchange over ZMQ has here: a raw DEALER/ROUTER round trip
+between two processes on loopback, carrying a step's bytes each way (the push up, the values down) and
+nothing else (no framing, no apply), once per step. `floor_ratio` = (plain + raw round trip) / plain is
+the best ratio a step that waits for its exchange can reach on this machine; `over_floor` = gossamer /
+(plain + raw round trip) is what gossamer adds beyond it.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -62,6 +69,52 @@ def _serve(exp_json: str, q: mp.Queue, stop: mp.Event) -> None:  # type: ignore[
     srv.close()
 
 
+def _raw_echo(q: mp.Queue, down_bytes: int) -> None:  # type: ignore[type-arg]
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    q.put(sock.bind_to_random_port("tcp://127.0.0.1"))
+    reply = bytes(down_bytes)
+    while True:
+        identity, msg = sock.recv_multipart(copy=False)
+        if len(msg) == 0:
+            break
+        sock.send_multipart([identity, reply])
+    sock.close(linger=0)
+    ctx.term()
+
+
+def raw_round_trip(steps: int, up_bytes: int, down_bytes: int) -> float:
+    """Seconds per raw ZMQ round trip of `up_bytes` out and `down_bytes` back, to another process on loopback."""
+    import zmq
+
+    ctx_mp = mp.get_context("spawn")
+    q: mp.Queue = ctx_mp.Queue()  # type: ignore[type-arg]
+    proc = ctx_mp.Process(target=_raw_echo, args=(q, down_bytes))
+    proc.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{q.get(timeout=60)}")
+        push = bytes(up_bytes)
+        for _ in range(20):  # connection and first allocations
+            sock.send(push)
+            sock.recv(copy=False)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            sock.send(push)
+            sock.recv(copy=False)
+        return (time.perf_counter() - t0) / steps
+    finally:
+        sock.send(b"")
+        sock.close(linger=1000)
+        ctx.term()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
 def plain_loop(exp: Experiment) -> float:
     """Seconds per step of the same model, data order and optimizer, in one process."""
     model, train, _ = build(exp, torch.device("cpu"))
@@ -110,16 +163,23 @@ def main() -> None:
         exp = _exp(args.steps, args.batch, mode)
         plain = [plain_loop(exp) for _ in range(args.repeats)]
         ours = [gossamer_loop(exp) for _ in range(args.repeats)]
-        p, g = statistics.median(plain), statistics.median(t for t, _ in ours)
+        per_way = ours[0][1] // args.steps // 2  # a step's bytes, about half each way
+        raw = [raw_round_trip(args.steps, per_way, per_way) for _ in range(args.repeats)]
+        p, g, r = statistics.median(plain), statistics.median(t for t, _ in ours), statistics.median(raw)
         rows.append({
             "mode": mode, "batch": args.batch, "steps": args.steps,
             "plain_ms_per_step": round(p * 1e3, 4), "gossamer_ms_per_step": round(g * 1e3, 4),
             "ratio": round(g / p, 3), "target": "<= 1.5",
+            "raw_zmq_rtt_ms": round(r * 1e3, 4), "floor_ratio": round((p + r) / p, 3),
+            "over_floor": round(g / (p + r), 3),
             "bytes_per_step": ours[0][1] // args.steps,
+            "load_1min": round(os.getloadavg()[0], 2),
         })
         print(rows[-1], flush=True)
     write_report("overhead", rows, "digits MLP (64-128-128-10, 26k params), 1 worker + 1 shard process, "
-                 f"median of {args.repeats}, torch threads = 1, loopback ZMQ")
+                 f"median of {args.repeats}, torch threads = 1, loopback ZMQ; raw_zmq_rtt_ms: a DEALER/ROUTER "
+                 "round trip of the step's bytes between two processes, no framing or apply (the floor of a "
+                 "step that waits for its exchange: floor_ratio = (plain + rtt) / plain; async+overlap hides it)")
 
 
 if __name__ == "__main__":

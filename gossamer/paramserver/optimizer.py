@@ -120,18 +120,20 @@ def step(optimizer: torch.optim.Optimizer) -> None:
     if type(optimizer) is not torch.optim.SGD or not _plain_sgd(optimizer):
         optimizer.step()
         return
+    stepping = []
     for group in optimizer.param_groups:
         params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            continue
-        momentum = group["momentum"]
-        bufs = [optimizer.state[p].get("momentum_buffer") for p in params] if momentum else [None] * len(params)
-        if momentum and any(b is None for b in bufs):
-            optimizer.step()  # the first step creates the buffers (torch stores them in its state)
+        bufs = ([optimizer.state[p].get("momentum_buffer") for p in params] if group["momentum"]
+                else [None] * len(params))
+        if group["momentum"] and any(b is None for b in bufs):
+            optimizer.step()  # a first step creates the buffers (torch stores them in its state): every group, once
             return
-        with torch.no_grad():
+        if params:
+            stepping.append((group, params, bufs))
+    with torch.no_grad():
+        for group, params, bufs in stepping:
             sgd_per_tensor(params, [p.grad for p in params], bufs, foreach=False,
-                           weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
+                           weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
                            dampening=group["dampening"], nesterov=group["nesterov"], maximize=False)
 
 

@@ -66,3 +66,21 @@ def test_writes_aside_sees_the_writes_of_the_functional_form() -> None:
         step(opt)
     assert torch.equal(lent, before)  # what the reply reads
     assert not torch.equal(p, before)  # the parameter moved on, in new memory
+
+
+def test_a_group_without_momentum_buffers_yet_steps_every_group_once() -> None:
+    # Two groups, the second added after a step: its first step goes through SGD.step for all groups, and the
+    # first group is not stepped twice.
+    def run(stepper: Any) -> list[torch.Tensor]:
+        a, b = torch.ones(8), torch.ones(8)
+        opt = torch.optim.SGD([a], lr=0.5, momentum=0.9)
+        a.grad = torch.ones(8)
+        stepper(opt)
+        opt.add_param_group({"params": [b]})
+        for _ in range(2):
+            a.grad, b.grad = torch.ones(8), torch.ones(8)
+            stepper(opt)
+        return [a, b]
+
+    for w, g in zip(run(lambda o: o.step()), run(step), strict=True):
+        assert torch.equal(w, g)

@@ -23,10 +23,11 @@ _MIN_WEIGHT = 2.0**-10
 
 
 def consensus_distance(zs: list[torch.Tensor], weights: list[float]) -> tuple[torch.Tensor, float]:
-    """(push-sum average sum(w_i z_i) / sum(w_i), mean squared distance of the z_i to it)."""
+    """(push-sum average sum(w_i z_i) / sum(w_i), mean squared distance of the z_i to it), on the first z's device."""
     total = sum(weights)
-    avg = sum((w * z for w, z in zip(weights, zs, strict=True)), torch.zeros_like(zs[0])) / total
-    return avg, float(sum(float((z - avg).pow(2).sum()) for z in zs) / len(zs))
+    device = zs[0].device  # this node's parameters; peers' snapshots arrive on the CPU
+    avg = sum((w * z.to(device) for w, z in zip(weights, zs, strict=True)), torch.zeros_like(zs[0])) / total
+    return avg, float(sum(float((z.to(device) - avg).pow(2).sum()) for z in zs) / len(zs))
 
 
 class GossipTrainer(RankTrainer):
@@ -174,6 +175,8 @@ class GossipTrainer(RankTrainer):
                 self._collecting = None
         if self._collecting is not None:
             self._collecting.abandon()
+            if self.clock >= self.exp.total_steps:  # the run outpaced the gather: report what came in
+                self._eval_average(self._collecting.step, self._collecting.result())
             self._collecting = None
         self.profiler.close(self.clock)
         self._finish_or_serve()

@@ -543,7 +543,7 @@ class PipelineLayout(NodeLayout):
             else:
                 self._schedule.step()
         # Only the last stage saw the loss: share it (and the prediction count) with the others.
-        summed = sum(float(v) for v in losses) * denom / loss_scale if self.last else 0.0
+        summed = sum(float(v.detach()) for v in losses) * denom / loss_scale if self.last else 0.0
         k = self.objective.predictions(batch)
         shared = torch.tensor([summed], dtype=torch.float64)
         dist.broadcast(shared, src=self.world - 1)

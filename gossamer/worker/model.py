@@ -91,14 +91,25 @@ def evaluate(model: nn.Module, ds: Any, device: torch.device, batch: int = 1024)
 def user_metrics(exp: Experiment, model: nn.Module, evalset: Any) -> dict[str, float]:
     """The experiment's `metrics` callable on (model, eval set), as eval_<name> figures.
 
+    The model is on the worker's device (a GPU where the node has one); the eval set is as the
+    dataset callable returned it.
+
     Raises:
-        ConfigError: naming `metrics` when it returns anything but a mapping of names to finite-or-not floats.
+        ConfigError: naming `metrics` when it raises, or returns anything but a mapping of names
+            to finite-or-not floats.
     """
     if not exp.metrics:
         return {}
     model.eval()
     try:
         got = resolve(exp.metrics)(model, evalset)  # type: ignore[operator]
+    except ConfigError:
+        raise
+    except Exception as e:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        hint = (f"; the model is on {device}: move the eval data to next(model.parameters()).device"
+                if device.type != "cpu" else "")
+        raise ConfigError("metrics", f"{exp.metrics} raised {type(e).__name__}: {e}{hint}") from e
     finally:
         model.train()
     if not isinstance(got, dict):

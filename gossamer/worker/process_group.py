@@ -11,7 +11,12 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-__all__ = ["end_process_group", "exit_process", "start_process_group"]
+__all__ = ["backend_of", "end_process_group", "exit_process", "start_process_group"]
+
+
+def backend_of(cuda: bool) -> str:
+    """The process-group backend of a node's ranks: NCCL for CUDA tensors (with gloo for CPU ones) on GPUs."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
 def start_process_group(*, rank: int, world: int, port: int, cuda: bool) -> bool:
@@ -21,7 +26,11 @@ def start_process_group(*, rank: int, world: int, port: int, cuda: bool) -> bool
         Whether this process is now in a process group.
     """
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+        # On GPUs, CUDA tensors go over NCCL and CPU tensors over gloo: the loop's small
+        # counters, flags and eval sums are CPU tensors, which NCCL alone refuses ("No backend
+        # type associated with device type cpu"), and moving each to the GPU costs a copy and
+        # a sync either way.
+        dist.init_process_group(backend=backend_of(cuda), init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world)
     return dist.is_initialized()
 

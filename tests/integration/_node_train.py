@@ -18,7 +18,7 @@ from gossamer.worker import sampler
 from gossamer.worker.layout import make_layout, stack_batch
 from gossamer.worker.ports import reserve_port
 from gossamer.worker.precision import LossScaler, check_precision
-from gossamer.worker.process_group import end_process_group, exit_process
+from gossamer.worker.process_group import backend_of, end_process_group, exit_process
 
 
 def run_rank(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
@@ -27,7 +27,8 @@ def run_rank(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(backend_of(backend == "nccl"), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
     finished = False
     try:
         exp = Experiment(name="node", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
@@ -65,7 +66,7 @@ def run_rank(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
             if exp.max_grad_norm:
                 layout.clip_gradients(exp.max_grad_norm)
             opt.step()
-            node = torch.tensor([total], dtype=torch.float64)
+            node = torch.tensor([total], dtype=torch.float64)  # a CPU tensor, as the loop's counters are
             if layout.kind != "pipeline":
                 dist.all_reduce(node)
             losses.append(float(node[0]) / idx.numel())

@@ -128,7 +128,8 @@ def pairs_as_dict(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, t
 
 def regression_metrics(model: nn.Module, evalset: Any) -> dict[str, float]:
     """The user's own evaluation figures: mean absolute error and R^2 on the eval set."""
-    x, y = evalset.tensors
+    device = next(model.parameters()).device  # the worker's: a GPU where the node has one
+    x, y = (t.to(device) for t in evalset.tensors)
     pred = model(x).reshape(y.shape)
     return {"mae": float((pred - y).abs().mean()), "r2": float(1 - (pred - y).pow(2).sum() / (y - y.mean()).pow(2).sum())}
 

@@ -146,3 +146,19 @@ def test_a_dataset_callable_returning_the_wrong_thing_is_named(dataset: str, mat
     exp = Experiment(name="e", model=f"{U}:linear", dataset=f"{U}:{dataset}")
     with pytest.raises(ConfigError, match=match):
         experiment_data(exp, *build(exp, torch.device("cpu"))[1:])
+
+
+def test_user_metrics_that_raise_are_named_and_get_the_model_on_its_device() -> None:
+    from gossamer.worker.model import user_metrics
+    from tests.integration._user_regression import linear, stream_data
+
+    model, (_, evalset) = linear(), stream_data(eval_n=50)
+    exp = Experiment(name="m", model=f"{U}:linear", dataset=f"{U}:stream_data", loss="mse",
+                     metrics=f"{U}:regression_metrics")
+    got = user_metrics(exp, model, evalset)
+    assert set(got) == {"eval_mae", "eval_r2"} and model.training  # back in training mode
+    broken = Experiment(name="m", model=f"{U}:linear", dataset=f"{U}:stream_data", loss="mse",
+                        metrics=f"{U}:half_squared_error")  # called as (model, eval set): raises
+    with pytest.raises(ConfigError, match=r"^metrics: tests.integration._user_regression:half_squared_error raised "):
+        user_metrics(broken, model, evalset)
+    assert model.training

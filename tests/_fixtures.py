@@ -44,6 +44,16 @@ def warm_context() -> ForkServerContext:
     return ctx
 
 
+def ranks_env(nproc: int) -> dict[str, str]:
+    """Environment for a node of `nproc` local ranks: the GPUs hidden where fewer than `nproc`
+    are visible, so that a one-GPU machine runs it on CPU with gloo (`worker join` refuses two
+    ranks on one GPU; under torchrun both would take cuda:0), else nothing added."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"CUDA_VISIBLE_DEVICES": ""} if 0 < gpus < nproc else {}
+
+
 def experiment(*bases: Mapping[str, Any], **overrides: Any) -> Experiment:
     """A validated digits Experiment named "exp": `bases` merged in order, then `overrides`."""
     fields: dict[str, Any] = {"name": "exp", **DIGITS}

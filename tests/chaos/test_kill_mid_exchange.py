@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from gossamer import Client
-from tests._fixtures import MakeCluster
+from tests._fixtures import MakeCluster, ranks_env
 from tests.chaos._wait import wait_for
 
 pytestmark = pytest.mark.timeout(420)
@@ -33,9 +33,9 @@ def test_kills_mid_exchange_never_crash_or_hang_a_survivor(tmp_path, make_cluste
         cluster.add_node("ps-b")
         # Two local ranks: rank 1 dies inside the gradient all-reduce; rank 0 is left in it.
         cluster.add_node("allreduce", spot=True, nproc_per_node=2,
-                         env=fault("die:at=mid-allreduce:step=20:rank=1", "allreduce"))
+                         env=fault("die:at=mid-allreduce:step=20:rank=1", "allreduce") | ranks_env(2))
         # Two local ranks: rank 1 dies before sending its part, rank 0's part reached the shard.
-        cluster.add_node("push", spot=True, nproc_per_node=2, env=fault("die:at=mid-push:step=30:rank=1", "push"))
+        cluster.add_node("push", spot=True, nproc_per_node=2, env=fault("die:at=mid-push:step=30:rank=1", "push") | ranks_env(2))
         # The push is sent (and applied), the process dies before reading the reply. This node
         # is slowed down so that training lasts until the two-rank workers are up.
         cluster.add_node("pull", spot=True, env=fault("die:at=mid-pull:step=40", "pull", ",delay:seconds=0.02"))

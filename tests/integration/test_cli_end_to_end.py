@@ -15,6 +15,7 @@ from gossamer import Client, load_checkpoint
 from gossamer.examples.digits import data, mlp
 from gossamer.local_cluster import LocalCluster
 from gossamer.worker.model import evaluate
+from tests._fixtures import ranks_env
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(420)
@@ -137,7 +138,7 @@ def test_worker_node_with_two_local_ranks_trains_through_the_agent(cluster: Loca
     address = cluster.start_coordinator(port=0)
     cluster.add_node("ps")
     cluster.wait_joined("ps")
-    cluster.add_node("w2", spot=True, nproc_per_node=2)
+    cluster.add_node("w2", spot=True, nproc_per_node=2, env=ranks_env(2))
     client = Client(address)
     _wait_ready(client, 2)
     job = client.submit({

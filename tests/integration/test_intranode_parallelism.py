@@ -13,6 +13,7 @@ from gossamer import Client, load_checkpoint
 from gossamer.examples.digits import data, mlp
 from gossamer.local_cluster import LocalCluster
 from gossamer.worker.model import evaluate
+from tests._fixtures import ranks_env
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -31,7 +32,7 @@ def test_two_nodes_of_two_local_ranks_train_digits_async(cluster: LocalCluster, 
     cluster.add_node("ps")
     cluster.wait_joined("ps")
     for i in range(2):
-        cluster.add_node(f"w{i}", spot=True, nproc_per_node=2)
+        cluster.add_node(f"w{i}", spot=True, nproc_per_node=2, env=ranks_env(2))
     client = Client(address)
     _wait_ready(client, 3)
     job = client.submit({
@@ -75,7 +76,7 @@ def test_sigterm_stops_a_sharded_node_together(cluster: LocalCluster, parallelis
     address = cluster.start_coordinator(port=0)
     cluster.add_node("ps")
     cluster.wait_joined("ps")
-    cluster.add_node("w0", spot=True, nproc_per_node=2)
+    cluster.add_node("w0", spot=True, nproc_per_node=2, env=ranks_env(2))
     client = Client(address)
     _wait_ready(client, 2)
     job = client.submit({
@@ -102,7 +103,7 @@ def test_diloco_with_fsdp_nodes_trains_digits(cluster: LocalCluster) -> None:
     cluster.add_node("ps")
     cluster.wait_joined("ps")
     for i in range(2):
-        cluster.add_node(f"w{i}", spot=True, nproc_per_node=2)
+        cluster.add_node(f"w{i}", spot=True, nproc_per_node=2, env=ranks_env(2))
     client = Client(address)
     _wait_ready(client, 3)
     job = client.submit({

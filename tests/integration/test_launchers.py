@@ -17,7 +17,7 @@ import pytest
 
 from gossamer import Client
 from gossamer.local_cluster import LocalCluster
-from tests._fixtures import MakeCluster
+from tests._fixtures import MakeCluster, ranks_env
 
 pytestmark = pytest.mark.timeout(300)
 _LAUNCHER_VARS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -25,9 +25,10 @@ _LAUNCHER_VARS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "GROUP
 
 
 def _clean_env() -> dict[str, str]:
-    """This test's environment without any launcher of its own (pytest itself may run under Slurm)."""
+    """This test's environment without any launcher of its own (pytest itself may run under Slurm), on CPU
+    where fewer than its 2 local ranks' GPUs are visible."""
     return {k: v for k, v in os.environ.items()
-            if k not in _LAUNCHER_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))} | {"PYTHONUNBUFFERED": "1"}
+            if k not in _LAUNCHER_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))} | {"PYTHONUNBUFFERED": "1"} | ranks_env(2)
 
 
 def _srun_env(local_id: int, job_id: str) -> dict[str, str]:

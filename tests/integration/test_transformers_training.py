@@ -32,7 +32,7 @@ from gossamer import Client, zygote
 from gossamer.examples import gpt2
 from gossamer.local_cluster import LocalCluster
 from gossamer.worker.warm import start_shared
-from tests._fixtures import MakeCluster
+from tests._fixtures import MakeCluster, ranks_env
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(420)
@@ -90,7 +90,7 @@ def _train(make_cluster: MakeCluster, spec: dict[str, Any], nproc: int = 1) -> t
     cluster.add_node("ps")
     cluster.wait_joined("ps")  # the on-demand node first, so the shard lands on it
     for i in range(2):
-        cluster.add_node(f"w{i}", spot=True, nproc_per_node=nproc)
+        cluster.add_node(f"w{i}", spot=True, nproc_per_node=nproc, env=ranks_env(nproc))
     client = Client(address)
     try:
         deadline = time.monotonic() + 120

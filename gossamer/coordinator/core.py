@@ -535,9 +535,8 @@ class Coordinator:
         what = f"{pb.Role.Name(req.role).removeprefix('ROLE_').lower()} {req.index} on {node_name}"
         if req.state == pb.ROLE_STATE_FAILED:
             exp.failures += 1
-            if failover.gives_up(exp.failures, exp.spec["max_workers"]):
-                await self._finish(exp, pb.EXPERIMENT_STATE_FAILED,
-                                   f"{what} failed: {req.message} ({exp.failures} role failures: giving up)")
+            if why := failover.failure_ends(exp.user_failures, exp.failures, exp.spec["max_workers"], req):
+                await self._finish(exp, pb.EXPERIMENT_STATE_FAILED, f"{what} failed: {req.message} ({why})")
                 return
             workers = len(exp.roles_of(pb.ROLE_WORKER))
             await self._drop_role(exp, role, f"{what} failed: {req.message}")

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from gossamer.coordinator.records import NodeRec, RoleRec
+from gossamer.experiment import CODE_FIELDS
 from gossamer.protocol import RESTORE_SEEDING
 from gossamer.v1 import coordinator_pb2 as pb
 
@@ -145,6 +146,25 @@ def restore_outcome(roles: Sequence[RoleRec], shard: RoleRec, *, index: int, ver
 def gives_up(failures: int, max_workers: int) -> bool:
     """Whether `failures` crashed role processes end the experiment (a budget against crash loops)."""
     return failures > max(10, 3 * max_workers)
+
+
+#: Workers failed by the experiment's own code (one Experiment field) before the experiment fails: the
+#: first may have met something passing (a file being written, a full disk), the second ran the same
+#: code on the same data again. Restarting more only repeats the traceback (49 restarts, seen).
+USER_CODE_FAILURES = 2
+
+
+def failure_ends(user_failures: dict[str, int], failures: int, max_workers: int, req: pb.ReportRoleRequest) -> str:
+    """Why the experiment ends with the role failure `req` (its `failures`-th), or "" when it goes on.
+
+    A worker failed by the experiment's own code (`req.user_field` one of CODE_FIELDS; any other
+    is not counted) is counted in `user_failures`, per field.
+    """
+    if req.role == pb.ROLE_WORKER and req.user_field in CODE_FIELDS:
+        n = user_failures[req.user_field] = user_failures.get(req.user_field, 0) + 1
+        if n >= USER_CODE_FAILURES:
+            return f"the experiment's own `{req.user_field}` failed {n} workers: not retried"
+    return f"{failures} role failures: giving up" if gives_up(failures, max_workers) else ""
 
 
 def shard_lease_s(lease_timeout_s: float, heartbeat_interval_s: float) -> float:

@@ -184,6 +184,8 @@ class ExpRec:
     final_metrics: dict[str, float] = field(default_factory=dict)
     shard_versions: dict[str, int] = field(default_factory=dict)  # highest version seen per shard
     failures: int = 0  # role processes that crashed (a budget against crash loops)
+    #: Experiment field of user code (CODE_FIELDS) -> workers that failed by it (failover.gives_up_on_user_code).
+    user_failures: dict[str, int] = field(default_factory=dict)
     restore_epoch: int = 0
     starting_unix: float = 0.0  # when it entered STARTING (its start deadline counts from there)
     waiting_unix: float = 0.0  # running, left without nodes since then (0: not waiting)

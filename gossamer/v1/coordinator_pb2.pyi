@@ -818,6 +818,7 @@ class ReportRoleRequest(_message.Message):
     REPLICATED_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     RESTORED_FROM_FIELD_NUMBER: _builtins.int
+    USER_FIELD_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Node running the role."""
     experiment_id: _builtins.str
@@ -840,6 +841,11 @@ class ReportRoleRequest(_message.Message):
     """Parameter server: the shard's version (update count) when reporting."""
     restored_from: _builtins.str
     """Parameter server restored from a checkpoint: its path."""
+    user_field: _builtins.str
+    """Worker failed in the experiment's own code or its use of it: the Experiment field
+    (model, dataset, loss, collate, metrics) whose ConfigError ended it. Every worker would fail
+    alike, so a second such failure ends the experiment instead of restarting workers.
+    """
     def __init__(
         self,
         *,
@@ -854,10 +860,11 @@ class ReportRoleRequest(_message.Message):
         replicated: _builtins.bool = ...,
         version: _builtins.int = ...,
         restored_from: _builtins.str = ...,
+        user_field: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "experiment_id", b"experiment_id", "index", b"index", "message", b"message", "node_id", b"node_id", "replica", b"replica", "replicated", b"replicated", "restored_from", b"restored_from", "role", b"role", "state", b"state", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "experiment_id", b"experiment_id", "index", b"index", "message", b"message", "node_id", b"node_id", "replica", b"replica", "replicated", b"replicated", "restored_from", b"restored_from", "role", b"role", "state", b"state", "user_field", b"user_field", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -13,7 +13,8 @@ import torch
 
 from gossamer._import_check import resolve
 from gossamer.envinfo import fingerprint
-from gossamer.experiment import Experiment
+from gossamer.errors import ConfigError
+from gossamer.experiment import CODE_FIELDS, Experiment
 from gossamer.modes import mode_of
 from gossamer.protocol import AssignmentUpdate, RoleSpec
 from gossamer.security.curve import install as install_keyring
@@ -71,8 +72,10 @@ class WorkerRankRole:
         except Exception as e:  # noqa: BLE001
             log.error("worker %d rank %d failed:\n%s", self.index, self.rank, traceback.format_exc())
             if not self.stop.is_set():
+                # The experiment's own code failed (not this node): the coordinator stops retrying it.
+                user = e.field if isinstance(e, ConfigError) and e.field in CODE_FIELDS else ""
                 self.reporter.role(self.spec.node_id, pb.ROLE_WORKER, self.index, pb.ROLE_STATE_FAILED,
-                                   message=f"{type(e).__name__}: {e}", retry_s=10)
+                                   message=f"{type(e).__name__}: {e}", retry_s=10, user_field=user)
         finally:
             # A stopped rank may have left its loop while another is inside a collective.
             end_process_group(finished_together=finished)

@@ -79,7 +79,8 @@ def test_user_regression_with_own_loss_on_endless_stream_trains_to_noise_floor(c
 
 def test_bad_user_code_is_refused_at_submit_or_named_in_status(cluster: LocalCluster, tmp_path: Path) -> None:
     """A loss that does not import: refused at submit. A loss returning per-sample values: the worker fails
-    at its first step and `gossamer status` shows why, naming the `loss` field."""
+    at its first step and `gossamer status` shows why, naming the `loss` field; its replacement fails
+    alike, and the experiment fails."""
     address, client = _cluster(cluster, workers=1)
     base = dict(mode="async", model=f"{U}:linear", dataset=f"{U}:stream_data", optimizer="sgd", lr=0.05,
                 num_ps_shards=1, total_steps=50, eval_every=0, ps_backup=False)
@@ -97,5 +98,8 @@ def test_bad_user_code_is_refused_at_submit_or_named_in_status(cluster: LocalClu
         shown = _cli("status", exp_id, "-c", address, timeout=60).stdout
         time.sleep(0.5)
     assert "per_sample_error" in shown and "scalar" in shown, shown
-    client.job(exp_id).cancel()
+    # Every worker would fail alike: the second such failure ends the run instead of restarting workers.
+    result = client.job(exp_id).wait(timeout=120)
+    assert result.status == "failed", result
+    assert "per_sample_error" in result.message and "own `loss` failed 2 workers: not retried" in result.message
     client.close()

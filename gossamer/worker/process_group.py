@@ -5,13 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from typing import NoReturn
 
+import torch
 import torch.distributed as dist
+
+from gossamer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["backend_of", "end_process_group", "exit_process", "start_process_group"]
+__all__ = ["backend_of", "check_one_gpu_per_rank", "end_process_group", "exit_process", "shared_gpu", "start_process_group"]
 
 
 def backend_of(cuda: bool) -> str:
@@ -32,7 +36,55 @@ def start_process_group(*, rank: int, world: int, port: int, cuda: bool) -> bool
         # a sync either way.
         dist.init_process_group(backend=backend_of(cuda), init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world)
+        if cuda:
+            check_one_gpu_per_rank(world, _gpu_id())
     return dist.is_initialized()
+
+
+#: Bytes of a GPU's identity exchanged between local ranks (a UUID's text is 36 to 40).
+_ID_BYTES = 64
+
+
+def _gpu_id() -> str:
+    """The current CUDA device's UUID ("" where this torch does not say it)."""
+    try:
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    except (AttributeError, RuntimeError, AssertionError):
+        return ""
+
+
+def shared_gpu(ids: Sequence[str]) -> tuple[int, int, str] | None:
+    """The first two local ranks (by rank) whose GPU identities in `ids` are equal, and that identity;
+    None when each is on its own GPU (an empty identity, unknown, is never counted as shared)."""
+    first: dict[str, int] = {}
+    for rank, gpu in enumerate(ids):
+        if gpu and gpu in first:
+            return first[gpu], rank, gpu
+        first.setdefault(gpu, rank)
+    return None
+
+
+def check_one_gpu_per_rank(world: int, gpu: str) -> None:
+    """Refuse two local ranks on one GPU before NCCL's first collective would, with a duplicate-device
+    error far from the cause or a hang (torchrun with 2 processes on a 1-GPU host: 200 s, seen on an
+    H200). The identities travel as CPU tensors, over gloo; every rank raises alike.
+
+    Raises:
+        ConfigError: naming `nproc_per_node`, when two ranks share a GPU.
+    """
+    mine = torch.zeros(_ID_BYTES, dtype=torch.uint8)
+    raw = gpu.encode()[:_ID_BYTES]
+    mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    every = [torch.zeros(_ID_BYTES, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(every, mine)
+    ids = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in every]
+    shared = shared_gpu(ids)
+    if shared is not None:
+        a, b, which = shared
+        raise ConfigError("nproc_per_node", f"local ranks {a} and {b} are both on GPU {which}: NCCL needs one GPU "
+                                            "per rank. Start as many ranks as the node has GPUs (torchrun "
+                                            "--nproc-per-node, srun --gpus-per-task=1), or train on CPU with gloo "
+                                            "by setting CUDA_VISIBLE_DEVICES to an empty string")
 
 
 def end_process_group(*, finished_together: bool) -> None:

@@ -282,6 +282,11 @@ class PushMeta:
     `values` False (meta "reply": "ack"): the PARAMS answer carries no values, only the version and
     the end flag; the worker pulls the new values after, a part at a time. A shard that does not
     know the key answers with the values, as before.
+
+    `part` and `more` (a barrier only): a connection's large dense update sent in parts, one at a
+    time (`paramserver.client.SYNC_PUSH_PART_BYTES`). `part` numbers them from 0; `more` says another
+    follows: the shard adds the part into the step's sum and acknowledges it at once (an ack), so
+    the next may come; the last part's answer waits for the step as a whole push's does.
     """
 
     #: The worker's update counter; a shard applies each clock of a worker once.
@@ -293,6 +298,8 @@ class PushMeta:
     num_workers: int | None = None
     generation: int | None = None
     values: bool = True
+    part: int | None = None
+    more: bool = False
 
     def to_meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"clock": self.clock, "basis": self.basis}
@@ -304,6 +311,10 @@ class PushMeta:
             meta["step"] = self.step
             meta["num_workers"] = self.num_workers if self.num_workers is not None else 1
             meta["generation"] = self.generation or 0
+            if self.part is not None:
+                meta["part"] = self.part
+                if self.more:
+                    meta["more"] = True
         return meta
 
     @classmethod
@@ -317,10 +328,17 @@ class PushMeta:
             raise ProtocolError(f"PUSH meta 'reply' must be 'values' or 'ack', got {reply!r}")
         values = reply == "values"
         if not barrier:
+            if "part" in meta or "more" in meta:
+                raise ProtocolError("PUSH meta 'part'/'more' are for a shard with a barrier (sync steps)")
             return cls(clock=clock, basis=basis, pull_codec=pull_codec, values=values)
+        part = None if meta.get("part") is None else _int("PUSH", meta, "part")
+        more = meta.get("more", False)
+        if not isinstance(more, bool) or (more and part is None):
+            raise ProtocolError(f"PUSH meta 'more' must be a bool, and true only with 'part'; got {more!r}")
         return cls(clock=clock, basis=basis, pull_codec=pull_codec, step=_int("PUSH", meta, "step"),
                    num_workers=_int("PUSH", meta, "num_workers", 1), generation=_int("PUSH", meta, "generation",
-                                                                                     default=0), values=values)
+                                                                                     default=0), values=values,
+                   part=part, more=more)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -53,6 +53,8 @@ class _Part:
     chunks: list[int] = field(default_factory=list)
     #: Answered without values (PUSH meta "reply": "ack"): the worker pulls them after, a part at a time.
     ack: bool = False
+    #: Answered already: a sync part with more to come (PUSH meta "more"), acknowledged once in the step's sum.
+    answered: bool = False
 
     def __post_init__(self) -> None:
         self.chunks = sorted(self.chunks or self.grads)
@@ -86,6 +88,14 @@ class _Update:
     key: int = 0  # the worker's clock (async) or step (sync)
     parts: list[_Part] = field(default_factory=list)
     covered: set[int] = field(default_factory=set)
+    #: Sync: some of its dense gradients are in the step's sum already (it cannot be dropped alone).
+    summed: bool = False
+    #: Sync parts in order (PUSH meta "part"): the part each connection sends next.
+    next_part: dict[bytes, int] = field(default_factory=dict)
+
+    def unanswered(self) -> list[_Part]:
+        """Its parts still waiting for an answer."""
+        return [p for p in self.parts if not p.answered]
 
 
 class Updates:
@@ -107,6 +117,8 @@ class Updates:
         self.decoders = decoders
         self._pending: dict[tuple[str, int], _Update] = {}
         self._sync_step: dict[str, _Update] = {}
+        #: The step's sum of the dense gradients received so far, each added as it arrives (sync).
+        self._step_sum: dict[int, torch.Tensor] = {}
         self._sync_num_workers: int | None = None
         self.generation = 0  # of the sync barrier's membership
         # Every update not applied, by cause (rejected, nonfinite, aborted, duplicate,
@@ -240,7 +252,10 @@ class Updates:
             self.versions_lost += lost
 
     def _gather(self, key: tuple[str, int], part: _Part, meta: PushMeta, now: float) -> None:
+        sync = self.config.barrier
         update = self._pending.get(key)
+        if sync:
+            self._admit_sync(key, update, part, meta)
         if update is None:
             mine = [k for k in self._pending if k[0] == key[0]]
             if len(mine) >= GATHERING_PER_SENDER:
@@ -251,15 +266,63 @@ class Updates:
             # A duplicated chunk means the update is inconsistent: drop all of it.
             self._abort(key, f"chunks {sorted(overlap)[:8]} pushed twice for one update")
             raise Reject(f"chunks {sorted(overlap)[:8]} pushed twice for one update")
+        if meta.more and len(update.covered) + len(part.chunks) >= len(self.state.chunks):
+            self._abort(key, "a part that says more follow covers the rest of the update")
+            raise Reject("PUSH meta 'more': this part covers the rest of the update, so none may follow")
         update.parts.append(part)
         update.covered.update(part.chunks)
+        if sync:
+            self._sum_on_arrival(update, part, meta)
         if len(update.covered) < len(self.state.chunks):
             return
         del self._pending[key]
-        if self.config.barrier:
+        if sync:
             self._on_sync_contribution(update, meta.num_workers or 1, now)
         else:
             self._apply_async(update, now)
+
+    def _admit_sync(self, key: tuple[str, int], update: _Update | None, part: _Part, meta: PushMeta) -> None:
+        """Refuse a sync part before anything of it is added into the step's sum (which cannot give it back):
+        a sender that contributed to the step already, another worker count, a sender beyond the step's
+        workers, or a part whose connection's earlier parts are not here (dropped with a voided step)."""
+        sender, step = key
+        num_workers = meta.num_workers or 1
+        if sender in self._sync_step:
+            raise Reject(f"{sender!r} already contributed to step {step}", FAILED_PRECONDITION, cause="rejected")
+        if self._sync_num_workers is not None and num_workers != self._sync_num_workers:
+            raise Reject(f"num_workers {num_workers} != {self._sync_num_workers} for this step", FAILED_PRECONDITION,
+                         cause="rejected")
+        senders = set(self._sync_step) | {k[0] for k in self._pending}
+        if sender not in senders and len(senders) >= num_workers:
+            raise Reject(f"step {step} has the updates of its {num_workers} worker(s) coming already",
+                         FAILED_PRECONDITION, cause="rejected")
+        expected = 0 if update is None else update.next_part.get(part.identity, 0)
+        if meta.part is not None and meta.part != expected:
+            why = (f"part {meta.part} of {sender!r}'s update to step {step} came after part {expected - 1}"
+                   if expected else f"the parts of {sender!r}'s update to step {step} before part {meta.part} "
+                   "were dropped (the step is redone)")
+            if update is not None:
+                self._abort(key, why)
+            raise Reject(f"{why}; pull and redo the step", FAILED_PRECONDITION, cause="partial")
+        if self._sync_num_workers is None:
+            self._sync_num_workers = num_workers
+
+    def _sum_on_arrival(self, update: _Update, part: _Part, meta: PushMeta) -> None:
+        """Add a sync part's dense gradients into the step's sum now (the shard holds the sum and the part
+        being read, not every worker's push until the last is in), and acknowledge a part that says more follow.
+
+        The sum is in arrival order: two workers' sum has the same bits either way (IEEE addition is
+        commutative); with three or more the last bits may differ between runs, within the 1e-5 that sync
+        promises against single-process training. The backup gets the sum itself, so it holds the same bits.
+        A push held encoded is added at the step, in sender order (`_on_sync_contribution`)."""
+        if part.grads:
+            accumulate(self._step_sum, part.take())
+            update.summed = True
+        if meta.part is not None:
+            update.next_part[part.identity] = meta.part + 1
+        if meta.more:
+            part.answered = True
+            self.replies.params(part.identity, part.rid, [], staleness=0)
 
     def _validate_grads(self, msg: Message) -> tuple[dict[int, torch.Tensor], EncodedPart | None, list[int]]:
         """The push's dense chunk gradients, its compressed form if worth forwarding to the backup, and
@@ -301,29 +364,19 @@ class Updates:
 
     # -- sync: a barrier per step --------------------------------------------------------------
     def _on_sync_contribution(self, update: _Update, num_workers: int, now: float) -> None:
-        if self._sync_num_workers is None:
-            self._sync_num_workers = num_workers
-        if num_workers != self._sync_num_workers or update.sender in self._sync_step:
-            self.discarded["rejected"] += 1
-            reason = (
-                f"{update.sender!r} already contributed to step {self.state.version}"
-                if update.sender in self._sync_step
-                else f"num_workers {num_workers} != {self._sync_num_workers} for this step"
-            )
-            for part in update.parts:
-                self.replies.error(part.identity, part.rid, reason, FAILED_PRECONDITION)
-            return
+        # Admitted part by part (`_admit_sync`): a first contribution of this sender, at this worker count.
         self._sync_step[update.sender] = update
         if len(self._sync_step) < num_workers:
             return
         contributions = [self._sync_step[s] for s in sorted(self._sync_step)]
+        dense_sum, self._step_sum = self._step_sum, {}
         self._sync_step = {}
         self._sync_num_workers = None
         encoded = _encoded(contributions)  # their payloads: the sum below writes decoded buffers only
-        summed: dict[int, torch.Tensor] | None = None
-        if encoded is None or any(part.grads for c in contributions for part in c.parts):
-            summed = {}  # some push held dense: the whole sum (otherwise summed a group of chunks at a time)
-            for contrib in contributions:  # a fixed order (by sender) keeps the sum deterministic
+        summed: dict[int, torch.Tensor] | None = None  # all held encoded: summed a group of chunks at a time
+        if encoded is None:  # some push dense, in the sum already: add those held encoded, in sender order
+            summed = dense_sum
+            for contrib in contributions:
                 for part in contrib.parts:
                     part.add_to(summed, self.decoders)
         for contrib in contributions:
@@ -331,7 +384,7 @@ class Updates:
         self.apply(summed, self._linear(len(contributions)), [(c.sender, c.key) for c in contributions],
                    encoded=encoded)
         for contrib in contributions:
-            for part in contrib.parts:
+            for part in contrib.unanswered():
                 self._reply_later(part)
 
     def _check_generation(self, gen: int) -> None:
@@ -359,20 +412,34 @@ class Updates:
             return
         if code == ABORTED:
             self.discarded["aborted"] += 1
-        for part in update.parts:
+        for part in update.unanswered():
             self.replies.error(part.identity, part.rid, f"update aborted: {reason}", code)
+        if update.summed:
+            # Its gradients are in the step's sum, which cannot give them back: the step is redone by all.
+            self.void_waiting(f"step {self.state.version} is redone: {update.sender!r}'s update to it was "
+                              f"dropped after parts of it were added into the step's sum ({reason}); pull and "
+                              "redo the step", FAILED_PRECONDITION, "voided")
+        elif self.config.barrier and not self._pending and not self._sync_step:
+            self._sync_num_workers = None
 
     def void_waiting(self, why: str, code: str, cause: str) -> None:
-        """Refuse every update still being gathered (parts, sync contributions); count each."""
-        for key in list(self._pending):
-            self.discarded[cause] += 1
-            self._abort(key, why, code)
-        for contrib in self._sync_step.values():
-            self.discarded[cause] += 1
-            for part in contrib.parts:
-                self.replies.error(part.identity, part.rid, why, code)
-        self._sync_step = {}
+        """Refuse every update still being gathered (parts, sync contributions) and drop the step's sum;
+        count each. A part answered already (more followed it) is not answered again: its connection's
+        next part is refused, as the parts before it are gone."""
+        pending, self._pending = self._pending, {}
+        contributions, self._sync_step = self._sync_step, {}
+        self._step_sum = {}
         self._sync_num_workers = None
+        for update in pending.values():
+            self.discarded[cause] += 1
+            if code == ABORTED:
+                self.discarded["aborted"] += 1
+            for part in update.unanswered():
+                self.replies.error(part.identity, part.rid, f"update aborted: {why}", code)
+        for contrib in contributions.values():
+            self.discarded[cause] += 1
+            for part in contrib.unanswered():
+                self.replies.error(part.identity, part.rid, why, code)
 
     def discard_pending_of(self, worker: str) -> None:
         for key in [k for k in self._pending if k[0] == worker]:

@@ -17,6 +17,7 @@ from gossamer.errors import ConfigError, ProtocolError, ShardError, UnavailableE
 from gossamer.faults import die_at
 from gossamer.paramserver.pulled_values import apply_deltas
 from gossamer.paramserver.push_credits import CreditAsker
+from gossamer.paramserver.push_parts import push_rounds
 from gossamer.paramserver.shard_plan import ShardPlan
 from gossamer.protocol import (
     HelloMeta,
@@ -287,6 +288,8 @@ class ShardClient:
         `step` and `num_workers`. `consume` with a compressor: `grads` is emptied once encoded.
         `values` False: the shards answer with their versions and the end flag only (an ack), and
         the caller pulls the values (`pull` with `chunks`); a shard that predates the ack sends them.
+        A large dense push under a barrier goes in parts, one at a time per shard (`push_parts`), and
+        the values of those shards are pulled after the step.
 
         Raises:
             ShardError: a shard rejected the push (nothing of it was applied there).
@@ -298,9 +301,21 @@ class ShardClient:
         if consume and self.compressor is not None:
             grads.clear()  # encoded: a resend sends the payload, so the caller's buffers can go now
         self.encode_s += time.perf_counter() - t0
+        parted: dict[int, list[int]] = {}
+        if step is not None and self.compressor is None and self.pull_codec == "none":
+            rounds, parted = push_rounds(reqs, lambda s, meta, tensors: self._msg("PUSH", s, meta, tensors))
+            for batch in rounds[:-1]:  # each answered once in the step's sum
+                self._collect(self._send(batch))
+            reqs = rounds[-1]
         sent = self._send(reqs)
         die_at("mid-pull", step=self.fault_step, **self.fault_ctx)  # pushed, reply not read yet
-        return self._result(self._collect(sent))
+        res = self._result(self._collect(sent))
+        if values and parted:
+            pulled = self.pull(list(parted), chunks=[i for chunks in parted.values() for i in chunks])
+            res.values.update(pulled.values)
+            res.versions.update(pulled.versions)
+            res.done = res.done or pulled.done
+        return res
 
     def push_async(self, grads: dict[int, torch.Tensor], *, clock: int, basis: dict[int, int]) -> None:
         """Send a push and return at once; `wait()` collects its reply (one in flight at most).

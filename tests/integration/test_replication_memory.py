@@ -103,6 +103,43 @@ def test_a_backup_holds_its_state_the_forwarded_payload_and_the_sum_a_group_of_c
           + ", ".join(f"{r} {v / shard:.2f}x" for r, v in grown.items()) + f" ({time.monotonic():.0f})")
 
 
+def test_a_sync_primary_holds_the_step_s_sum_and_a_part_not_every_worker_s_dense_push(
+        pair: tuple[Connection, Connection, str]) -> None:
+    """Two dense workers at a barrier, 64 MiB pushes: each goes in parts under 16 MiB, added into the step's sum
+    as it comes, so the primary holds its state, the sum (the first worker's parts) and the part being read.
+    Sent whole, the second worker's push was read while the first was held: both beside the state. Measured
+    over the state (after a first step made the momentum): see the print."""
+    primary, backup, endpoint = pair
+    p = plan()
+    shard = 4 * NUMEL
+    workers = [ShardClient(experiment=EXPERIMENT, sender=f"w{i}", plan=p, endpoints={0: endpoint}, timeout_s=120)
+               for i in range(2)]
+
+    def step(k: int, at: int) -> None:
+        grads = {c.index: torch.randn(c.numel, generator=torch.Generator().manual_seed(7 * at + k)) for c in p.chunks}
+        workers[k].push_pull(grads, clock=at, basis={0: at}, step=at, num_workers=2)
+
+    rss = {}
+    steps = 4
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for at in range(steps):
+                if at == 1:  # values and momentum on both replicas
+                    rss = {"primary": _ask(primary, "reset"), "backup": _ask(backup, "reset")}
+                for f in [pool.submit(step, k, at) for k in range(2)]:
+                    f.result(timeout=120)
+    finally:
+        for w in workers:
+            w.close()
+    peaks = {"primary": _ask(primary, "peak"), "backup": _ask(backup, "peak")}
+    assert peaks["primary"][1] == peaks["backup"][1] == steps, peaks  # type: ignore[index]
+    grown = {role: peaks[role][0] - rss[role] for role in rss}  # type: ignore[index,operator]
+    # The sum (1x) and parts; main before this held both workers' pushes (2x) and more.
+    assert grown["primary"] < 1.5 * shard, (grown, shard)
+    print(f"shard {shard / _MIB:.0f} MiB, sync dense, grown over the state: "
+          + ", ".join(f"{r} {v / shard:.2f}x" for r, v in grown.items()))
+
+
 def _train_async(endpoint: str, steps: int, primary: Connection, backup: Connection) -> dict[str, int]:
     """Two dense workers pushing at once, async (the primary applies their updates back to back): the growth
     of each replica's peak RSS over its whole state, after a first update each made the momentum buffers."""

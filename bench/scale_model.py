@@ -620,6 +620,15 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "0.40-0.44 s before: each received frame of 1 MiB or more is then a fresh mapping whose pages fault in "
          "(the raw echo's process, like the shard before, reuses freed heap); `after23h`-`after23i` also "
          "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (transparent huge pages are `madvise` here): 0.47, 0.49. "
+         "`before24` (main at d6f1799, sync only): primaries 3.78-3.79x, hosts 3.27-3.30x. `after24`, `after24b` "
+         "(sync) a dense sync push sent in parts under 16 MiB, each added into the step's sum as it arrives and "
+         "acknowledged, the values pulled after the step (the primary holds its state, the sum and the parts "
+         "being read, not both workers' pushes): primaries 2.91-2.93x and 2.87-2.89x, hosts 2.84-2.99x and 2.82x; "
+         "`after24`'s ps1 backup at 3.04x was detached under load (steps 11 of 12) and re-synced, its old state "
+         "and the SYNC's parts at once (load 12-17 on the 2 cores: compute 7.2-7.9 s a step against 2.7-2.8 s in "
+         "`before24` and 1.6-1.7 s in `after24b`); `after24b`'s w-2 worker was not told apart from its fork "
+         "server by the sampler (no row). `after24-async`: the same code, async: primaries 2.80x, backups 2.76x, "
+         "hosts 2.78x (`after23`: 2.78x). "
          "The Serving table's `updates_per_s`: versions over the "
          "time from the first update seen to the end (compare within one load).")
 

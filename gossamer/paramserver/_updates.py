@@ -20,6 +20,7 @@ from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
 from gossamer.paramserver._state import ShardState
 from gossamer.paramserver.consistency import SSPGate
+from gossamer.paramserver.push_parts import SYNC_PUSH_PART_BYTES
 from gossamer.protocol import PushCompression, PushMeta
 from gossamer.transport.frames import Message, check_finite
 from gossamer.transport.router import ABORTED, FAILED_PRECONDITION, NOT_A_WORKER, REFORM
@@ -119,6 +120,9 @@ class Updates:
         self._sync_step: dict[str, _Update] = {}
         #: The step's sum of the dense gradients received so far, each added as it arrives (sync).
         self._step_sum: dict[int, torch.Tensor] = {}
+        #: Sync: a whole dense push is added into the step's sum as it arrives only on a shard this large; on a
+        #: smaller one it is held until the step (`_sum_on_arrival`).
+        self._sum_whole_on_arrival = 4 * sum(c.numel for c in state.chunks.values()) >= SYNC_PUSH_PART_BYTES
         self._sync_num_workers: int | None = None
         self.generation = 0  # of the sync barrier's membership
         # Every update not applied, by cause (rejected, nonfinite, aborted, duplicate,
@@ -308,14 +312,19 @@ class Updates:
             self._sync_num_workers = num_workers
 
     def _sum_on_arrival(self, update: _Update, part: _Part, meta: PushMeta) -> None:
-        """Add a sync part's dense gradients into the step's sum now (the shard holds the sum and the part
-        being read, not every worker's push until the last is in), and acknowledge a part that says more follow.
+        """Add a large sync push's dense gradients into the step's sum now (the shard holds the sum and the
+        part being read, not every worker's push until the last is in), and acknowledge a part that says more
+        follow.
 
-        The sum is in arrival order: two workers' sum has the same bits either way (IEEE addition is
-        commutative); with three or more the last bits may differ between runs, within the 1e-5 that sync
-        promises against single-process training. The backup gets the sum itself, so it holds the same bits.
-        A push held encoded is added at the step, in sender order (`_on_sync_contribution`)."""
-        if part.grads:
+        Added on arrival, so in arrival order: a push in parts, and any push to a shard whose gradient is
+        `SYNC_PUSH_PART_BYTES` or more. Two workers' sum has the same bits either way (IEEE addition is
+        commutative); with three or more the last bits differ from run to run. On a smaller shard a whole push
+        is held (under 16 MiB a worker) and added at the step in sender order (`_on_sync_contribution`), as a
+        push held encoded is: the same bits every run, those of a step that held every push. Those last bits
+        matter: ReLU training is chaotic enough that one can flip a unit and move the run 1e-3 from
+        single-process training (test_sync_elastic failed 1 run in 15-45 with digits summed in arrival order).
+        The backup gets the sum itself, so it holds the same bits either way."""
+        if part.grads and (meta.part is not None or self._sum_whole_on_arrival):
             accumulate(self._step_sum, part.take())
             update.summed = True
         if meta.part is not None:
@@ -374,7 +383,7 @@ class Updates:
         self._sync_num_workers = None
         encoded = _encoded(contributions)  # their payloads: the sum below writes decoded buffers only
         summed: dict[int, torch.Tensor] | None = None  # all held encoded: summed a group of chunks at a time
-        if encoded is None:  # some push dense, in the sum already: add those held encoded, in sender order
+        if encoded is None:  # some push dense: add those held (small dense, encoded) in sender order
             summed = dense_sum
             for contrib in contributions:
                 for part in contrib.parts:

@@ -5,6 +5,7 @@ with nothing of the old sum kept (a real shard server, real ZMQ)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -61,6 +62,11 @@ class _Conn:
                         tensors={chunk_key(c.index): torch.full((c.numel,), value) for c in plan.chunks})
         rounds, _ = push_rounds({0: whole}, self._make, budget=SMALL_BUDGET)
         return [r[0] for r in rounds]
+
+    def whole(self, plan: ShardPlan, value: float, *, num_workers: int) -> Message:
+        """The update (every chunk = `value`) in one PUSH, as a push under `SYNC_PUSH_PART_BYTES` goes."""
+        meta = PushMeta(clock=0, basis=0, step=0, num_workers=num_workers).to_meta()
+        return self._make(0, meta, {chunk_key(c.index): torch.full((c.numel,), value) for c in plan.chunks})
 
     def _make(self, shard: int, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> Message:
         self.rid += 1
@@ -220,3 +226,26 @@ def test_an_update_dropped_after_its_parts_were_summed_redoes_the_step_for_every
         assert conn.recv().version == 0
     assert a.recv().version == b.recv().version == 1
     assert torch.equal(_values(server), _first_step(torch.full((SMALL,), 1.0), torch.full((SMALL,), 2.0)))
+
+
+def test_small_sync_pushes_are_added_at_the_step_in_sender_order_whatever_order_they_arrive_in(
+        small: tuple[ShardPlan, ShardServer, str]) -> None:
+    """Three workers' whole pushes (under 16 MiB: held, not summed on arrival) arrive w1, w2, w0. Summed in that
+    order 2^-24 + 2^-24 + 1 is 1 + 2^-23; in sender order (1 + 2^-24) + 2^-24 rounds to 1 twice: the step must
+    take the sender order's bits, the same every run (ReLU training turns a last bit into a 1e-3 difference)."""
+    plan, server, endpoint = small
+    ctx = zmq.Context()
+    conns = [_Conn(ctx, endpoint, f"w{i}") for i in range(3)]
+    try:
+        tiny = 2.0**-24
+        for i in (1, 2, 0):
+            conns[i].send(conns[i].whole(plan, 1.0 if i == 0 else tiny, num_workers=3))
+            time.sleep(0.2)  # read in this order (three connections are fair-queued)
+        assert [c.recv().version for c in conns] == [1, 1, 1]
+        want = _first_step(*(torch.full((SMALL,), v) for v in (1.0, tiny, tiny)))
+        assert not torch.equal(want, _first_step(*(torch.full((SMALL,), v) for v in (tiny, tiny, 1.0))))
+        assert torch.equal(_values(server), want)
+    finally:
+        for c in conns:
+            c.close()
+        ctx.term()

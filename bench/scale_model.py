@@ -628,7 +628,9 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "and the SYNC's parts at once (load 12-17 on the 2 cores: compute 7.2-7.9 s a step against 2.7-2.8 s in "
          "`before24` and 1.6-1.7 s in `after24b`); `after24b`'s w-2 worker was not told apart from its fork "
          "server by the sampler (no row). `after24-async`: the same code, async: primaries 2.80x, backups 2.76x, "
-         "hosts 2.78x (`after23`: 2.78x). "
+         "hosts 2.78x (`after23`: 2.78x). `s15-sync` (session 15, main with that branch merged: a whole push to a "
+         "shard under 16 MiB held and added at the step in sender order, parts and pushes to larger shards summed "
+         "on arrival): primaries 2.88-2.89x, backups 2.76x, hosts 2.82x, workers 2.93-2.94x (load 6-10). "
          "The Serving table's `updates_per_s`: versions over the "
          "time from the first update seen to the end (compare within one load).")
 

@@ -25,9 +25,9 @@ _MIN_WEIGHT = 2.0**-10
 def consensus_distance(zs: list[torch.Tensor], weights: list[float]) -> tuple[torch.Tensor, float]:
     """(push-sum average sum(w_i z_i) / sum(w_i), mean squared distance of the z_i to it), on the first z's device."""
     total = sum(weights)
-    device = zs[0].device  # this node's parameters; peers' snapshots arrive on the CPU
-    avg = sum((w * z.to(device) for w, z in zip(weights, zs, strict=True)), torch.zeros_like(zs[0])) / total
-    return avg, float(sum(float((z.to(device) - avg).pow(2).sum()) for z in zs) / len(zs))
+    zs = [z.to(zs[0].device) for z in zs]  # this node's parameters' device; peers' snapshots arrive on the CPU
+    avg = sum((w * z for w, z in zip(weights, zs, strict=True)), torch.zeros_like(zs[0])) / total
+    return avg, float(sum(float((z - avg).pow(2).sum()) for z in zs) / len(zs))
 
 
 class GossipTrainer(RankTrainer):

@@ -72,9 +72,7 @@ def check_one_gpu_per_rank(world: int, gpu: str) -> None:
     Raises:
         ConfigError: naming `nproc_per_node`, when two ranks share a GPU.
     """
-    mine = torch.zeros(_ID_BYTES, dtype=torch.uint8)
-    raw = gpu.encode()[:_ID_BYTES]
-    mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    mine = torch.frombuffer(bytearray(gpu.encode()[:_ID_BYTES].ljust(_ID_BYTES, b"\0")), dtype=torch.uint8)
     every = [torch.zeros(_ID_BYTES, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(every, mine)
     ids = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in every]

@@ -37,13 +37,9 @@ def _rank(rank: int, world: int, port: int, ids: list[str], out: str) -> None:
 
 def _run(ids: list[str], tmp_path: Path) -> list[str]:
     with reserve_port() as hold:
-        mp.start_processes(_run_rank_entry, args=(len(ids), hold.getsockname()[1], ids, str(tmp_path)),
+        mp.start_processes(_rank, args=(len(ids), hold.getsockname()[1], ids, str(tmp_path)),
                            nprocs=len(ids), start_method="spawn")
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(len(ids))]
-
-
-def _run_rank_entry(rank: int, world: int, port: int, ids: list[str], out: str) -> None:
-    _rank(rank, world, port, ids, out)
 
 
 def test_ranks_sharing_a_gpu_all_refuse_naming_nproc_per_node(tmp_path: Path) -> None:

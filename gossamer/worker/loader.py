@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -11,12 +12,19 @@ import torch
 from torch.utils.data import DataLoader
 
 from gossamer.worker.batches import Data, Selection, collate_items
+from gossamer.worker.stream_blocks import Blocks, keep, unpack_blocks
 
 __all__ = ["StepLoader", "Want", "index_tuple", "want_len"]
 
 #: Which samples a step takes, as a plain hashable value: ("idx", indices) of a map-style set, or
 #: ("span", start, stop): the stream positions [start, stop).
 Want = tuple[Any, ...]
+
+
+#: DataLoader workers are forked from the role process. A role forked by the node's fork server inherits
+#: multiprocessing's "forkserver" default, under which each role started a fork server of its own for its
+#: loader, importing torch and the role code again (about 4 s of CPU) before its first batch.
+_FORK = "fork" if "fork" in mp.get_all_start_methods() else None
 
 
 def index_tuple(sel: Selection) -> tuple[int, ...]:
@@ -100,8 +108,10 @@ class StepLoader:
 
         collate = self.data.collate
         return DataLoader(self.data.ds, batch_sampler=plan(), num_workers=self.num_workers,  # type: ignore[arg-type]
-                          prefetch_factor=self.depth or 2, collate_fn=lambda items: collate_items(items, collate))
+                          prefetch_factor=self.depth or 2, collate_fn=lambda items: collate_items(items, collate),
+                          multiprocessing_context=_FORK)
 
     def _stream_through_workers(self) -> Iterator[Any]:
-        return iter(DataLoader(self.data.ds, batch_size=None, num_workers=self.num_workers,
-                               prefetch_factor=self.depth or 2))
+        return unpack_blocks(iter(DataLoader(Blocks(self.data.ds), batch_size=None, collate_fn=keep,
+                                             num_workers=self.num_workers, prefetch_factor=self.depth or 2,
+                                             multiprocessing_context=_FORK)))

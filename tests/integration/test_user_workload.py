@@ -77,6 +77,21 @@ def test_user_regression_with_own_loss_on_endless_stream_trains_to_noise_floor(c
     client.close()
 
 
+def test_map_style_set_read_by_loader_processes_in_a_role_trains(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Role processes are forked by their node's fork server, so multiprocessing's default there is "forkserver":
+    the loader's processes must still start (its collate is a closure, which that default cannot pickle)."""
+    address, client = _cluster(cluster, workers=1)
+    spec = _toml(tmp_path / "mapped.toml", name="mapped", mode="async", model=f"{U}:linear",
+                 dataset=f"{U}:tensor_data", loss="mse", optimizer="sgd", lr=0.05, batch_size=32,
+                 num_ps_shards=1, total_steps=300, eval_every=0, ps_backup=False, num_workers=2, prefetch=2)
+    out = _cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = client.job(out.stdout.splitlines()[0].strip()).wait(timeout=30)
+    assert result.status == "completed", result
+    assert result.metrics["eval_loss"] < 4 * NOISE**2, result.metrics  # mse: from about 8 to the noise floor
+    client.close()
+
+
 def test_bad_user_code_is_refused_at_submit_or_named_in_status(cluster: LocalCluster, tmp_path: Path) -> None:
     """A loss that does not import: refused at submit. A loss returning per-sample values: the worker fails
     at its first step and `gossamer status` shows why, naming the `loss` field; its replacement fails

@@ -38,18 +38,37 @@ class SlowSet(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return torch.full((64,), float(i)), torch.tensor(i % 10)
 
 
+class SlowStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """An endless stream of the same samples, split across loader processes by `get_worker_info()`."""
+
+    def __init__(self, per_sample_s: float) -> None:
+        self.per_sample_s = per_sample_s
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        i, of = (info.id, info.num_workers) if info is not None else (0, 1)
+        while True:
+            time.sleep(self.per_sample_s)
+            yield torch.full((64,), float(i)), torch.tensor(i % 10)
+            i += of
+
+
 def _compute(ms: float, w: torch.Tensor) -> None:
     end = time.perf_counter() + ms / 1000
     while time.perf_counter() < end:
         w = torch.tanh(w @ w)
 
 
-def _run(steps: int, batch: int, read_ms: float, compute_ms: float, **loader: Any) -> dict[str, float]:
-    data = Data(SlowSet(4096, read_ms / 1000 / batch))
+def _run(steps: int, batch: int, read_ms: float, compute_ms: float, stream: bool = False,
+         **loader: Any) -> dict[str, float]:
+    per_sample = read_ms / 1000 / batch
+    data = Data(SlowStream(per_sample) if stream else SlowSet(4096, per_sample))
     sl = StepLoader(data, **loader)
     w = torch.randn(64, 64) / 8
 
     def want_at(step: int) -> tuple[Any, ...]:
+        if stream:
+            return ("span", step * batch, (step + 1) * batch)
         return ("idx", tuple(int(i) for i in sampler.async_batch(4096, batch, step, 0, 0)))
 
     waited, t0 = 0.0, time.perf_counter()
@@ -76,8 +95,11 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     base: dict[str, float] = {}
-    for label, kw in (("none", {}), ("prefetch=2", {"prefetch": 2}), ("num_workers=2, prefetch=2",
-                                                                      {"num_workers": 2, "prefetch": 2})):
+    cases: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("none", {}), ("prefetch=2", {"prefetch": 2}), ("num_workers=2, prefetch=2", {"num_workers": 2, "prefetch": 2}),
+        ("stream: none", {"stream": True}),
+        ("stream: num_workers=2, prefetch=2", {"stream": True, "num_workers": 2, "prefetch": 2}))
+    for label, kw in cases:
         r = _run(args.steps, args.batch, args.read_ms, args.compute_ms, **kw)
         base = base or r
         rows.append({"loader": label, **r, "wait_vs_none": r["input_wait_ms"] / base["input_wait_ms"],
@@ -89,7 +111,9 @@ def main() -> None:
              f"A map-style set whose sample costs {args.read_ms / args.batch:.2f} ms of I/O-like waiting (sleep) "
              f"-> {args.read_ms:.0f} ms per batch of {args.batch}; a step of {args.compute_ms:.0f} ms of torch work; "
              f"{args.steps} steps each, one process, torch threads 1, through gossamer.worker.loader.StepLoader as "
-             "a trainer calls it. All rows measured in the same run, on a shared machine (other jobs running).")
+             "a trainer calls it. The stream rows: an IterableDataset of the same samples at the same cost, "
+             "split across its loader processes by get_worker_info(), read by position. "
+             "All rows measured in the same run, on a shared machine (other jobs running).")
     write_report("input_pipeline", rows, notes)
 
 

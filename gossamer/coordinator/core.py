@@ -329,10 +329,8 @@ class Coordinator:
         await self._notify(assignments=changed)
 
     def _say_why_queued(self, exp: ExpRec, head: str, census: placement.Census) -> None:
-        """Set a queued experiment's message to what it waits for; not saved (a leader derives it again).
-
-        It counts nodes: saving it wrote every queued experiment at every join (31 % of the CPU).
-        """
+        """Set a queued experiment's message to what it waits for; not saved (a leader derives it again): it
+        counts nodes, and saving it wrote every queued experiment at every join (31 % of the CPU)."""
         exp.message = placement.queued_message(census, exp.spec, exp.mode, head)
 
     async def _start(self, exp: ExpRec, plan: placement.Placement) -> None:
@@ -596,7 +594,7 @@ class Coordinator:
         for p in req.points:  # a NaN time broke the metrics table's NOT NULL and the ordering of points
             if not math.isfinite(p.time_unix):
                 raise ConfigError("time_unix", f"a metric point needs a finite time, got {p.time_unix!r}")
-        rows = []
+        rows, steps = [], exp.steps
         for p in req.points:
             values = dict(p.values)
             rows.append((p.time_unix, p.step, p.source, values))
@@ -605,14 +603,16 @@ class Coordinator:
             # Progress: a source's step moved (after a roll-back the run's own count grows only once redone).
             if exp.active and p.step != self._source_steps.get((exp.id, p.source), -1):
                 self._source_steps[(exp.id, p.source)] = p.step
-                exp.steps, exp.progress_unix = max(exp.steps, p.step), time.time()
+                steps, exp.progress_unix = max(steps, p.step), time.time()
                 if exp.stalled:
                     exp.stalled, exp.message = False, ""
                     await self.store.add_event("progress", f"steps again: step {p.step}", experiment_id=exp.id)
         self.step_rates.observe_points(exp.id, req.points)
         if rows:
             await self.store.add_metrics(exp.id, rows)
-            await self.store.save_experiment(exp)
+            steps = max(steps, exp.steps)  # shown once stored: a status said 200 steps, kill -9, the restart said 0
+            await self.store.save_experiment(exp, steps=steps)
+            exp.steps = max(steps, exp.steps)  # another source's report may have moved it meanwhile
             await self._notify(assignments=False)  # metrics never change a node's assignments
         return exp.active
 

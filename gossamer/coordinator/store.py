@@ -8,6 +8,7 @@ where the dialects differ (the class attributes below).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import sqlite3
@@ -122,8 +123,9 @@ class Store:
         data = node.to_json()
         await self.write(lambda db: db.execute(self._UPSERT_NODE, (node.id, data)))
 
-    async def save_experiment(self, exp: ExpRec) -> None:
-        data = exp.to_json()
+    async def save_experiment(self, exp: ExpRec, steps: int | None = None) -> None:
+        """Store `exp` (with `steps` as its step count where given: the caller shows it once stored)."""
+        data = exp.to_json() if steps is None else dataclasses.replace(exp, steps=steps).to_json()
         await self.write(lambda db: db.execute(self._UPSERT_EXPERIMENT, (exp.id, exp.seq, data)))
 
     async def add_metrics(self, exp_id: str, rows: list[tuple[float, int, str, dict[str, float]]]) -> None:

@@ -330,7 +330,8 @@ class GossipTrainer(RankTrainer):
             if self.ctx.lead:
                 zs, ws = self._gather(wait_done=True)
                 avg, self.consensus = consensus_distance(zs, ws)
-                self.on_metrics(self.clock, {"consensus_distance": self.consensus, "gossip_peers": float(len(zs))})
+                self.on_metrics(self.clock, {"consensus_distance": self.consensus, "gossip_peers": float(len(zs)),
+                                             "eval_gathered_step": float(self.clock)})  # not the mid-run eval's
                 self.flat.copy_(avg)
                 self._params_changed()
                 self._report(0.0)

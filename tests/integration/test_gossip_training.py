@@ -74,6 +74,8 @@ def test_gossip_four_workers_reach_95_percent_on_digits(tmp_path: Path, make_clu
     assert [p["step"] for p in distances] == [250, 500], distances
     assert all(0 <= p["consensus_distance"] < 1 for p in distances), distances
     assert all(p["gossip_peers"] == 4 for p in distances), distances
+    # The final figures are of the final average (the mid-run evaluation's gathered step was left in them).
+    assert result.metrics["eval_gathered_step"] == 500, result.metrics
     # The checkpoint is the push-sum average the lead evaluated.
     exp = Experiment.from_dict(spec)
     model, _, evalset = build(exp, torch.device("cpu"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -99,7 +99,7 @@ def unpack_blocks(blocks: Iterator[tuple[bytes, torch.Tensor, list[_Place]]]) ->
 def _nbytes(item: Any) -> int:
     if isinstance(item, torch.Tensor):
         return item.numel() * item.element_size()
-    if isinstance(item, dict):
+    if isinstance(item, Mapping):  # transformers' BatchEncoding is a Mapping, not a dict
         return sum(_nbytes(v) for v in item.values())
     if isinstance(item, (tuple, list)):
         return sum(_nbytes(v) for v in item)

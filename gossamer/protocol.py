@@ -287,6 +287,11 @@ class PushMeta:
     time (`paramserver.client.SYNC_PUSH_PART_BYTES`). `part` numbers them from 0; `more` says another
     follows: the shard adds the part into the step's sum and acknowledges it at once (an ack), so
     the next may come; the last part's answer waits for the step as a whole push's does.
+
+    `more` without a barrier: a connection's large dense update sent as fragments back to back
+    (`push_parts.fragments`), each but the last saying more follow. The shard gathers them as the
+    parts of one update (its credit held until the last), applies the update once it has every
+    chunk, and answers each fragment with the values of its chunks as soon as they are stepped.
     """
 
     #: The worker's update counter; a shard applies each clock of a worker once.
@@ -307,6 +312,8 @@ class PushMeta:
             meta["pull_codec"] = self.pull_codec
         if not self.values:
             meta["reply"] = "ack"
+        if self.step is None and self.more:
+            meta["more"] = True
         if self.step is not None:
             meta["step"] = self.step
             meta["num_workers"] = self.num_workers if self.num_workers is not None else 1
@@ -328,9 +335,12 @@ class PushMeta:
             raise ProtocolError(f"PUSH meta 'reply' must be 'values' or 'ack', got {reply!r}")
         values = reply == "values"
         if not barrier:
-            if "part" in meta or "more" in meta:
-                raise ProtocolError("PUSH meta 'part'/'more' are for a shard with a barrier (sync steps)")
-            return cls(clock=clock, basis=basis, pull_codec=pull_codec, values=values)
+            if "part" in meta:
+                raise ProtocolError("PUSH meta 'part' is for a shard with a barrier (sync steps)")
+            more = meta.get("more", False)
+            if not isinstance(more, bool):
+                raise ProtocolError(f"PUSH meta 'more' must be a bool, got {more!r}")
+            return cls(clock=clock, basis=basis, pull_codec=pull_codec, values=values, more=more)
         part = None if meta.get("part") is None else _int("PUSH", meta, "part")
         more = meta.get("more", False)
         if not isinstance(more, bool) or (more and part is None):

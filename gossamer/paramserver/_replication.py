@@ -410,6 +410,12 @@ class Replication:
         self._resync_backoff = min(_RESYNC_MAX_S, 2 * self._resync_backoff)
         self._flush(replicated=False)
 
+    @property
+    def answers_at_once(self) -> bool:
+        """Whether `after_backup` sends the answers to an update being applied now at once: no synced
+        backup to wait for, and no lease lapsed."""
+        return not (self.socket is not None and self._synced) and not self.fenced
+
     def after_backup(self, reply: Callable[[], None]) -> None:
         """Send `reply` now, or once the backup holds the current version (not while a SYNC is on its way)."""
         if self.socket is not None and self._synced and self.state.version > self.acked:

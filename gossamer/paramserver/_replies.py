@@ -60,11 +60,15 @@ class Replies:
         return self.router.over_budget(identity, self.live_storages())
 
     def send(self, identity: bytes, op: str, meta: dict[str, Any],
-             tensors: dict[str, torch.Tensor] | None = None, *, live: bool = False) -> None:
+             tensors: dict[str, torch.Tensor] | None = None, *, live: bool = False, version: int | None = None,
+             counted: bool = True) -> None:
         """Send a reply; `live`: its tensors are the state's own values, read by ZMQ after this
-        returns, so the state is told (`lend`) until ZMQ has let go of them."""
+        returns, so the state is told (`lend`) until ZMQ has let go of them. `version`: the version
+        it says (default: the state's). `counted` False: not one of the replies held for `identity`
+        (`ReplyBudget.per_peer`): one of the answers to a push's fragments, all but the last."""
         config = self.state.config
-        msg = Message(op=op, experiment=config.experiment, shard=config.shard, version=self.state.version,
+        msg = Message(op=op, experiment=config.experiment, shard=config.shard,
+                      version=self.state.version if version is None else version,
                       sender=f"shard-{config.shard}", meta={**meta, "epoch": self.epoch_of()}, tensors=tensors or {})
         frames: list[Any] = encode(msg)
         nbytes = frames_nbytes(frames)
@@ -81,15 +85,17 @@ class Replies:
         if live and lent:  # only memoryview frames reference the values (small ones were copied)
             self.state.lend(zmq.MessageTracker(*lent))
             shared = next(iter(tensors.values())).data_ptr()
-        self.router.send_tracked(identity, frames, tracker, nbytes, shared=shared)
+        self.router.send_tracked(identity, frames, tracker, nbytes, shared=shared, counted=counted)
 
     def params(self, identity: bytes, rid: Any, chunks: list[int], *, staleness: int | None = None,
-               lead: int | None = None) -> None:
-        """PARAMS: the current values of `chunks` (compressed differences for a pull codec)."""
+               lead: int | None = None, version: int | None = None, counted: bool = True) -> None:
+        """PARAMS: the current values of `chunks` (compressed differences for a pull codec); `version`,
+        `counted` as `send`'s."""
         meta, tensors, live = self.views.reply(identity, chunks, self.state.params, done=self.state.done,
                                                staleness=staleness, lead=lead)
         self.raw_bytes_out += sum(4 * self.state.chunks[idx].numel for idx in chunks)
-        self.send(identity, "PARAMS", {"rid": rid, **meta.to_meta()}, tensors, live=live)
+        self.send(identity, "PARAMS", {"rid": rid, **meta.to_meta()}, tensors, live=live, version=version,
+                  counted=counted)
 
     def error(self, identity: bytes, rid: Any, message: str, code: str) -> None:
         """ERROR: a request refused (counted in `errors`)."""

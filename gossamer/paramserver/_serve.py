@@ -274,22 +274,28 @@ class ServeLoop:
 
     def _handle(self, identity: bytes, msg: Message, key: str | None) -> None:
         rid, op = msg.meta.get("rid"), msg.op
+        # An async push's fragment that says more follow keeps its connection's credit: the push is one
+        # dense push of the shard however it travels. Refused, it gives it back (the rest is sent again).
+        fragment = op == "PUSH" and not self.config.barrier and msg.meta.get("more") is True
         try:
             with self.lock:
                 self._dispatch(identity, msg, key)
         except ProtocolError as e:
+            fragment = False
             if op == "PUSH":
                 self.updates.discarded["nonfinite" if "finite" in str(e) else "rejected"] += 1
             self.replies.error(identity, rid, str(e), INVALID_ARGUMENT)
         except Reject as e:
+            fragment = False
             if op == "PUSH":
                 self.updates.discarded["nonfinite" if "not finite" in str(e) else e.cause] += 1
             self.replies.error(identity, rid, str(e), e.code)
         except Exception as e:  # keep serving whatever one request did
+            fragment = False
             logger.exception("%s: internal error handling a request", self._name)
             self.replies.error(identity, rid, f"internal error: {type(e).__name__}: {e}", INTERNAL)
         finally:
-            if op == "PUSH":  # read and handled (held for a barrier, applied, or refused): the next may come
+            if op == "PUSH" and not fragment:  # read and handled (held, applied, or refused): the next may come
                 with self.lock:
                     self._reserve()
                     self._grant(self.credits.pushed(identity, time.monotonic()))

@@ -124,33 +124,40 @@ class ShardState:
             self.optimizer.set_delay(delay)
 
     def step(self, grads: dict[int, torch.Tensor] | Callable[[list[int]], dict[int, torch.Tensor]], lr_factor: float,
-             *, schedule: bool) -> float:
+             *, schedule: bool, groups: list[list[int]] | None = None,
+             after_group: Callable[[list[int]], None] | None = None) -> float:
         """One optimizer step with `grads` (every chunk); returns the lr factor applied.
 
         `grads` a function of chunk indices (their gradients): the step is taken a group of at most
         `STEP_GROUP_BYTES` of chunks at a time, each group's gradient asked for, stepped and dropped
-        before the next (the optimizers are elementwise: the same bits as one step). `schedule`:
-        multiply in the lr schedule at this version (a primary does; its backup replays the factor
-        it is sent).
+        before the next (the optimizers are elementwise: the same bits as one step). `groups`: these
+        groups of chunks instead (together every chunk once); `after_group(group)` is called once each
+        is stepped (its values final). `schedule`: multiply in the lr schedule at this version (a
+        primary does; its backup replays the factor it is sent).
         """
         t0 = time.perf_counter()
         if schedule:
             lr_factor *= lr_multiplier(self.version, self.config.total_steps, self.config.lr_schedule,
                                        self.config.warmup_steps)
         set_lr_factor(self.optimizer, self.config.optimizer.lr, lr_factor)
-        if callable(grads):
+        if groups is not None:
+            if sorted(i for group in groups for i in group) != sorted(self.params):
+                raise ValueError("step groups must hold every chunk of the shard once")
+        elif callable(grads):
             groups = _groups(sorted(self.params), self.chunks, STEP_GROUP_BYTES)
         else:
-            groups, whole = [sorted(self.params)], grads
+            groups = [sorted(self.params)]
         with self.writes():
             for group in groups:
-                part = grads(group) if callable(grads) else whole
+                part = grads(group) if callable(grads) else grads
                 for idx in group:
                     self.params[idx].grad = part[idx]
                 del part
                 optimizer_step(self.optimizer)
                 for idx in group:
                     self.params[idx].grad = None
+                if after_group is not None:
+                    after_group(group)
         self.version += 1
         self.updates += 1
         self.apply_s += time.perf_counter() - t0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 #: part lost, the update sent again under a new clock). Starting a third aborts its oldest, so a
 #: worker holds at most this many times the shard's gradients in parts.
 GATHERING_PER_SENDER = 2
+
+#: Requests (connection, request id) whose update was aborted, remembered so that the fragments of theirs
+#: still on the way are refused rather than gathered into an update that cannot complete.
+_VOID_REQUESTS = 64
 
 #: What a held (SSP-waiting) reply needs: ZMQ identity, request id, chunks.
 Held = tuple[bytes, Any, list[int]]
@@ -133,6 +137,11 @@ class Updates:
         self._restored_applied: dict[str, int] | None = None
         self._seen_since_restore: set[str] = set()
         self.versions_lost = 0
+        #: Answers to the parts of an update sent as soon as their chunks were stepped (the rest of it still stepping).
+        self.streamed_answers = 0
+        #: Updates gathered afresh: a request's fragments sent again (resent whole after one was refused).
+        self.regathered = 0
+        self._void_requests: OrderedDict[tuple[bytes, Any], None] = OrderedDict()
         self.on_snapshot: Callable[[int], None] | None = None  # called at checkpoint boundaries
         #: The coordinator's current workers (`set_members`); None: never told (a shard run alone).
         self.members: frozenset[str] | None = None
@@ -144,13 +153,16 @@ class Updates:
 
     # -- applying -------------------------------------------------------------------------
     def apply(self, grads: dict[int, torch.Tensor] | None, lr_factor: float, applied: list[tuple[str, int]],
-              *, delay: int = 0, encoded: list[EncodedPart] | None = None) -> None:
+              *, delay: int = 0, encoded: list[EncodedPart] | None = None, groups: list[list[int]] | None = None,
+              after_group: Callable[[list[int]], None] | None = None) -> None:
         """Apply an update covering `applied` (worker, clock or step), replicate it, checkpoint if due.
 
         `delay`: Delayed Nesterov's N (async: the active workers; 0 keeps it). `encoded`: the
         compressed pushes `grads` was decoded and added up from, in that order (None: not all
         of them were), for the backup to do the same. `grads` None: `encoded` alone holds the
         update, decoded again a group of chunks at a time into the step (never the dense sum).
+        `groups`, `after_group`: `grads` stepped these chunks at a time, `after_group` called after each
+        (`ShardState.step`).
         """
         if delay:
             self.state.set_delay(delay)
@@ -162,7 +174,7 @@ class Updates:
             self.replication.replicate(lambda: by_group(sorted(self.state.chunks)), factor, applied, delay=delay,
                                        encoded=encoded)
         else:
-            factor = self.state.step(grads, lr_factor, schedule=True)
+            factor = self.state.step(grads, lr_factor, schedule=True, groups=groups, after_group=after_group)
             self.state.remember(applied, latest=False)
             self.replication.replicate(grads, factor, applied, delay=delay, encoded=encoded)
         version = self.state.version
@@ -174,10 +186,10 @@ class Updates:
     def _linear(self, num_workers: int) -> float:
         return 1.0 if self.config.lr_linear is None else self.config.lr_linear(num_workers)
 
-    def _reply_later(self, part: _Part, *, staleness: int = 0, lead: int | None = None) -> None:
+    def _reply_later(self, part: _Part, *, staleness: int = 0, lead: int | None = None, counted: bool = True) -> None:
         self.replication.after_backup(
             lambda: self.replies.params(part.identity, part.rid, part.reply_chunks, staleness=staleness,
-                                       lead=lead)
+                                       lead=lead, counted=counted)
         )
 
     def send_released(self, released: list[tuple[str, Held]]) -> None:
@@ -218,11 +230,15 @@ class Updates:
         self.replies.views.note_codec(identity, sender, meta.pull_codec, keep_view=self.may_keep_view(sender))
         step = meta.step or 0
         key = (sender, step if sync else meta.clock)
+        if not sync and (identity, rid) in self._void_requests:
+            raise Reject(f"PUSH fragment of request {rid!r} refused: its update was aborted; nothing of it is kept",
+                         ABORTED, cause="aborted")
         try:
             grads, encoded, chunks = self._validate_grads(msg)
         except (Reject, ProtocolError) as e:
             # One bad part spoils the whole update: never apply the other parts alone.
             self._abort(key, f"another part was rejected: {e}")
+            self._void(identity, rid)
             raise
         self.gate.touch(sender, now)
         if not sync:
@@ -266,6 +282,12 @@ class Updates:
                 self._abort(mine[0], f"{key[0]} started update {key[1]} with {len(mine)} others still incomplete")
             update = self._pending[key] = _Update(sender=key[0], key=key[1])
         overlap = update.covered.intersection(part.chunks)
+        if overlap and not sync and any(p.identity == part.identity and p.rid == part.rid for p in update.parts):
+            # The same request's fragments sent again (a refused fragment is resent with all the others):
+            # what came of the first sending is dropped, and the update is gathered afresh.
+            update = self._pending[key] = _Update(sender=key[0], key=key[1])
+            self.regathered += 1
+            overlap = set()
         if overlap:
             # A duplicated chunk means the update is inconsistent: drop all of it.
             self._abort(key, f"chunks {sorted(overlap)[:8]} pushed twice for one update")
@@ -361,14 +383,38 @@ class Updates:
         grads: dict[int, torch.Tensor] = {}
         for part in update.parts:
             part.add_to(grads, self.decoders)  # disjoint chunks: a union
+        held = self.gate.must_wait(update.sender, now)
+        answered: list[_Part] = []
+        streams = not held and len(update.parts) > 1 and self.replication.answers_at_once
+        # The answers to one connection's fragments count as one reply held for it (`ReplyBudget.per_peer`).
+        last = {p.identity: k for k, p in enumerate(update.parts)}
+
+        def answer(group: list[int]) -> None:
+            # Each part is answered as soon as its chunks are stepped (the parts are the step's groups), while the
+            # next group is stepped: its values are final, and say the version this step makes. The last part is
+            # answered once the step is done (the shard at that version for whoever asks next).
+            k = len(answered)
+            if k == len(update.parts) - 1:
+                return
+            part = update.parts[k]
+            answered.append(part)
+            self.streamed_answers += 1
+            self.replication.after_backup(
+                lambda: self.replies.params(part.identity, part.rid, part.reply_chunks, lead=record.lead,
+                                            staleness=record.version_staleness, version=self.state.version + 1,
+                                            counted=last[part.identity] == k))
+
         self.apply(grads, record.lr_factor * self._linear(1), [(update.sender, update.key)],
-                   delay=len(self.gate.active), encoded=_encoded([update]))
-        if self.gate.must_wait(update.sender, now):
+                   delay=len(self.gate.active), encoded=_encoded([update]),
+                   groups=[p.chunks for p in update.parts] if streams else None,
+                   after_group=answer if streams else None)
+        if held:
             for part in update.parts:
                 self.gate.hold(update.sender, (part.identity, part.rid, part.reply_chunks), now)
         else:
-            for part in update.parts:
-                self._reply_later(part, staleness=record.version_staleness, lead=record.lead)
+            for k, part in enumerate(update.parts[len(answered):], start=len(answered)):
+                self._reply_later(part, staleness=record.version_staleness, lead=record.lead,
+                                  counted=last[part.identity] == k)
         self.send_released(self.gate.release(now))
 
     # -- sync: a barrier per step --------------------------------------------------------------
@@ -423,6 +469,7 @@ class Updates:
             self.discarded["aborted"] += 1
         for part in update.unanswered():
             self.replies.error(part.identity, part.rid, f"update aborted: {reason}", code)
+            self._void(part.identity, part.rid)
         if update.summed:
             # Its gradients are in the step's sum, which cannot give them back: the step is redone by all.
             self.void_waiting(f"step {self.state.version} is redone: {update.sender!r}'s update to it was "
@@ -430,6 +477,14 @@ class Updates:
                               "redo the step", FAILED_PRECONDITION, "voided")
         elif self.config.barrier and not self._pending and not self._sync_step:
             self._sync_num_workers = None
+
+    def _void(self, identity: bytes, rid: Any) -> None:
+        """Refuse what else comes of request `rid` of `identity` (an async push's later fragments)."""
+        if self.config.barrier:
+            return
+        self._void_requests[(identity, rid)] = None
+        while len(self._void_requests) > _VOID_REQUESTS:
+            self._void_requests.popitem(last=False)
 
     def void_waiting(self, why: str, code: str, cause: str) -> None:
         """Refuse every update still being gathered (parts, sync contributions) and drop the step's sum;

@@ -17,7 +17,11 @@ from gossamer.errors import ConfigError, ProtocolError, ShardError, UnavailableE
 from gossamer.faults import die_at
 from gossamer.paramserver.pulled_values import apply_deltas
 from gossamer.paramserver.push_credits import CreditAsker
-from gossamer.paramserver.push_parts import push_rounds
+from gossamer.paramserver.push_parts import (
+    FRAGMENT_BYTES,
+    FragmentedPushes,
+    push_rounds,
+)
 from gossamer.paramserver.shard_plan import ShardPlan
 from gossamer.protocol import (
     HelloMeta,
@@ -38,6 +42,7 @@ from gossamer.transport.router import (
     RESOURCE_EXHAUSTED,
     SEEDING,
     configure_socket,
+    queue_depth,
 )
 from gossamer.transport.throttle import TokenBucket
 
@@ -97,9 +102,11 @@ class ShardClient:
         token: str = "",
         epochs: dict[int, int] | None = None,
         shapes: Mapping[str, Sequence[int]] | None = None,
+        fragment_bytes: int = FRAGMENT_BYTES,
     ) -> None:
-        """`compressor` encodes pushed gradients; `pull_codec` asks shards for compressed
-        parameter differences instead of full values (see ShardServer); `curve`: connect
+        """`compressor` encodes pushed gradients; `pull_codec` asks shards for compressed parameter differences
+        instead of full values (see ShardServer); `fragment_bytes`: an async dense push to a shard goes as fragments
+        under this size (`push_parts.fragments`); `curve`: connect
         with CurveZMQ (default: the keyring installed in this process, if any); `token`: the
         proof of `sender` the coordinator handed this worker; `epochs`: each shard's fencing
         epoch as the coordinator last said (replies from older epochs are ignored); `shapes`: the
@@ -129,17 +136,18 @@ class ShardClient:
             if not 0 <= idx < len(plan.chunks):
                 raise ConfigError("chunks", f"chunk {idx} is not in the plan")
             self._by_shard.setdefault(plan.chunks[idx].shard, []).append(idx)
+        largest = max((sum(plan.chunks[i].numel for i in idxs) for idxs in self._by_shard.values()), default=0)
         if limits is None:
             # A reply carries this client's chunks of one shard: past 256 MB (a 100M-parameter
             # model on one shard) the default limit would refuse the shard's own PARAMS.
-            largest = max((sum(plan.chunks[i].numel for i in idxs) for idxs in self._by_shard.values()), default=0)
             default = FrameLimits()
             limits = FrameLimits.for_values(largest) if 4 * 4 * largest > default.max_message_bytes else default
         self.limits = limits
-        missing = sorted(set(self._by_shard) - set(endpoints))
-        if missing:
+        if missing := sorted(set(self._by_shard) - set(endpoints)):
             raise ConfigError("endpoints", f"no endpoint for shards {missing}")
         self._endpoints = {s: endpoints[s] for s in self._by_shard}
+        self.fragments = FragmentedPushes(fragment_bytes)
+        self._send_depth = queue_depth(self.limits) + self.fragments.most(4 * largest)
         self._own_context = context is None
         self._ctx = context if context is not None else zmq.Context()
         self.curve = curve if curve is not None else curve_keys.installed()
@@ -157,12 +165,8 @@ class ShardClient:
         #: Decodes the shards' compressed parameter differences (None without a pull codec).
         self.pull_decoder: ChunkCompressor | None = None
         if pull_codec != "none":
-            self.pull_decoder = ChunkCompressor(
-                pull_codec,
-                plan,
-                error_feedback=False,
-                shapes=shapes if shapes is not None else compressor.shapes if compressor is not None else None,
-            )
+            self.pull_decoder = ChunkCompressor(pull_codec, plan, error_feedback=False, shapes=shapes if shapes is not None
+                                                else compressor.shapes if compressor is not None else None)
         self._in_flight: dict[int, Message] | None = None
         # Called every poll slice while waiting for replies (e.g. to pick up new endpoints
         # after a failover); may raise to abandon the wait.
@@ -171,10 +175,7 @@ class ShardClient:
         self.fault_step = 0
         self.resent = 0
         self._held: dict[int, torch.Tensor] = {}  # chunk values we hold (pull compression)
-        self.raw_bytes_up = 0
-        self.raw_bytes_down = 0
-        self.bytes_up = 0
-        self.bytes_down = 0
+        self.raw_bytes_up = self.raw_bytes_down = self.bytes_up = self.bytes_down = 0
         self.messages = 0
         #: Seconds spent encoding pushes (codec and frames) and decoding replies (frames, pulled differences).
         self.encode_s = 0.0
@@ -412,7 +413,7 @@ class ShardClient:
         if endpoint is None:
             raise ConfigError("endpoints", f"no endpoint for shard {shard}")
         sock = self._ctx.socket(zmq.DEALER)
-        configure_socket(sock, self.limits)
+        configure_socket(sock, self.limits, send_depth=self._send_depth)
         if self.curve is not None:
             try:
                 self.curve.secure_client(sock, endpoint)
@@ -453,23 +454,29 @@ class ShardClient:
         return self._collect(self._send(reqs))
 
     def _send_one(self, s: int, msg: Message) -> None:
-        t0 = time.perf_counter()
-        frames = encode(self.credits.to_send(s, msg))
-        self.encode_s += time.perf_counter() - t0
-        nbytes = frames_nbytes(frames)
-        if self.throttle is not None:
-            self.throttle.consume(nbytes)
-        try:
-            # Never block: a DEALER whose only connection was refused at the handshake has no
-            # pipe, and a blocking send there waited forever (a late-admitted CURVE key under
-            # load). Unsent, the request is resent when the handshake watch reconnects, or
-            # times out as unanswered.
-            self._socks[s].send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            logger.debug("shard %d: no connection to send on yet; the request waits for a reconnect", s)
-            return
-        self.bytes_up += nbytes
-        self.messages += 1
+        out = self.credits.to_send(s, msg)
+        dense = out is msg and self.compressor is None and self.pull_codec == "none"
+        for k, piece in enumerate(self.fragments.pieces(s, out, dense=dense)):
+            t0 = time.perf_counter()
+            frames = encode(piece)
+            self.encode_s += time.perf_counter() - t0
+            nbytes = frames_nbytes(frames)
+            if self.throttle is not None:
+                self.throttle.consume(nbytes)
+            sock = self._socks[s]
+            try:
+                # Never block: a DEALER whose only connection was refused at the handshake has no
+                # pipe, and a blocking send there waited forever (a late-admitted CURVE key under
+                # load). Unsent, the request is resent when the handshake watch reconnects, or
+                # times out as unanswered. A later fragment has a pipe: it waits for room in it.
+                if k and not sock.poll(int(self.timeout_s * 1000), zmq.POLLOUT):
+                    raise zmq.Again()
+                sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                logger.debug("shard %d: no connection to send on yet; the request waits for a reconnect", s)
+                return
+            self.bytes_up += nbytes
+            self.messages += 1
 
     def _send(self, reqs: dict[int, Message]) -> dict[int, Message]:
         if self._in_flight is not None:
@@ -487,8 +494,7 @@ class ShardClient:
         request to a moved shard is sent again to its new endpoint.
         """
         waiting = dict(reqs)
-        for s in waiting:
-            self._asked_again.pop(s, None)
+        self._asked_again = {s: why for s, why in self._asked_again.items() if s not in waiting}
         sent_to = {s: self._socks[s] for s in waiting}
         retry_at: dict[int, float] = {}
         retried: set[int] = set()  # reconnected after a refused handshake: resend, same deadline
@@ -531,7 +537,7 @@ class ShardClient:
                 poller, polled = _poller_of(by_sock), by_sock
             ready = poller.poll(poll_ms(left_ms, (*busy.values(), *ask_again.values()), time.monotonic()))
             if not ready:
-                self._redial_refused(waiting, retry_at, retried)
+                _redial_refused(self, waiting, retry_at, retried)
             for sock, _ in ready:
                 s = by_sock[sock]
                 while s in waiting:
@@ -569,28 +575,16 @@ class ShardClient:
                         if until_sent:
                             del waiting[s]
                         continue
+                    if (whole := self.fragments.answer(s, reply)) is None:  # more fragments' answers to come
+                        deadline = time.monotonic() + timeout_s
+                        continue
+                    reply = whole
                     self._note_answer(s, reply)
                     self._asked_again.pop(s, None)
                     replies[s] = reply
                     del waiting[s]
         _raise_errors(replies)
         return replies
-
-    def _redial_refused(self, waiting: dict[int, Message], retry_at: dict[int, float], retried: set[int]) -> None:
-        """A new socket, once a second, to each waited-on shard whose handshake libzmq gave up on."""
-        now = time.monotonic()
-        for s in waiting:
-            watch = self._watch.get(s)
-            if watch is None or watch.check() is None or not watch.fatal or now < retry_at.get(s, 0.0):
-                continue
-            # Refused key, CURVE on one side only: the shard may not have heard of this node yet.
-            (logger.debug if s in retry_at else logger.warning)(
-                "shard %d refused the handshake (%s); retrying every second", s, watch.failure)
-            retry_at[s] = now + 1.0
-            retried.add(s)
-            self._refused[s] = watch.failure or ""
-            self.handshake_retries += 1
-            self._reconnect(s)
 
     def _current(self, s: int, reply: Message) -> bool:
         """Whether `reply` answers for shard `s` now: False for one from an older fencing epoch than
@@ -703,3 +697,21 @@ def _raise_errors(replies: dict[int, Message]) -> None:
               for s, r in sorted(replies.items()) if r.op == "ERROR"]
     if errors:
         raise ShardError("; ".join(errors), {str(r.meta.get("code", "")) for r in replies.values() if r.op == "ERROR"})
+
+
+def _redial_refused(client: ShardClient, waiting: dict[int, Message], retry_at: dict[int, float],
+                    retried: set[int]) -> None:
+    """A new socket, once a second, to each waited-on shard whose handshake libzmq gave up on."""
+    now = time.monotonic()
+    for s in waiting:
+        watch = client._watch.get(s)
+        if watch is None or watch.check() is None or not watch.fatal or now < retry_at.get(s, 0.0):
+            continue
+        # Refused key, CURVE on one side only: the shard may not have heard of this node yet.
+        (logger.debug if s in retry_at else logger.warning)(
+            "shard %d refused the handshake (%s); retrying every second", s, watch.failure)
+        retry_at[s] = now + 1.0
+        retried.add(s)
+        client._refused[s] = watch.failure or ""
+        client.handshake_retries += 1
+        client._reconnect(s)

@@ -381,6 +381,8 @@ class ShardServer:
             "backup_detaches": rep.backup_detaches,
             "resyncs": rep.resyncs,
             "sync_parts_in": rep.sync_parts_in,
+            "streamed_answers": self._updates.streamed_answers,
+            "regathered": self._updates.regathered,
             "replicated_updates": rep.replicated_updates,
             "replicated_encoded": rep.replicated_encoded,
             "replicate_window_waits": rep.window_waits,

@@ -59,6 +59,7 @@ class Reservation:
     nbytes: int
     shared: int | None  # the storage a reply of live values references (counted once), else None
     pending: bool = False  # reserved for a request not answered yet (`OutgoingReplies.reserve`)
+    counted: bool = True  # one of the replies held for `identity` (`ReplyBudget.per_peer`)
 
     @property
     def done(self) -> bool:
@@ -79,6 +80,8 @@ class OutgoingReplies:
             return
         kept = []
         for h in self._held:
+            if h.done and not h.counted:
+                continue
             if h.done:
                 n = self._per_peer[h.identity] - 1
                 if n:
@@ -116,9 +119,10 @@ class OutgoingReplies:
         return None
 
     def add(self, identity: bytes, trackers: list[Any], nbytes: int, shared: int | None,
-            *, reserved: Reservation | None = None) -> None:
+            *, reserved: Reservation | None = None, counted: bool = True) -> None:
         """A reply just sent: held until every one of `trackers` is done. `reserved`: the
-        reservation the request took (`reserve`), now this reply (released without trackers)."""
+        reservation the request took (`reserve`), now this reply (released without trackers).
+        `counted` False: its bytes are held, but it is not one of `identity`'s replies (`per_peer`)."""
         if reserved is not None:
             if not trackers:
                 self.release(reserved)
@@ -127,8 +131,9 @@ class OutgoingReplies:
             return
         if not trackers:
             return
-        self._held.append(Reservation(identity, trackers, nbytes, shared))
-        self._per_peer[identity] = self._per_peer.get(identity, 0) + 1
+        self._held.append(Reservation(identity, trackers, nbytes, shared, counted=counted))
+        if counted:
+            self._per_peer[identity] = self._per_peer.get(identity, 0) + 1
 
     def reserve(self, identity: bytes, nbytes: int) -> Reservation:
         """Hold `nbytes` for a request of `identity` answered later (another thread builds the

@@ -254,14 +254,15 @@ class Router:
             self.outgoing.release(reserved)
 
     def send_tracked(self, identity: bytes, frames: Sequence[Any], tracker: zmq.MessageTracker | None, nbytes: int,
-                     *, shared: int | None = None, reserved: Reservation | None = None) -> bool:
+                     *, shared: int | None = None, reserved: Reservation | None = None, counted: bool = True) -> bool:
         """Send a reply whose tensor frames are tracked (`outgoing.track`): it is held against the
         reply budget until ZMQ lets go of them. `shared`: the storage of values it references
-        (counted once); `reserved`: the request's reservation, now this reply. False: dropped."""
+        (counted once); `reserved`: the request's reservation, now this reply; `counted` False: not
+        one of the replies held for `identity` (its bytes still count). False: dropped."""
         sent = send_reply(self.socket, identity, frames, self.refused)
         if self.outgoing is not None:
             if sent and tracker is not None:
-                self.outgoing.add(identity, [tracker], nbytes, shared, reserved=reserved)
+                self.outgoing.add(identity, [tracker], nbytes, shared, reserved=reserved, counted=counted)
             elif reserved is not None:
                 self.outgoing.release(reserved)
         return sent

@@ -180,7 +180,7 @@ def test_a_sync_step_sums_into_the_first_contribution_without_a_copy() -> None:
         updates = server._updates  # noqa: SLF001 — the apply rule itself, without the serve loop
         seen: list[dict[int, torch.Tensor]] = []
         step = updates.state.step
-        updates.state.step = lambda grads, f, schedule: (seen.append(grads), step(grads, f, schedule=schedule))[1]  # type: ignore[method-assign]
+        updates.state.step = lambda grads, f, schedule, **kw: (seen.append(grads), step(grads, f, schedule=schedule, **kw))[1]  # type: ignore[method-assign]
         pushes = []
         for w in range(2):
             tensors = {chunk_key(i): torch.full((plan.chunks[i].numel,), float(w + 1)) for i in init}

@@ -1,0 +1,157 @@
+"""An async dense push as fragments: gathered into one update, each fragment answered once its chunks are stepped."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
+from gossamer.paramserver.push_parts import fragments, most_fragments
+from gossamer.protocol import PushMeta
+from gossamer.transport.frames import Message, encode
+
+pytestmark = pytest.mark.timeout(120)
+
+CHUNK = 16_384  # values: 64 KiB a chunk
+FRAGMENT = 200_000  # bytes: 3 chunks a fragment, 11 fragments for the 32 chunks
+
+
+def test_fragments_are_whole_chunks_in_order_each_but_the_last_saying_more_follow() -> None:
+    rng = random.Random(3)
+    for _ in range(200):
+        sizes = [rng.randint(1, 60) for _ in range(rng.randint(1, 14))]
+        msg = Message(op="PUSH", experiment="e", shard=0, sender="w:0", meta={"rid": 7, "clock": 2, "basis": 1},
+                      tensors={f"c{i}": torch.zeros(n) for i, n in enumerate(sizes)})
+        budget = rng.randint(8, 300)
+        pieces = fragments(msg, budget)
+        assert [name for p in pieces for name in p.tensors] == list(msg.tensors)  # every chunk once, in order
+        assert len(pieces) <= most_fragments(4 * sum(sizes), budget)
+        for k, piece in enumerate(pieces):
+            assert piece.meta["rid"] == 7 and piece.meta["clock"] == 2
+            assert piece.meta.get("more", False) is (k < len(pieces) - 1)
+            nbytes = sum(4 * t.numel() for t in piece.tensors.values())
+            assert nbytes < budget or len(piece.tensors) == 1 or len(pieces) == 1
+
+
+def test_push_meta_more_without_a_barrier_round_trips_and_must_be_a_bool() -> None:
+    meta = PushMeta(clock=3, basis=2, more=True).to_meta()
+    assert meta["more"] is True and "part" not in meta
+    assert PushMeta.from_meta(meta, barrier=False).more
+    assert not PushMeta.from_meta(PushMeta(clock=3, basis=2).to_meta(), barrier=False).more
+    with pytest.raises(Exception, match="'more' must be a bool"):
+        PushMeta.from_meta({"clock": 3, "basis": 2, "more": 1}, barrier=False)
+    with pytest.raises(Exception, match="'part' is for a shard with a barrier"):
+        PushMeta.from_meta({"clock": 3, "basis": 2, "part": 0}, barrier=False)
+
+
+@pytest.fixture
+def shards() -> Iterator[tuple[ShardPlan, list[ShardServer], list[str]]]:
+    """Two identical shards (32 chunks of 64 KiB, SGD with momentum), each served on its own thread."""
+    plan = ShardPlan.build([("w", 32 * CHUNK)], 1, chunk_numel=CHUNK)
+    config = ShardConfig(experiment="frag", shard=0, mode="async", staleness=None, total_steps=1000,
+                         optimizer=OptimizerConfig(name="sgd", lr=0.1, momentum=0.9))
+    init = torch.randn(32 * CHUNK, generator=torch.Generator().manual_seed(0))
+    servers = [ShardServer(config, plan, {c.index: init[c.flat_offset:c.flat_offset + c.numel].clone()
+                                          for c in plan.chunks}) for _ in range(2)]
+    endpoints = [s.bind() for s in servers]
+    for s in servers:
+        s.start()
+    try:
+        yield plan, servers, endpoints
+    finally:
+        for s in servers:
+            s.close()
+
+
+def _grads(plan: ShardPlan, seed: int) -> dict[int, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {c.index: torch.randn(c.numel, generator=g) for c in plan.chunks}
+
+
+def test_a_fragmented_push_applies_the_same_bits_as_a_whole_one_with_each_fragment_answered_as_stepped(
+        shards: tuple[ShardPlan, list[ShardServer], list[str]]) -> None:
+    plan, servers, endpoints = shards
+    whole = ShardClient(experiment="frag", sender="w:0", plan=plan, endpoints={0: endpoints[0]},
+                        fragment_bytes=1 << 30)
+    parted = ShardClient(experiment="frag", sender="w:0", plan=plan, endpoints={0: endpoints[1]},
+                         fragment_bytes=FRAGMENT)
+    try:
+        for c in (whole, parted):
+            c.hello(fresh=True)
+        for clock in range(3):
+            grads = _grads(plan, clock)
+            a = whole.push_pull(grads, clock=clock, basis={0: clock})
+            b = parted.push_pull(grads, clock=clock, basis={0: clock})
+            assert a.versions == b.versions == {0: clock + 1}
+            assert sorted(b.values) == sorted(a.values) == [c.index for c in plan.chunks]
+            for idx in a.values:
+                assert torch.equal(a.values[idx], b.values[idx]), idx
+        assert whole.fragments.sent == 0
+        assert parted.fragments.sent == 3 * 11
+        stats = servers[1].stats()
+        # No backup to wait for: every fragment but the last is answered while the rest is stepped.
+        assert stats["streamed_answers"] == 3 * 10 and servers[0].stats()["streamed_answers"] == 0
+        assert stats["updates"] == 3 and not stats["discarded"]
+        # The answers to one push's fragments are one reply held for the connection: a pull right after is served.
+        assert parted.pull().versions == {0: 3}
+    finally:
+        whole.close()
+        parted.close()
+
+
+def test_fragments_sent_again_after_some_arrived_are_gathered_afresh_and_applied_once(
+        shards: tuple[ShardPlan, list[ShardServer], list[str]]) -> None:
+    plan, servers, endpoints = shards
+    client = ShardClient(experiment="frag", sender="w:0", plan=plan, endpoints={0: endpoints[0]},
+                         fragment_bytes=FRAGMENT)
+    check = ShardClient(experiment="frag", sender="w:1", plan=plan, endpoints={0: endpoints[1]},
+                        fragment_bytes=1 << 30)
+    try:
+        client.hello(fresh=True)
+        check.hello(fresh=True)
+        grads = _grads(plan, 11)
+        # The first four fragments of the push its next request will be, as if the rest had been refused.
+        reqs = client._push_requests(grads, clock=0, basis={0: 0})
+        rid = reqs[0].meta["rid"]
+        for piece in fragments(reqs[0], FRAGMENT)[:4]:
+            client._socks[0].send_multipart(encode(piece))
+        # The whole push sent again under the same request id (a resend does that), and answered.
+        sent = client._send(reqs)
+        res = client._result(client._collect(sent))
+        assert res.versions == {0: 1}
+        assert servers[0].stats()["regathered"] == 1
+        # Applied once: the same values as the same gradient pushed whole to the twin shard.
+        ref = check.push_pull(grads, clock=0, basis={0: 0})
+        for idx, v in ref.values.items():
+            assert torch.equal(v, res.values[idx]), idx
+        assert reqs[0].meta["rid"] == rid
+    finally:
+        client.close()
+        check.close()
+
+
+def test_a_rejected_fragment_fails_the_push_and_nothing_of_it_is_applied(
+        shards: tuple[ShardPlan, list[ShardServer], list[str]]) -> None:
+    plan, servers, endpoints = shards
+    client = ShardClient(experiment="frag", sender="w:0", plan=plan, endpoints={0: endpoints[0]},
+                         fragment_bytes=FRAGMENT, timeout_s=10)
+    try:
+        client.hello(fresh=True)
+        before = client.pull().values
+        grads = _grads(plan, 5)
+        grads[20][7] = float("nan")  # in the seventh fragment
+        with pytest.raises(Exception, match="tensor 'c20' contains NaN or Inf"):
+            client.push_pull(grads, clock=0, basis={0: 0})
+        after = client.pull()
+        # The fragments after the refused one were refused too, not gathered into an update that cannot complete.
+        assert servers[0]._updates.gathering == 0
+        assert after.versions == {0: 0}
+        for idx, v in before.items():
+            assert torch.equal(v, after.values[idx]), idx
+        # The connection's credit and budget are whole again: the next push goes through.
+        assert client.push_pull(_grads(plan, 6), clock=1, basis={0: 0}).versions == {0: 1}
+    finally:
+        client.close()

@@ -245,7 +245,11 @@ class ServeLoop:
             if isinstance(held, list):
                 held.clear()
         nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
-        if msg.op == "PUSH" and (self._deferred or self._holds_back()) and self._may_defer(nbytes):
+        # An async push's fragment that says more follow is only gathered (the update is stepped at its last):
+        # nothing to keep back for, and asked on each, the hold's second would run out before the last came.
+        gathered_only = msg.meta.get("more") is True and not self.config.barrier
+        if msg.op == "PUSH" and (self._deferred or (not gathered_only and self._holds_back())) and \
+                self._may_defer(nbytes):
             # A checkpoint's writer is behind: applied now, the push would wait for it and so would every
             # request behind it. Kept back (its credit with it: no other large push comes meanwhile) while
             # pulls and the rest are served.

@@ -230,7 +230,7 @@ class Updates:
         self.replies.views.note_codec(identity, sender, meta.pull_codec, keep_view=self.may_keep_view(sender))
         step = meta.step or 0
         key = (sender, step if sync else meta.clock)
-        if not sync and (identity, rid) in self._void_requests:
+        if not sync and isinstance(rid, int | str) and (identity, rid) in self._void_requests:
             raise Reject(f"PUSH fragment of request {rid!r} refused: its update was aborted; nothing of it is kept",
                          ABORTED, cause="aborted")
         try:
@@ -250,10 +250,10 @@ class Updates:
             # A retry (after a failover) of an update this shard already applied.
             self.discarded["duplicate"] += 1
             part.take()  # nothing of it is applied: only its reply waits
-            self._reply_later(part)
+            self._reply_later(part, counted=not meta.more)  # a fragment's: one reply held for all of them
             return
         if self.state.done:
-            self.replies.params(identity, rid, part.reply_chunks, staleness=0)
+            self.replies.params(identity, rid, part.reply_chunks, staleness=0, counted=not meta.more)
             return
         if sync:
             self._check_generation(meta.generation or 0)
@@ -283,11 +283,13 @@ class Updates:
             update = self._pending[key] = _Update(sender=key[0], key=key[1])
         overlap = update.covered.intersection(part.chunks)
         if overlap and not sync and any(p.identity == part.identity and p.rid == part.rid for p in update.parts):
-            # The same request's fragments sent again (a refused fragment is resent with all the others):
-            # what came of the first sending is dropped, and the update is gathered afresh.
-            update = self._pending[key] = _Update(sender=key[0], key=key[1])
+            # The same request's fragments sent again (a refused fragment is resent with all the others): what came
+            # of the first sending is dropped (another local rank's parts stay), and the update is gathered afresh.
+            kept = [p for p in update.parts if p.identity != part.identity or p.rid != part.rid]
+            update = self._pending[key] = _Update(sender=key[0], key=key[1], parts=kept,
+                                                  covered={i for p in kept for i in p.chunks})
             self.regathered += 1
-            overlap = set()
+            overlap = update.covered.intersection(part.chunks)
         if overlap:
             # A duplicated chunk means the update is inconsistent: drop all of it.
             self._abort(key, f"chunks {sorted(overlap)[:8]} pushed twice for one update")
@@ -480,7 +482,7 @@ class Updates:
 
     def _void(self, identity: bytes, rid: Any) -> None:
         """Refuse what else comes of request `rid` of `identity` (an async push's later fragments)."""
-        if self.config.barrier:
+        if self.config.barrier or not isinstance(rid, int | str):
             return
         self._void_requests[(identity, rid)] = None
         while len(self._void_requests) > _VOID_REQUESTS:

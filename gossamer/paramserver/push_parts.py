@@ -134,4 +134,5 @@ class FragmentedPushes:
         got.append(reply)
         if len(got) < expected:
             return None
+        del self._answers[shard]  # the caller holds the values now: nothing here keeps their frames
         return dataclasses.replace(reply, tensors={name: t for part in got for name, t in part.tensors.items()})

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
+from gossamer.paramserver import _state as state_module
 from gossamer.paramserver.push_parts import fragments, most_fragments
 from gossamer.protocol import PushMeta
 from gossamer.transport.frames import Message, encode
@@ -153,5 +155,40 @@ def test_a_rejected_fragment_fails_the_push_and_nothing_of_it_is_applied(
             assert torch.equal(v, after.values[idx]), idx
         # The connection's credit and budget are whole again: the next push goes through.
         assert client.push_pull(_grads(plan, 6), clock=1, basis={0: 0}).versions == {0: 1}
+    finally:
+        client.close()
+
+
+class _Reader:
+    """A send still reading the live values (`ShardState.lend`) until `done` is set."""
+
+    done = False
+
+
+def test_only_a_push_s_last_fragment_waits_for_a_reply_still_sending_the_values(
+        shards: tuple[ShardPlan, list[ShardServer], list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    plan, servers, endpoints = shards
+    server = servers[0]
+    monkeypatch.setattr(state_module, "LENT_HOLD_S", 600.0)  # kept back until the reader is done, however slow
+    client = ShardClient(experiment="frag", sender="w:0", plan=plan, endpoints={0: endpoints[0]},
+                         fragment_bytes=FRAGMENT, timeout_s=30)
+    try:
+        client.hello(fresh=True)
+        reader = _Reader()
+        with server._lock:
+            server._state.lend(reader)  # as a reply to another worker still on its way would
+        sent = client._send(client._push_requests(_grads(plan, 2), clock=0, basis={0: 0}))
+        deadline = time.monotonic() + 60
+        while server.stats()["push_deferrals"] == 0:
+            assert time.monotonic() < deadline, "the push's last fragment never came"
+            time.sleep(0.02)
+        # The ten fragments that say more follow were gathered as they came (in order, before the last): only
+        # the last one, which steps the state, is kept back while the values are lent.
+        stats = server.stats()
+        assert stats["push_deferrals"] == 1 and stats["version"] == 0 and server._updates.gathering == 1
+        assert client._socks[0].poll(0) == 0  # not answered yet
+        reader.done = True
+        res = client._result(client._collect(sent))
+        assert res.versions == {0: 1} and server.stats()["cow_copies"] == 0
     finally:
         client.close()

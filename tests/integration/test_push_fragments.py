@@ -68,6 +68,14 @@ def shards() -> Iterator[tuple[ShardPlan, list[ShardServer], list[str]]]:
             s.close()
 
 
+def _client(plan: ShardPlan, endpoint: str, sender: str = "w:0", fragment_bytes: int = FRAGMENT,
+            timeout_s: float = 30) -> ShardClient:
+    client = ShardClient(experiment="frag", sender=sender, plan=plan, endpoints={0: endpoint},
+                         fragment_bytes=fragment_bytes, timeout_s=timeout_s)
+    client.hello(fresh=True)
+    return client
+
+
 def _grads(plan: ShardPlan, seed: int) -> dict[int, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {c.index: torch.randn(c.numel, generator=g) for c in plan.chunks}
@@ -76,13 +84,8 @@ def _grads(plan: ShardPlan, seed: int) -> dict[int, torch.Tensor]:
 def test_a_fragmented_push_applies_the_same_bits_as_a_whole_one_with_each_fragment_answered_as_stepped(
         shards: tuple[ShardPlan, list[ShardServer], list[str]]) -> None:
     plan, servers, endpoints = shards
-    whole = ShardClient(experiment="frag", sender="w:0", plan=plan, endpoints={0: endpoints[0]},
-                        fragment_bytes=1 << 30)
-    parted = ShardClient(experiment="frag", sender="w:0", plan=plan, endpoints={0: endpoints[1]},
-                         fragment_bytes=FRAGMENT)
+    whole, parted = _client(plan, endpoints[0], fragment_bytes=1 << 30), _client(plan, endpoints[1])
     try:
-        for c in (whole, parted):
-            c.hello(fresh=True)
         for clock in range(3):
             grads = _grads(plan, clock)
             a = whole.push_pull(grads, clock=clock, basis={0: clock})
@@ -107,13 +110,8 @@ def test_a_fragmented_push_applies_the_same_bits_as_a_whole_one_with_each_fragme
 def test_fragments_sent_again_after_some_arrived_are_gathered_afresh_and_applied_once(
         shards: tuple[ShardPlan, list[ShardServer], list[str]]) -> None:
     plan, servers, endpoints = shards
-    client = ShardClient(experiment="frag", sender="w:0", plan=plan, endpoints={0: endpoints[0]},
-                         fragment_bytes=FRAGMENT)
-    check = ShardClient(experiment="frag", sender="w:1", plan=plan, endpoints={0: endpoints[1]},
-                        fragment_bytes=1 << 30)
+    client, check = _client(plan, endpoints[0]), _client(plan, endpoints[1], "w:1", fragment_bytes=1 << 30)
     try:
-        client.hello(fresh=True)
-        check.hello(fresh=True)
         grads = _grads(plan, 11)
         # The first four fragments of the push its next request will be, as if the rest had been refused.
         reqs = client._push_requests(grads, clock=0, basis={0: 0})
@@ -138,10 +136,8 @@ def test_fragments_sent_again_after_some_arrived_are_gathered_afresh_and_applied
 def test_a_rejected_fragment_fails_the_push_and_nothing_of_it_is_applied(
         shards: tuple[ShardPlan, list[ShardServer], list[str]]) -> None:
     plan, servers, endpoints = shards
-    client = ShardClient(experiment="frag", sender="w:0", plan=plan, endpoints={0: endpoints[0]},
-                         fragment_bytes=FRAGMENT, timeout_s=10)
+    client = _client(plan, endpoints[0], timeout_s=10)
     try:
-        client.hello(fresh=True)
         before = client.pull().values
         grads = _grads(plan, 5)
         grads[20][7] = float("nan")  # in the seventh fragment
@@ -170,10 +166,8 @@ def test_only_a_push_s_last_fragment_waits_for_a_reply_still_sending_the_values(
     plan, servers, endpoints = shards
     server = servers[0]
     monkeypatch.setattr(state_module, "LENT_HOLD_S", 600.0)  # kept back until the reader is done, however slow
-    client = ShardClient(experiment="frag", sender="w:0", plan=plan, endpoints={0: endpoints[0]},
-                         fragment_bytes=FRAGMENT, timeout_s=30)
+    client = _client(plan, endpoints[0])
     try:
-        client.hello(fresh=True)
         reader = _Reader()
         with server._lock:
             server._state.lend(reader)  # as a reply to another worker still on its way would

@@ -645,7 +645,11 @@ NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards w
          "keeps them back for a reply still sending began at a push's first fragment and ran out before its last "
          "came (2 s transfers under load); `s17d-async`, `s17e-async` ask only for what steps the state (a "
          "fragment that says more follow is only gathered): hosts 2.78-2.79x, no copy-on-write; `s17e-async`'s "
-         "push+pull row 0.67 (0.40 s against raw ZMQ's 0.27 s). "
+         "push+pull row 0.67 (0.40 s against raw ZMQ's 0.27 s). `exp-pool` (tried, not kept): shard processes "
+         "with glibc's mmap threshold at 32 MiB, 128 MiB kept free at a heap's top, 2 arenas, instead of the 1 MiB "
+         "threshold: async hosts 2.79x, sync hosts 2.86-2.88x (primaries 2.95-2.98x against 2.88-2.89x), diloco "
+         "hosts 2.74x and 3.22x (over the 3x target); push+pull `exp-poolpp1`-`exp-poolpp3`: 0.62-0.76 (gossamer "
+         "0.26-0.31 s a round, raw ZMQ 0.17-0.20 s). "
          "The Serving table's `updates_per_s`: versions over the "
          "time from the first update seen to the end (compare within one load).")
 

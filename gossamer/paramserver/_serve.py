@@ -245,10 +245,9 @@ class ServeLoop:
             if isinstance(held, list):
                 held.clear()
         nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
-        # An async push's fragment that says more follow is only gathered (the update is stepped at its last):
-        # nothing to keep back for, and asked on each, the hold's second would run out before the last came.
-        gathered_only = msg.meta.get("more") is True and not self.config.barrier
-        if msg.op == "PUSH" and (self._deferred or (not gathered_only and self._holds_back())) and \
+        # A fragment that is only gathered has nothing to keep back for; asked on each, the hold's second would
+        # run out before the push's last fragment came.
+        if msg.op == "PUSH" and (self._deferred or (not self._only_gathered(msg) and self._holds_back())) and \
                 self._may_defer(nbytes):
             # A checkpoint's writer is behind: applied now, the push would wait for it and so would every
             # request behind it. Kept back (its credit with it: no other large push comes meanwhile) while
@@ -258,6 +257,10 @@ class ServeLoop:
             self.deferred_pushes += 1
             return
         self._handle(identity, msg, key)
+
+    def _only_gathered(self, msg: Message) -> bool:
+        """An async push's fragment that says more follow: gathered, the update stepped at the push's last."""
+        return msg.op == "PUSH" and msg.meta.get("more") is True and not self.config.barrier
 
     def _may_defer(self, nbytes: int) -> bool:
         """Kept-back pushes stay within one dense push of the shard (the credits' budget): past it, or a flood of
@@ -278,28 +281,26 @@ class ServeLoop:
 
     def _handle(self, identity: bytes, msg: Message, key: str | None) -> None:
         rid, op = msg.meta.get("rid"), msg.op
-        # An async push's fragment that says more follow keeps its connection's credit: the push is one
-        # dense push of the shard however it travels. Refused, it gives it back (the rest is sent again).
-        fragment = op == "PUSH" and not self.config.barrier and msg.meta.get("more") is True
+        keeps_credit = False
         try:
             with self.lock:
                 self._dispatch(identity, msg, key)
+            # A fragment gathered keeps its connection's credit: the push is one dense push of the shard however
+            # it travels. Refused, it gives it back (the rest is sent again).
+            keeps_credit = self._only_gathered(msg)
         except ProtocolError as e:
-            fragment = False
             if op == "PUSH":
                 self.updates.discarded["nonfinite" if "finite" in str(e) else "rejected"] += 1
             self.replies.error(identity, rid, str(e), INVALID_ARGUMENT)
         except Reject as e:
-            fragment = False
             if op == "PUSH":
                 self.updates.discarded["nonfinite" if "not finite" in str(e) else e.cause] += 1
             self.replies.error(identity, rid, str(e), e.code)
         except Exception as e:  # keep serving whatever one request did
-            fragment = False
             logger.exception("%s: internal error handling a request", self._name)
             self.replies.error(identity, rid, f"internal error: {type(e).__name__}: {e}", INTERNAL)
         finally:
-            if op == "PUSH" and not fragment:  # read and handled (held, applied, or refused): the next may come
+            if op == "PUSH" and not keeps_credit:  # read and handled (held, applied, or refused): the next may come
                 with self.lock:
                     self._reserve()
                     self._grant(self.credits.pushed(identity, time.monotonic()))

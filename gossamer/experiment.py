@@ -87,6 +87,9 @@ class Experiment:
     global_batch_size: int | None = None
     staleness: int | None = None
     lr_staleness_scaling: bool = True
+    #: SSP (`staleness`): a worker stepping at under half the others' median pace does not hold them back
+    #: (its updates come in staler, the staleness-aware lr takes them down); True: the bound waits for it too.
+    wait_for_stragglers: bool = False
     overlap: bool = False
     num_ps_shards: int = 1  # >= 1 with servers; 0 or ignored without
     ps_backup: bool = True

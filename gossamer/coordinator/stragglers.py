@@ -1,34 +1,22 @@
-"""Per-node step rates measured from workers' reports, and the straggler rule (slower than half the median)."""
+"""Per-node step rates measured from workers' reports, judged by the straggler rule (`gossamer.straggler_rule`)."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 from gossamer.coordinator.records import ExpRec
+from gossamer.straggler_rule import STRAGGLER_FRACTION, stragglers
 from gossamer.v1 import coordinator_pb2 as pb
 
 #: Seconds of reports a rate is measured over.
 WINDOW_S = 10.0
 #: A rate needs at least this much history (two reports a second or more apart).
 MIN_SPAN_S = 2.0
-#: A worker is a straggler below this fraction of the median step rate.
-STRAGGLER_FRACTION = 0.5
 
-
-def stragglers(rates: dict[str, float], fraction: float = STRAGGLER_FRACTION) -> set[str]:
-    """The keys of `rates` whose rate is below `fraction` x the median of all of them.
-
-    One worker alone is never a straggler (it is its own median). The median of an even
-    count is the mean of the middle two.
-    """
-    if len(rates) < 2:
-        return set()
-    cut = fraction * statistics.median(rates.values())
-    return {k for k, r in rates.items() if r < cut}
+__all__ = ["MIN_SPAN_S", "STRAGGLER_FRACTION", "WINDOW_S", "StepRates", "stragglers", "worker_speeds"]
 
 
 class StepRates:

@@ -118,6 +118,7 @@ class Updates:
             lr_staleness_scaling=config.lr_staleness_scaling,
             staleness_in_rounds=config.staleness_in_rounds,
             worker_timeout_s=config.worker_timeout_s,
+            wait_for_stragglers=config.wait_for_stragglers,
         )
         self.decoders = decoders
         self._pending: dict[tuple[str, int], _Update] = {}

@@ -6,6 +6,14 @@ slowest active one: after applying worker w's update, w's reply (its next parame
 held back while ``clock[w] - min(active clocks) > staleness``. ``staleness=None`` is fully
 asynchronous (nothing is ever held); ``staleness=0`` is lock-step.
 
+A straggler does not hold the others back (unless `wait_for_stragglers`): a worker whose own pace
+(the time between its updates, less the time its replies were held) is below half the median of
+the workers' paces (`gossamer.straggler_rule`, the rule `gossamer status` flags by) is left out of the
+slowest clock, like a suspect, and kept level with the slowest of the others. Its updates then
+arrive staler and the staleness-aware lr takes them down. Backup workers in synchronous SGD drop
+the slowest the same way (Chen et al. 2016, "Revisiting Distributed Synchronous SGD",
+arXiv:1604.00981); held to the straggler, SSP runs the whole pool at its pace.
+
 Staleness-aware learning rate (Zhang et al. 2016, "Staleness-aware Async-SGD for
 Distributed Deep Learning", arXiv:1511.05950): an update computed on parameters
 `version_staleness` versions old is applied with ``lr / max(1, version_staleness)``.
@@ -21,12 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from gossamer.errors import ConfigError
+from gossamer.straggler_rule import stragglers
 
 __all__ = ["ApplyRecord", "SSPGate", "lr_factor"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: A worker's pace is judged once it has this many gaps between its updates behind it.
+PACE_SAMPLES = 3
 
 
 def lr_factor(version_staleness: float) -> float:
@@ -50,6 +62,9 @@ class _Worker:
     held: list[tuple[Any, float]] = field(default_factory=list)
     last_apply: float | None = None
     interval: float = 0.0  # moving average of the time between this worker's updates
+    pace: float = 0.0  # ... of that time less what its replies were held: its own step time
+    paces: int = 0  # how many gaps `pace` has seen
+    held_s: float = 0.0  # seconds its replies were held since its last update
 
 
 class SSPGate(Generic[T]):
@@ -65,6 +80,10 @@ class SSPGate(Generic[T]):
     for about one of its own steps, not until its lease expires). A worker with no update
     applied yet is judged by the slowest worker's interval. When a suspect speaks again it
     is re-floored to the slowest other worker's clock, like a late joiner.
+
+    A worker whose own pace is below half the median (`gossamer.straggler_rule.stragglers` over the
+    workers with `PACE_SAMPLES` gaps) is a *straggler*: left out of the slowest clock unless
+    `wait_for_stragglers`, and re-floored to the slowest other clock whenever it speaks.
     """
 
     def __init__(
@@ -75,6 +94,7 @@ class SSPGate(Generic[T]):
         staleness_in_rounds: bool = False,
         worker_timeout_s: float = 30.0,
         suspect_floor_s: float = 0.1,
+        wait_for_stragglers: bool = False,
     ) -> None:
         if staleness is not None and (
             not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0
@@ -89,6 +109,9 @@ class SSPGate(Generic[T]):
         self.staleness_in_rounds = staleness_in_rounds
         self.worker_timeout_s = worker_timeout_s
         self.suspect_floor_s = suspect_floor_s
+        self.wait_for_stragglers = wait_for_stragglers
+        self._stragglers: set[str] = set()
+        self.straggler_updates = 0  # updates applied from a worker the bound did not wait for
         self._workers: dict[str, _Worker] = {}
         self._departed: dict[str, int] = {}
         self.lead_histogram: Counter[int] = Counter()
@@ -102,16 +125,35 @@ class SSPGate(Generic[T]):
         return sorted(self._workers)
 
     def min_clock(self, now: float | None = None, *, exclude: str = "") -> int | None:
-        """Slowest clock among active workers (without suspects when `now` is given)."""
+        """Slowest clock among active workers (without suspects and stragglers when `now` is given)."""
         usual = self._usual_interval()
         return min(
             (
                 w.clock
                 for name, w in self._workers.items()
-                if name != exclude and (now is None or not self._suspect(w, now, usual))
+                if name != exclude and (now is None or not (self._suspect(w, now, usual) or self._exempt(name)))
             ),
             default=None,
         )
+
+    def _exempt(self, name: str) -> bool:
+        return name in self._stragglers and not self.wait_for_stragglers
+
+    @property
+    def stragglers(self) -> list[str]:
+        """The workers judged stragglers now (waited for only with `wait_for_stragglers`)."""
+        return sorted(self._stragglers)
+
+    def _judge_paces(self) -> None:
+        paces = {n: 1.0 / w.pace for n, w in self._workers.items() if w.paces >= PACE_SAMPLES and w.pace > 0}
+        slow = stragglers(paces)
+        for name in slow - self._stragglers:
+            logger.info("worker %s steps at %.3fs, under half the others' median pace: %s", name,
+                        self._workers[name].pace,
+                        "still waited for" if self.wait_for_stragglers else "the bound no longer waits for it")
+        for name in self._stragglers - slow:
+            logger.info("worker %s keeps pace again", name)
+        self._stragglers = slow
 
     def _usual_interval(self) -> float:
         """The slowest known update interval: what a worker with no history of its own is
@@ -158,7 +200,7 @@ class SSPGate(Generic[T]):
         if w is None:
             self.join(worker, now)
             return
-        if self._suspect(w, now):
+        if self._suspect(w, now) or self._exempt(worker):
             floor = self.min_clock(now, exclude=worker)
             if floor is None:  # everyone else is quiet too: level with the slowest of them
                 floor = self.min_clock(exclude=worker)
@@ -174,6 +216,7 @@ class SSPGate(Generic[T]):
         if w is None:
             return []
         self._departed[worker] = w.clock
+        self._stragglers.discard(worker)
         out = [(worker, item) for item, _ in w.held]
         if w.held:
             self._count_wait(worker, now - min(since for _, since in w.held))
@@ -204,7 +247,14 @@ class SSPGate(Generic[T]):
         if w.last_apply is not None:
             gap = now - w.last_apply
             w.interval = gap if w.interval == 0.0 else 0.8 * w.interval + 0.2 * gap
+            own = max(0.0, gap - w.held_s)  # a worker held by the bound is not slow for it
+            w.pace = own if w.paces == 0 else 0.8 * w.pace + 0.2 * own
+            w.paces += 1
+            self._judge_paces()
         w.last_apply = now
+        w.held_s = 0.0
+        if self._exempt(worker):
+            self.straggler_updates += 1
         slowest = self.min_clock(now)
         lead = max(0, w.clock - (slowest if slowest is not None else w.clock))
         vs = max(0, version - basis)
@@ -245,6 +295,9 @@ class SSPGate(Generic[T]):
         return sum(len(w.held) for w in self._workers.values())
 
     def _count_wait(self, worker: str, seconds: float) -> None:
+        w = self._workers.get(worker)
+        if w is not None:
+            w.held_s += max(0.0, seconds)
         self.waits[worker] += 1
         self.wait_seconds[worker] = self.wait_seconds.get(worker, 0.0) + max(0.0, seconds)
 
@@ -259,6 +312,8 @@ class SSPGate(Generic[T]):
             "wait_seconds": {k: round(v, 6) for k, v in self.wait_seconds.items()},
             "clocks": {k: w.clock for k, w in sorted(self._workers.items())},
             "active": self.active,
+            "stragglers": self.stragglers,
+            "straggler_updates": self.straggler_updates,
         }
 
     def forget(self, worker: str) -> None:

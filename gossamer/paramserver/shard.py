@@ -368,6 +368,8 @@ class ShardServer:
             "wait_seconds": hist["wait_seconds"],
             "clocks": hist["clocks"],
             "active": hist["active"],
+            "stragglers": hist["stragglers"],
+            "straggler_updates": hist["straggler_updates"],
             "held": gate.held_count(),
             "bytes_in": self._loop.bytes_in,
             "bytes_out": self._replies.bytes_out + rep.bytes_out,

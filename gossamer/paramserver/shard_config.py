@@ -36,6 +36,7 @@ class ShardConfig:
     lr_schedule: str = "constant"  # applied by the primary on top of the staleness factor
     warmup_steps: int = 0
     staleness_in_rounds: bool = False  # diloco async: tau = versions since the basis / workers
+    wait_for_stragglers: bool = False  # the SSP bound waits for a straggler too (`SSPGate`)
     expect_backup: bool = True  # False (ps_backup off): acks without a backup are not "unreplicated"
     #: Forward an update made of compressed pushes to the backup as those pushes (it decodes them),
     #: when that is the smaller message; False: always the dense fp32 gradient (the form before).
@@ -121,6 +122,7 @@ class ShardConfig:
             total_steps=-(-exp.total_steps // per_version),
             # Rounds: tau is the staleness in rounds (versions since the basis / workers).
             lr_staleness_scaling=row.rounds or exp.lr_staleness_scaling, staleness_in_rounds=row.rounds,
+            wait_for_stragglers=exp.wait_for_stragglers,
             # The outer optimizer has its own lr: no schedule, warmup or linear scaling.
             lr_schedule="constant" if outer else exp.lr_schedule, warmup_steps=0 if outer else exp.warmup_steps,
             lr_linear=exp.linear_lr_factor if not outer and exp.lr_scaling != "none" else None,

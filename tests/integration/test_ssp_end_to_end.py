@@ -1,4 +1,5 @@
-"""SSP through real processes: a worker slowed by an injected delay bounds everyone's lead; None never waits."""
+"""SSP through real processes: a worker slowed by an injected delay bounds everyone's lead when the bound waits for
+stragglers, and is left behind by default; None never waits."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _stats(exp_id: str, endpoint: str) -> dict:  # type: ignore[type-arg]
         client.close()
 
 
-def _run(cluster: LocalCluster, staleness: int | None) -> dict:  # type: ignore[type-arg]
+def _run(cluster: LocalCluster, staleness: int | None, **fields: object) -> dict:  # type: ignore[type-arg]
     client = Client(cluster.address)
     deadline = time.monotonic() + 60
     while sum(n["state"] == "ready" for n in client.nodes()) < 4:
@@ -33,7 +34,7 @@ def _run(cluster: LocalCluster, staleness: int | None) -> dict:  # type: ignore[
     job = client.submit({
         "name": f"ssp-{staleness}", "model": "gossamer.examples.digits:mlp",
         "dataset": "gossamer.examples.digits:data", "mode": "async", "staleness": staleness,
-        "num_ps_shards": 1, "min_workers": 3, "max_workers": 3, "total_steps": 100_000, "eval_every": 0,
+        "num_ps_shards": 1, "min_workers": 3, "max_workers": 3, "total_steps": 100_000, "eval_every": 0, **fields,
     })
     # Measured once the slow worker has been stepping too (its step rate is reported): on a
     # loaded machine its process may start after the fast ones already made 400 steps, and
@@ -47,30 +48,48 @@ def _run(cluster: LocalCluster, staleness: int | None) -> dict:  # type: ignore[
     stats = _stats(job.id, endpoint)
     job.cancel()
     client.close()
+    # Senders are "<node_id>:<index>": by node name here.
+    names = {r["node_id"]: r["node"] for r in st["roles"]}
+    for key in ("applied", "clocks"):
+        stats[key] = {names.get(s.split(":")[0], s): v for s, v in stats[key].items()}
+    stats["stragglers"] = [names.get(s.split(":")[0], s) for s in stats["stragglers"]]
     return stats
 
 
-def test_ssp_staleness_2_with_a_slow_worker_never_applies_staler_updates(cluster: LocalCluster) -> None:
+def _nodes(cluster: LocalCluster) -> None:
     cluster.start_coordinator(port=0)
     cluster.add_node("ps")
     cluster.wait_joined("ps")
     for i in range(2):
         cluster.add_node(f"fast{i}", spot=True)
     cluster.add_node("slow", spot=True, env=SLOW)
-    stats = _run(cluster, staleness=2)
+
+
+def test_ssp_staleness_2_waiting_for_stragglers_with_a_slow_worker_never_applies_staler_updates(
+        cluster: LocalCluster) -> None:
+    _nodes(cluster)
+    stats = _run(cluster, staleness=2, wait_for_stragglers=True)
     hist = stats["staleness"]
     assert sum(hist.values()) >= 400
     assert max(hist) <= 2, hist
     assert sum(stats["waits"].values()) > 0  # the fast workers were held back
+    assert stats["straggler_updates"] == 0
+    assert stats["stragglers"] == ["slow"], stats["stragglers"]  # judged one all the same, and waited for
+
+
+def test_ssp_staleness_2_by_default_leaves_a_slow_worker_behind(cluster: LocalCluster) -> None:
+    _nodes(cluster)
+    stats = _run(cluster, staleness=2)
+    assert stats["stragglers"] == ["slow"], stats["stragglers"]
+    assert stats["straggler_updates"] > 0
+    # The fast workers ran far ahead of the slow one, each still within 2 of the other.
+    applied = stats["applied"]
+    assert min(applied["fast0"], applied["fast1"]) > 3 * applied["slow"], applied
+    assert max(stats["staleness"]) <= 2, stats["staleness"]
 
 
 def test_fully_async_fast_workers_never_wait(cluster: LocalCluster) -> None:
-    cluster.start_coordinator(port=0)
-    cluster.add_node("ps")
-    cluster.wait_joined("ps")
-    for i in range(2):
-        cluster.add_node(f"fast{i}", spot=True)
-    cluster.add_node("slow", spot=True, env=SLOW)
+    _nodes(cluster)
     stats = _run(cluster, staleness=None)
     assert sum(stats["waits"].values()) == 0
     assert max(stats["staleness"]) > 2  # without a bound the fast ones run far ahead

@@ -1,0 +1,111 @@
+"""SSP and a straggler: the bound stops waiting for a worker under half the median pace, unless told to."""
+
+from __future__ import annotations
+
+import heapq
+
+import pytest
+
+from gossamer.paramserver.consistency import PACE_SAMPLES, SSPGate
+
+
+def run(gate: SSPGate[str], step_s: dict[str, float], until: float,
+        speed_up: tuple[str, float, float] | None = None) -> dict[str, int]:
+    """Workers stepping at `step_s` through `gate` as a shard drives it (apply, hold or answer, release),
+    until `until`; `speed_up` (worker, at, new step time). Returns the updates each applied."""
+    for w in step_s:
+        gate.join(w, 0.0)
+    steps = dict(step_s)
+    due = [(s, w) for w, s in steps.items()]
+    heapq.heapify(due)
+    applied = dict.fromkeys(steps, 0)
+    version = 0
+    while due:
+        now, w = heapq.heappop(due)
+        if now > until:
+            break
+        if speed_up is not None and w == speed_up[0] and now >= speed_up[1]:
+            steps[w] = speed_up[2]
+        gate.on_apply(w, version=version, basis=max(0, version - 1), now=now)
+        version += 1
+        applied[w] += 1
+        going = [] if gate.must_wait(w, now) else [w]
+        if not going:
+            gate.hold(w, w, now)
+        going += [name for name, _ in gate.release(now)]
+        for name in going:
+            heapq.heappush(due, (now + steps[name], name))
+    return applied
+
+
+def test_a_worker_four_times_slower_no_longer_holds_the_others_back() -> None:
+    gate: SSPGate[str] = SSPGate(2)
+    applied = run(gate, {"a": 0.01, "b": 0.01, "c": 0.04}, until=4.0)
+    assert gate.stragglers == ["c"]
+    # Held to c, a and b would have made at most c's updates plus the bound; free, about 4x c's.
+    assert applied["a"] > 3 * applied["c"] and applied["b"] > 3 * applied["c"], applied
+    # Only while c's pace was still unknown were they held.
+    assert sum(gate.waits.values()) <= 2 * PACE_SAMPLES * 3, gate.waits
+    assert gate.straggler_updates >= applied["c"] - PACE_SAMPLES - 2
+    # The bound still holds between the others, and c is kept level with the slowest of them.
+    assert max(gate.lead_histogram) <= 2
+    # (floored at each of its updates, it is behind by at most the others' updates in one of its steps)
+    clocks = gate.stats()["clocks"]
+    assert min(clocks["a"], clocks["b"]) - clocks["c"] <= 2 + round(0.04 / 0.01), clocks
+
+
+def test_told_to_wait_for_stragglers_the_pool_goes_at_the_straggler_s_pace() -> None:
+    gate: SSPGate[str] = SSPGate(2, wait_for_stragglers=True)
+    applied = run(gate, {"a": 0.01, "b": 0.01, "c": 0.04}, until=4.0)
+    assert gate.stragglers == ["c"]  # judged all the same (their own pace leaves out the holds)
+    assert applied["a"] <= applied["c"] + 3 and applied["b"] <= applied["c"] + 3, applied
+    assert gate.straggler_updates == 0
+
+
+def test_workers_held_by_the_bound_are_not_judged_slow_for_it() -> None:
+    # a and b wait on c most of the time; what counts is their own step time, so only c is slow.
+    gate: SSPGate[str] = SSPGate(0, wait_for_stragglers=True)
+    run(gate, {"a": 0.01, "b": 0.012, "c": 0.05}, until=3.0)
+    assert gate.stragglers == ["c"]
+    assert gate.wait_seconds["a"] > 1.0
+
+
+def test_a_slower_worker_within_twice_the_median_is_still_waited_for() -> None:
+    gate: SSPGate[str] = SSPGate(2)
+    applied = run(gate, {"a": 0.01, "b": 0.01, "c": 0.018}, until=3.0)
+    assert gate.stragglers == []
+    assert applied["a"] <= applied["c"] + 3, applied
+    assert gate.straggler_updates == 0
+
+
+def test_a_straggler_that_keeps_pace_again_is_waited_for_again_without_stalling_the_others() -> None:
+    gate: SSPGate[str] = SSPGate(2)
+    applied = run(gate, {"a": 0.01, "b": 0.01, "c": 0.05}, until=6.0, speed_up=("c", 2.0, 0.01))
+    assert gate.stragglers == []
+    # Kept level while it was slow, it rejoins at the others' clock: nobody waits long for it.
+    assert max(gate.wait_seconds.get(w, 0.0) for w in ("a", "b")) < 0.5, gate.wait_seconds
+    assert applied["c"] > 0.5 * applied["a"], applied
+
+
+def test_two_workers_the_slow_one_is_the_straggler_and_one_alone_never_is() -> None:
+    gate: SSPGate[str] = SSPGate(1)
+    run(gate, {"a": 0.01, "c": 0.05}, until=2.0)
+    assert gate.stragglers == ["c"]
+    alone: SSPGate[str] = SSPGate(1)
+    run(alone, {"a": 0.05}, until=2.0)
+    assert alone.stragglers == []
+
+
+def test_a_straggler_that_leaves_is_forgotten() -> None:
+    gate: SSPGate[str] = SSPGate(2)
+    run(gate, {"a": 0.01, "b": 0.01, "c": 0.05}, until=2.0)
+    assert gate.stragglers == ["c"]
+    gate.leave("c", 2.0)
+    assert gate.stragglers == [] and gate.stats()["stragglers"] == []
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_fully_async_has_nothing_to_wait_for(wait: bool) -> None:
+    gate: SSPGate[str] = SSPGate(None, wait_for_stragglers=wait)
+    run(gate, {"a": 0.01, "c": 0.05}, until=1.0)
+    assert not gate.waits

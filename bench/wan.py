@@ -105,6 +105,10 @@ MODE_SPECS: dict[str, dict[str, Any]] = {
     # not in the default list: no staleness bound (ASP): a fast worker never waits for a slow one,
     # a stale push's lr is divided by its staleness (lr_staleness_scaling); for the straggler case
     "async-asp": {"mode": "async", "staleness": None, "compression": "topk:0.01", "pull_compression": "topk:0.01"},
+    # not in the default list: SSP s=4 that waits for a straggler too (gossamer's bound before it left
+    # stragglers out, `wait_for_stragglers`); for the straggler case
+    "async-wait": {"mode": "async", "staleness": 4, "compression": "topk:0.01", "pull_compression": "topk:0.01",
+                   "wait_for_stragglers": True},
     # not in the default list: top-k pushes, pulls as int8 differences (the workers train from closer
     # parameters than top-k 1 % differences leave them; 4x the pull bytes of fp32/4)
     "async-pull8": {"mode": "async", "staleness": 4, "compression": "topk:0.01", "pull_compression": "int8"},
@@ -126,6 +130,7 @@ MODE_LABEL = {
     "async-int8": "PS, SSP s=4, int8 push + pull",
     "async-pull8": "PS, SSP s=4, top-k 1% push, int8 pull",
     "async-asp": "PS, ASP (no staleness bound), top-k 1% push + pull",
+    "async-wait": "PS, SSP s=4 waiting for stragglers, top-k 1% push + pull",
     "gossip": "push-sum gossip, exponential graph, int8 differences (CHOCO), overlap",
     "gossip-fp32": "push-sum gossip, exponential graph, fp32, no overlap",
     "diloco": "DiLoCo H=20, SGD inner, sync outer Nesterov, int8 pseudo-grad",

@@ -89,6 +89,7 @@ class Experiment:
     lr_staleness_scaling: bool = True
     #: SSP (`staleness`): a worker stepping at under half the others' median pace does not hold them back
     #: (its updates come in staler, the staleness-aware lr takes them down); True: the bound waits for it too.
+    #: Gossip's `gossip_lag` always waits: there a node left behind ends with a model the others' disagree with.
     wait_for_stragglers: bool = False
     overlap: bool = False
     num_ps_shards: int = 1  # >= 1 with servers; 0 or ignored without

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["STRAGGLER_FRACTION", "stragglers"]
+__all__ = ["PACE_SAMPLES", "STRAGGLER_FRACTION", "stragglers"]
 
 #: A worker is a straggler below this fraction of the median step rate.
 STRAGGLER_FRACTION = 0.5
+#: The SSP bound judges a worker's own pace once this many gaps between its updates have measured it.
+PACE_SAMPLES = 3
 
 
 def stragglers(rates: dict[str, float], fraction: float = STRAGGLER_FRACTION) -> set[str]:

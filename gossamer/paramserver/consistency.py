@@ -29,16 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from gossamer.errors import ConfigError
-from gossamer.straggler_rule import stragglers
+from gossamer.straggler_rule import PACE_SAMPLES, stragglers
 
 __all__ = ["ApplyRecord", "SSPGate", "lr_factor"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: A worker's pace is judged once it has this many gaps between its updates behind it.
-PACE_SAMPLES = 3
 
 
 def lr_factor(version_staleness: float) -> float:

@@ -6,7 +6,8 @@ import heapq
 
 import pytest
 
-from gossamer.paramserver.consistency import PACE_SAMPLES, SSPGate
+from gossamer.paramserver.consistency import SSPGate
+from gossamer.straggler_rule import PACE_SAMPLES
 
 
 def run(gate: SSPGate[str], step_s: dict[str, float], until: float,

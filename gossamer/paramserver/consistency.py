@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: A straggler keeps pace again once its rate is at least this fraction of the median (it became one under
+#: `STRAGGLER_FRACTION`).
+KEEPS_PACE_FRACTION = 0.6
+
 
 def lr_factor(version_staleness: float) -> float:
     """The staleness-aware lr multiplier 1/max(1, tau) of arXiv:1511.05950."""
@@ -143,7 +147,8 @@ class SSPGate(Generic[T]):
 
     def _judge_paces(self) -> None:
         paces = {n: 1.0 / w.pace for n, w in self._workers.items() if w.paces >= PACE_SAMPLES and w.pace > 0}
-        slow = stragglers(paces)
+        # One stays a straggler until clearly back (a pace near the cut would flip it every update).
+        slow = stragglers(paces) | (self._stragglers & stragglers(paces, KEEPS_PACE_FRACTION))
         for name in slow - self._stragglers:
             logger.info("worker %s steps at %.3fs, under half the others' median pace: %s", name,
                         self._workers[name].pace,

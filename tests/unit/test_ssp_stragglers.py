@@ -110,3 +110,22 @@ def test_fully_async_has_nothing_to_wait_for(wait: bool) -> None:
     gate: SSPGate[str] = SSPGate(None, wait_for_stragglers=wait)
     run(gate, {"a": 0.01, "c": 0.05}, until=1.0)
     assert not gate.waits
+
+
+def test_a_pace_that_hovers_at_the_cut_does_not_flip_the_judgement_every_update() -> None:
+    gate: SSPGate[str] = SSPGate(2)
+    run(gate, {"a": 0.01, "b": 0.01, "c": 0.05}, until=1.0)
+    assert gate.stragglers == ["c"]
+    # c now steps at 0.019-0.021 s: about half the others' rate, either side of the cut.
+    flips, was = 0, True
+    t = 1.0
+    for k in range(300):
+        t += 0.01
+        for w in ("a", "b"):
+            gate.on_apply(w, version=0, basis=0, now=t)
+        if k % 2 == 0:
+            gate.on_apply("c", version=0, basis=0, now=t + (0.0005 if k % 4 else -0.0005))
+        now_straggler = gate.stragglers == ["c"]
+        flips += now_straggler != was
+        was = now_straggler
+    assert flips <= 1, flips

@@ -129,3 +129,17 @@ def test_a_pace_that_hovers_at_the_cut_does_not_flip_the_judgement_every_update(
         flips += now_straggler != was
         was = now_straggler
     assert flips <= 1, flips
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_the_experiment_s_choice_reaches_the_shard_s_gate(wait: bool) -> None:
+    from gossamer.experiment import Experiment
+    from gossamer.paramserver.shard_config import ShardConfig
+
+    exp = Experiment(name="s", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
+                     mode="async", staleness=2, wait_for_stragglers=wait)
+    config = ShardConfig.for_experiment(exp, "e1", 0)
+    assert config.wait_for_stragglers is wait
+    gate: SSPGate[str] = SSPGate(config.staleness, wait_for_stragglers=config.wait_for_stragglers)
+    applied = run(gate, {"a": 0.01, "b": 0.01, "c": 0.05}, until=2.0)
+    assert (applied["a"] > 3 * applied["c"]) is not wait, applied

@@ -653,14 +653,16 @@ class SnapMeta:
 
     #: Only weight, step and done, no parameters.
     light: bool = False
+    #: The parameters as fp16 where they fit (half the bytes; for an evaluation, not for the final average).
+    half: bool = False
 
     def to_meta(self) -> dict[str, Any]:
-        return {"light": self.light}
+        return {"light": self.light, **({"half": True} if self.half else {})}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> SnapMeta:
         _gossip_int("SNAP", meta, "rid")
-        return cls(light=meta.get("light") is True)
+        return cls(light=meta.get("light") is True, half=meta.get("half") is True)
 
 
 @dataclass(frozen=True, kw_only=True)

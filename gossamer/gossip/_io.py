@@ -197,7 +197,7 @@ class PeerIO:
         self.stale_refs: queue.SimpleQueue[str] = queue.SimpleQueue()  # NACKed: reference not held
         # (identity, rid, requester, light: step and done only, no parameters)
         # (..., the reply budget it holds until answered)
-        self.snap_requests: queue.SimpleQueue[tuple[bytes, int, str, bool, Reservation | None]] = queue.SimpleQueue()
+        self.snap_requests: queue.SimpleQueue[tuple[bytes, int, str, SnapMeta, Reservation | None]] = queue.SimpleQueue()
         self.bytes_up = 0
         self.bytes_down = 0
         self.raw_bytes_up = 0
@@ -658,7 +658,7 @@ class PeerIO:
                 self._refuse(identity, msg, OVER_BUDGET, why)
                 return
             reserved = self._router.reserve(identity, 0 if snap.light else self._snapshot_bytes)
-            self.snap_requests.put((identity, msg.meta["rid"], msg.sender, snap.light, reserved))
+            self.snap_requests.put((identity, msg.meta["rid"], msg.sender, snap, reserved))
         else:
             self._refuse(identity, msg, "unknown_op", f"unknown op {msg.op!r}")
 

@@ -439,11 +439,20 @@ class PushSumPeer:
         if self._closed or self._io.snap_requests.empty():
             return
         snap = z.detach().to("cpu", torch.float32).reshape(-1).clone()
+        half: torch.Tensor | None = None
         while True:
             try:
-                identity, rid, requester, light, reserved = self._io.snap_requests.get_nowait()
+                identity, rid, requester, asked, reserved = self._io.snap_requests.get_nowait()
             except queue.Empty:
                 return
+            light = asked.light
+            values = snap
+            if asked.half and not light:
+                if half is None:
+                    half = snap.to(torch.float16)
+                    if not bool(torch.isfinite(half).all()):  # beyond fp16's range: as they are
+                        half = snap
+                values = half
             meta = {"rid": rid, **SnapshotMeta(weight=self.weight, step=step, done=done, gen=self.generation).to_meta()}
             frames = encode(
                 Message(
@@ -452,20 +461,20 @@ class PushSumPeer:
                     sender=self.peer_id,
                     version=step,
                     meta=meta,
-                    tensors={} if light else {"z": snap},
+                    tensors={} if light else {"z": values},
                 )
             )
             self._io.post("reply", identity, frames, {"peer": requester, "rid": rid}, reserved,
-                          None if light else snap.data_ptr())
+                          None if light else values.data_ptr())
 
-    def _ask_snapshot(self, endpoint: str | None, light: bool) -> tuple[int, Any] | None:
+    def _ask_snapshot(self, endpoint: str | None, light: bool, half: bool = False) -> tuple[int, Any] | None:
         """Send a SNAP request; (request id, future of the reply), or None if there is no one to ask."""
         if endpoint is None or self._closed:
             return None
         rid = next(self._rids)
         frames = encode(
             Message(op=SNAP, experiment=self.experiment, sender=self.peer_id,
-                    meta={"rid": rid, **SnapMeta(light=light).to_meta()})
+                    meta={"rid": rid, **SnapMeta(light=light, half=half).to_meta()})
         )
         return rid, self._io.request(rid, endpoint, frames)
 
@@ -501,23 +510,24 @@ class PushSumPeer:
         """
         return self._await_snapshots(self._ask_all(peers, light), timeout, light, lambda: self.serve(z, step))
 
-    def request_snapshots(self, peers: list[str], timeout: float, *,
+    def request_snapshots(self, peers: list[str], timeout: float, *, half: bool = False,
                           cancelled: Callable[[], bool] = lambda: False) -> dict[str, Snapshot]:
         """Ask every peer at once for its full state and wait up to `timeout` for the replies,
         from any thread (nothing is served here: the training thread keeps answering between its
-        steps). Stops waiting early once `cancelled()` is true."""
-        return self._await_snapshots(self._ask_all(peers, False), timeout, False, cancelled)
+        steps). Stops waiting early once `cancelled()` is true. `half`: the values travel as fp16
+        where they fit (half the bytes) and come back as fp32."""
+        return self._await_snapshots(self._ask_all(peers, False, half), timeout, False, cancelled, half=half)
 
-    def _ask_all(self, peers: list[str], light: bool) -> dict[str, tuple[int, Any]]:
+    def _ask_all(self, peers: list[str], light: bool, half: bool = False) -> dict[str, tuple[int, Any]]:
         pending: dict[str, tuple[int, Any]] = {}
         for peer in peers:
-            asked = self._ask_snapshot(self._peers.get(peer), light)
+            asked = self._ask_snapshot(self._peers.get(peer), light, half)
             if asked is not None:
                 pending[peer] = asked
         return pending
 
     def _await_snapshots(self, pending: dict[str, tuple[int, Any]], timeout: float, light: bool,
-                         between: Callable[[], object]) -> dict[str, Snapshot]:
+                         between: Callable[[], object], *, half: bool = False) -> dict[str, Snapshot]:
         """The replies to `pending` that arrive within `timeout`; `between()` runs each poll (a true
         result ends the wait)."""
         got: dict[str, Snapshot] = {}
@@ -531,7 +541,7 @@ class PushSumPeer:
                         del pending[peer]
                         self._io.forget(rid)
                         msg = None if fut.exception() is not None else fut.result()
-                        snap = None if msg is None else self._snapshot(peer, msg, light)
+                        snap = None if msg is None else self._snapshot(peer, msg, light, half=half)
                         if snap is not None:
                             got[peer] = snap
                 time.sleep(0.005)
@@ -540,8 +550,10 @@ class PushSumPeer:
                 self._io.forget(rid)
         return got
 
-    def _snapshot(self, peer: str, msg: Message, light: bool = False) -> Snapshot | None:
+    def _snapshot(self, peer: str, msg: Message, light: bool = False, *, half: bool = False) -> Snapshot | None:
         z = torch.empty(0) if light and not msg.tensors else msg.tensors.get("z")
+        if half and z is not None and z.dtype == torch.float16:
+            z = z.float()
         if z is None or z.dtype != torch.float32 or z.dim() != 1:
             problem = "no flat float32 tensor 'z'"
         elif self._numel is not None and z.numel() != self._numel and not light:

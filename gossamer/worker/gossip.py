@@ -387,7 +387,10 @@ class _SnapshotCollector:
         # waits overlap, and the replies share the link instead of queueing behind each other
         # (4 peers on 100 Mbit/s: one evaluation per ~20 steps asked one by one). The budget is
         # the one-by-one total.
-        got = self._peer.request_snapshots(members, timeout_s * max(1, len(members)), cancelled=self._stop.is_set)
+        # As fp16: an evaluation's average need not be exact (the final one is gathered in fp32), and on a slow
+        # link the gather's bytes are what spaces the evaluations out.
+        got = self._peer.request_snapshots(members, timeout_s * max(1, len(members)), half=True,
+                                           cancelled=self._stop.is_set)
         self._snaps.extend(got.values())
 
     def done(self) -> bool:

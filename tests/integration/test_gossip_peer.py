@@ -486,6 +486,39 @@ def test_request_snapshots_asks_every_peer_at_once_from_another_thread(closing: 
     assert set(partial) <= {"p0"}
 
 
+def test_an_evaluation_gather_moves_fp16_and_the_final_one_fp32(closing: list[PushSumPeer]) -> None:
+    """`half`: the values travel as fp16 (half the bytes), come back as fp32 within fp16's rounding;
+    values beyond fp16's range go as they are; a full gather is bit-exact as before."""
+    closing += make_peers(3, numel=DIM)
+    a, b, asker = closing
+    join(closing, 1)
+    gen = torch.Generator().manual_seed(3)
+    zs = {"p0": torch.randn(DIM, generator=gen) * 0.05, "p1": torch.randn(DIM, generator=gen) * 1e5}  # p1 > 65504
+
+    def gather(half: bool) -> tuple[dict[str, Any], int]:
+        got: dict[str, Any] = {}
+        before = asker.bytes_down
+        t = threading.Thread(target=lambda: got.update(asker.request_snapshots(["p0", "p1"], 30.0, half=half)))
+        t.start()
+        while t.is_alive():
+            a.serve(zs["p0"], step=1)
+            b.serve(zs["p1"], step=1)
+            time.sleep(0.005)
+        t.join()
+        return got, asker.bytes_down - before
+
+    halved, half_bytes = gather(True)
+    exact, full_bytes = gather(False)
+    assert sorted(halved) == sorted(exact) == ["p0", "p1"]
+    assert halved["p0"].z.dtype == torch.float32
+    assert_close(halved["p0"].z, zs["p0"].half().float(), atol=0)
+    assert not torch.equal(halved["p0"].z, zs["p0"])  # it was rounded: it did travel as fp16
+    assert_close(halved["p1"].z, zs["p1"], atol=0)  # out of fp16's range: sent whole
+    for pid in ("p0", "p1"):
+        assert_close(exact[pid].z, zs[pid], atol=0)
+    assert full_bytes - half_bytes >= 2 * DIM - 64, (half_bytes, full_bytes)  # p0's values: 4 bytes -> 2
+
+
 def test_a_finished_peer_refuses_mass_so_a_peer_still_training_keeps_its_weight(
     closing: list[PushSumPeer],
 ) -> None:

@@ -94,6 +94,9 @@ def test_gossip_meta_round_trips_and_names_a_bad_field() -> None:
     assert MassMeta.from_meta(mass.to_meta()) == mass
     assert CancelMeta.from_meta(CancelMeta(id=3, inc=9).to_meta()) == CancelMeta(id=3, inc=9)
     assert SnapMeta.from_meta({"rid": 1, **SnapMeta(light=True).to_meta()}).light
+    assert SnapMeta.from_meta({"rid": 1, **SnapMeta(half=True).to_meta()}) == SnapMeta(half=True)
+    assert SnapMeta().to_meta() == {"light": False}  # a peer from before `half` reads the same request
+    assert not SnapMeta.from_meta({"rid": 1, "half": "yes"}).half
     snap = SnapshotMeta(weight=1.0, step=7, done=False, gen=2)
     assert SnapshotMeta.from_meta(snap.to_meta()) == snap
     for decode, meta, field in [

@@ -145,7 +145,7 @@ class SSPGate(Generic[T]):
         """The workers judged stragglers now (waited for only with `wait_for_stragglers`)."""
         return sorted(self._stragglers)
 
-    def _judge_paces(self) -> None:
+    def _judge_paces(self, now: float) -> None:
         paces = {n: 1.0 / w.pace for n, w in self._workers.items() if w.paces >= PACE_SAMPLES and w.pace > 0}
         # One stays a straggler until clearly back (a pace near the cut would flip it every update).
         slow = stragglers(paces) | (self._stragglers & stragglers(paces, KEEPS_PACE_FRACTION))
@@ -153,9 +153,16 @@ class SSPGate(Generic[T]):
             logger.info("worker %s steps at %.3fs, under half the others' median pace: %s", name,
                         self._workers[name].pace,
                         "still waited for" if self.wait_for_stragglers else "the bound no longer waits for it")
-        for name in self._stragglers - slow:
+        back, self._stragglers = self._stragglers - slow, slow
+        for name in back:
             logger.info("worker %s keeps pace again", name)
-        self._stragglers = slow
+            if not self.wait_for_stragglers:
+                # Let back in between two of its own updates (the median moved), it is behind by what the
+                # others did since its last: level with the slowest of them, as when it last spoke.
+                floor = self.min_clock(now, exclude=name)
+                w = self._workers[name]
+                if floor is not None and floor > w.clock:
+                    w.clock = floor
 
     def _usual_interval(self) -> float:
         """The slowest known update interval: what a worker with no history of its own is
@@ -204,8 +211,9 @@ class SSPGate(Generic[T]):
             return
         if self._suspect(w, now) or self._exempt(worker):
             floor = self.min_clock(now, exclude=worker)
-            if floor is None:  # everyone else is quiet too: level with the slowest of them
-                floor = self.min_clock(exclude=worker)
+            if floor is None:  # everyone else is quiet too: level with the slowest of them, stragglers aside
+                floor = min((o.clock for n, o in self._workers.items() if n != worker and not self._exempt(n)),
+                            default=self.min_clock(exclude=worker))
             if floor is not None and floor > w.clock:
                 logger.debug("worker %s back after %.2fs; clock %d -> %d", worker, now - w.last_seen,
                              w.clock, floor)
@@ -252,7 +260,7 @@ class SSPGate(Generic[T]):
             own = max(0.0, gap - w.held_s)  # a worker held by the bound is not slow for it
             w.pace = own if w.paces == 0 else 0.8 * w.pace + 0.2 * own
             w.paces += 1
-            self._judge_paces()
+            self._judge_paces(now)
         w.last_apply = now
         w.held_s = 0.0
         if self._exempt(worker):

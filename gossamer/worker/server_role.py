@@ -265,6 +265,9 @@ class ServerRole:
             "ps_refused_handshakes": float(st.get("curve_refused", 0)),
             "ckpt_snapshot_s": self._snapshot_open_s + self.server.snapshot_serve_seconds,
             "ps_cow_copies": float(st.get("cow_copies", 0)),
+            # SSP updates from a worker the bound left out as a straggler (`SSPGate`): how much the pool
+            # ran ahead of it.
+            "ps_straggler_updates": float(st.get("straggler_updates", 0)),
         }
         values.update({f"discarded_{k}": float(v) for k, v in st.get("discarded", {}).items()})
         values.update(staleness_buckets(st.get("version_staleness", {})))

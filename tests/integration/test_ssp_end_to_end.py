@@ -49,6 +49,11 @@ def _run(cluster: LocalCluster, staleness: int | None, **fields: object) -> dict
         time.sleep(0.2)
     endpoint = next(r["endpoint"] for r in st["roles"] if r["role"] == "ps")
     stats = _stats(job.id, endpoint)
+    if stats["straggler_updates"]:  # the shard reports its counters every second
+        deadline = time.monotonic() + 30
+        while not any(p.get("ps_straggler_updates", 0) > 0 for p in job.metrics()):
+            assert time.monotonic() < deadline, "no ps_straggler_updates reported"
+            time.sleep(0.5)
     job.cancel()
     client.close()
     # Senders are "<node_id>:<index>": by node name here.

@@ -83,8 +83,10 @@ def test_a_straggler_that_keeps_pace_again_is_waited_for_again_without_stalling_
     gate: SSPGate[str] = SSPGate(2)
     applied = run(gate, {"a": 0.01, "b": 0.01, "c": 0.05}, until=6.0, speed_up=("c", 2.0, 0.01))
     assert gate.stragglers == []
-    # Kept level while it was slow, it rejoins at the others' clock: nobody waits long for it.
+    # Kept level while it was slow, it rejoins at the others' clock: nobody waits long for it, and no
+    # update is applied more than the bound ahead of the slowest it counts.
     assert max(gate.wait_seconds.get(w, 0.0) for w in ("a", "b")) < 0.5, gate.wait_seconds
+    assert max(gate.lead_histogram) <= 2, gate.lead_histogram
     assert applied["c"] > 0.5 * applied["a"], applied
 
 
@@ -143,3 +145,45 @@ def test_the_experiment_s_choice_reaches_the_shard_s_gate(wait: bool) -> None:
     gate: SSPGate[str] = SSPGate(config.staleness, wait_for_stragglers=config.wait_for_stragglers)
     applied = run(gate, {"a": 0.01, "b": 0.01, "c": 0.05}, until=2.0)
     assert (applied["a"] > 3 * applied["c"]) is not wait, applied
+
+
+def test_a_straggler_let_back_in_by_another_s_pause_joins_level_not_behind() -> None:
+    # b pauses (a loaded machine): its pace drops, the median with it, and c is no longer a straggler,
+    # judged on b's update while c's clock is many of a's updates behind. Its clock is then raised to the
+    # slowest of the others', or a's lead would leap past s and a would wait for c to catch up.
+    gate: SSPGate[str] = SSPGate(2)
+    for w in ("a", "b", "c"):
+        gate.join(w, 0.0)
+    for k in range(1, 106):
+        t = k / 100
+        gate.on_apply("a", version=0, basis=0, now=t)
+        if t <= 0.6 or k == 104:  # b: every 10 ms, then silent from 0.60 s to 1.04 s
+            gate.on_apply("b", version=0, basis=0, now=t)
+        if k % 15 == 0:  # c: every 150 ms
+            gate.on_apply("c", version=0, basis=0, now=t + 0.001)
+        if k == 60:
+            assert gate.stragglers == ["c"]
+    assert gate.stragglers == []  # let back in at b's update at 1.04 s
+    rec = gate.on_apply("a", version=0, basis=0, now=1.06)
+    assert rec.lead <= 2, (rec, gate.stats()["clocks"])
+    assert gate.must_wait("a", 1.06) is False
+
+
+def test_a_worker_back_when_everyone_else_was_quiet_is_levelled_with_the_others_not_the_straggler() -> None:
+    # b pauses, a runs on (b is suspect, c a straggler), then a pauses too; b comes back first. Levelled with
+    # the slowest of the quiet others, stragglers aside: with c's clock it would be far behind a, and a's
+    # next update would lead it by more than s.
+    gate: SSPGate[str] = SSPGate(2)
+    for w in ("a", "b", "c"):
+        gate.join(w, 0.0)
+    for k in range(1, 81):
+        t = k / 100
+        gate.on_apply("a", version=0, basis=0, now=t)
+        if t <= 0.6:
+            gate.on_apply("b", version=0, basis=0, now=t)
+        if k % 15 == 0:
+            gate.on_apply("c", version=0, basis=0, now=t + 0.001)
+    assert gate.stragglers == ["c"]
+    gate.on_apply("b", version=0, basis=0, now=1.0)
+    rec = gate.on_apply("a", version=0, basis=0, now=1.01)
+    assert rec.lead <= 2, (rec, gate.stats()["clocks"])

@@ -147,23 +147,30 @@ def test_the_experiment_s_choice_reaches_the_shard_s_gate(wait: bool) -> None:
     assert (applied["a"] > 3 * applied["c"]) is not wait, applied
 
 
-def test_a_straggler_let_back_in_by_another_s_pause_joins_level_not_behind() -> None:
-    # b pauses (a loaded machine): its pace drops, the median with it, and c is no longer a straggler,
-    # judged on b's update while c's clock is many of a's updates behind. Its clock is then raised to the
-    # slowest of the others', or a's lead would leap past s and a would wait for c to catch up.
+def paused(until_ms: int, b_back_at_ms: int | None = None) -> SSPGate[str]:
+    """a steps every 10 ms until `until_ms`; b too until 600 ms, then pauses (back once at `b_back_at_ms`);
+    c every 150 ms, a straggler from 600 ms. Updates are applied as they come, none held."""
     gate: SSPGate[str] = SSPGate(2)
     for w in ("a", "b", "c"):
         gate.join(w, 0.0)
-    for k in range(1, 106):
+    for k in range(1, until_ms // 10 + 1):
         t = k / 100
         gate.on_apply("a", version=0, basis=0, now=t)
-        if t <= 0.6 or k == 104:  # b: every 10 ms, then silent from 0.60 s to 1.04 s
+        if k <= 60 or k * 10 == b_back_at_ms:
             gate.on_apply("b", version=0, basis=0, now=t)
-        if k % 15 == 0:  # c: every 150 ms
+        if k % 15 == 0:
             gate.on_apply("c", version=0, basis=0, now=t + 0.001)
         if k == 60:
             assert gate.stragglers == ["c"]
-    assert gate.stragglers == []  # let back in at b's update at 1.04 s
+    return gate
+
+
+def test_a_straggler_let_back_in_by_another_s_pause_joins_level_not_behind() -> None:
+    # b pauses (a loaded machine): its pace drops, the median with it, and c is no longer a straggler,
+    # judged on b's update at 1.04 s while c's clock is many of a's updates behind. Its clock is then raised
+    # to the slowest of the others', or a's lead would leap past s and a would wait for c to catch up.
+    gate = paused(1050, b_back_at_ms=1040)
+    assert gate.stragglers == []
     rec = gate.on_apply("a", version=0, basis=0, now=1.06)
     assert rec.lead <= 2, (rec, gate.stats()["clocks"])
     assert gate.must_wait("a", 1.06) is False
@@ -173,16 +180,7 @@ def test_a_worker_back_when_everyone_else_was_quiet_is_levelled_with_the_others_
     # b pauses, a runs on (b is suspect, c a straggler), then a pauses too; b comes back first. Levelled with
     # the slowest of the quiet others, stragglers aside: with c's clock it would be far behind a, and a's
     # next update would lead it by more than s.
-    gate: SSPGate[str] = SSPGate(2)
-    for w in ("a", "b", "c"):
-        gate.join(w, 0.0)
-    for k in range(1, 81):
-        t = k / 100
-        gate.on_apply("a", version=0, basis=0, now=t)
-        if t <= 0.6:
-            gate.on_apply("b", version=0, basis=0, now=t)
-        if k % 15 == 0:
-            gate.on_apply("c", version=0, basis=0, now=t + 0.001)
+    gate = paused(800)
     assert gate.stragglers == ["c"]
     gate.on_apply("b", version=0, basis=0, now=1.0)
     rec = gate.on_apply("a", version=0, basis=0, now=1.01)

@@ -159,10 +159,7 @@ class SSPGate(Generic[T]):
             if not self.wait_for_stragglers:
                 # Let back in between two of its own updates (the median moved), it is behind by what the
                 # others did since its last: level with the slowest of them, as when it last spoke.
-                floor = self.min_clock(now, exclude=name)
-                w = self._workers[name]
-                if floor is not None and floor > w.clock:
-                    w.clock = floor
+                self._level(name, now)
 
     def _usual_interval(self) -> float:
         """The slowest known update interval: what a worker with no history of its own is
@@ -210,15 +207,21 @@ class SSPGate(Generic[T]):
             self.join(worker, now)
             return
         if self._suspect(w, now) or self._exempt(worker):
-            floor = self.min_clock(now, exclude=worker)
-            if floor is None:  # everyone else is quiet too: level with the slowest of them, stragglers aside
-                floor = min((o.clock for n, o in self._workers.items() if n != worker and not self._exempt(n)),
-                            default=self.min_clock(exclude=worker))
-            if floor is not None and floor > w.clock:
-                logger.debug("worker %s back after %.2fs; clock %d -> %d", worker, now - w.last_seen,
-                             w.clock, floor)
-                w.clock = floor
+            self._level(worker, now)
         w.last_seen = now
+
+    def _level(self, worker: str, now: float) -> None:
+        """Raise `worker`'s clock to the slowest of the others the bound counts (a suspect back, a straggler
+        speaking or let back in): it then neither holds them back nor runs ahead."""
+        w = self._workers[worker]
+        floor = self.min_clock(now, exclude=worker)
+        if floor is None:  # everyone else is quiet too: level with the slowest of them, stragglers aside
+            floor = min((o.clock for n, o in self._workers.items() if n != worker and not self._exempt(n)),
+                        default=self.min_clock(exclude=worker))
+        if floor is not None and floor > w.clock:
+            logger.debug("worker %s levelled after %.2fs; clock %d -> %d", worker, now - w.last_seen,
+                         w.clock, floor)
+            w.clock = floor
 
     def leave(self, worker: str, now: float) -> list[tuple[str, T]]:
         """Remove `worker`; returns its own held replies and any replies this releases."""

@@ -24,7 +24,9 @@ EXIT_REPORTED = 3
 
 def setup(spec: RoleSpec) -> None:
     from gossamer.logs import configure
+    from gossamer.worker import late_imports
 
+    late_imports.forget()  # forked from the fork server with its handler
     name_process(f"gossamer-{spec.label}")
     configure(spec.log_level, spec.log_format, role=spec.label, node=spec.node_name, experiment=spec.experiment_id)
     import torch

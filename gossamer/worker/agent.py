@@ -39,9 +39,12 @@ from gossamer.worker.leave import deliver_leave
 from gossamer.worker.node_metrics import NodeMetrics
 from gossamer.worker.ports import reserve_port
 from gossamer.worker.udp_beats import UdpBeats
-from gossamer.worker.warm import role_context, stop_fork_server, warm_up_in_background
+from gossamer.worker.warm import import_late, role_context, stop_fork_server, warm_up_in_background
 
 log = logging.getLogger(__name__)
+
+#: A warm node that has started no role for this long has its fork server import the rest (`_import_late`).
+LATE_IMPORTS_IDLE_S = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +176,7 @@ class NodeAgent:
         self._rejoin: asyncio.Task[None] | None = None  # joining again after the coordinator counted this node lost
         self._roles = role_context(warm=False)  # until the fork server is warm (`_warm_up`)
         self._warm: asyncio.Task[None] | None = None
+        self._forked = asyncio.Event()  # a role process started here (the fork server answered)
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
@@ -234,7 +238,7 @@ class NodeAgent:
                                 interval=lambda: self.heartbeat_s, on_answer=self._heartbeat_answered,
                                 loop=asyncio.get_running_loop(), udp=self.udp_beats)
         beats.start()
-        tasks = [asyncio.create_task(t) for t in (self._watch(), self._monitor())]
+        tasks = [asyncio.create_task(t) for t in (self._watch(), self._monitor(), self._import_late())]
         await self._stop.wait()
         for t in tasks:
             t.cancel()
@@ -253,6 +257,21 @@ class NodeAgent:
         self._roles = role_context(warm=True)
         log.info("role processes start warm (torch, the role code%s imported in %.1f s)",
                  "".join(f", {m}" for m in self.config.preload), took)
+
+    async def _import_late(self) -> None:
+        """Start the fork server's second stage (`late_imports`) once it is warm and free to take seconds on it:
+        after this node's first role is forked (a fresh node's first role does not wait for it), or once the node
+        has idled `LATE_IMPORTS_IDLE_S` (a standby, whose reassignment could come any time)."""
+        if self._warm is None:
+            return
+        await self._warm
+        if self._roles is not role_context(warm=True):
+            return  # no fork server: roles start cold
+        try:
+            await asyncio.wait_for(self._forked.wait(), LATE_IMPORTS_IDLE_S)
+        except TimeoutError:
+            pass
+        import_late()
 
     async def _serve_metrics(self) -> None:
         """This node's Prometheus /metrics (`--metrics-port`), fed by its role processes."""
@@ -508,6 +527,7 @@ class NodeAgent:
                 pipes.append(send)
         for p in procs:
             p.start()
+        self._forked.set()
         log.info("started %s %d of %s (%d process%s)", "shard" if a.role == pb.ROLE_PARAMETER_SERVER else "worker",
                  a.index, a.experiment_id, len(procs), "es" if len(procs) > 1 else "")
         self.running[self._key(a)] = _Running(procs, pipes, a, port_hold=hold)

@@ -19,17 +19,19 @@ from typing import Any
 
 from gossamer import zygote
 from gossamer.errors import ConfigError
+from gossamer.worker import late_imports
 
-__all__ = ["ROLE_MODULES", "check_preload", "role_context", "start_shared", "warm_up", "warm_up_in_background"]
+__all__ = ["ROLE_MODULES", "check_preload", "import_late", "role_context", "start_shared", "warm_up", "warm_up_in_background"]
 
-#: What every role process imports before its first step (about 5 s of CPU here, 2.7 s of it torch).
+#: What every role process imports before its first step (about 3.5 s of CPU here, 2.2 s of it torch).
+#: The fork server is ready to fork roles once it has these; `late_imports.LATE_MODULES` come after.
 ROLE_MODULES = (
     "torch",
     "torch.distributed",
-    "torch._dynamo",  # torch.optim.Optimizer() imports it on first use: 1.7 s per role otherwise
     "gossamer.worker.roles",
     "gossamer.worker.server_role",
     "gossamer.worker.worker_role",
+    "gossamer.worker._fork_server_hook",  # the handler that imports LATE_MODULES when `import_late` asks
 )
 
 # "spawn" would pay those imports in every role process, on the path from an assignment to its
@@ -76,11 +78,12 @@ def _locate(name: str) -> bool:
     return spec is not None
 
 
-def warm_up(preload: tuple[str, ...] = ()) -> float:
+def warm_up(preload: tuple[str, ...] = (), *, late: bool = True) -> float:
     """Start the fork server and wait until it has imported ROLE_MODULES and `preload`; the seconds it took.
 
     `preload` is what the user's roles import (their model code, `transformers`): imported once
     here, not in every role. Blocks: the agent calls it in a thread, so heartbeats go on meanwhile.
+    `late`: then have it import `LATE_MODULES` (`import_late`), which this does not wait for.
     """
     _WARM.set_forkserver_preload([*ROLE_MODULES, *preload])
     t0 = time.monotonic()
@@ -90,7 +93,20 @@ def warm_up(preload: tuple[str, ...] = ()) -> float:
     p = _WARM.Process(target=_ready, name="gossamer-warm-up", daemon=True)
     p.start()
     p.join()
-    return time.monotonic() - t0
+    took = time.monotonic() - t0
+    if late:
+        import_late()
+    return took
+
+
+def import_late() -> None:
+    """Have the fork server import `LATE_MODULES` now that it serves (a role forked meanwhile waits for them)."""
+    pid = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    if pid is not None:
+        try:
+            os.kill(pid, late_imports.SIGNAL)
+        except ProcessLookupError:
+            pass
 
 
 def stop_fork_server() -> None:
@@ -111,7 +127,10 @@ def stop_fork_server() -> None:
 
 
 def warm_up_in_background(preload: tuple[str, ...] = ()) -> Future[float]:
-    """`warm_up` on a daemon thread: a node stopped during the imports exits at once, not after them."""
+    """`warm_up` on a daemon thread: a node stopped during the imports exits at once, not after them.
+
+    It leaves the late imports out: the caller asks for them (`import_late`) when the server is free.
+    """
     done: Future[float] = Future()
 
     def run() -> None:
@@ -120,7 +139,7 @@ def warm_up_in_background(preload: tuple[str, ...] = ()) -> Future[float]:
         # Running: a node stopping now cannot cancel it, so setting its result below never raises
         # (a cancelled future did: "Exception in thread gossamer-warm-up" in a stopped node's log).
         try:
-            done.set_result(warm_up(preload))
+            done.set_result(warm_up(preload, late=False))
         except BaseException as e:  # noqa: BLE001 - handed to whoever awaits the future
             done.set_exception(e)
 
@@ -131,4 +150,5 @@ def warm_up_in_background(preload: tuple[str, ...] = ()) -> Future[float]:
 def start_shared(state_dir: Path, preload: tuple[str, ...] = (), *,
                  wait: bool = True) -> tuple[subprocess.Popen[bytes], str]:
     """A zygote importing the role code and `preload`, for every node this session starts (`zygote.ENV`)."""
-    return zygote.start(state_dir, (*ROLE_MODULES, *preload), wait=wait)
+    # Not on a node's path to its first role (started once per host): imports everything before serving.
+    return zygote.start(state_dir, (*ROLE_MODULES, *late_imports.LATE_MODULES, *preload), wait=wait)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from multiprocessing.connection import Connection
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gossamer import zygote
 from gossamer.errors import ConfigError
 from gossamer.worker.warm import ROLE_MODULES, check_preload, role_context, warm_up
 
@@ -126,3 +129,66 @@ def test_a_node_stopped_during_the_warm_up_leaves_no_error_in_its_log(monkeypatc
         if t.name == "gossamer-warm-up":
             t.join(120)
     assert not errors, errors
+
+
+def _late_state(conn: Connection) -> None:
+    import signal
+
+    from gossamer.worker import late_imports
+
+    inherited = signal.getsignal(late_imports.SIGNAL) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+    late_imports.forget()
+    conn.send({"loaded": [m for m in late_imports.LATE_MODULES if m in sys.modules], "inherited": inherited,
+               "forgot": signal.getsignal(late_imports.SIGNAL) == signal.SIG_DFL})
+    conn.close()
+
+
+def _late_seen() -> dict[str, object]:
+    ctx = role_context(warm=True)
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_late_state, args=(send,))
+    p.start()
+    send.close()
+    assert recv.poll(120), "the role process did not report"
+    seen: dict[str, object] = recv.recv()
+    p.join(30)
+    assert p.exitcode == 0
+    return seen
+
+
+def test_the_fork_server_serves_before_its_late_imports_and_has_them_once_asked() -> None:
+    """A fresh node's first role waits for torch and the role code only; dynamo and DCP come after (1.7 s + 1.2 s here)."""
+    script = (
+        "import json, time\n"
+        "from tests.unit.test_warm import _late_seen\n"
+        "from gossamer.worker.late_imports import LATE_MODULES\n"
+        "from gossamer.worker.warm import import_late, warm_up\n"
+        "warm_up(late=False)\n"
+        "before = _late_seen()\n"
+        "import_late()\n"
+        "deadline, after = time.monotonic() + 120, {}\n"
+        "while time.monotonic() < deadline:\n"
+        "    after = _late_seen()\n"  # each role forked after the handler returned has them all
+        "    if after['loaded'] == list(LATE_MODULES):\n"
+        "        break\n"
+        "print(json.dumps({'before': before, 'after': after}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != zygote.ENV}  # its own fork server, not the suite's zygote's
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=True,
+                         env=env)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["before"] == {"loaded": [], "inherited": True, "forgot": True}, seen
+    assert seen["after"]["loaded"] == ["torch._dynamo", "gossamer.checkpoint.dcp_io"], seen
+
+
+def test_role_modules_leave_the_late_ones_out() -> None:
+    """What a role's first step needs imports neither dynamo nor DCP (else the second stage saves nothing)."""
+    script = (
+        "import sys\n"
+        "from gossamer.worker.warm import ROLE_MODULES\n"
+        "for m in ROLE_MODULES:\n"
+        "    __import__(m)\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.checkpoint') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -51,6 +51,8 @@ class Mode:
     exchanges_values: bool = False
     #: The shards apply the outer optimizer with `outer_lr`/`outer_momentum`, not the experiment's.
     outer_optimizer: bool = False
+    #: Workers step a torch.optim optimizer of their own (building one imports torch's dynamo: 1.7 s).
+    worker_optimizer: bool = False
 
     @property
     def barrier(self) -> bool:
@@ -78,16 +80,18 @@ _TABLE: tuple[Mode, ...] = (
          trainer=_PS_TRAINER, allows_overlap=True),
     Mode(name="gossip", summary="no servers: push-sum (SGP) averaging over a time-varying graph",
          servers=False, shard_consistency="", staleness_applies=False, trainer=_GOSSIP_TRAINER,
-         allows_overlap=True, exchanges_values=True),
+         allows_overlap=True, exchanges_values=True, worker_optimizer=True),
     Mode(name="diloco", outer_step="sync", summary="H local steps, outer Nesterov on the servers, a barrier per round",
          shard_consistency="sync", staleness_applies=False, rounds=True, trainer=_DILOCO_TRAINER,
-         default_compression="int8", default_optimizer="adamw", outer_optimizer=True),
+         default_compression="int8", default_optimizer="adamw", outer_optimizer=True,
+         worker_optimizer=True),
     Mode(name="diloco", outer_step="async", summary="H local steps, outer step applied on arrival on the servers",
          staleness_applies=False, rounds=True, trainer=_DILOCO_TRAINER,
-         default_compression="int8", default_optimizer="adamw", outer_optimizer=True),
+         default_compression="int8", default_optimizer="adamw", outer_optimizer=True,
+         worker_optimizer=True),
     Mode(name="diloco", outer_step="gossip", summary="H local steps, outer average by gossip (no servers)",
          servers=False, shard_consistency="", staleness_applies=False, rounds=True, trainer=_GOSSIP_TRAINER,
-         default_compression="int8", default_optimizer="adamw", exchanges_values=True),
+         default_compression="int8", default_optimizer="adamw", exchanges_values=True, worker_optimizer=True),
 )
 
 #: Every value of `Experiment.mode`, in table order.

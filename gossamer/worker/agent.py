@@ -7,6 +7,7 @@ other local ranks attach to it (`gossamer.worker.attach`) to run its worker rank
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ import grpc
 from gossamer.checkpoint.file_server import CheckpointFileServer
 from gossamer.coordinator.failover import shard_lease_s
 from gossamer.errors import AuthError, ConfigError, UnavailableError
+from gossamer.modes import resolve
 from gossamer.protocol import AssignmentUpdate, LeaseRenewal, RoleSpec
 from gossamer.security.channel import (
     ChannelSecurity,
@@ -34,17 +36,39 @@ from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from gossamer.worker._role_process import EXIT_REPORTED
 from gossamer.worker.attach import AttachedRanks, RolePipe, RoleProcess
 from gossamer.worker.heartbeat import HeartbeatThread
+from gossamer.worker.host_load import spare_cpus
+from gossamer.worker.late_imports import LATE_MODULES
 from gossamer.worker.launcher import Launch, visible_cuda_devices
 from gossamer.worker.leave import deliver_leave
 from gossamer.worker.node_metrics import NodeMetrics
 from gossamer.worker.ports import reserve_port
 from gossamer.worker.udp_beats import UdpBeats
-from gossamer.worker.warm import import_late, role_context, stop_fork_server, warm_up_in_background
+from gossamer.worker.warm import (
+    import_late,
+    role_context,
+    stop_fork_server,
+    wait_for_fork_server,
+    warm_up_in_background,
+)
 
 log = logging.getLogger(__name__)
 
-#: A warm node that has started no role for this long has its fork server import the rest (`_import_late`).
+#: A warm node that has run no role for this long, on a host with a core to spare, has its fork server
+#: import the rest (`_import_late`).
 LATE_IMPORTS_IDLE_S = 10.0
+LATE_IMPORTS_POLL_S = 2.0
+
+
+def _needs_late(a: pb.Assignment) -> str:
+    """Why `a`'s role needs the fork server's late imports (`late_imports.LATE_MODULES`), or ""."""
+    if a.role == pb.ROLE_PARAMETER_SERVER:
+        return "a shard"
+    try:
+        doc = json.loads(a.experiment_json)
+        own_optimizer = resolve(doc["mode"], doc.get("outer_step") or "").worker_optimizer
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return ""  # the role reports what is wrong with its experiment
+    return "a worker with its own optimizer" if own_optimizer else ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,7 +200,7 @@ class NodeAgent:
         self._rejoin: asyncio.Task[None] | None = None  # joining again after the coordinator counted this node lost
         self._roles = role_context(warm=False)  # until the fork server is warm (`_warm_up`)
         self._warm: asyncio.Task[None] | None = None
-        self._forked = asyncio.Event()  # a role process started here (the fork server answered)
+        self._late_asked = False  # the fork server was told to import LATE_MODULES (`_import_late`, `_late_before`)
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
@@ -259,18 +283,44 @@ class NodeAgent:
                  "".join(f", {m}" for m in self.config.preload), took)
 
     async def _import_late(self) -> None:
-        """Start the fork server's second stage (`late_imports`) once it is warm and free to take seconds on it:
-        after this node's first role is forked (a fresh node's first role does not wait for it), or once the node
-        has idled `LATE_IMPORTS_IDLE_S` (a standby, whose reassignment could come any time)."""
+        """Have the fork server import `late_imports.LATE_MODULES` once this node has run no role for
+        `LATE_IMPORTS_IDLE_S` and its host has a core to spare (`spare_cpus`): an idle standby's later
+        roles then start without them (`_late_before` does it before a role that needs them).
+
+        Never beside a running role: the imports are seconds of CPU that role would share, and a role
+        forked meanwhile would wait for them.
+        """
         if self._warm is None:
             return
         await self._warm
-        if self._roles is not role_context(warm=True):
-            return  # no fork server: roles start cold
-        try:
-            await asyncio.wait_for(self._forked.wait(), LATE_IMPORTS_IDLE_S)
-        except TimeoutError:
-            pass
+        idle_since = time.monotonic()
+        while not self._late_asked and self._roles is role_context(warm=True):
+            await asyncio.sleep(LATE_IMPORTS_POLL_S)
+            if self.running:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since >= LATE_IMPORTS_IDLE_S and await spare_cpus() >= 1.0:
+                if not self._late_asked and not self.running:
+                    self._ask_late("idle")
+
+    async def _late_before(self, assignments: list[pb.Assignment]) -> None:
+        """Before starting new roles: the fork server's late imports first, when one of them needs them.
+
+        A shard builds an optimizer (torch.optim imports dynamo) and writes checkpoints (DCP); so does a
+        gossip or diloco worker (its own optimizer). Imported in the fork server, they cost that role what
+        importing them itself would, and no later role here pays them again. An async or sync worker of
+        the parameter servers needs neither: it forks at once (a fresh node's first step 1.7 s sooner).
+        Waited for off the event loop, which meanwhile serves the assignment stream and the shards' leases.
+        """
+        if self._late_asked or self._roles is not role_context(warm=True):
+            return
+        why = next((w for a in assignments if self._key(a) not in self.running and (w := _needs_late(a))), "")
+        if why:
+            self._ask_late(why)
+            await asyncio.to_thread(wait_for_fork_server)
+
+    def _ask_late(self, why: str) -> None:
+        self._late_asked = True
+        log.info("the fork server imports %s (%s)", ", ".join(LATE_MODULES), why)
         import_late()
 
     async def _serve_metrics(self) -> None:
@@ -423,6 +473,7 @@ class NodeAgent:
                             # Roles start from the warm fork server. The stream is open meanwhile: its
                             # drop is how the coordinator sees this node die (kill -9) within 2 heartbeats.
                             await self._warm
+                        await self._late_before(list(aset.assignments))
                         self._apply(list(aset.assignments))
             except grpc.RpcError as e:
                 log.debug("assignment stream ended (%s); reconnecting", e.code())
@@ -527,7 +578,6 @@ class NodeAgent:
                 pipes.append(send)
         for p in procs:
             p.start()
-        self._forked.set()
         log.info("started %s %d of %s (%d process%s)", "shard" if a.role == pb.ROLE_PARAMETER_SERVER else "worker",
                  a.index, a.experiment_id, len(procs), "es" if len(procs) > 1 else "")
         self.running[self._key(a)] = _Running(procs, pipes, a, port_hold=hold)

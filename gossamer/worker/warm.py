@@ -21,7 +21,7 @@ from gossamer import zygote
 from gossamer.errors import ConfigError
 from gossamer.worker import late_imports
 
-__all__ = ["ROLE_MODULES", "check_preload", "import_late", "role_context", "start_shared", "warm_up", "warm_up_in_background"]
+__all__ = ["ROLE_MODULES", "check_preload", "import_late", "wait_for_fork_server", "role_context", "start_shared", "warm_up", "warm_up_in_background"]
 
 #: What every role process imports before its first step (about 3.5 s of CPU here, 2.2 s of it torch).
 #: The fork server is ready to fork roles once it has these; `late_imports.LATE_MODULES` come after.
@@ -90,13 +90,19 @@ def warm_up(preload: tuple[str, ...] = (), *, late: bool = True) -> float:
     shared = os.environ.get(zygote.ENV)
     if shared:
         zygote.adopt(shared, preload)  # a warm interpreter this host already runs, when it can join it
-    p = _WARM.Process(target=_ready, name="gossamer-warm-up", daemon=True)
-    p.start()
-    p.join()
+    wait_for_fork_server()
     took = time.monotonic() - t0
     if late:
         import_late()
     return took
+
+
+def wait_for_fork_server() -> None:
+    """Block until the fork server answers a fork request: it has imported its preload modules, and the
+    late ones too when `import_late` asked for them before (a request waits for them in its backlog)."""
+    p = _WARM.Process(target=_ready, name="gossamer-warm-up", daemon=True)
+    p.start()
+    p.join()
 
 
 def import_late() -> None:

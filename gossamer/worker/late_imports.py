@@ -9,12 +9,12 @@ from types import FrameType
 __all__ = ["LATE_MODULES", "SIGNAL", "forget", "install"]
 
 #: Imported by a fork server after it can fork roles (`gossamer.worker.warm`), so a fresh node's first
-#: role starts without waiting for them: 2.9 s of imports here (1.7 s dynamo), none on an async
-#: parameter-server worker's path. torch.optim.Optimizer imports dynamo on its first step (gossip,
-#: diloco and sync workers' local optimizers), a shard imports DCP with its first checkpoint.
+#: role starts without waiting for them: 3.2 s of imports here (2 s dynamo), none on an async or sync
+#: worker's path. Building a torch.optim optimizer imports dynamo (a shard; a gossip or diloco worker's
+#: own optimizer); a shard imports DCP with its first checkpoint.
 LATE_MODULES = ("torch._dynamo", "gossamer.checkpoint.dcp_io")
 
-#: The agent sends this to its fork server once the server has answered its first fork request.
+#: The agent sends this to its fork server when it wants them (`NodeAgent._late_before`, `_import_late`).
 SIGNAL = signal.SIGUSR1
 
 

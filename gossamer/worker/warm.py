@@ -21,7 +21,8 @@ from gossamer import zygote
 from gossamer.errors import ConfigError
 from gossamer.worker import late_imports
 
-__all__ = ["ROLE_MODULES", "check_preload", "import_late", "wait_for_fork_server", "role_context", "start_shared", "warm_up", "warm_up_in_background"]
+__all__ = ["ROLE_MODULES", "check_preload", "import_late", "role_context", "start_shared", "wait_for_fork_server",
+           "warm_up", "warm_up_in_background"]
 
 #: What every role process imports before its first step (about 3.5 s of CPU here, 2.2 s of it torch).
 #: The fork server is ready to fork roles once it has these; `late_imports.LATE_MODULES` come after.

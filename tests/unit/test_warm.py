@@ -53,8 +53,15 @@ def test_preload_imports_the_users_modules_in_the_fork_server() -> None:
         "warm_up(('xml.dom.minidom',))\n"
         "print(_loaded_by_role('xml.dom.minidom'))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "True"
+    assert _fresh(script) == "True"
+
+
+def _fresh(script: str) -> str:
+    """`script`'s output in a fresh interpreter with its own fork server (one per process, not the suite's zygote)."""
+    env = {k: v for k, v in os.environ.items() if k != zygote.ENV}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=True,
+                         env=env)
+    return out.stdout.strip()
 
 
 def _has_module(name: str, conn: Connection) -> None:
@@ -173,10 +180,7 @@ def test_the_fork_server_serves_before_its_late_imports_and_has_them_once_asked(
         "        break\n"
         "print(json.dumps({'before': before, 'after': after}))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != zygote.ENV}  # its own fork server, not the suite's zygote's
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=True,
-                         env=env)
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    seen = json.loads(_fresh(script).splitlines()[-1])
     assert seen["before"] == {"loaded": [], "inherited": True, "forgot": True}, seen
     assert seen["after"]["loaded"] == ["torch._dynamo", "gossamer.checkpoint.dcp_io"], seen
 
@@ -190,5 +194,4 @@ def test_role_modules_leave_the_late_ones_out() -> None:
         "    __import__(m)\n"
         "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.checkpoint') if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "[]"
+    assert _fresh(script) == "[]"

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import WriteItem
 
-from gossamer.checkpoint.manifest import MANIFEST
-from gossamer.checkpoint.sharded import Pieces, PieceStream, _regular_file
+from gossamer.checkpoint.manifest import MANIFEST, regular_file
+from gossamer.checkpoint.piece_stream import Pieces, PieceStream
 from gossamer.errors import CheckpointError
 
 __all__ = ["load_pieces", "save_pieces"]
@@ -142,7 +142,7 @@ class _SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / ".metadata"
-        if ".metadata" not in self.listed or not _regular_file(path):
+        if ".metadata" not in self.listed or not regular_file(path):
             raise CheckpointError(f"{path}: not a regular file listed in the manifest")
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -166,7 +166,7 @@ def _check_storage(shard_dir: Path, metadata: Metadata, listed: set[str]) -> Non
                                   "the manifest are allowed")
         if name not in listed:
             raise CheckpointError(f"{where}: refused, it names {name!r}, which the manifest does not list")
-        if not _regular_file(shard_dir / name):
+        if not regular_file(shard_dir / name):
             raise CheckpointError(f"{where}: refused, {name!r} is not a regular file")
 
 

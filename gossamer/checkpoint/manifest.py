@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,14 @@ from gossamer.faults import die_at
 
 MANIFEST = "manifest.json"
 FORMAT = "gossamer-checkpoint/1"
+
+
+def regular_file(path: Path) -> bool:
+    """Whether `path` is a plain file itself (a symlink, FIFO or device is not)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def fsync_dir(path: Path) -> None:

@@ -9,17 +9,17 @@ import math
 import os
 import re
 import shutil
-import stat
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from gossamer.checkpoint.manifest import MANIFEST, fsync_dir, recover_dir, replace_dir
+from gossamer.checkpoint.manifest import MANIFEST, fsync_dir, recover_dir, regular_file, replace_dir
+from gossamer.checkpoint.piece_stream import Pieces, PieceStream
 from gossamer.errors import CheckpointError
 from gossamer.faults import die_at
 
@@ -43,25 +43,6 @@ log = logging.getLogger(__name__)
 FORMAT = "gossamer-sharded/1"
 _STEP_RE = re.compile(r"step-(\d+)")
 _BLOCK = 1 << 20
-
-Pieces = list[tuple[int, int, list[str]]]
-
-
-class PieceStream(Protocol):
-    """Where a snapshot's piece tensors come from while it is written (`ShardSnapshot.stream`)."""
-
-    def take(self, offset: int, name: str) -> torch.Tensor:
-        """The tensor of piece `offset`'s `name`, to be written now (nothing writes it until `written`)."""
-        ...
-
-    def written(self, offset: int, name: str) -> None:
-        """That tensor is in the file: its source may change or go."""
-        ...
-
-    def close(self) -> None:
-        """The save ended (written, failed or abandoned): every tensor is released."""
-        ...
-
 
 @dataclass
 class ShardSnapshot:
@@ -275,7 +256,7 @@ def _verify_files(shard_dir: Path, files: dict[str, Any]) -> None:
         path = shard_dir / name
         if "/" in name or name in ("", ".", "..", MANIFEST):
             raise CheckpointError(f"{shard_dir / MANIFEST}: bad file name {name!r}")
-        if not _regular_file(path):
+        if not regular_file(path):
             raise CheckpointError(f"{path}: listed in the manifest but missing or not a regular file")
         digest, size = _hash_file(path)
         if digest != entry["sha256"]:
@@ -361,14 +342,6 @@ def latest_good(root: str | os.PathLike[str]) -> tuple[Path | None, list[tuple[P
         log.warning("checkpoint %s refused: %s", d, reason)
         refused.append((d, reason))
     return None, refused
-
-
-def _regular_file(path: Path) -> bool:
-    """Whether `path` is a plain file itself (a symlink, FIFO or device is not)."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _load_pieces(shard_dir: Path, pieces: Pieces, listed: set[str]) -> dict[str, torch.Tensor]:

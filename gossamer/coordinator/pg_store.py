@@ -158,6 +158,7 @@ class PgStore(Store):
         self._db = None
         self._pg: PgConn | None = None
         self.commits = GroupCommit(self._pool, lambda: self._db)
+        self._steps_queued: dict[str, int] = {}
         #: Called (once) when a fenced write or the session fails while leading: stop acting.
         self.on_lost: Callable[[str], None] | None = None
         self._pool.submit(self._open).result()

@@ -64,6 +64,7 @@ class Store:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gossamer-store")
         self._db: Db | None = None
         self.commits = GroupCommit(self._pool, lambda: self._db)
+        self._steps_queued: dict[str, int] = {}
         self._pool.submit(self._open).result()
 
     def _open(self) -> None:
@@ -124,8 +125,15 @@ class Store:
         await self.write(lambda db: db.execute(self._UPSERT_NODE, (node.id, data)))
 
     async def save_experiment(self, exp: ExpRec, steps: int | None = None) -> None:
-        """Store `exp` (with `steps` as its step count where given: the caller shows it once stored)."""
-        data = exp.to_json() if steps is None else dataclasses.replace(exp, steps=steps).to_json()
+        """Store `exp` (with `steps` as its step count where given: the caller shows it once stored).
+
+        The stored count never goes back: writes commit in the order they are queued, and one
+        queued after a report of step N (a lower report, a save of the record as it stood before
+        N was shown) carries N too. Without this, a status said 300 steps and a new leader read 244.
+        """
+        steps = max(exp.steps if steps is None else steps, self._steps_queued.get(exp.id, 0))
+        self._steps_queued[exp.id] = steps
+        data = dataclasses.replace(exp, steps=steps).to_json()
         await self.write(lambda db: db.execute(self._UPSERT_EXPERIMENT, (exp.id, exp.seq, data)))
 
     async def add_metrics(self, exp_id: str, rows: list[tuple[float, int, str, dict[str, float]]]) -> None:

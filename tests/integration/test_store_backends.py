@@ -57,6 +57,23 @@ def test_nodes_and_experiments_are_upserted_and_load_back(store: Store, tmp_path
         again.close()
 
 
+def test_a_save_queued_after_a_higher_step_count_never_stores_fewer(store: Store, tmp_path: Path) -> None:
+    exp = ExpRec(id="e1", seq=1, name="x", spec_json="{}", steps=244)
+
+    async def together() -> None:  # queued in one step: committed in this order, in one transaction
+        await asyncio.gather(store.save_experiment(exp, steps=300),  # a report of step 300
+                             store.save_experiment(exp, steps=250),  # another worker's, behind it
+                             store.save_experiment(exp))  # the record as it stood (244), behind both
+
+    _run(together())
+    store.close()
+    again = _reopen(store, tmp_path)
+    try:
+        assert [e.steps for e in again.load()[1]] == [300]
+    finally:
+        again.close()
+
+
 def test_events_checkpoints_and_counts(store: Store) -> None:
     _run(store.add_event("join", "node a joined", node_id="n1"))
     _run(store.add_event("running", "go", experiment_id="e1"))

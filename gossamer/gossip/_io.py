@@ -489,6 +489,11 @@ class PeerIO:
                 self._send(dealer, None, frames, CANCEL, {"peer": out.peer, "id": hid})
 
     # -- membership and snapshots --------------------------------------------------------
+    @property
+    def buffers_reused(self) -> int:
+        """How many received values and masses went into a buffer taken again (read from any thread)."""
+        return self._values.buffers.reused
+
     def _close(self, sock: zmq.Socket) -> None:
         watch = self._watch.pop(sock, None)
         if watch is not None:
@@ -695,7 +700,11 @@ class PeerIO:
             return
         assert self._numel is not None and pmeta is not None
         try:
-            d = self.codec.decode(Payload(msg.tensors, pmeta), (self._numel,), torch.float32)
+            # A difference is added to its reference at once (scratch); a whole value becomes the
+            # next reference; a plain MASS is the mass, kept until the trainer mixes it.
+            into = "difference" if m.ref is not None and m.ref >= 0 else "value" if m.ref is not None else "mass"
+            d = self.codec.decode(Payload(msg.tensors, pmeta), (self._numel,), torch.float32,
+                                  out=self._values.buffers.take(into, torch.float32, self._numel))
         except ProtocolError as e:
             bad = "NaN" in str(e) or "beyond the fp32 range" in str(e)
             _remember(seen, hid, False)

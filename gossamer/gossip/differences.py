@@ -7,8 +7,9 @@ from collections import OrderedDict
 import torch
 
 from gossamer.compression.codec import Codec, Payload, all_finite
+from gossamer.compression.wire_pool import WirePool
 
-__all__ = ["REFS_PER_SENDER", "ReceivedValues", "References", "value_mass"]
+__all__ = ["REFS_PER_SENDER", "ReceivedValues", "References", "model_buffers", "value_mass"]
 
 #: Values a receiver keeps per sender: a MASS may name any of the sender's last few applied
 #: ones (ACKs still in flight when it was sent); an older reference is NACKed and the sender
@@ -16,10 +17,22 @@ __all__ = ["REFS_PER_SENDER", "ReceivedValues", "References", "value_mass"]
 REFS_PER_SENDER = 4
 
 
-def value_mass(value: torch.Tensor, weight: float) -> torch.Tensor:
+def value_mass(value: torch.Tensor, weight: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """The push-sum numerator of a MASS of `value` and `weight`: the one product both ends compute,
-    so that sender and receiver hold bit-identical mass."""
-    return value * weight
+    so that sender and receiver hold bit-identical mass (into `out` where given)."""
+    return torch.mul(value, weight, out=out)
+
+
+def model_buffers(per_key: int) -> WirePool:
+    """The pool one thread of a gossip peer takes its model-sized buffers from.
+
+    A step sends and mixes several model-sized tensors (differences, decoded values, masses,
+    sums). Freshly allocated, each is mmapped and faulted in page by page (role processes
+    mmap allocations >= 1 MiB, `worker.allocator`): on the WAN bench half of a gossip
+    worker's CPU time went to page faults and munmap. Taken from here, a buffer nothing
+    references any more is written again; each key keeps at most `per_key` of them.
+    """
+    return WirePool(per_key=per_key)
 
 
 class References:
@@ -39,19 +52,24 @@ class References:
     Mass stays exact as before: the sender keeps ``w z - weight * value``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, buffers: WirePool | None = None) -> None:
         self._last: dict[str, tuple[int, torch.Tensor]] = {}
+        self._buffers = buffers if buffers is not None else model_buffers(per_key=2)
 
     def encode(self, codec: Codec, z: torch.Tensor, to: str) -> tuple[Payload, int, torch.Tensor]:
         """(payload, ref id or -1, the value the receiver will decode) for a MASS of `z` to `to`."""
         ref = self._last.get(to)
-        shape = (z.numel(),)
+        n = z.numel()
+        value = self._buffers.take("value", torch.float32, n)
         if ref is None:
-            payload = codec.encode(z)
-            return payload, -1, codec.decode(payload, shape, torch.float32)
+            payload = codec.encode(z, key="mass")
+            return payload, -1, codec.decode(payload, (n,), torch.float32, out=value)
         rid, base = ref
-        payload = codec.encode(z - base)
-        return payload, rid, base + codec.decode(payload, shape, torch.float32)
+        diff = torch.sub(z.reshape(-1), base, out=self._buffers.take("difference", torch.float32, n))
+        payload = codec.encode(diff, key="mass")
+        del diff
+        # decode(c) + v, as the receiver computes v + decode(c): the same fp32 sum, bit for bit.
+        return payload, rid, codec.decode(payload, (n,), torch.float32, out=value).add_(base)
 
     def applied(self, to: str, hid: int, value: torch.Tensor) -> None:
         """`to` applied MASS `hid` of `value`: the newest such becomes the reference."""
@@ -78,9 +96,10 @@ class ReceivedValues:
     """The receiver's side: the values of the last `REFS_PER_SENDER` MASSes applied from each
     sender incarnation (at most `senders` of them, least recently heard from forgotten)."""
 
-    def __init__(self, senders: int = 1024) -> None:
+    def __init__(self, senders: int = 1024, buffers: WirePool | None = None) -> None:
         self._senders = senders
         self._by_sender: OrderedDict[tuple[str, int], OrderedDict[int, torch.Tensor]] = OrderedDict()
+        self.buffers = buffers if buffers is not None else model_buffers(per_key=4 * REFS_PER_SENDER)
 
     def _values(self, sender: str, inc: int) -> OrderedDict[int, torch.Tensor]:
         key = (sender, inc)
@@ -103,8 +122,10 @@ class ReceivedValues:
         weight), kept as a reference for later ones; None when it is not finite (not kept).
         `holds(sender, inc, ref)` must be true."""
         values = self._values(sender, inc)
-        value = decoded if ref < 0 else values[ref] + decoded
-        d = value_mass(value, weight)
+        n = decoded.numel()
+        value = decoded if ref < 0 else torch.add(values[ref], decoded,
+                                                  out=self.buffers.take("value", torch.float32, n))
+        d = value_mass(value, weight, out=self.buffers.take("mass", torch.float32, n))
         if not all_finite(d):
             return None
         values[hid] = value

@@ -44,7 +44,7 @@ import torch
 
 from gossamer.errors import ConfigError, ProtocolError
 from gossamer.gossip._io import MASS, SNAP, SNAPSHOT, Fault, Incoming, PeerIO
-from gossamer.gossip.differences import References, value_mass
+from gossamer.gossip.differences import References, model_buffers, value_mass
 from gossamer.gossip.value_codec import parse_value_codec
 from gossamer.protocol import MassMeta, SnapMeta, SnapshotMeta
 from gossamer.security import curve as curve_keys
@@ -159,7 +159,10 @@ class PushSumPeer:
         #: peer so QSGD's draws neither touch nor follow torch's global generator.
         self.codec = parse_value_codec(codec, seed=zlib.crc32(peer_id.encode()))
         self._numel = numel
-        self._refs = References() if (differences is None and self.codec.spec != "none") or differences else None
+        #: The trainer thread's model-sized buffers (the I/O thread has its own: pools are not thread-safe).
+        self._buffers = model_buffers(per_key=4)
+        self._refs = (References(self._buffers)
+                      if (differences is None and self.codec.spec != "none") or differences else None)
         self._io = PeerIO(
             experiment=experiment,
             peer_id=peer_id,
@@ -186,6 +189,11 @@ class PushSumPeer:
         self._closed = False
 
     # -- counters ----------------------------------------------------------------------
+    @property
+    def buffers_reused(self) -> int:
+        """Model-sized buffers taken again instead of allocated, by the trainer's and the I/O thread's pools."""
+        return self._buffers.reused + self._io.buffers_reused
+
     @property
     def bytes_up(self) -> int:
         return self._io.bytes_up
@@ -287,12 +295,17 @@ class PushSumPeer:
         with torch.no_grad():
             value: torch.Tensor | None = None
             ref: int | None = None
+            n = z.numel()
+            held = self._buffers.take("held", torch.float32, n)  # the hold's mass, until it is answered
             if self._refs is None:
-                payload = self.codec.encode(z.detach() * w_s)
-                d = self.codec.decode(payload, (z.numel(),), torch.float32)
+                scaled = torch.mul(z.detach().cpu().reshape(-1), w_s, out=self._buffers.take("scaled", torch.float32, n))
+                payload = self.codec.encode(scaled, key="mass")
+                del scaled
+                d = self.codec.decode(payload, (n,), torch.float32, out=held)
             else:
                 payload, ref, value = self._refs.encode(self.codec, z.detach().cpu(), to)
-                d = value_mass(value, w_s)
+                d = value_mass(value, w_s, out=held)
+            del held
             hid = next(self._ids)
             meta = MassMeta(id=hid, inc=self._io.incarnation, gen=self.generation, step=step, weight=w_s,
                             codec=self.codec.spec, payload=payload.meta, ref=ref).to_meta()
@@ -337,7 +350,10 @@ class PushSumPeer:
             restored += 1
         self._returned = []
         for d, weight, generation in items:
-            total = d.clone() if total is None else total.add_(d)
+            if total is None:
+                total = self._buffers.take("total", torch.float32, d.numel()).copy_(d)
+            else:
+                total.add_(d)
             w_all += weight
             if generation == self.generation:
                 w_current += weight

@@ -12,6 +12,7 @@ import pytest
 import torch
 import zmq
 
+from gossamer.compression.wire_pool import MIN_POOLED
 from gossamer.gossip import PushSumPeer, out_peer
 from gossamer.gossip.neighbours import MAX_IDLE_SOCKETS
 from gossamer.gossip.shares import LagBound, ShareWait, senders_to
@@ -41,9 +42,9 @@ def join(peers: list[PushSumPeer], generation: int) -> None:
         p.set_membership({q.peer_id: q.endpoint for q in peers if q is not p}, generation)
 
 
-def initial_z(n: int, seed: int = 0) -> list[torch.Tensor]:
+def initial_z(n: int, seed: int = 0, dim: int = DIM) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(DIM, generator=g) * 3 + i for i in range(n)]
+    return [torch.randn(dim, generator=g) * 3 + i for i in range(n)]
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float) -> None:
@@ -297,14 +298,19 @@ def test_int8_values_without_differences_stop_at_the_codec_precision(closing: li
     assert relative_distance(peers, zs) > 1e-4  # what the differences are for
 
 
-def test_differences_under_loss_keep_mass_exact_and_references_in_step(closing: list[PushSumPeer]) -> None:
+@pytest.mark.parametrize("dim", [DIM, 2 * MIN_POOLED], ids=["small", "pooled"])
+def test_differences_under_loss_keep_mass_exact_and_references_in_step(closing: list[PushSumPeer], dim: int) -> None:
     """Dropped MASS, ACKs and CANCELs: NACKed or cancelled holds drop their neighbour's
-    reference (the next MASS goes whole), and the values both ends keep never drift."""
+    reference (the next MASS goes whole), and the values both ends keep never drift.
+
+    At `pooled` size the model-sized buffers are reused (`buffers_reused`): a buffer a hold,
+    a reference or an unmixed mass still holds must never be written again.
+    """
     hook = lossy({"MASS": 0.2, "ACK": 0.2, "CANCEL": 0.1}, max_delay=0.05, seed=2)
     closing += make_peers(4, codec="int8", ack_timeout_s=0.15, fault=hook)
     peers = closing
     join(peers, 1)
-    zs = initial_z(4, seed=2)
+    zs = initial_z(4, seed=2, dim=dim)
     avg0 = weighted_average(peers, zs)
     restored = r = 0
     for _ in range(10):
@@ -319,6 +325,10 @@ def test_differences_under_loss_keep_mass_exact_and_references_in_step(closing: 
             break
     assert relative_distance(peers, zs) < 1e-6, f"no consensus after {r} rounds"
     assert restored > 0
+    if dim >= MIN_POOLED:
+        assert all(p.buffers_reused > r for p in peers), [p.buffers_reused for p in peers]
+    else:
+        assert all(p.buffers_reused == 0 for p in peers)  # small ones come from malloc's heap
 
 
 def test_a_reference_the_receiver_evicted_is_nacked_and_the_next_mass_goes_whole(

@@ -31,6 +31,9 @@ def model_buffers(per_key: int) -> WirePool:
     mmap allocations >= 1 MiB, `worker.allocator`): on the WAN bench half of a gossip
     worker's CPU time went to page faults and munmap. Taken from here, a buffer nothing
     references any more is written again; each key keeps at most `per_key` of them.
+
+    Memory: the peak is what fresh buffers would reach (those live at once), but the pool
+    keeps them between steps: as many per key as were ever live together, at most `per_key`.
     """
     return WirePool(per_key=per_key)
 

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gossamer.compression.codec import Codec, Payload
+from gossamer.compression.codec import Codec, Payload, all_finite
 from gossamer.compression.codec_spec import parse_codec
 from gossamer.compression.error_feedback import ErrorFeedback
 from gossamer.compression.registry import codec_entry
+from gossamer.compression.wire_pool import WirePool
 from gossamer.compression.worker_momentum import WorkerMomentum
 from gossamer.errors import ConfigError, ProtocolError
 
@@ -160,6 +161,8 @@ class ChunkCompressor:
             total += numel
         self._segments: dict[int, tuple[Segment, ...]] = {}
         self.feedback = ErrorFeedback()
+        #: What decoding gave back, per chunk size, reused: a fresh chunk is faulted in page by page.
+        self._kept = WirePool(per_key=1)
         #: Chunks whose next `encode` input already holds their residual (taken out with `feedback.take`) and
         #: is handed over: the new residual is kept in it, in place (DiLoCo's round start, `RoundStart`).
         self.folded: set[int] = set()
@@ -295,10 +298,11 @@ class ChunkCompressor:
         feedback = any(self.uses_error_feedback(seg.param) for seg in segs)
         handed = chunk_index in self.folded and feedback and self.momentum is None
         self.folded.discard(chunk_index)
+        in_residual = False  # compensated in the residual's own buffer, which then takes the new residual
         if feedback:
             if not handed:
-                x = self.feedback.compensate(key, x)
-            kept = torch.empty_like(x)
+                x, in_residual = self._compensate(chunk_index, key, x)
+            kept = self._kept.take(f"kept:{numel}", torch.float32, numel)
         tensors: dict[str, torch.Tensor] = {}
         seg_meta: list[dict[str, Any]] = []
         for s, seg in enumerate(segs):
@@ -335,7 +339,7 @@ class ChunkCompressor:
             )
         if feedback:
             ours = x.untyped_storage().data_ptr()
-            if handed and all(t.untyped_storage().data_ptr() != ours for t in tensors.values()):
+            if (handed or in_residual) and all(t.untyped_storage().data_ptr() != ours for t in tensors.values()):
                 self.feedback.keep(key, x.sub_(kept))  # in the buffer handed over: no new residual
             else:
                 self.feedback.update(key, x, kept)
@@ -348,6 +352,23 @@ class ChunkCompressor:
         self.wire_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         self.encode_seconds += time.perf_counter() - t0
         return tensors, meta
+
+    def _compensate(self, chunk_index: int, key: str, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """`x` plus `key`'s residual, and whether that sum is in the residual's own buffer (taken out).
+
+        In place where it can be (x + r and r + x are the same fp32 sums): a new sum and a new
+        residual per chunk and step were two fresh chunk-sized tensors, faulted in page by page
+        (role processes mmap them, `worker.allocator`). Values that are not finite are refused
+        before the residual is touched, as the codec would refuse them.
+        """
+        r = self.feedback.residual(key)
+        if (r is None or r.shape != x.shape or r.dtype != torch.float32 or r.device != x.device
+                or r.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()):
+            return self.feedback.compensate(key, x), False
+        if not all_finite(x):
+            raise ValueError(f"chunk {chunk_index}: cannot encode values holding NaN or Inf")
+        self.feedback.take(key)
+        return r.add_(x), True
 
     def decode(
         self, chunk_index: int, tensors: Mapping[str, torch.Tensor], meta: Any

@@ -806,6 +806,30 @@ def test_chunk_error_feedback_accumulates_what_topk_dropped():
     assert torch.allclose(sent + residual.double(), total, atol=1e-4)
 
 
+def test_chunk_error_feedback_compensates_in_the_residual_buffer_and_keeps_it_exact():
+    """At a size the pools serve: one residual buffer per chunk across steps (no new sum and
+    residual per step), the same invariant, and a non-finite gradient refused before the
+    residual is touched."""
+    big = ShardPlan.build([("w", 1 << 17)], num_shards=1, chunk_numel=1 << 17)
+    enc, dec = ChunkCompressor("topk:0.01", big), ChunkCompressor("topk:0.01", big)
+    g = torch.Generator().manual_seed(0)
+    sent = torch.zeros(big.total_numel, dtype=torch.float64)
+    total = torch.zeros(big.total_numel, dtype=torch.float64)
+    buffers = set()
+    for _ in range(6):
+        grad = torch.randn(big.total_numel, generator=g)
+        sent += dec.decode(0, *enc.encode(0, grad)).double()
+        total += grad.double()
+        buffers.add(enc.feedback.residual("c0").untyped_storage().data_ptr())
+    assert len(buffers) == 1  # the first step's residual, reused in place ever since
+    residual = enc.feedback.residual("c0")
+    assert torch.allclose(sent + residual.double(), total, atol=1e-4)
+    before = residual.clone()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        enc.encode(0, torch.full((big.total_numel,), float("nan")))
+    assert torch.equal(enc.feedback.residual("c0"), before)
+
+
 def test_decoder_refuses_a_sender_using_another_codec():
     pl = plan(10_000)
     tensors, meta = ChunkCompressor("int8", pl).encode(0, torch.randn(pl.total_numel))
@@ -916,10 +940,13 @@ def test_topk_payload_size_does_not_depend_on_tiny_values(spec):
     assert bool((err <= codec.error_bound(x)).all())
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["small", "pooled"])
 @pytest.mark.parametrize("spec", every_codec(["topk:0.05"], lambda e: e.error_feedback and e.elementwise))
-def test_chunk_error_feedback_accumulates_what_every_biased_codec_dropped(spec):
-    pl = plan(10_000)
-    enc, dec = ChunkCompressor(spec, pl, seed=4), ChunkCompressor(spec, pl)
+def test_chunk_error_feedback_accumulates_what_every_biased_codec_dropped(spec, pooled):
+    # pooled: chunks big enough that what decoding gave back goes into a reused buffer
+    pl = ShardPlan.build([("w", 1 << 17)], num_shards=1, chunk_numel=1 << 17) if pooled else plan(10_000)
+    shapes = {"w": (256, 512)} if pooled else None
+    enc, dec = ChunkCompressor(spec, pl, seed=4, shapes=shapes), ChunkCompressor(spec, pl, shapes=shapes)
     g = torch.Generator().manual_seed(1)
     sent = torch.zeros(pl.total_numel, dtype=torch.float64)
     total = torch.zeros(pl.total_numel, dtype=torch.float64)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gossamer.compression.codec import Codec, Payload, all_finite
+from gossamer.compression.codec import Codec, Payload
 from gossamer.compression.codec_spec import parse_codec
 from gossamer.compression.error_feedback import ErrorFeedback
 from gossamer.compression.registry import codec_entry
@@ -301,7 +301,9 @@ class ChunkCompressor:
         in_residual = False  # compensated in the residual's own buffer, which then takes the new residual
         if feedback:
             if not handed:
-                x, in_residual = self._compensate(chunk_index, key, x)
+                summed = self.feedback.compensate_in_place(key, x)
+                in_residual = summed is not None
+                x = summed if summed is not None else self.feedback.compensate(key, x)
             kept = self._kept.take(f"kept:{numel}", torch.float32, numel)
         tensors: dict[str, torch.Tensor] = {}
         seg_meta: list[dict[str, Any]] = []
@@ -352,23 +354,6 @@ class ChunkCompressor:
         self.wire_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         self.encode_seconds += time.perf_counter() - t0
         return tensors, meta
-
-    def _compensate(self, chunk_index: int, key: str, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """`x` plus `key`'s residual, and whether that sum is in the residual's own buffer (taken out).
-
-        In place where it can be (x + r and r + x are the same fp32 sums): a new sum and a new
-        residual per chunk and step were two fresh chunk-sized tensors, faulted in page by page
-        (role processes mmap them, `worker.allocator`). Values that are not finite are refused
-        before the residual is touched, as the codec would refuse them.
-        """
-        r = self.feedback.residual(key)
-        if (r is None or r.shape != x.shape or r.dtype != torch.float32 or r.device != x.device
-                or r.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()):
-            return self.feedback.compensate(key, x), False
-        if not all_finite(x):
-            raise ValueError(f"chunk {chunk_index}: cannot encode values holding NaN or Inf")
-        self.feedback.take(key)
-        return r.add_(x), True
 
     def decode(
         self, chunk_index: int, tensors: Mapping[str, torch.Tensor], meta: Any

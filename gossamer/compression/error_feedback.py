@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from gossamer.compression.codec import all_finite
+
 __all__ = ["ErrorFeedback"]
 
 
@@ -42,6 +44,26 @@ class ErrorFeedback:
                 f"gradient {list(g.shape)}"
             )
         return g + r
+
+    def compensate_in_place(self, key: str, grad: torch.Tensor) -> torch.Tensor | None:
+        """`grad` plus `key`'s residual in the residual's own buffer, taken out (the caller `keep`s the
+        next residual); None where it cannot be (no residual, another shape, dtype or device, or the
+        same storage as `grad`): use `compensate`.
+
+        r + g is the same fp32 sum as g + r; a new sum and a new residual per step were two fresh
+        tensors, faulted in page by page in role processes (`worker.allocator`).
+
+        Raises:
+            ValueError: `grad` holds NaN or Inf (refused before the residual is touched).
+        """
+        r = self._residual.get(key)
+        if (r is None or r.shape != grad.shape or r.dtype != torch.float32 or grad.dtype != torch.float32
+                or r.device != grad.device or r.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()):
+            return None
+        if not all_finite(grad):
+            raise ValueError(f"error feedback {key!r}: cannot compensate values holding NaN or Inf")
+        del self._residual[key]
+        return r.add_(grad.detach())
 
     def update(self, key: str, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
         """Keep ``compensated - decoded`` (what the receiver did not get) as `key`'s residual."""

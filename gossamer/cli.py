@@ -315,8 +315,9 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from gossamer.plot import plot_experiment
+    from gossamer.plot import plot_experiment, require_matplotlib
 
+    require_matplotlib()  # before reaching the coordinator: nothing to fetch for without it
     path = plot_experiment(_client(args).job(args.id), args.out or f"{args.id}.png")
     print(f"wrote {path}")
     return 0

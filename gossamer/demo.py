@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 import time
 
 from gossamer.client import Client
+from gossamer.errors import MissingExtraError
 from gossamer.experiment import Experiment
 from gossamer.local_cluster import LocalCluster
 from gossamer.watch import follow
@@ -24,6 +26,13 @@ def demo_experiment(workers: int, shards: int, total_steps: int) -> Experiment:
 
 
 def run_demo(workers: int = 3, shards: int = 2, total_steps: int = 1500, keep: bool = False) -> int:
+    """Run the demo to its end; the exit code of following the run.
+
+    Raises:
+        MissingExtraError: scikit-learn (the digits data) is not installed; said before anything starts.
+    """
+    if importlib.util.find_spec("sklearn") is None:
+        raise MissingExtraError("scikit-learn", "examples", "gossamer demo (the digits data)")
     state = tempfile.mkdtemp(prefix="gossamer-demo-") if keep else None
     t0 = time.monotonic()
     with LocalCluster(state) as cluster:

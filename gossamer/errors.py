@@ -53,5 +53,19 @@ class CheckpointError(GossamerError):
     """A checkpoint is missing, partial or fails its checksum."""
 
 
+class MissingExtraError(GossamerError):
+    """A verb or path needs a package that only an optional extra of gossamer installs.
+
+    The core install (a coordinator, a node, the user's own training) needs no extra; the
+    message names the package and the `pip install` line that brings it.
+    """
+
+    def __init__(self, package: str, extra: str, needed_for: str) -> None:
+        self.package = package
+        self.extra = extra
+        super().__init__(f"{needed_for} needs {package}, which the core install leaves out: "
+                         f"pip install 'gossamer[{extra}]'")
+
+
 class AuthError(GossamerError):
     """Credentials (token, certificate, CurveZMQ key) are missing or wrong."""

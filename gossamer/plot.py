@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gossamer.errors import GossamerError
+from gossamer.errors import GossamerError, MissingExtraError
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -17,6 +18,12 @@ Series = tuple[list[float], list[float]]
 #: A source's rate counts towards the total only this long after its last report (a worker
 #: that left stops counting; workers report about once a second).
 _RATE_TTL_S = 5.0
+
+
+def require_matplotlib() -> None:
+    """Raise MissingExtraError naming the [plot] extra unless matplotlib can be imported (without importing it)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise MissingExtraError("matplotlib", "plot", "gossamer plot")
 
 
 def _worker_sources(points: Sequence[dict[str, Any]], key: str) -> list[str]:
@@ -71,6 +78,7 @@ def render(points: Sequence[dict[str, Any]], title: str = "", names: dict[str, s
     """
     if not points:
         raise GossamerError("no metric points to plot")
+    require_matplotlib()
     # No pyplot: no global state, and the Agg canvas whatever backend the user configured.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from gossamer.errors import MissingExtraError
+
 #: Fixed split: the last EVAL_SIZE samples of a seed-0 permutation are the eval set.
 EVAL_SIZE = 360
 
@@ -42,8 +44,10 @@ def load() -> tuple[np.ndarray, np.ndarray]:
         if csv.exists():
             table = np.loadtxt(csv, delimiter=",")
             return table[:, :-1], table[:, -1].astype(np.int64)
-    from sklearn.datasets import load_digits
-
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise MissingExtraError("scikit-learn", "examples", "the digits data (gossamer.examples.digits)") from None
     bunch = load_digits()
     return bunch.data, bunch.target
 

@@ -23,16 +23,22 @@ demo: $(STAMP)
 	$(BIN)/gossamer demo
 
 # mypy is single-threaded and the suite leaves part of the CPU idle (processes waiting on each other):
-# it runs beside the tests, and the target fails after them if it found anything.
+# it runs beside the tests. The quiet pass runs even after a failure in the parallel one, and the
+# target ends with every failure of both passes (test id and assertion), then fails if either pass
+# or mypy found anything.
 test: $(STAMP)
 	$(BIN)/ruff check gossamer tests bench
 	@# Bytecode once, for the hundreds of processes the suite starts (PYTHONDONTWRITEBYTECODE may be set)
 	$(BIN)/python -m compileall -q gossamer tests
+	rm -f $(VENV)/junit-parallel.xml $(VENV)/junit-quiet.xml
 	$(BIN)/mypy gossamer > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m 'not quiet' tests; rc=$$?; \
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m 'not quiet' \
+		--junitxml=$(VENV)/junit-parallel.xml tests; rc=$$?; \
+	$(BIN)/pytest -q -m quiet --junitxml=$(VENV)/junit-quiet.xml tests; quiet_rc=$$?; \
 	wait $$mypy; mypy_rc=$$?; cat $(VENV)/mypy.log; \
-	test $$rc -eq 0 && test $$mypy_rc -eq 0
-	$(BIN)/pytest -q -m quiet tests
+	$(BIN)/python tests/_failures.py $(VENV)/junit-parallel.xml $(VENV)/junit-quiet.xml; \
+	echo "parallel pass exit $$rc, quiet pass exit $$quiet_rc, mypy exit $$mypy_rc"; \
+	test $$rc -eq 0 && test $$quiet_rc -eq 0 && test $$mypy_rc -eq 0
 
 lint: $(STAMP)
 	$(BIN)/ruff check gossamer tests bench

@@ -31,7 +31,7 @@ import zmq
 
 from gossamer.compression import Codec, Payload
 from gossamer.errors import AuthError, ProtocolError
-from gossamer.gossip.differences import ReceivedValues
+from gossamer.gossip.differences import EXACT, ReceivedValues
 from gossamer.gossip.neighbours import NeighbourSockets
 from gossamer.protocol import CancelMeta, MassMeta, SnapMeta
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
@@ -686,7 +686,7 @@ class PeerIO:
             reason, text = "generation", f"generation {gen}, this peer is at {self._generation}"
         elif self._numel is None:
             reason, text = "not_ready", "this peer does not know its parameter size yet"
-        elif m.codec != self.codec.spec:
+        elif m.codec != self.codec.spec and not (m.codec == EXACT.spec and m.ref == -1):  # an exact re-sync
             reason, text = "codec", f"codec {msg.meta.get('codec')!r}, this peer uses {self.codec.spec!r}"
         elif not (math.isfinite(weight) and 0 < weight <= _MAX_WEIGHT):
             reason, text = "weight", f"weight {weight!r} is not in (0, {_MAX_WEIGHT:g}]"
@@ -703,8 +703,9 @@ class PeerIO:
             # A difference is added to its reference at once (scratch); a whole value becomes the
             # next reference; a plain MASS is the mass, kept until the trainer mixes it.
             into = "difference" if m.ref is not None and m.ref >= 0 else "value" if m.ref is not None else "mass"
-            d = self.codec.decode(Payload(msg.tensors, pmeta), (self._numel,), torch.float32,
-                                  out=self._values.buffers.take(into, torch.float32, self._numel))
+            codec = self.codec if m.codec == self.codec.spec else EXACT
+            d = codec.decode(Payload(msg.tensors, pmeta), (self._numel,), torch.float32,
+                             out=self._values.buffers.take(into, torch.float32, self._numel))
         except ProtocolError as e:
             bad = "NaN" in str(e) or "beyond the fp32 range" in str(e)
             _remember(seen, hid, False)

@@ -208,6 +208,11 @@ class PushSumPeer:
         return self._io.raw_bytes_up
 
     @property
+    def send_failures(self) -> int:
+        """Messages and replies this peer could not send (a full queue, a peer gone) so far."""
+        return self._io.send_failures
+
+    @property
     def rejected(self) -> dict[str, int]:
         """Incoming messages refused so far, by reason ("generation", "nonfinite", ...)."""
         return dict(self._io.rejected)
@@ -295,6 +300,7 @@ class PushSumPeer:
         with torch.no_grad():
             value: torch.Tensor | None = None
             ref: int | None = None
+            spec = self.codec.spec
             n = z.numel()
             held = self._buffers.take("held", torch.float32, n)  # the hold's mass, until it is answered
             if self._refs is None:
@@ -303,12 +309,12 @@ class PushSumPeer:
                 del scaled
                 d = self.codec.decode(payload, (n,), torch.float32, out=held)
             else:
-                payload, ref, value = self._refs.encode(self.codec, z.detach().cpu(), to)
+                payload, ref, value, spec = self._refs.encode(self.codec, z.detach().cpu(), to)
                 d = value_mass(value, w_s, out=held)
             del held
             hid = next(self._ids)
             meta = MassMeta(id=hid, inc=self._io.incarnation, gen=self.generation, step=step, weight=w_s,
-                            codec=self.codec.spec, payload=payload.meta, ref=ref).to_meta()
+                            codec=spec, payload=payload.meta, ref=ref).to_meta()
             frames = encode(
                 Message(
                     op=MASS,

@@ -176,7 +176,8 @@ class Router:
     ) -> None:
         """`name`: how logs call the server; `refusal_reply` answers a refused request;
         `curve`: serve with CurveZMQ, accepting only the keyring's members; `refused`: the
-        counter to count refusals in (default: a new one); `send_depth`: see `configure_socket`;
+        counter to count refusals in (default: a new one); `send_depth`: see `configure_socket`
+        (default `BUDGETED_SEND_DEPTH` with `outgoing`, as what is left to queue then is small);
         `outgoing`: the reply budget large replies are held against (None: not bounded)."""
         self.name = name
         self.outgoing = outgoing
@@ -189,6 +190,10 @@ class Router:
         self.socket = ctx.socket(zmq.ROUTER)
         self._auth: MembershipAuthenticator | None = None
         try:
+            # A queue sized for the largest message would drop small answers to an honest peer
+            # that reads them all, whenever ZMQ's I/O thread falls behind a burst on a busy host.
+            if send_depth is None and outgoing is not None:
+                send_depth = BUDGETED_SEND_DEPTH
             configure_socket(self.socket, limits, send_depth=send_depth)
             if curve is not None:
                 self._auth = curve.authenticator(ctx)

@@ -106,6 +106,14 @@ class Incoming:
     d: torch.Tensor
 
 
+def _codec_of(own: Codec, m: MassMeta) -> Codec | None:
+    """The codec a MASS's payload decodes with: this peer's, or fp32 for a whole value that
+    re-synchronises a lost reference (`differences.EXACT`); None when neither applies."""
+    if m.codec == own.spec:
+        return own
+    return EXACT if m.codec == EXACT.spec and m.ref == -1 else None
+
+
 class _Every:
     """Says when `interval_s` has passed since it last said so: a flood must not flood the log too."""
 
@@ -686,7 +694,7 @@ class PeerIO:
             reason, text = "generation", f"generation {gen}, this peer is at {self._generation}"
         elif self._numel is None:
             reason, text = "not_ready", "this peer does not know its parameter size yet"
-        elif m.codec != self.codec.spec and not (m.codec == EXACT.spec and m.ref == -1):  # an exact re-sync
+        elif (codec := _codec_of(self.codec, m)) is None:
             reason, text = "codec", f"codec {msg.meta.get('codec')!r}, this peer uses {self.codec.spec!r}"
         elif not (math.isfinite(weight) and 0 < weight <= _MAX_WEIGHT):
             reason, text = "weight", f"weight {weight!r} is not in (0, {_MAX_WEIGHT:g}]"
@@ -698,12 +706,11 @@ class PeerIO:
             _remember(seen, hid, False)
             self._refuse(identity, msg, reason, text)
             return
-        assert self._numel is not None and pmeta is not None
+        assert self._numel is not None and pmeta is not None and codec is not None
         try:
             # A difference is added to its reference at once (scratch); a whole value becomes the
             # next reference; a plain MASS is the mass, kept until the trainer mixes it.
             into = "difference" if m.ref is not None and m.ref >= 0 else "value" if m.ref is not None else "mass"
-            codec = self.codec if m.codec == self.codec.spec else EXACT
             d = codec.decode(Payload(msg.tensors, pmeta), (self._numel,), torch.float32,
                              out=self._values.buffers.take(into, torch.float32, self._numel))
         except ProtocolError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -75,9 +76,14 @@ def core_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
     where = tmp_path_factory.mktemp("core-venv")
     venv.EnvBuilder(with_pip=True).create(where)
     bin_dir = where / "bin"
-    # The pinned CPU build (from local disk here), then gossamer from this tree without extras.
+    # From a copy of the source: a build in the tree would leave build/ and egg-info in it.
+    source = tmp_path_factory.mktemp("core-source")
+    shutil.copytree(ROOT / "gossamer", source / "gossamer", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    # The pinned CPU build (from local disk here), then gossamer without extras.
     out = subprocess.run([str(bin_dir / "pip"), "install", "-q", "--disable-pip-version-check", "torch==2.13.0",
-                          str(ROOT)], capture_output=True, text=True, timeout=480)
+                          str(source)], capture_output=True, text=True, timeout=480)
     if out.returncode != 0 and "torch==2.13.0" in out.stderr and "No matching distribution" in out.stderr:
         pytest.skip(f"the pinned CPU torch cannot be installed here: {out.stderr[-300:]}")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]

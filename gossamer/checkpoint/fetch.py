@@ -225,7 +225,7 @@ def _check_manifest(raw: bytes, experiment: str, step: int, shard: int) -> dict[
         raise FetchError(f"the {MANIFEST} of shard {shard} lists no files")
     out = {}
     for name, entry in files.items():
-        # Bare names only: the file lands beside the manifest, never elsewhere (issue 15 item 8).
+        # Bare names only: the file lands beside the manifest, never elsewhere: a name from a stranger's manifest must not write outside the checkpoint.
         if not isinstance(name, str) or name in ("", ".", "..", MANIFEST) or any(c in name for c in "/\\\0"):
             raise FetchError(f"the {MANIFEST} of shard {shard} names {name!r}: only bare file names are allowed")
         size, digest = (entry.get("bytes"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)

@@ -35,7 +35,7 @@ def test_all_nodes_killed_the_run_waits_then_resumes_from_its_newest_checkpoint_
         cluster.kill_node("w0")
         cluster.kill_node("ps")
         at_kill = assert_running(job, "the kill of every node")
-        # The two losses can be seen one at a time (w0's first at load 17, pair run C7): wait for the
+        # The two losses can be seen one at a time (w0's first, seen at load 17): wait for the
         # waiting event that follows both.
         waiting = wait_event(job, lambda e: e["kind"] == "waiting" and "host shard 0" in e["message"]
                              and "a node to run a worker" in e["message"], 60, "the waiting event for both")

@@ -1,5 +1,5 @@
 """Data-plane authority through real processes: only the coordinator promotes, only the primary replicates,
-and no member speaks for another (issue 15, item 4)."""
+and no member speaks for another."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def test_a_backup_takes_promotion_only_at_a_newer_epoch() -> None:
 
 def test_a_stray_hello_to_the_backup_changes_nothing_and_the_run_completes(tmp_path: Path,
                                                                           make_cluster: MakeCluster) -> None:
-    """The reproduction of issue 15: one HELLO from a plain DEALER promoted the backup, and the run wedged."""
+    """One HELLO from a plain DEALER must not promote the backup (without the check, the run wedged)."""
     with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))
         for name in ("ps0", "ps1"):

@@ -1,4 +1,4 @@
-"""Who may speak as a data-plane sender (issue 15, items 2 and 4): with CURVE only the sender's own
+"""Who may speak as a data-plane sender: with CURVE only the sender's own
 node key, whatever token it carries; and a shard gathers PUSH parts only from current workers,
 at most two half-gathered updates each. Real sockets, real CURVE keys, servers in this process."""
 

@@ -1,6 +1,6 @@
 """DiLoCo on real shards: H=20 local steps per round ends where sync mode ends, at a fraction of the bytes.
 
-The outer momentum is 0.6 (the default since issue 17), not the paper's 0.9: with AdamW's
+The outer momentum is 0.6 (the default), not the paper's 0.9: with AdamW's
 inner steps 0.9 grows the weights on digits (measured: same accuracy band, eval loss 0.63
 against 0.10; more rounds make it worse: README, DiLoCo).
 """
@@ -60,8 +60,8 @@ def test_diloco_async_outer_step_trains() -> None:
 
 def test_diloco_sync_and_async_at_the_defaults_end_where_sync_mode_ends() -> None:
     # bench/modes.py's digits cell on 3 workers (400 steps each), every DiLoCo setting at its default.
-    # Eval loss, not only accuracy (360 eval samples: one is 0.28 points): before issue 17 the outer
-    # momentum 0.9 grew the weights (in-process model, 12 seeds: eval loss 0.59 sync, 0.38 async,
+    # Eval loss, not only accuracy (360 eval samples: one is 0.28 points): an outer
+    # momentum of 0.9 grew the weights (in-process model, 12 seeds: eval loss 0.59 sync, 0.38 async,
     # against sync mode's 0.10) and the async outer step was a third of the sync one. Measured here:
     # sync mode 0.975 / 0.090; diloco/sync 0.983 / 0.097; diloco/async 0.969-0.981 / 0.10-0.12 (5 runs).
     sync = run_async(experiment(DILOCO, mode="sync", lr=0.05, momentum=0.9), workers=3)

@@ -61,8 +61,7 @@ def test_a_backup_holds_its_state_the_forwarded_payload_and_the_sum_a_group_of_c
         pair: tuple[Connection, Connection, str]) -> None:
     """Two int8 workers, sync steps: each step's two pushes are forwarded encoded. The backup's peak over
     its synced state is its momentum (1x the shard), the forwarded payload (~0.5x) and the step's sum one
-    group of chunks at a time: da2d041 held the whole sum (1x), and before c8bdd58 each push's dense decode
-    too. The primary's peak is bounded likewise (bit-identity is test_replication_encoded's)."""
+    group of chunks at a time, not the whole sum (1x) nor each push's dense decode. The primary's peak is bounded likewise (bit-identity is test_replication_encoded's)."""
     primary, backup, endpoint = pair
     p = plan()
     shard = 4 * NUMEL
@@ -92,12 +91,12 @@ def test_a_backup_holds_its_state_the_forwarded_payload_and_the_sum_a_group_of_c
     assert 0 < payload < shard, payload
     # Held: momentum (1x), the payload, and the step's sum a group of chunks (16 MiB, a quarter of this shard)
     # at a time. Measured 2.03x (payload 0.5x included; 3 runs, quiet). What the test proves: less than one whole
-    # dense sum beside those (main at da2d041 held it: 2.91x; before c8bdd58 also a push's dense copy: 3.73x).
+    # dense sum beside those (holding it measured 2.91x; with a push's dense copy too, 3.73x).
     assert grown["backup"] < 2 * shard + payload, (grown, shard, payload)
     # The primary: momentum, the pushes' payloads (held encoded until the step, then forwarded), the values a
     # reply may still read written aside (one copy), and the sum a group at a time. Measured 2.11x (3 runs, quiet;
     # 2.67x to 3.07x when the replicas kept glibc's adaptive mmap threshold, unlike a role process);
-    # less than half a dense sum beyond those (da2d041, the whole sum: 3.22x; before c8bdd58: 5.14x).
+    # less than half a dense sum beyond those (the whole sum measured 3.22x; with a push's dense copy, 5.14x).
     assert grown["primary"] < 2.5 * shard + payload, (grown, shard, payload)
     print(f"shard {shard / _MIB:.0f} MiB, payload/step {payload / _MIB:.1f} MiB, grown "
           + ", ".join(f"{r} {v / shard:.2f}x" for r, v in grown.items()) + f" ({time.monotonic():.0f})")

@@ -1,4 +1,4 @@
-"""Sign leaves a parameter of dim < 2 (bias, norm gain) uncompressed when its shape is known, on both ends (issue 17)."""
+"""Sign leaves a parameter of dim < 2 (bias, norm gain) uncompressed when its shape is known, on both ends."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scaled sign with the momentum on the worker trains like `none` with three async workers (issue 17)."""
+"""Scaled sign with the momentum on the worker trains like `none` with three async workers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests._async_sim import simulate
 
 def test_sign_with_momentum_trains_within_a_point_of_none_with_three_async_workers() -> None:
     # In-process async (tests/_async_sim.py), digits MLP, lr 0.05, momentum 0.9, 1500 steps, seeds 0-2, the
-    # mean over the seeds as issue 17's acceptance reads. The mean-scaled sign reached 0.956 here against none's
+    # mean over the seeds. The mean-scaled sign reached 0.956 here against none's
     # 0.978 on seed 0 (the CLI sim over 3 seeds: 0.956 against 0.980): error feedback lagged behind a sign sending
     # ~0.8 of its input's norm. The rms scale capped at 1.5 x the mean (SignCodec) reached 0.975 on seed 0. With
     # the 1-D parameters as fp32 (CodecEntry.dense_vectors) seed 0 gives 0.953 and seeds 1-7 0.967-0.983 (mean

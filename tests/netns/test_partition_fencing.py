@@ -1,4 +1,4 @@
-"""Lease-based fencing under a real partition : the primary shard's host loses its link for
+"""Lease-based fencing under a real partition: the primary shard's host loses its link for
 longer than the lease; its backup is promoted at the next epoch; the link comes back; the run completes with
 no acknowledged update lost and no shard epoch answered by two primaries.
 

@@ -326,8 +326,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from gossamer.export import export_experiment
 
-    path, runs = export_experiment(_client(args).job(args.id), args.tensorboard)
-    print(f"wrote {sum(runs.values())} scalars in {len(runs)} runs to {path} (tensorboard --logdir {args.tensorboard})")
+    done = export_experiment(_client(args).job(args.id), args.tensorboard)
+    print(f"wrote {sum(done.runs.values())} scalars in {len(done.runs)} runs to {done.path} "
+          f"(tensorboard --logdir {args.tensorboard})")
+    if done.merged:
+        print(f"{done.merged} points came merged per source into time buckets: each tag holds the bucket's mean, "
+              "TAG/min and TAG/max its extremes")
     return 0
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,11 @@ def write_tensorboard(points: Iterable[dict[str, Any]], out: str | Path,
     the point's step and wall time. Values are stored as TensorBoard stores scalars
     (float32); non-finite ones are left out, as `gossamer plot` leaves them out.
 
+    A merged point (a range of more than 5,000 points, or points older than the coordinator's
+    --metrics-retention: "count", "min" and "max" dicts by key) gives each tag the bucket's
+    mean at the bucket's last step and time, so the series runs on across raw and merged
+    points, and `<tag>/min`, `<tag>/max` the bucket's extremes (only merged points have them).
+
     Raises:
         GossamerError: `tensorboard` is not installed, or `out` already holds event files
             (a second export would show every point twice).
@@ -59,8 +65,7 @@ def write_tensorboard(points: Iterable[dict[str, Any]], out: str | Path,
         n = 0
         try:
             for p in series:
-                values = [summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in p.items()
-                          if k not in ("time_unix", "step", "source") and math.isfinite(v)]
+                values = [summary_pb2.Summary.Value(tag=tag, simple_value=v) for tag, v in scalars(p)]
                 if values:
                     writer.add_event(event_pb2.Event(wall_time=p["time_unix"], step=int(p["step"]),
                                                      summary=summary_pb2.Summary(value=values)))
@@ -71,7 +76,36 @@ def write_tensorboard(points: Iterable[dict[str, Any]], out: str | Path,
     return counts
 
 
-def export_experiment(job: Any, out: str | Path) -> tuple[Path, dict[str, int]]:
+def is_merged(point: dict[str, Any]) -> bool:
+    """Whether `point` stands for several reported ones (`Job.metrics()` adds count, min and max)."""
+    return isinstance(point.get("min"), dict)
+
+
+def scalars(point: dict[str, Any]) -> Iterator[tuple[str, float]]:
+    """(tag, value) of every finite value of `point`; a merged point's min and max as `<key>/min`, `<key>/max`."""
+    merged = is_merged(point)
+    for key, value in point.items():
+        if key in ("time_unix", "step", "source") or merged and key in ("count", "min", "max"):
+            continue
+        if math.isfinite(value):
+            yield key, float(value)
+    if merged:
+        for bound in ("min", "max"):
+            for key, value in point[bound].items():
+                if math.isfinite(value):
+                    yield f"{key}/{bound}", float(value)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What `export_experiment` wrote: where, the scalar count per run, and how many points were merged ones."""
+
+    path: Path
+    runs: dict[str, int]
+    merged: int
+
+
+def export_experiment(job: Any, out: str | Path) -> Exported:
     """Fetch `job.metrics()` and write them to `out/<experiment id>` (see `write_tensorboard`).
 
     Several experiments exported to one `out` are runs side by side under
@@ -88,4 +122,4 @@ def export_experiment(job: Any, out: str | Path) -> tuple[Path, dict[str, int]]:
                             "try again once it is running")
     names = {r["node_id"]: r["node"] for r in status["roles"] if r.get("node")}
     path = Path(out) / job.id
-    return path, write_tensorboard(points, path, names)
+    return Exported(path, write_tensorboard(points, path, names), sum(map(is_merged, points)))

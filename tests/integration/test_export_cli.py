@@ -1,4 +1,4 @@
-"""`gossamer export ID --tensorboard DIR` on a real run: the event files hold exactly the series the client reports."""
+"""`gossamer export ID --tensorboard DIR` on a real run, and past the point limit: the event files hold exactly the series the client reports."""
 
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from gossamer import Client
+from gossamer.coordinator.metric_query import DEFAULT_MAX_POINTS
 from gossamer.export import run_dir
 from gossamer.local_cluster import LocalCluster
-from tests._fixtures import experiment
+from gossamer.v1 import coordinator_pb2 as pb
+from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+from tests._fixtures import DIGITS, StartCoordinator, experiment
 from tests.unit.test_export_tensorboard import read_runs
 
 pytest.importorskip("tensorboard")
@@ -69,3 +73,55 @@ def test_export_writes_every_reported_series_as_tensorboard_scalars(cluster: Loc
     unknown = _cli("export", "no-such-exp", "--tensorboard", str(tmp_path / "x"), "-c", address)
     assert unknown.returncode == 2 and "no-such-exp" in unknown.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_a_run_past_the_point_limit_exports_its_merged_points_with_their_extremes(
+        start_coordinator: StartCoordinator, tmp_path: Path) -> None:
+    """More points than one answer holds come merged per source: each tag is the bucket's mean at its
+    last step and time, TAG/min and TAG/max its extremes; nothing reported is lost from the envelope."""
+    coordinator = start_coordinator(check_imports=False)
+    per_source, sources = 6000, ("a/0", "b/ps0")  # 4 a second each: 12,000 points, 2 or 3 a bucket
+    assert per_source * len(sources) > DEFAULT_MAX_POINTS
+    reported: dict[str, list[float]] = {s: [] for s in sources}
+    with Client(coordinator.address) as client, grpc.insecure_channel(coordinator.address) as channel:
+        job = client.submit({"name": "long", **DIGITS, "num_ps_shards": 1, "min_workers": 8, "max_workers": 8})
+        stub = pb_grpc.ExperimentServiceStub(channel)
+        t0 = time.time() - per_source / 4
+        for start in range(0, per_source, 500):
+            batch = []
+            for i in range(start, min(start + 500, per_source)):
+                for k, source in enumerate(sources):
+                    loss = 3.0 / (1 + i / 100) + (0.5 if i % 7 == 0 else 0.0) + k
+                    reported[source].append(loss)
+                    values = {"loss": loss, **({"eval_loss": loss / 2} if i % 50 == 0 else {})}
+                    batch.append(pb.MetricPoint(time_unix=t0 + i / 4 + 0.1 * k, step=i, source=source, values=values))
+            stub.ReportMetrics(pb.ReportMetricsRequest(experiment_id=job.id, points=batch), timeout=30)
+        out = tmp_path / "tb"
+        res = _cli("export", job.id, "--tensorboard", str(out), "-c", coordinator.address)
+        assert res.returncode == 0, res.stdout + res.stderr
+        points = job.metrics()
+
+    merged = sum("count" in p for p in points)  # a bucket that caught one point is that point
+    assert len(points) <= DEFAULT_MAX_POINTS and merged > len(points) / 2, (len(points), merged)
+    assert f"{merged} points came merged per source into time buckets" in res.stdout, res.stdout
+    runs = read_runs(out / job.id)
+    assert sorted(runs) == sorted(run_dir(s).as_posix() for s in sources)
+    total = 0
+    for source in sources:
+        run = runs[run_dir(source).as_posix()]
+        mine = [p for p in points if p["source"] == source]
+        assert set(run) == {"loss", "loss/min", "loss/max", "eval_loss", "eval_loss/min", "eval_loss/max"}, sorted(run)
+        for tag, got in run.items():
+            key, _, bound = tag.partition("/")
+            want = [(p["time_unix"], p["step"], p[bound][key] if bound else p[key]) for p in mine
+                    if key in p and (not bound or "count" in p)]
+            assert [(t, s) for t, s, _ in got] == [(t, s) for t, s, _ in want], (source, tag)
+            assert [v for *_, v in got] == pytest.approx([v for *_, v in want], rel=1e-6), (source, tag)
+            total += len(got)
+        # The buckets stand for every reported point: their counts add up, their extremes are the series'.
+        assert sum(p.get("count", 1) for p in mine) == per_source
+        lows = [v for *_, v in run["loss/min"] + run["loss"]]
+        assert min(lows) == pytest.approx(min(reported[source]), rel=1e-6)
+        assert max(v for *_, v in run["loss/max"] + run["loss"]) == pytest.approx(max(reported[source]), rel=1e-6)
+        assert run["loss"][-1][1] == per_source - 1  # the last bucket sits at the last step reported
+    assert f"wrote {total} scalars in {len(runs)} runs" in res.stdout

@@ -71,3 +71,23 @@ def test_run_directories_are_safe_names_under_the_experiment() -> None:
     assert run_dir("abc/1", {"abc": "../x y"}) == Path("_x_y") / "1"
     assert run_dir("abc/0") == Path("abc")
     assert run_dir("n/ps2", {"n": "shard-host"}) == Path("shard-host") / "ps2"
+
+
+def test_merged_points_give_their_mean_at_their_step_and_their_extremes_as_own_tags(tmp_path: Path) -> None:
+    # Old points merged by the coordinator's retention, then points as reported: one series runs on.
+    pts: list[dict[str, Any]] = [
+        {"time_unix": 1000.0, "step": 10, "source": "n/0", "loss": 2.0, "count": 5,
+         "min": {"loss": 1.5}, "max": {"loss": 3.0}},
+        {"time_unix": 1060.0, "step": 20, "source": "n/0", "loss": 1.0, "samples_per_s": math.inf, "count": 4,
+         "min": {"loss": 0.5, "samples_per_s": 9.0}, "max": {"loss": math.nan, "samples_per_s": math.inf}},
+        {"time_unix": 1061.0, "step": 21, "source": "n/0", "loss": 0.75},
+    ]
+    counts = write_tensorboard(pts, tmp_path)
+    runs = read_runs(tmp_path)
+    assert runs["n"] == {
+        "loss": [(1000.0, 10, 2.0), (1060.0, 20, 1.0), (1061.0, 21, 0.75)],
+        "loss/min": [(1000.0, 10, 1.5), (1060.0, 20, 0.5)],
+        "loss/max": [(1000.0, 10, 3.0)],  # non-finite extremes are left out as values are
+        "samples_per_s/min": [(1060.0, 20, 9.0)],
+    }
+    assert counts == {"n": 7}

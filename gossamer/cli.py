@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from gossamer.cli_parser import RETENTION_FLAGS, env_flag, parse_args
-from gossamer.errors import ConfigError, GossamerError
+from gossamer.cli_parser import (
+    EXIT_FAILED,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    RETENTION_FLAGS,
+    parse_args,
+)
+from gossamer.errors import AuthError, ConfigError, GossamerError, UnavailableError
 
 
 def _setup_logging(level: str, fmt: str = "text", **context: str) -> None:
@@ -67,10 +72,8 @@ def _retention_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _curve_flag(args: argparse.Namespace) -> bool | None:
-    """--curve/--no-curve, else GOSSAMER_CURVE, else None (the coordinator: on with TLS)."""
-    if args.curve is not None:
-        return bool(args.curve)
-    return env_flag("CURVE", False) if "GOSSAMER_CURVE" in os.environ else None
+    """--curve/--no-curve (or GOSSAMER_CURVE), else None (the coordinator: on with TLS)."""
+    return None if args.curve is None else bool(args.curve)
 
 
 # --- coordinator ------------------------------------------------------------------------------
@@ -185,7 +188,7 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep:
-            raise GossamerError(f"--set expects field=value, got {item!r}")
+            raise ConfigError("--set", f"expects FIELD=VALUE, got {item!r}")
         try:
             out[key] = json.loads(raw)
         except json.JSONDecodeError:
@@ -397,13 +400,22 @@ def cmd_local_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def exit_code(error: GossamerError) -> int:
+    """The exit code of a command that raised `error` (cli_parser.EPILOG lists them)."""
+    if isinstance(error, UnavailableError):
+        return EXIT_UNREACHABLE  # nothing wrong with the command: the same one may work once the coordinator is up
+    if isinstance(error, (ConfigError, AuthError)):
+        return EXIT_USAGE  # the user's input or set-up must change first
+    return EXIT_FAILED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return int(COMMANDS[args.fn](args) or 0)
     except GossamerError as e:
         print(f"gossamer: error: {e}", file=sys.stderr)
-        return 2
+        return exit_code(e)
     except KeyboardInterrupt:
         return 130
 

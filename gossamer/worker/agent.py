@@ -100,7 +100,7 @@ class AgentConfig:
     warm_roles: bool = True
     #: Modules the fork server imports too (the user's model code, `transformers`): once, not per role.
     preload: tuple[str, ...] = ()
-    #: Give up (UnavailableError, exit code 2) when the coordinator has not answered a join for this long; 0: never.
+    #: Give up (UnavailableError, exit code 3) when the coordinator has not answered a join for this long; 0: never.
     join_timeout_s: float = 0.0
     #: Where this node's roles write checkpoints, in place of the assignment's checkpoint_dir ("": that one).
     checkpoint_dir: str = ""

@@ -64,7 +64,7 @@ def test_unreachable_coordinator_is_a_clear_error() -> None:
         Client("127.0.0.1:1", timeout=2).ping(timeout=1)
     out = subprocess.run([sys.executable, "-m", "gossamer.cli", "status", "-c", "127.0.0.1:1",
                           "--connect-timeout", "1"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2
+    assert out.returncode == 3  # unreachable: the same command may work later
     assert out.stderr.strip().splitlines() == ["gossamer: error: coordinator at 127.0.0.1:1 is unreachable"]
 
 

@@ -69,9 +69,9 @@ def test_export_writes_every_reported_series_as_tensorboard_scalars(cluster: Loc
     assert f"wrote {total} scalars in {len(runs)} runs" in res.stdout
 
     again = _cli("export", job.id, "--tensorboard", str(out), "-c", address)
-    assert again.returncode == 2 and "already holds TensorBoard event files" in again.stderr
+    assert again.returncode == 1 and "already holds TensorBoard event files" in again.stderr
     unknown = _cli("export", "no-such-exp", "--tensorboard", str(tmp_path / "x"), "-c", address)
-    assert unknown.returncode == 2 and "no-such-exp" in unknown.stderr
+    assert unknown.returncode == 1 and "no-such-exp" in unknown.stderr
     assert not (tmp_path / "x").exists()
 
 

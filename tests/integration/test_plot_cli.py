@@ -88,7 +88,7 @@ def test_plot_writes_a_png_of_four_panels_with_data(run: Run, tmp_path: Path) ->
 
 def test_plot_of_an_unknown_experiment_is_a_clear_error(run: Run, tmp_path: Path) -> None:
     res = _cli("plot", "no-such-exp", "--out", str(tmp_path / "y.png"), "-c", run.cluster.address)
-    assert res.returncode == 2
+    assert res.returncode == 1
     assert res.stderr.startswith("gossamer: error:") and "no-such-exp" in res.stderr
     assert not (tmp_path / "y.png").exists()
 
@@ -107,7 +107,7 @@ def test_ctrl_c_detaches_watch_and_the_experiment_goes_on(run: Run, tmp_path: Pa
         num_ps_shards=1, min_workers=8, max_workers=8))
     try:
         res = _cli("plot", queued.id, "--out", str(tmp_path / "z.png"), "-c", run.cluster.address)
-        assert res.returncode == 2 and "no metric points yet" in res.stderr, res.stderr
+        assert res.returncode == 1 and "no metric points yet" in res.stderr, res.stderr
 
         watcher = subprocess.Popen([sys.executable, "-m", "gossamer.cli", "watch", queued.id, "-c",
                                     run.cluster.address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

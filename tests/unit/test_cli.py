@@ -51,7 +51,7 @@ def test_every_option_has_help_and_every_set_default_is_shown_in_it() -> None:
     for path, p in _subparsers(build_parser()):
         helptext = "".join(p.format_help().split())  # wrapping may break a default at a hyphen
         for action in p._actions:
-            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)):
                 continue
             name = "/".join(action.option_strings) or action.dest
             assert action.help, f"gossamer {' '.join(path)} {name}: no help text"
@@ -197,7 +197,7 @@ def test_local_up_checks_its_counts_and_down_without_a_cluster_says_so(tmp_path:
     out = _cli("local", "down", "--dir", str(tmp_path))
     assert out.returncode == 0 and f"no local cluster in {tmp_path}" in out.stdout, out.stdout
     out = _cli("status", "--local", "--local-dir", str(tmp_path))
-    assert out.returncode == 2 and "start one with `gossamer local up`" in out.stderr, out.stderr
+    assert out.returncode == 3 and "start one with `gossamer local up`" in out.stderr, out.stderr  # no coordinator to reach
 
 
 def test_the_quickstart_installs_as_the_makefile_does() -> None:

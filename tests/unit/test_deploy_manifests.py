@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gossamer.cli_parser import build_parser
+from gossamer.cli_parser import build_parser, env_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -61,9 +61,8 @@ def parse_cli(argv: list[str], where: str) -> argparse.Namespace:
 
 
 def cli_env_names() -> set[str]:
-    """GOSSAMER_<NAME> variables the CLI reads (every `_env("NAME", ...)`/`env_flag("NAME", ...)` of the CLI's modules)."""
-    text = "".join((ROOT / "gossamer" / f).read_text() for f in ("cli.py", "cli_parser.py"))
-    return {f"GOSSAMER_{n}" for n in re.findall(r"""(?:_env|env_flag)\(\s*["']([A-Z0-9_]+)["']""", text)}
+    """GOSSAMER_<NAME> variables the CLI reads: every option's (each has one; tests/unit/test_cli_env.py)."""
+    return env_names(build_parser())
 
 
 def bound_ports(ns: argparse.Namespace) -> dict[str, int]:

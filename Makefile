@@ -49,16 +49,16 @@ proto: $(STAMP)
 		--mypy_out=. --mypy_grpc_out=. protos/gossamer/v1/*.proto
 
 bench: $(STAMP)
-	$(BIN)/python bench/ps_throughput.py
-	$(BIN)/python bench/overhead.py
-	$(BIN)/python bench/compression.py
-	$(BIN)/python bench/modes.py
-	$(BIN)/python bench/recovery.py
-	$(BIN)/python bench/intranode.py
+	$(BIN)/python -m bench.ps_throughput
+	$(BIN)/python -m bench.overhead
+	$(BIN)/python -m bench.compression
+	$(BIN)/python -m bench.modes
+	$(BIN)/python -m bench.recovery
+	$(BIN)/python -m bench.intranode
 
 # Needs root (network namespaces, tc): four emulated hosts on 100 Mbit/s and 1 Gbit/s links.
 bench-wan: $(STAMP)
-	$(BIN)/python bench/wan.py
+	$(BIN)/python -m bench.wan
 
 clean:
 	rm -rf $(VENV) build *.egg-info

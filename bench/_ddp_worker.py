@@ -1,6 +1,6 @@
 """One rank of the torch DDP (gloo) baseline of bench/wan.py; run inside a host's network namespace.
 
-    python bench/_ddp_worker.py --rank R --world 4 --master 10.77.0.1:29500 --ifname eth0 \
+    python -m bench._ddp_worker --rank R --world 4 --master 10.77.0.1:29500 --ifname eth0 \
         --config '{"model": ..., "batch_size": 32, ...}' --log rank0.jsonl
 
 Same workload as gossamer's sync mode, step for step: the model built with the same seed, the

@@ -1,7 +1,6 @@
 """Serving while a 100M-parameter shard checkpoints: the serve thread's time per checkpoint, and push latency.
 
-    PYTHONPATH=. python bench/checkpoint_stall.py --label after
-    PYTHONPATH=/work/main python bench/checkpoint_stall.py --label before   # the code to compare
+    python -m bench.checkpoint_stall [--label LABEL] [--numel 100000000] [--every 4]
 
 A real ShardServer in its own process (as a role process: glibc's large allocations by mmap,
 `mmap_large_allocations`) holds one shard of `--numel` fp32 values with SGD momentum 0.9 (the
@@ -18,8 +17,8 @@ the writer streams it from the live state) when it ran. The serve thread's
 time attributable to a checkpoint: opening it, plus what the steps that ran while one was
 pending took over the median step of the blocks without checkpoints. Latency: each push+reply,
 in the blocks without checkpoints, in the blocks with them, and the pushes in flight while a
-step ran with a snapshot pending. Writes bench/results/checkpoint_stall.{json,md} (a --label run
-replaces its own row).
+step ran with a snapshot pending. Writes bench/results/checkpoint_stall.{json,md} (a --label run:
+bench/out/checkpoint_stall_<label>.{json,md}).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -37,13 +35,10 @@ from typing import Any
 
 import torch
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-from _report import RESULTS, write_report  # noqa: E402
-
-from gossamer.checkpoint.sharded import AsyncCheckpointer  # noqa: E402
-from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer  # noqa: E402
-from gossamer.worker.allocator import mmap_large_allocations  # noqa: E402
+from bench._report import write_report
+from gossamer.checkpoint.sharded import AsyncCheckpointer
+from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
+from gossamer.worker.allocator import mmap_large_allocations
 
 MB = 1e6
 T0 = time.monotonic()
@@ -218,23 +213,13 @@ def summarise(label: str, numel: int, every: int, r: dict[str, Any]) -> dict[str
 
 NOTES = ("One ShardServer process holding {numel:.0f}M fp32 values with SGD momentum ({state:.0f} MB of state), "
          "checkpointing every {every} versions through the real AsyncCheckpointer, pushed to by {workers} ShardClients "
-         "at once (full gradients, PARAMS reply), in blocks alternating checkpoints off and on. `serve_ms_per_ckpt`: the "
-         "serve thread's CPU time attributable to one checkpoint (opening it + the excess over the quiet median of "
-         "the steps that ran while a snapshot was pending; below 0: those steps were cheaper than the quiet median, "
-         "within its noise; quiet steps also write out of place, or before copy, the values a PARAMS reply still "
-         "sends, `cow_copies`); `chunks_*`: of the delivered snapshots, chunks the copier copied / chunks an update "
-         "wrote out of place, left to the snapshot (`after21` on: pieces written straight from the live state / "
-         "pieces updates wrote out of place within the snapshot's 16 MiB); `serve_copy_ms_per_ckpt`: what the "
-         "shard itself counts on the serve thread: copies, and from `after21` on the wall time its updates "
-         "waited for the writer (past the 16 MiB); `peak_mb`: the server process's peak RSS (VmHWM); `step_ms_*`: one optimizer step; `push_*`: push+reply latency "
-         "with checkpoints off / on, `push_mean_ms_pending`: the pushes whose step ran with a snapshot pending. "
-         "Timings on a loaded 2-core machine shared with other jobs: compare within a run, and rows by their "
-         "ratio to their own quiet figures.")
+         "at once (full gradients, PARAMS reply), in blocks alternating checkpoints off and on. The columns: "
+         "bench/README.md.")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--label", default="after")
+    ap.add_argument("--label", default=None, help="a labelled run: written to bench/out/")
     ap.add_argument("--numel", type=int, default=100_000_000)
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=3, help="pairs of blocks (checkpoints off, then on)")
@@ -242,14 +227,13 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="clients pushing at once (a push waits in the queue "
                     "while another is applied, so one meets each snapshot just opened)")
     args = ap.parse_args()
-    say(f"{args.label}: {args.numel / 1e6:.0f}M values, checkpoint every {args.every}")
+    say(f"{args.label or 'current'}: {args.numel / 1e6:.0f}M values, checkpoint every {args.every}")
     r = run(args.numel, args.every, args.blocks, args.per_block, args.workers)
-    row = summarise(args.label, args.numel, args.every, r)
+    row = summarise(args.label or "current", args.numel, args.every, r)
     say(json.dumps(row))
-    path = RESULTS / "checkpoint_stall.json"
-    rows = [x for x in (json.loads(path.read_text())["rows"] if path.exists() else []) if x["label"] != args.label]
-    write_report("checkpoint_stall", [*rows, row],
-                 NOTES.format(workers=args.workers, numel=args.numel / 1e6, state=2 * 4 * args.numel / MB, every=args.every))
+    write_report("checkpoint_stall", [row],
+                 NOTES.format(workers=args.workers, numel=args.numel / 1e6, state=2 * 4 * args.numel / MB, every=args.every),
+                 label=args.label)
 
 
 if __name__ == "__main__":

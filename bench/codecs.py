@@ -1,8 +1,8 @@
 """Codec cost at size: encode + decode of N fp32 values against a memcpy of the same buffer, same run.
 
-    python bench/codecs.py [--numel 100000000 | --quick] [--repeats 5] [--threads T]
+    python -m bench.codecs [--numel 100000000 | --quick] [--repeats 5] [--threads T]
 
-Writes bench/results/codecs.{json,md}. Targets (issue 16 item 3): int8/fp16/bf16/sign
+Writes bench/results/codecs.{json,md} (a --label run: bench/out/codecs_<label>.{json,md}). Targets: int8/fp16/bf16/sign
 at least 0.5x memcpy's throughput, top-k/random-k/PowerSGD at least 0.2x.
 """
 
@@ -11,18 +11,15 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report  # noqa: E402
-
-from gossamer.compression import _jit  # noqa: E402
-from gossamer.compression.codec_spec import parse_codec  # noqa: E402
+from bench._report import write_report
+from gossamer.compression import _jit
+from gossamer.compression.codec_spec import parse_codec
 
 #: (spec, target ratio to memcpy), in the order of the table.
 CODECS: tuple[tuple[str, float | None], ...] = (
@@ -122,7 +119,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--only", default="", help="comma-separated specs to run (default: all)")
-    ap.add_argument("--name", default="codecs")
+    ap.add_argument("--label", default=None, help="a labelled run: written to bench/out/codecs_<label>")
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args()
     if args.threads:
@@ -141,7 +138,7 @@ def main() -> None:
         f"{'numba (compiled in the uncounted first round)' if _jit.available(numel) else 'torch only'}; "
         f"load average {_load()}."
     )
-    js, md = write_report(args.name, rows, notes, args.out_dir)
+    js, md = write_report("codecs", rows, notes, args.out_dir, label=args.label)
     print(md.read_text())
 
 

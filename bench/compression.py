@@ -1,6 +1,6 @@
 """Every codec x {MLP, CNN, char LM} x {momentum 0, 0.9} over seeds: final metric mean and spread, bytes, time to target.
 
-    python bench/compression.py [--steps 1500] [--seeds 3] [--workers 3] [--models mlp,cnn,lm]
+    python -m bench.compression [--steps 1500] [--seeds 3] [--workers 3] [--models mlp,cnn,lm]
                                 [--codecs none,sign,...] [--momenta 0,0.9] [--quick]
 
 Async mode, shards on loopback ZMQ in threads and workers in threads of one process, so the
@@ -16,22 +16,18 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report  # noqa: E402
-
-from gossamer.experiment import Experiment  # noqa: E402
-from gossamer.paramserver.local import LocalShards  # noqa: E402
-from gossamer.worker.ps_trainer import ParameterServerTrainer  # noqa: E402
-from gossamer.worker.rank import RankContext  # noqa: E402
+from bench._report import report_path, write_report
+from gossamer.experiment import Experiment
+from gossamer.paramserver.local import LocalShards
+from gossamer.worker.ps_trainer import ParameterServerTrainer
+from gossamer.worker.rank import RankContext
 
 CODECS = ["none", "fp16", "bf16", "int8", "qsgd:16", "topk:0.01", "randk:0.1", "powersgd:4", "sign"]
 LM_ARGS = {"d_model": 32, "n_layers": 1, "n_heads": 4, "seq_len": 32}
@@ -48,10 +44,10 @@ MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
 TARGET = {"accuracy": 0.95, "loss": 2.6}
 #: What was tried for a cell that missed before (shown with the mark).
 TRIED = {
-    "sign": "worker momentum (EF-SGD with momentum), the scale min(rms, 1.5 mean |x|) and 1-D parameters sent as fp32 since "
-            "issue 17; at momentum 0.9 the shards' momentum gave 0.383/0.078, the mean scale 0.958 on the MLP",
-    "topk:0.01": "DGC momentum correction + factor masking + density warm-up since issue 17",
-    "randk:0.1": "unbiased sample of the worker momentum (x 1/R, no error feedback) since issue 17; EF + DGC masking gave 0.46/0.09",
+    "sign": "worker momentum (EF-SGD with momentum), the scale min(rms, 1.5 mean |x|) and 1-D parameters sent as fp32; "
+            "at momentum 0.9 the shards' momentum gave 0.383/0.078, the mean scale 0.958 on the MLP",
+    "topk:0.01": "DGC momentum correction + factor masking + density warm-up",
+    "randk:0.1": "unbiased sample of the worker momentum (x 1/R, no error feedback); EF + DGC masking gave 0.46/0.09",
 }
 
 
@@ -137,15 +133,15 @@ def main() -> None:
     ap.add_argument("--momenta", default="0,0.9")
     ap.add_argument("--first-seed", type=int, default=0, help="seeds first_seed .. first_seed + seeds - 1")
     ap.add_argument("--quick", action="store_true", help="300 steps, 1 seed, MLP only")
-    ap.add_argument("--name", default="compression", help="results file name under bench/results/")
+    ap.add_argument("--label", default=None, help="a labelled run: written to bench/out/compression_<label>")
     ap.add_argument("--append", action="store_true",
-                    help="keep the rows already in the results file and add these (a run split in parts)")
+                    help="keep the rows already in the run's file and add these (a run split in parts)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     steps, seeds = (300, 1) if args.quick else (args.steps, args.seeds)
     models = ["mlp"] if args.quick else args.models.split(",")
     rows = []
-    old = Path(__file__).resolve().parent / "results" / f"{args.name}.json"
+    old = report_path("compression", args.label)
     if args.append and old.exists():
         rows = json.loads(old.read_text())["rows"]
     for model in models:
@@ -154,7 +150,7 @@ def main() -> None:
                 rows.append(cell(model, codec, momentum, seeds, steps, args.workers, args.first_seed))
                 print(rows[-1], flush=True)
                 judge(rows)
-                write_report(args.name, rows, notes(args.workers, steps, seeds, args.first_seed))
+                write_report("compression", rows, notes(args.workers, steps, seeds, args.first_seed), label=args.label)
 
 
 def notes(workers: int, steps: int, seeds: int, first_seed: int = 0) -> str:

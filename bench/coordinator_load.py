@@ -1,6 +1,6 @@
 """Coordinator under load: simulated nodes speaking the real gRPC protocol against a real `coordinator serve`.
 
-    python bench/coordinator_load.py [--quick] [--nodes 100,500,...] [--beats grpc,udp] [--loaders 2] [--no-pin]
+    python -m bench.coordinator_load [--quick] [--nodes 100,500,...] [--beats grpc,udp] [--loaders 2] [--no-pin]
 
 Each point starts a fresh `gossamer coordinator serve --rate-limit 0` (every simulated node shares
 127.0.0.1, so the per-host token bucket, 200 requests/s by default, must be lifted: `--rate-limit 0`,
@@ -37,15 +37,11 @@ from typing import Any
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _load_nodes import LoaderConfig, loader_main  # noqa: E402
-from _report import RESULTS, write_report  # noqa: E402
-
-from gossamer.experiment import Experiment  # noqa: E402
-from gossamer.v1 import coordinator_pb2 as pb  # noqa: E402
-from gossamer.v1 import coordinator_pb2_grpc as pb_grpc  # noqa: E402
+from bench._load_nodes import LoaderConfig, loader_main
+from bench._report import RESULTS, write_report
+from gossamer.experiment import Experiment
+from gossamer.v1 import coordinator_pb2 as pb
+from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 #: Nodes arriving a second (all loaders together): machines of a fleet booting, a few hundred a second.
@@ -436,9 +432,7 @@ def main(argv: list[str] | None = None) -> int:
              "(all its work, joins, streams, roles and metrics included). lost: nodes the coordinator declared lost "
              "(every simulated node keeps beating or leaves saying so: any is false), and lost_ever: nodes with a 'lost' "
              "event, both without the churn nodes of left_unsaid: those whose Leave went unanswered through the "
-             "agent's retries (NodeAgent.shutdown: transient failures retried for 25 s; before session 9 a single "
-             "attempt, and a node leaving while the coordinator restarted was rightly declared lost once its lease "
-             "ran out, which is what the 17 lost of the session-8 kill -9 rows were). kill -9: nodes/experiments listed before the "
+             "agent's retries (NodeAgent.shutdown: transient failures retried for 25 s). kill -9: nodes/experiments listed before the "
              "kill that the restarted coordinator lacks or lists differently.")
     for r in rows:
         r["run"] = "this"

@@ -1,6 +1,6 @@
 """What CurveZMQ costs the data plane: push+pull throughput of a real shard with and without CURVE.
 
-Run: ``python bench/curve.py [--quick]``. Writes bench/results/curve.{json,md}.
+Run: ``python -m bench.curve [--quick]``. Writes bench/results/curve.{json,md}.
 
 Two shards of the same model in spawned processes, one plaintext and one CURVE, and a
 ShardClient of each here; a round pushes the whole model and pulls it back (``push_pull``).
@@ -13,25 +13,21 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import pathlib
 import statistics
-import sys
 import time
 from typing import Any
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from bench._report import write_report  # noqa: E402
-from gossamer.paramserver import (  # noqa: E402
+from bench._report import write_report
+from gossamer.paramserver import (
     OptimizerConfig,
     ShardClient,
     ShardConfig,
     ShardPlan,
     ShardServer,
 )
-from gossamer.security.curve import CurveKeyPair, CurveKeyring, keyring_from_spec  # noqa: E402
+from gossamer.security.curve import CurveKeyPair, CurveKeyring, keyring_from_spec
 
 
 def _shard_proc(plan_dict: dict[str, Any], curve_spec: dict[str, Any], q: Any, stop: Any) -> None:

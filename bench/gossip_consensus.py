@@ -1,10 +1,10 @@
 """Consensus distance that compressed push-sum reaches with and without CHOCO differences (4 peers, loopback).
 
-    python bench/gossip_consensus.py [--rounds 60] [--dim 100000] [--runs 3]
+    python -m bench.gossip_consensus [--rounds 60] [--dim 100000] [--runs 3]
 
 Writes bench/results/gossip_consensus.{json,md}. Pure averaging (no training between rounds):
 what is left is the codec's doing. relative = sqrt(mean over peers of mean((z_i - avg)^2)) /
-rms(avg), the issue's "relative" measure (qsgd:127 as values stopped at 1.3e-2).
+rms(avg) (qsgd:127 as values stopped at 1.3e-2).
 """
 
 from __future__ import annotations
@@ -12,16 +12,13 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report  # noqa: E402
-
-from gossamer.gossip import PushSumPeer, out_peer  # noqa: E402
+from bench._report import write_report
+from gossamer.gossip import PushSumPeer, out_peer
 
 CASES = (("none", False), ("int8", False), ("int8", True), ("qsgd:127", False), ("qsgd:127", True),
          ("fp16", False), ("fp16", True))

@@ -1,6 +1,6 @@
 """Gossip at scale: push-sum rounds to a consensus distance against peer count, per topology, with churn.
 
-    python bench/gossip_scale.py [--quick] [--real-max 128] [--eps 1e-3]
+    python -m bench.gossip_scale [--quick] [--real-max 128] [--eps 1e-3]
 
 Two ways of running the same algorithm, compared where both run:
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,13 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _report import RESULTS, write_report  # noqa: E402
-
-from gossamer.gossip.pushsum import PushSumPeer  # noqa: E402
-from gossamer.gossip.topology import TOPOLOGIES, out_peer  # noqa: E402
+from bench._report import RESULTS, write_report
+from gossamer.gossip.pushsum import PushSumPeer
+from gossamer.gossip.topology import TOPOLOGIES, out_peer
 
 DIM = 16
 CHURN = 0.05

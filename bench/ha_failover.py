@@ -1,6 +1,6 @@
 """Failover of the highly available coordinator (docs/ha.md) against the single coordinator's restart, measured in the same run.
 
-    python bench/ha_failover.py [--trials N]
+    python -m bench.ha_failover [--trials N]
 
 Each trial: a fresh database on a throwaway PostgreSQL server (initdb in a temp dir), two
 `coordinator serve --state postgresql://...` processes, three nodes given both addresses; kill -9
@@ -18,22 +18,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psycopg
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report  # noqa: E402
-from _wait import wait  # noqa: E402
-
-from gossamer import Client  # noqa: E402
-from gossamer.local_cluster import LocalCluster  # noqa: E402
-from tests._postgres import PostgresServer, find_bin_dir, leads  # noqa: E402
+from bench._postgres import PostgresServer, find_bin_dir, leads
+from bench._report import write_report
+from bench._wait import wait
+from gossamer import Client
+from gossamer.local_cluster import LocalCluster
 
 NODES = ("n0", "n1", "n2")
 

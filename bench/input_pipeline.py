@@ -1,6 +1,6 @@
 """How long a step waits on its input, with and without read-ahead (`prefetch`, `num_workers`), same run.
 
-    python bench/input_pipeline.py [--steps 60] [--batch 32] [--read-ms 20] [--compute-ms 30]
+    python -m bench.input_pipeline [--steps 60] [--batch 32] [--read-ms 20] [--compute-ms 30]
 
 A map-style set whose every sample costs `read-ms / batch` of I/O-like waiting (a sleep: decoding
 from disk or a network read, GIL released) feeds a step of `compute-ms` of torch work, through the
@@ -11,19 +11,15 @@ Target: with `prefetch` the step waits on input at most 0.2x of what it waits wi
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report  # noqa: E402
-
-from gossamer.worker import sampler  # noqa: E402
-from gossamer.worker.batches import Data  # noqa: E402
-from gossamer.worker.loader import StepLoader  # noqa: E402
+from bench._report import write_report
+from gossamer.worker import sampler
+from gossamer.worker.batches import Data
+from gossamer.worker.loader import StepLoader
 
 
 class SlowSet(torch.utils.data.Dataset):  # type: ignore[type-arg]

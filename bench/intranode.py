@@ -1,6 +1,6 @@
 """Inside one node: peak memory of DDP vs FSDP2, pipeline bubbles (GPipe, 1F1B), and each layout's throughput.
 
-Run: ``python bench/intranode.py [--quick] [--out DIR]``. Writes DIR/intranode.{json,md} (default bench/results).
+Run: ``python -m bench.intranode [--quick] [--out DIR]``. Writes DIR/intranode.{json,md} (default bench/results).
 
 One MLP of `layers` Linear(width, width) layers (ReLU between), AdamW, MSE on a synthetic regression
 batch drawn from a seed, trained on CPU with gloo by spawned ranks (torch.multiprocessing, spawn, one
@@ -29,17 +29,14 @@ import os
 import pathlib
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import torch.multiprocessing as tmp
 
-import torch.multiprocessing as tmp  # noqa: E402
-
-from bench._intranode_worker import run  # noqa: E402
-from bench._report import write_report  # noqa: E402
+from bench._intranode_worker import run
+from bench._report import write_report
 
 WORLD = 2
 SWEEP = [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("gpipe", 8), ("1f1b", 2), ("1f1b", 4), ("1f1b", 8)]

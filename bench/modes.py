@@ -1,32 +1,28 @@
 """Every mode (sync, async, gossip, diloco with a sync, async or gossip outer step) on the same workloads, against sync.
 
-    python bench/modes.py [--steps 400] [--seeds 3] [--workers 3] [--models mlp,cnn] [--modes ...] [--quick] [--name modes]
+    python -m bench.modes [--steps 400] [--seeds 3] [--workers 3] [--models mlp,cnn] [--modes ...] [--quick] [--label LABEL]
 
 Real processes: a LocalCluster (coordinator, one on-demand node for the shards, `--workers`
 spot nodes) runs each experiment submitted through the client, one after another. Every run
 gets the same budget of worker steps (`--steps` per worker: sync, gossip and diloco count a
 worker's own steps, async and diloco/async every worker's together). Modes run at their
 documented defaults: SGD lr 0.05 momentum 0.9 for sync, async and gossip; diloco's AdamW
-(lr 0.003), int8 pseudo-gradients, H = 20, outer lr 0.7 and outer momentum 0.6 (0.9, the DiLoCo
-paper's, until issue 17: README, DiLoCo). A cell misses when its mean accuracy is more than 1 point
+(lr 0.003), int8 pseudo-gradients, H = 20, outer lr 0.7 and outer momentum 0.6 (not the DiLoCo
+paper's 0.9: README, DiLoCo). A cell misses when its mean accuracy is more than 1 point
 under sync's. The gossip modes also give the lead's final consensus distance (mean squared distance
-of the nodes' parameters to their average). Writes bench/results/<--name, default modes>.{json,md}.
+of the nodes' parameters to their average). Writes bench/results/modes.{json,md} (a --label run: bench/out/modes_<label>.{json,md}).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report  # noqa: E402
-
-from gossamer import Client  # noqa: E402
-from gossamer.local_cluster import LocalCluster  # noqa: E402
+from bench._report import write_report
+from gossamer import Client
+from gossamer.local_cluster import LocalCluster
 
 MODELS = {
     "mlp": {"model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data"},
@@ -44,12 +40,12 @@ MODES: dict[str, tuple[dict[str, Any], bool]] = {
 }
 #: What was tried for a mode that missed (shown with the mark).
 TRIED = {
-    "gossip": ("waiting for the last step's shares before mixing (ShareWait, issue 17) gave 0.967/0.968 with final "
+    "gossip": ("waiting for the last step's shares before mixing (ShareWait) gave 0.967/0.968 with final "
                "consensus 1.7-2.5 (weights drained): reverted; the lag bound (LagBound) gave 0.972/0.975 (3 seeds), "
                "0.975 (6 seeds) against 0.965 before"),
-    "diloco/sync": "outer momentum 0.6 (0.9 grew the weights, issue 17)",
-    "diloco/async": "Delayed Nesterov on the workers' shares, outer momentum 0.6 (issue 17); Nesterov per arrival gave 0.63",
-    "diloco/gossip": "outer step on the own pseudo-gradient, then the round's shares mixed in (issue 17)",
+    "diloco/sync": "outer momentum 0.6 (0.9 grew the weights)",
+    "diloco/async": "Delayed Nesterov on the workers' shares, outer momentum 0.6; Nesterov per arrival gave 0.63",
+    "diloco/gossip": "outer step on the own pseudo-gradient, then the round's shares mixed in",
 }
 
 
@@ -79,7 +75,7 @@ def main() -> None:
     ap.add_argument("--models", default="mlp,cnn")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--quick", action="store_true", help="200 steps per worker, 1 seed, MLP only")
-    ap.add_argument("--name", default="modes", help="results file name under bench/results/")
+    ap.add_argument("--label", default=None, help="a labelled run: written to bench/out/modes_<label>")
     args = ap.parse_args()
     steps, seeds = (200, 1) if args.quick else (args.steps, args.seeds)
     models = ["mlp"] if args.quick else args.models.split(",")
@@ -111,7 +107,7 @@ def main() -> None:
                             r["vs_sync"] = round(r["mean_accuracy"] - sync["mean_accuracy"], 4)
                             r["verdict"] = verdict(r)
                     print(rows[-1], flush=True)
-                    write_report(args.name, rows, notes(args.workers, steps, seeds))
+                    write_report("modes", rows, notes(args.workers, steps, seeds), label=args.label)
         finally:
             client.close()
 

@@ -1,6 +1,6 @@
 """Step time of 1 worker + 1 parameter-server shard on the digits MLP vs a plain PyTorch loop, same run.
 
-    python bench/overhead.py [--steps 2000] [--batch 32] [--repeats 3]
+    python -m bench.overhead [--steps 2000] [--batch 32] [--repeats 3]
 
 Writes bench/results/overhead.{json,md}. Target: gossamer / plain <= 1.5.
 
@@ -17,21 +17,17 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report  # noqa: E402
-
-from gossamer.experiment import Experiment  # noqa: E402
-from gossamer.worker import sampler  # noqa: E402
-from gossamer.worker.model import build  # noqa: E402
-from gossamer.worker.ps_trainer import ParameterServerTrainer  # noqa: E402
-from gossamer.worker.rank import RankContext  # noqa: E402
+from bench._report import write_report
+from gossamer.experiment import Experiment
+from gossamer.worker import sampler
+from gossamer.worker.model import build
+from gossamer.worker.ps_trainer import ParameterServerTrainer
+from gossamer.worker.rank import RankContext
 
 
 def _exp(steps: int, batch: int, mode: str) -> Experiment:

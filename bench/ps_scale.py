@@ -1,6 +1,6 @@
 """Parameter-server push+pull against the number of shards: real shard processes here, then a model calibrated on them.
 
-    python bench/ps_scale.py [--quick] [--shards 1,2,4,8]
+    python -m bench.ps_scale [--quick] [--shards 1,2,4,8]
 
 Measured (bench/ps_throughput.py's `bench_ps`: real `ShardServer` processes, one `ShardClient`,
 push_pull rounds over loopback): a full-size model (`--numel`, default 4M fp32) and a tiny one
@@ -22,15 +22,12 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import sys
 from typing import Any
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from bench._report import write_report  # noqa: E402
-from bench.ps_throughput import bench_ps  # noqa: E402
+from bench._report import write_report
+from bench.ps_throughput import bench_ps
 
 TINY = 1 << 14
 

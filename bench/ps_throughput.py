@@ -1,6 +1,6 @@
 """Parameter-server push+pull throughput vs raw ZMQ round trips and a gloo all_reduce.
 
-Run: ``python bench/ps_throughput.py [--quick]``. Writes bench/results/ps_throughput.{json,md}.
+Run: ``python -m bench.ps_throughput [--quick]``. Writes bench/results/ps_throughput.{json,md}.
 """
 
 from __future__ import annotations
@@ -8,24 +8,20 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import pathlib
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import torch
+import zmq
 
-import torch  # noqa: E402
-import zmq  # noqa: E402
-
-from bench._report import write_report  # noqa: E402
-from gossamer.paramserver import (  # noqa: E402
+from bench._report import write_report
+from gossamer.paramserver import (
     OptimizerConfig,
     ShardClient,
     ShardConfig,
     ShardPlan,
     ShardServer,
 )
-from gossamer.transport.frames import FrameLimits  # noqa: E402
+from gossamer.transport.frames import FrameLimits
 
 LIMITS = FrameLimits(max_message_bytes=1 << 30)
 

@@ -1,7 +1,7 @@
 """Recovery times on a local cluster (digits, async, 1 PS shard + backup, 3 spot workers), with a
 stop-the-world restart-from-checkpoint baseline measured in the same run.
 
-    python bench/recovery.py [--quick] [--log-dir DIR]
+    python -m bench.recovery [--quick] [--log-dir DIR]
 
 One cluster (heartbeat 0.5 s, lease 5 s): coordinator, "ps-a" (on-demand, joined first: the
 primary), "ps-b" (on-demand: the backup), three spot workers. Measured:
@@ -20,7 +20,7 @@ primary), "ps-b" (on-demand: the backup), three spot workers. Measured:
    checkpoint. gossamer cannot resume a cancelled job, so the baseline is MODELLED from these
    measured restart and step-rate numbers.
 
-Writes bench/results/recovery.{json,md} (--quick: recovery_quick.*); node logs stay under --log-dir (printed).
+Writes bench/results/recovery.{json,md} (--quick: bench/out/recovery_quick.*); node logs stay under --log-dir (printed).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -38,14 +37,12 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import write_report  # noqa: E402
-from _wait import wait  # noqa: E402
-
-from gossamer import Client  # noqa: E402
-from gossamer.examples.digits import mlp  # noqa: E402
-from gossamer.local_cluster import LocalCluster  # noqa: E402
-from gossamer.paramserver import ShardClient, ShardPlan  # noqa: E402
+from bench._report import write_report
+from bench._wait import wait
+from gossamer import Client
+from gossamer.examples.digits import mlp
+from gossamer.local_cluster import LocalCluster
+from gossamer.paramserver import ShardClient, ShardPlan
 
 CKPT_EVERY = 100
 SPEC: dict[str, Any] = {
@@ -670,7 +667,7 @@ def report(raw: dict[str, Any], quick: bool, log_dir: Path) -> None:
                  f"'lost' {fmt(s_lost)}, kill -> 'joins as worker' {fmt(s_assign)}"},
         {"metric": "warm standby: 'joins as worker' (reassign) event -> first applied update (target <= 2 s)",
          "gossamer": fmt(s_after), "restart-from-checkpoint baseline": "", "baseline / gossamer": "",
-         "note": "issue 16's warm-role target: assignment delivery, a role forked from the warm server, model "
+         "note": "the warm-role target: assignment delivery, a role forked from the warm server, model "
                  "build, HELLO/PULL, first step, push"},
         {"metric": "PS failover: kill -9 primary node -> backup's version advances", "gossamer": fmt(f_adv),
          "restart-from-checkpoint baseline": f"{base_ps:.2f} s (detect + restart + redo)",
@@ -725,7 +722,7 @@ def report(raw: dict[str, Any], quick: bool, log_dir: Path) -> None:
         f"and start-ups slow; 1-min load average during the run {min(loads, default=0):.1f}–{max(loads, default=0):.1f} "
         "(anything else running on the machine inflates start-up times and makes rates noisy)."
     )
-    js, md = write_report("recovery_quick" if quick else "recovery", rows, notes)
+    js, md = write_report("recovery", rows, notes, label="quick" if quick else None)
     data = json.loads(js.read_text())
     data["raw"] = raw
     data["summary"] = {

@@ -1,11 +1,11 @@
 """Bytes a primary shard sends its backup per update: compressed pushes forwarded encoded vs the dense fp32 gradient.
 
-Run: ``python bench/replication.py [--quick]``. Writes bench/results/replication.{json,md}.
+Run: ``python -m bench.replication [--quick]``. Writes bench/results/replication.{json,md}.
 
 A primary and a backup shard (in process, real ZMQ on loopback) of a 2-layer MLP; workers
 push with each codec. Every case runs twice in the same run: with ``replicate_encoded``
 (the pushes forwarded as they arrived; the backup decodes them) and without (the dense fp32
-gradient the primary applied, the form before issue 16). Bytes are counted by the primary's
+gradient the primary applied). Bytes are counted by the primary's
 replication counter (every frame of each REPLICATE, header included) after the backup's
 SYNC, and checked against the backup's received bytes; they do not depend on load. The
 backup's state is compared with the primary's after each case (bit-identical).
@@ -16,18 +16,15 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from bench._report import write_report  # noqa: E402
-from gossamer.compression.chunk_codec import ChunkCompressor  # noqa: E402
-from gossamer.paramserver import (  # noqa: E402
+from bench._report import write_report
+from gossamer.compression.chunk_codec import ChunkCompressor
+from gossamer.paramserver import (
     OptimizerConfig,
     ShardClient,
     ShardConfig,
@@ -130,7 +127,7 @@ def main() -> None:
     notes = (f"Primary -> backup bytes per applied update (every frame of a REPLICATE, header included), "
              f"{params:,} fp32 parameters (a {width}x{width} 2-layer MLP, chunks of 2^18 values), one shard, "
              f"server SGD with momentum; {updates} updates per case after the backup's SYNC. 'before': the dense "
-             "fp32 gradient (replicate_encoded=False, the form before issue 16); 'after': the compressed "
+             "fp32 gradient (replicate_encoded=False); 'after': the compressed "
              "pushes forwarded as they arrived, or the dense gradient where that is the smaller message (sync "
              "steps whose pushes add up to more than the fp32 sum, uncompressed pushes); 'pushed': every frame the "
              "workers' PUSHes brought the primary per update (all workers together). Backup checked "

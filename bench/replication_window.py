@@ -1,15 +1,15 @@
 """Replication's window against none (every REPLICATE sent at once, as before it): async updates/s and what each
 replica's peak grows over its state, alternated round by round in one run.
 
-    PYTHONPATH=. python bench/replication_window.py [--rounds 3] [--updates 6] [--label after]
+    python -m bench.replication_window [--rounds 3] [--updates 6] [--label LABEL]
 
-A primary and its backup (shard 0 of `tests/integration/_replicated_pair.py`: 64 MiB of fp32 values, SGD
+A primary and its backup (shard 0 of `bench/_replicated_pair.py`: 64 MiB of fp32 values, SGD
 Nesterov momentum) each in its own process, real ZMQ on loopback; two ShardClients here push dense gradients
 at once, async, `--updates` each per block, and wait for each reply (acknowledged once the backup holds the
 update). Blocks alternate between the default window (`REPLICATE_WINDOW_BYTES`: these dense 64 MiB updates go
 one at a time) and an unbounded one (the machine's load hits both alike). Per block: updates/s over the block,
 the REPLICATEs that waited for an ACK, and each replica's peak RSS growth over the block, in shards of values.
-Writes bench/results/replication_window.{json,md} (a --label run replaces its own rows).
+Writes bench/results/replication_window.{json,md} (a --label run: bench/out/replication_window_<label>.{json,md}).
 """
 
 from __future__ import annotations
@@ -18,23 +18,17 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import torch
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH.parent))
-sys.path.insert(0, str(BENCH))
-from _report import RESULTS, write_report  # noqa: E402
-
-from gossamer.paramserver import ShardClient  # noqa: E402
-from gossamer.paramserver._replication import REPLICATE_WINDOW_BYTES  # noqa: E402
-from tests.integration._replicated_pair import EXPERIMENT, NUMEL, plan, replica  # noqa: E402
+from bench._replicated_pair import EXPERIMENT, NUMEL, plan, replica
+from bench._report import write_report
+from gossamer.paramserver import ShardClient
+from gossamer.paramserver._replication import REPLICATE_WINDOW_BYTES
 
 UNBOUNDED = 1 << 62
 
@@ -82,7 +76,7 @@ def _block(endpoint: str, primary: Connection, backup: Connection, window: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--label", default="after")
+    ap.add_argument("--label", default=None, help="a labelled run: written to bench/out/")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--updates", type=int, default=6, help="updates per worker per block")
     args = ap.parse_args()
@@ -104,7 +98,7 @@ def main() -> None:
             clock += 1
         for r in range(args.rounds):
             for window in (REPLICATE_WINDOW_BYTES, UNBOUNDED) if r % 2 == 0 else (UNBOUNDED, REPLICATE_WINDOW_BYTES):
-                row = {"label": args.label, "round": r, **_block(endpoint, primary, backup, window, clock,
+                row = {"label": args.label or "current", "round": r, **_block(endpoint, primary, backup, window, clock,
                                                                  args.updates)}
                 clock += args.updates
                 print(json.dumps(row), flush=True)
@@ -116,19 +110,17 @@ def main() -> None:
             proc.join(timeout=30)
     for window in {str(r["window_mb"]) for r in rows}:
         mine = [r for r in rows if str(r["window_mb"]) == window]
-        rows.append({"label": args.label, "round": "median", "window_mb": mine[0]["window_mb"],
+        rows.append({"label": args.label or "current", "round": "median", "window_mb": mine[0]["window_mb"],
                      **{k: statistics.median(r[k] for r in mine) for k in ("updates", "seconds", "updates_per_s",
                                                                             "waited", "primary_grown_x",
                                                                             "backup_grown_x")}})
-    path = RESULTS / "replication_window.json"
-    old = [r for r in json.loads(path.read_text())["rows"] if r["label"] != args.label] if path.exists() else []
     notes = ("A primary and its backup, each in its own process (64 MiB of fp32 values, SGD Nesterov momentum), "
              "two ShardClients pushing dense gradients at once, async; blocks alternate between the REPLICATE "
              "window (64 MiB: these updates go one at a time) and none (every REPLICATE sent at once). "
              "`updates_per_s`: over the block; `waited`: REPLICATEs that waited for an ACK; `*_grown_x`: the "
              "replica's peak RSS growth over the block, in shards of values (its state is 2x). Timings on a "
              "2-core machine shared with other jobs: compare within a run, the rows' medians.")
-    js, md = write_report("replication_window", old + rows, notes)
+    js, md = write_report("replication_window", rows, notes, label=args.label)
     print(f"wrote {js} and {md}")
 
 

@@ -1,11 +1,11 @@
 """A 104M-parameter model (415 MB fp32) through real processes: peak memory per role, the step's parts,
 push+pull against raw ZMQ, and serving while a checkpoint is taken.
 
-    python bench/scale_model.py [--label before|after] [--modes async,sync,diloco] [--steps N]
+    python -m bench.scale_model [--label LABEL] [--modes async,sync,diloco] [--steps N]
                                 [--set FIELD=VALUE ...]
 
 `--set` overrides an experiment field in every mode's spec (VALUE read as JSON, else as a string),
-e.g. `--modes diloco --set round_start=shards --set error_feedback=off --label after+shards+ef-off`.
+e.g. `--modes diloco --set round_start=shards --set error_feedback=off --label shards-ef-off`.
 
 Each mode runs one local cluster (coordinator, on-demand nodes ps-a and ps-b that host the two
 shards and their backups, spot nodes w-1 and w-2 that train): `bench/_scale_user.py:mlp`, a
@@ -23,7 +23,8 @@ a DEALER here carrying the same frames, in the same run. Serving during checkpoi
 sends STATS to shard 0's primary every 50 ms and records the latency; the shards report the
 serve-thread time of each snapshot (ckpt_snapshot_s).
 
-Writes bench/results/scale_model.{json,md} (a --label run replaces only its own rows).
+Writes bench/results/scale_model.{json,md}, a --label run bench/out/scale_model_<label>.{json,md}; a run
+of some modes replaces only those modes' rows in its file.
 """
 
 from __future__ import annotations
@@ -43,21 +44,20 @@ from typing import Any
 import torch
 import zmq
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-from _report import RESULTS, write_report  # noqa: E402
-from _scale_user import mlp  # noqa: E402
-from _wait import wait  # noqa: E402
+from bench._report import record_line, report_path, write_report
+from bench._scale_user import mlp
+from bench._wait import wait
+from gossamer.experiment import Experiment
+from gossamer.local_cluster import LocalCluster
+from gossamer.paramserver import ShardClient, ShardConfig, ShardPlan, ShardServer
+from gossamer.transport.frames import FrameLimits, Message, encode
 
-from gossamer.experiment import Experiment  # noqa: E402
-from gossamer.local_cluster import LocalCluster  # noqa: E402
-from gossamer.paramserver import ShardClient, ShardConfig, ShardPlan, ShardServer  # noqa: E402
-from gossamer.transport.frames import FrameLimits, Message, encode  # noqa: E402
+BENCH = Path(__file__).resolve().parent
 
 MB = 1e6
 T0 = time.monotonic()
 BASE: dict[str, Any] = {
-    "model": "_scale_user:mlp", "dataset": "_scale_user:data", "lr": 0.01, "momentum": 0.9, "batch_size": 32,
+    "model": "bench._scale_user:mlp", "dataset": "bench._scale_user:data", "lr": 0.01, "momentum": 0.9, "batch_size": 32,
     "num_ps_shards": 2, "ps_backup": True, "min_workers": 2, "max_workers": 2, "eval_every": 0,
 }
 MODES: dict[str, dict[str, Any]] = {
@@ -238,7 +238,7 @@ def run_mode(mode: str, steps: int | None, plan: ShardPlan, model_bytes: int, la
     spec = {**BASE, **MODES[mode], **(fields or {}), "name": f"scale-{mode}"}
     if steps:
         spec["total_steps"] = steps
-    env = {"PYTHONPATH": os.pathsep.join([str(BENCH), os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": os.pathsep.join([str(BENCH.parent), os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     with LocalCluster(env=env, stop_grace_s=10.0) as cluster:
         watch = ProcWatch(lambda: [p.pid for p in cluster._started])  # noqa: SLF001 — every group it started
         try:
@@ -494,7 +494,7 @@ def checkpoint_row(run: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--label", default="after")
+    ap.add_argument("--label", default=None, help="a labelled run: written to bench/out/")
     ap.add_argument("--modes", default="async,sync,diloco")
     ap.add_argument("--steps", type=int, default=0, help="total_steps of each run (0: the mode's default)")
     ap.add_argument("--skip-push-pull", action="store_true")
@@ -515,7 +515,7 @@ def main() -> None:
     torch_mb = baselines["import torch + role code"]
     head = {"model_numel": numel, "model_mb": model_bytes / MB, "baselines_mb": baselines}
     for mode in filter(None, args.modes.split(",")):
-        run = run_mode(mode, args.steps or None, plan, model_bytes, args.label, fields)
+        run = run_mode(mode, args.steps or None, plan, model_bytes, args.label or "current", fields)
         mem = memory_rows(run, plan, model_bytes, torch_mb)
         for r in mem:
             if "x_held" in r:
@@ -524,7 +524,7 @@ def main() -> None:
         save(args.label, {**head, "memory": mem, "steps": step_rows(run), "checkpoint": [checkpoint_row(run)],
                           "push_pull": []}, mode)
     if not args.skip_push_pull:
-        pp = {"label": args.label, **push_pull_vs_raw(plan)}
+        pp = {"label": args.label or "current", **push_pull_vs_raw(plan)}
         say(f"push+pull: {pp}")
         save(args.label, {**head, "memory": [], "steps": [], "checkpoint": [], "push_pull": [pp]}, "push_pull")
 
@@ -540,118 +540,28 @@ def _field(item: str) -> tuple[str, Any]:
         return key, raw
 
 
-def save(label: str, part: dict[str, Any], mode: str) -> None:
-    """Merge the rows of (`label`, `mode`) into results/scale_model.json and rewrite the markdown."""
-    path = RESULTS / "scale_model.json"
+def save(label: str | None, part: dict[str, Any], mode: str) -> None:
+    """Put the rows of `mode` into the run's file (results/, or out/ for a labelled run), beside the other modes'
+    rows of the same label (a run of some modes replaces only those), and rewrite the markdown."""
+    path = report_path("scale_model", label)
+    row_label = label or "current"
     old: dict[str, Any] = {}
     if path.exists():
         old = json.loads(path.read_text()).get("rows", [{}])[0]
     merged: dict[str, Any] = {k: v for k, v in part.items() if not isinstance(v, list)}
     for key in ("memory", "steps", "checkpoint", "push_pull"):
-        keep = [r for r in old.get(key, []) if r.get("label") != label or r.get("mode", "push_pull") != mode]
+        keep = [r for r in old.get(key, []) if r.get("label") == row_label and r.get("mode", "push_pull") != mode]
         merged[key] = keep + part[key]
-    merged.setdefault("baselines_by_label", old.get("baselines_by_label", {}))[label] = part["baselines_mb"]
+    merged["baselines_by_label"] = {row_label: part["baselines_mb"]}
     notes = NOTES.format(model=part["model_mb"])
-    js, md = write_report("scale_model", [merged], notes)
-    md.write_text(_markdown(merged, notes))
+    js, md = write_report("scale_model", [merged], notes, label=label)
+    md.write_text(_markdown(merged, notes, record_line(json.loads(js.read_text()))))
     say(f"wrote {js} and {md}")
 
 
 NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards with backups on 2 on-demand nodes, "
-         "2 spot workers. Memory: each process's peak resident set (VmHWM); `above_torch_mb` subtracts the "
-         "peak of the fork server every role is forked from (torch and the role code imported, nothing built); "
-         "`x_held`: that over the bytes the role holds (a worker: the model; a shard: its parameters; a host: "
-         "the shards and backups on it); `x_state`: over a shard's whole state (parameters and the optimizer's "
-         "momentum buffer, 2x its parameters). Timings on a loaded 2-core machine shared with other jobs: compare "
-         "step times within one run only; a backup more than 3 s behind its primary is detached (the `steps` of "
-         "a backup row: how many updates it replayed before that). A label naming fields (`after3 round_start=shards ...`) "
-         "ran with those experiment fields set (`--set`); the others with the defaults. diloco labels: `after` the "
-         "whole gradient freed over the outer exchange; `after3` the inner optimizer stepping inside backward and "
-         "the encoded pseudo-gradient freed; `after4` also the lead freeing the inner optimizer state and the "
-         "error-feedback residual before its final pull and checkpoint; `before5` main at 47dd765 (`after4`'s worker; "
-         "the shards' 5x against `after4`'s 4x comes from main's changes between, not the worker); `after5` the "
-         "round's start holding the error-feedback residual folded in (one buffer per chunk, which becomes the "
-         "residual in place) and the exchange one shard at a time. `after6` (every mode) the shards' replication "
-         "copies gone: a primary's decoded pushes handed to the update's sum (no worker's dense copy kept until "
-         "the backup's ACK), a backup decoding forwarded pushes chunk by chunk into the sum and dropping each "
-         "push's payload once decoded; `after7` also a sync/diloco primary holding each push only encoded until "
-         "the step (checked on arrival, decoded again into the step's sum). `before8` main at da2d041 (`after7`'s code), run beside `after8`: a "
-         "DiLoCo worker's outer push answered with an ack and the shard's new values pulled 16 MB of chunks at a "
-         "time once the push is gone (no shard's reply beside the encoded push), a large AdamW parameter stepped "
-         "inside backward 1M values at a time (its temporaries a slice's), and a shard stepping an update summed "
-         "from encoded pushes (sync and diloco primaries, every backup) 16 MB of chunks at a time, each group's "
-         "sum decoded from the payloads (no whole dense sum on either replica); `after9` also a primary SYNCing its "
-         "backup from the live state (tracked and lent, a step meanwhile writing aside) instead of a copy of "
-         "values and momentum (after8's ps1 primary: a backup attached after the first outer step cost 2x the "
-         "shard there). after9's primaries: 3.16-3.17x; its backups (and after8's ps1 backup) at 3.84-3.85x against after8's "
-         "ps0 backup at 2.45x with the same code, about 1.4x of the shard not accounted for (all four updates replayed, "
-         "no detach seen in `steps`); backups' apply_ms rose (1.5-2.2 s from 0.4 s): each forwarded push is decoded "
-         "twice, checked whole before the grouped step. `before21` main at 34d2b7c; `after21a` a checkpoint "
-         "written from the live state (no copy: each tensor frozen until the writer has it in the file, an update "
-         "writing out of place what is not written yet within 16 MiB, then waiting for the writer), the async "
-         "primaries 5.8x to 3.8x; `after21b` also at most 64 MiB of REPLICATEs unacknowledged (a dense update "
-         "of these shards one at a time), the async backups 3.75x to 2.77x. What a primary holds after both: "
-         "its state (2x) and the two workers' dense pushes ZMQ reads as they come (2x), the helper thought; a "
-         "backup its state and one update's gradient. `after22` (session 12) push credits: a push of 16 MiB or "
-         "more sent once its shard grants it (one dense push of the shard read at a time): the async primaries "
-         "stayed at 3.80x, so the two pushes were not what held them; `after22b` also pushes kept back (serving "
-         "the rest) while a reply still sends the live values (at most 1 s in a row) or a checkpoint's writer is "
-         "behind: 3.07x (its ps0 backup detached under load and re-synced: 3.76x, old state and the SYNC's new one "
-         "at once); `after22c` also credits counting the pushes a primary still holds for its backup: async "
-         "primaries 2.79-2.80x, hosts 2.77-2.78x; sync unchanged at 3.27x (a sync primary holds both workers' "
-         "dense pushes for the barrier: 3.77-3.78x). `s13`, `s13b`, `s13c` (session 13, main at 5c3b616 + FusedSGD) "
-         "diloco: hosts 4.20-4.23x, backups 4.96-5.01x, primaries 3.40-3.45x; `s13-jit-off` the same with "
-         "GOSSAMER_CODEC_JIT=0 (no numba in any role): hosts 3.32-3.33x, backups 3.83x, primaries 2.82-2.83x, "
-         "workers 4.27-4.28x against 4.56-4.59x. `sampled_anon_mb` / `sampled_file_mb` (from s13b): the largest "
-         "RssAnon and RssFile seen by the 0.2 s sampler (what is the role's own memory, what shared library pages); "
-         "the step table's `unreplicated` (from s13c): a primary's updates acknowledged while its backup was "
-         "detached, after which the backup re-syncs (its old state and the SYNC's at once): 2 of 4 on both "
-         "primaries in s13c, the backups applying an update in 1.9-2.1 s on the loaded 2 cores. Push+pull "
-         "`s13pp1`-`s13pp3`, `newpp1`-`newpp2` (this code) and, run alternately with the `newpp` ones, 5c3b616 "
-         "(0.58, 0.55, not in this table: its own tree): 0.49-0.60 for both today, against 0.64-0.73 on "
-         "session 12's machine. `s13d` a SYNC sent in parts of about 16 MiB, each loaded into place as it comes "
-         "(the re-synced backups 3.29x, from 4.96-5.01x, with the same 2 unreplicated updates per primary); "
-         "`s13d-jit-off` the same without numba: hosts 2.64-2.65x. `after23` (every mode) also shard processes "
-         "keeping to the codecs' torch paths unless GOSSAMER_CODEC_JIT=1: diloco hosts 2.76-2.78x, async 2.78x, "
-         "sync 3.27x unchanged (the barrier still holds both workers' dense pushes); its push+pull row's raw ZMQ "
-         "took 0.38 s against 0.21-0.22 s in `after23b`-`after23d` right after (0.51-0.52, quiet). From "
-         "`after23e` on, the push+pull shard process starts as a shard role's does (glibc's mmap threshold fixed "
-         "at 1 MiB, one torch thread): 0.43-0.45 in `after23e`-`after23g`, gossamer 0.50-0.55 s a round against "
-         "0.40-0.44 s before: each received frame of 1 MiB or more is then a fresh mapping whose pages fault in "
-         "(the raw echo's process, like the shard before, reuses freed heap); `after23h`-`after23i` also "
-         "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (transparent huge pages are `madvise` here): 0.47, 0.49. "
-         "`before24` (main at d6f1799, sync only): primaries 3.78-3.79x, hosts 3.27-3.30x. `after24`, `after24b` "
-         "(sync) a dense sync push sent in parts under 16 MiB, each added into the step's sum as it arrives and "
-         "acknowledged, the values pulled after the step (the primary holds its state, the sum and the parts "
-         "being read, not both workers' pushes): primaries 2.91-2.93x and 2.87-2.89x, hosts 2.84-2.99x and 2.82x; "
-         "`after24`'s ps1 backup at 3.04x was detached under load (steps 11 of 12) and re-synced, its old state "
-         "and the SYNC's parts at once (load 12-17 on the 2 cores: compute 7.2-7.9 s a step against 2.7-2.8 s in "
-         "`before24` and 1.6-1.7 s in `after24b`); `after24b`'s w-2 worker was not told apart from its fork "
-         "server by the sampler (no row). `after24-async`: the same code, async: primaries 2.80x, backups 2.76x, "
-         "hosts 2.78x (`after23`: 2.78x). `s15-sync` (session 15, main with that branch merged: a whole push to a "
-         "shard under 16 MiB held and added at the step in sender order, parts and pushes to larger shards summed "
-         "on arrival): primaries 2.88-2.89x, backups 2.76x, hosts 2.82x, workers 2.93-2.94x (load 6-10). "
-         "`s17-async` (session 17) an async dense push to a shard sent as fragments under 16 MiB back to back, each "
-         "checked on arrival and, with no synced backup to wait for, answered as soon as its chunks are stepped: "
-         "primaries 2.81-2.83x, backups 2.76x, hosts 2.78-2.79x, workers 3.06x (after24-async: 2.80x, 2.76x, 2.78x, "
-         "2.94x); push+pull `s17pp1`-`s17pp4` right after, quiet: 0.51-0.66 (gossamer 0.37-0.44 s a round, raw "
-         "ZMQ 0.20-0.26 s), against 0.44-0.56 for the code before in alternating runs the same hour (0.54 s a "
-         "round, median of 3, against 0.47 s). A raw echo's round falls to 0.11-0.15 s once glibc stops faulting "
-         "in its receive buffers (from the 6th round on), while gossamer's roles fault in every large frame "
-         "(mmap threshold fixed at 1 MiB) and its bench client 19-35k pages a round. `s17-async` kept each "
-         "fragment's answer in the client until its next push (workers 3.06x); from `s17b-async` on it lets go "
-         "of them once merged (2.93-2.94x). `s17b-async`, `s17c-async`: primaries 3.80-3.81x with one copy-on-write "
-         "each (hosts 3.28x): the shard asked whether to keep pushes back on every fragment, so the second it "
-         "keeps them back for a reply still sending began at a push's first fragment and ran out before its last "
-         "came (2 s transfers under load); `s17d-async`, `s17e-async` ask only for what steps the state (a "
-         "fragment that says more follow is only gathered): hosts 2.78-2.79x, no copy-on-write; `s17e-async`'s "
-         "push+pull row 0.67 (0.40 s against raw ZMQ's 0.27 s). `exp-pool` (tried, not kept): shard processes "
-         "with glibc's mmap threshold at 32 MiB, 128 MiB kept free at a heap's top, 2 arenas, instead of the 1 MiB "
-         "threshold: async hosts 2.79x, sync hosts 2.86-2.88x (primaries 2.95-2.98x against 2.88-2.89x), diloco "
-         "hosts 2.74x and 3.22x (over the 3x target); push+pull `exp-poolpp1`-`exp-poolpp3`: 0.62-0.76 (gossamer "
-         "0.26-0.31 s a round, raw ZMQ 0.17-0.20 s). "
-         "The Serving table's `updates_per_s`: versions over the "
-         "time from the first update seen to the end (compare within one load).")
+         "2 spot workers; a label naming fields ran with those experiment fields set (`--set`). The columns: "
+         "bench/README.md.")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
@@ -667,8 +577,9 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _markdown(m: dict[str, Any], notes: str) -> str:
-    lines = ["# scale_model", "", notes, "", f"Baselines (peak RSS, MB): {json.dumps(m['baselines_by_label'])}", "",
+def _markdown(m: dict[str, Any], notes: str, record: str) -> str:
+    lines = ["# scale_model", "", f"_{time.strftime('%Y-%m-%dT%H:%M:%S%z')}._", record, "", notes, "",
+             f"Baselines (peak RSS, MB): {json.dumps(m['baselines_by_label'])}", "",
              "## Memory per role", ""]
     lines += _table([r for r in m["memory"] if "x_held" in r])
     lines += ["", "## Other processes", ""]
@@ -679,7 +590,7 @@ def _markdown(m: dict[str, Any], notes: str) -> str:
     lines += _table(m["checkpoint"])
     lines += ["", "## Push+pull of one shard (both ways) against raw ZMQ, same frames", ""]
     lines += _table(m["push_pull"])
-    lines += ["", f"_{time.strftime('%Y-%m-%dT%H:%M:%S%z')}, {os.cpu_count()} CPUs_", ""]
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -1,10 +1,10 @@
 """gossamer vs torch DDP (gloo) on an emulated slow network: four hosts in network namespaces.
 
-    sudo .venv/bin/python bench/wan.py [--modes ddp,sync,async,gossip,diloco] [--rates 100mbit,1gbit]
+    sudo .venv/bin/python -m bench.wan [--modes ddp,sync,async,gossip,diloco] [--rates 100mbit,1gbit]
                                        [--repeats 3] [--first-run K] [--straggler] [--append]
                                        [--quick] [--target 0.95] [--steps 160] [--log-dir DIR]
                                        [--set MODE.FIELD=VALUE ...] [--delay 10ms] [--shards 4]
-    sudo .venv/bin/python bench/wan.py --merge-file LOG_DIR/runs.json   # a piece's runs into wan.json
+    sudo .venv/bin/python -m bench.wan --merge-file LOG_DIR/runs.json   # a piece's runs into wan.json
 
 Each (rate, mode) runs --repeats times (runs FIRST..FIRST+N-1, repeat by repeat so a load drift
 spreads over the modes); the table shows per cell the median [min-max] over the completed runs
@@ -16,7 +16,7 @@ every run, so a piece cut short can still be merged with --merge-file.
 
 --straggler adds the straggler case: --straggler-modes (ddp,async,gossip) at --straggler-rate
 (100mbit) with host --straggler-host (3) computing --slowdown (4) times slower: every host runs
-the model `_straggler:mlp` (bench/_straggler.py, the same MLP), and that host's processes pad each
+the model `bench._straggler:mlp` (bench/_straggler.py, the same MLP), and that host's processes pad each
 training forward and backward with a sleep of (F - 1) x its own measured time. Sleeping, not a
 cgroup quota or a busy loop: on this shared 2-core machine those would take CPU from the other
 three hosts or depend on what they get, while a padded host is F times slower than it would be
@@ -80,12 +80,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench._netns import Topology, cleanup_stale, parse_rate, require_netns_or_exit
+from bench._report import RESULTS, write_report
+from bench._straggler import ENV as STRAGGLER_ENV
+from bench._wan_stats import cell_of, fmt_cell, merge_runs, summarise
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from _netns import Topology, cleanup_stale, parse_rate, require_netns_or_exit  # noqa: E402
-from _report import RESULTS, write_report  # noqa: E402
-from _straggler import ENV as STRAGGLER_ENV  # noqa: E402
-from _wan_stats import cell_of, fmt_cell, merge_runs, summarise  # noqa: E402
 
 PY = sys.executable
 WORKERS = 4
@@ -137,7 +137,7 @@ MODE_LABEL = {
 }
 
 #: The straggler case: the model that pads compute where $WAN_SLOWDOWN says (bench/_straggler.py).
-STRAGGLER_MODEL = {"model": "_straggler:mlp"}
+STRAGGLER_MODEL = {"model": "bench._straggler:mlp"}
 
 T0 = time.monotonic()
 
@@ -201,7 +201,7 @@ def run_ddp(net: Topology, run_dir: Path, steps: int, eval_every: int, timeout: 
     procs = []
     for h in net.hosts:
         procs.append(net.spawn(h.index, [
-            PY, str(HERE / "_ddp_worker.py"), "--rank", str(h.index), "--world", str(WORKERS),
+            PY, "-m", "bench._ddp_worker", "--rank", str(h.index), "--world", str(WORKERS),
             "--master", f"{net.hosts[0].addr}:{MASTER_PORT}", "--ifname", h.ifname,
             "--config", json.dumps(cfg), "--log", str(log), "--threads", "1",
         ], log=run_dir / f"ddp-rank{h.index}.log", env=_env(h.index, slow), cwd=str(HERE.parent)))
@@ -260,12 +260,12 @@ def _loadavg() -> float:
 
 
 def _env(host: int | None = None, slow: tuple[int, float] | None = None) -> dict[str, str]:
-    """Environment of a process on `host`; with `slow` = (straggler host, factor), bench/ on the path
-    (the `_straggler` model) and, on the straggler host only, its slowdown."""
+    """Environment of a process on `host`; with `slow` = (straggler host, factor), the repository on the path
+    (the `bench._straggler` model) and, on the straggler host only, its slowdown."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env.pop(STRAGGLER_ENV, None)
     if slow:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(HERE)) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(HERE.parent)) if p)
         if host == slow[0]:
             env[STRAGGLER_ENV] = str(slow[1])
     return env
@@ -322,9 +322,9 @@ def run_gossamer(net: Topology, mode: str, run_dir: Path, spec: dict[str, Any], 
                                               "--address", h.addr, "--threads", "1", "--spot", "--grace", "5"],
                                     log=run_dir / f"w{h.index}.log", env=_env(h.index, slow), cwd=str(run_dir)))
         result_file = run_dir / "follow.json"
-        follower = net.spawn(0, [PY, str(Path(__file__).resolve()), "_follow", "--coordinator", address,
+        follower = net.spawn(0, [PY, "-m", "bench.wan", "_follow", "--coordinator", address,
                                  "--spec", json.dumps(spec), "--nodes", str(len(agents)), "--out", str(result_file),
-                                 "--timeout", str(timeout)], log=run_dir / "follow.log", env=env, cwd=str(run_dir))
+                                 "--timeout", str(timeout)], log=run_dir / "follow.log", env=env, cwd=str(HERE.parent))
         try:
             follower.wait(timeout=timeout + 120)
         except subprocess.TimeoutExpired:

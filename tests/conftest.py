@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from bench._postgres import PostgresServer, find_bin_dir
 from gossamer import zygote
 from gossamer.experiment import Experiment
 from gossamer.local_cluster import LocalCluster
@@ -21,7 +22,6 @@ from tests._fixtures import (
     StartCoordinator,
     experiment,
 )
-from tests._postgres import PostgresServer, find_bin_dir
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -7,13 +7,13 @@ import time
 import grpc
 import pytest
 
+from bench._postgres import leads
 from gossamer import Client
 from gossamer.coordinator.leader_gate import LEADER_KEY
 from gossamer.errors import UnavailableError
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from tests._fixtures import MakeCluster
-from tests._postgres import leads
 from tests.chaos._coordinator_loss import shard_version, start_digits_run
 from tests.chaos._wait import wait_steps
 

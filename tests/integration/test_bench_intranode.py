@@ -1,4 +1,4 @@
-"""bench/intranode.py --quick runs end to end and reports every section with finite numbers."""
+"""`python -m bench.intranode --quick` runs end to end and reports every section with finite numbers."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_bench_intranode_quick_reports_every_section_and_fsdp_uses_less_memory_t
     tmp_path: pathlib.Path,
 ) -> None:
     # own session, so a timeout kills the bench and the ranks it spawned (by process group id)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "intranode.py"), "--quick", "--out", str(tmp_path)],
+    proc = subprocess.Popen([sys.executable, "-m", "bench.intranode", "--quick", "--out", str(tmp_path)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from coordinator_load import run_point  # noqa: E402
+from bench.coordinator_load import run_point
 
 
 def test_fifty_simulated_nodes_with_experiments_are_all_served_and_none_is_lost(tmp_path: Path) -> None:

@@ -11,12 +11,12 @@ from multiprocessing.connection import Connection
 import pytest
 import torch
 
+from bench._replicated_pair import EXPERIMENT, NUMEL, plan, replica
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.errors import ProtocolError
 from gossamer.paramserver import ShardClient
 from gossamer.protocol import PushMeta
 from gossamer.worker.ps_trainer import chunk_groups
-from tests.integration._replicated_pair import EXPERIMENT, NUMEL, plan, replica
 
 pytestmark = pytest.mark.timeout(300)
 _SPAWN = mp.get_context("spawn")

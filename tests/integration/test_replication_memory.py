@@ -13,10 +13,10 @@ from multiprocessing.connection import Connection
 import pytest
 import torch
 
+from bench._replicated_pair import EXPERIMENT, NUMEL, plan, replica
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.paramserver import ShardClient
 from gossamer.paramserver._replication import SYNC_PART_BYTES
-from tests.integration._replicated_pair import EXPERIMENT, NUMEL, plan, replica
 
 pytestmark = pytest.mark.timeout(300)
 _SPAWN = mp.get_context("spawn")

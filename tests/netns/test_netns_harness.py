@@ -10,12 +10,10 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import _netns  # noqa: E402
+from bench import _netns
 
 WHY = _netns.unavailable_reason()
 pytestmark = pytest.mark.timeout(60)

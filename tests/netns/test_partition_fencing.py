@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
+from bench import _netns
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-import _netns  # noqa: E402
 
 WHY = _netns.unavailable_reason()
 # quiet: its 4 s lease is the point of the test, and in the parallel pass the suite's own load

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import _netns  # noqa: E402
+from bench import _netns
 
 WHY = _netns.unavailable_reason()
 pytestmark = [pytest.mark.timeout(120),
@@ -23,7 +22,7 @@ pytestmark = [pytest.mark.timeout(120),
 # A few training steps of the bench's model factory, as a role process would build it (by its path).
 TRAIN = """
 import importlib, json, torch
-mod, _, fn = "_straggler:mlp".partition(":")
+mod, _, fn = "bench._straggler:mlp".partition(":")
 model = getattr(importlib.import_module(mod), fn)(hidden=256, depth=2)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
@@ -37,7 +36,7 @@ print(json.dumps({"factor": model.factor, "padded": model.padded_s, "compute": m
 
 
 def test_only_the_straggler_host_is_slowed(tmp_path: Path) -> None:
-    import wan
+    from bench import wan
 
     net = _netns.Topology(2, prefix=f"{_netns.BASE_PREFIX}{os.getpid()}-s-")
     with net:

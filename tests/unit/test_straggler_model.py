@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from _straggler import ENV, mlp, slowdown  # noqa: E402
-
-from gossamer.examples.digits import mlp as plain_mlp  # noqa: E402
+from bench._straggler import ENV, mlp, slowdown
+from gossamer.examples.digits import mlp as plain_mlp
 
 
 def _grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from _wan_stats import cell_stats, fmt_cell, median, merge_runs, run_key, spread, summarise  # noqa: E402
+from bench._wan_stats import cell_stats, fmt_cell, median, merge_runs, run_key, spread, summarise
 
 
 def _run(mode: str, k: int, tt: float | None, acc: float, case: str = "normal", status: str = "completed",

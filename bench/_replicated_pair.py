@@ -1,4 +1,4 @@
-"""A shard replica (primary or backup) in its own process for the replication-memory test: its peak resident set over the updates it applies."""
+"""A shard replica (primary or backup) in its own process, for the replication tests and bench/replication_window.py: its peak resident set over the updates it applies."""
 
 from __future__ import annotations
 

@@ -523,7 +523,7 @@ def build_rows(runs: list[dict[str, Any]], target: float) -> tuple[list[dict[str
 
 
 def targets(summary: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
-    """Issue 16's WAN targets from the cell medians: (what, met (None: not measured), figures)."""
+    """The WAN targets from the cell medians: (what, met (None: not measured), figures)."""
     out: list[tuple[str, bool | None, str]] = []
 
     def speedup(case: str, mode: str, need: float) -> None:
@@ -717,7 +717,7 @@ def notes_for(data: dict[str, Any], summary: dict[str, Any]) -> tuple[str, list[
     netem_txt = ("netem delay " + str(net_info.get("delay")) + " per direction under the tbf" if net_info.get("netem")
                  else "no added latency (on this machine's kernel netem is absent)")
     notes = (
-        f"**Issue 16 targets** (from the medians below): {verdicts}. "
+        f"**Targets** (from the medians below): {verdicts}. "
         f"Each (case, rate, mode) cell ran {len(reps)} time(s) (runs {', '.join(map(str, reps))}), repeat by repeat "
         f"so that load drifts spread over the modes; cells show median [min-max] over the completed runs; ratios vs "
         f"DDP are ratios of the medians (the speedup's range divides DDP's median by the cell's slowest and fastest "

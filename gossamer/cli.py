@@ -38,7 +38,7 @@ def _server_security(args: argparse.Namespace) -> dict[str, Any]:
         host = args.host if args.host not in ("0.0.0.0", "::") else "HOST"
         lines = client_instructions(args.secure, f"{host}:{args.port or 'PORT'}")
         print(("created " if created else "using ") + "\n".join(lines), file=sys.stderr)
-    return paths
+    return {**paths, "viewer_token_file": args.viewer_token_file}
 
 
 def _client_security(args: argparse.Namespace):  # type: ignore[no-untyped-def]

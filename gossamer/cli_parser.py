@@ -233,6 +233,10 @@ def _add_security_flags(p: argparse.ArgumentParser, *, server: bool) -> None:
                 help="CA (PEM) that signs client certificates: require them (mutual TLS)")
         _add(g, "--token-file", default=None,
                 help="file with the token every client must send (health checks excepted)")
+        _add(g, "--viewer-token-file", default=None,
+                help="file with the read-only token of the status page, /api and /metrics (never accepted for "
+                     "joining or submitting); default: derived from the join token, written to "
+                     "STATE_DIR/viewer.token")
         _add(g, "--max-message-mb", type=float, default=16.0,
                 help="largest request accepted, MiB")
         _add(g, "--rate-limit", type=float, default=200.0,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from gossamer.errors import ConfigError
 from gossamer.security.tls import TLSConfig
-from gossamer.security.token import load_token
+from gossamer.security.token import derive_viewer_token, load_token
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +42,9 @@ class CoordinatorConfig:
     tls_ca: str | None = None
     #: Every call (but the health service) must carry `authorization: Bearer <the token in this file>`.
     token_file: str | None = None
+    #: The HTTP side's read-only credential (status page, /api, /metrics), never accepted on gRPC, so it
+    #: cannot join, submit or cancel. None: derived from the join token and written to STATE_DIR/viewer.token.
+    viewer_token_file: str | None = None
     #: Largest request the server accepts; a bigger one gets RESOURCE_EXHAUSTED.
     max_message_bytes: int = 16 << 20
     #: Requests per second per client host (a token bucket); 0 turns the limit off.
@@ -86,8 +89,10 @@ class CoordinatorConfig:
         if self.tls_ca and not self.tls_cert:
             raise ConfigError("tls_ca", "mutual TLS (--tls-ca) needs the server's --tls-cert and --tls-key too")
         self.tls  # noqa: B018 — validates the certificate paths now, not at the first connection
-        if self.token_file:
-            load_token(self.token_file)
+        join = load_token(self.token_file) if self.token_file else None
+        if self.viewer_token_file and load_token(self.viewer_token_file, "viewer_token_file") == join:
+            raise ConfigError("viewer_token_file", "holds the join token: a viewer token must be another secret, "
+                                                   "since whoever holds the join token can join nodes and submit code")
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
         if self.rate_limit < 0:
@@ -109,6 +114,14 @@ class CoordinatorConfig:
     def replicated(self) -> bool:
         """Whether the state is in PostgreSQL (several coordinators, one leading)."""
         return self.state.startswith(("postgresql://", "postgres://"))
+
+    def viewer_token(self) -> str | None:
+        """The HTTP side's viewer token: `viewer_token_file`'s, else derived from the join token; None: neither."""
+        if self.viewer_token_file:
+            return load_token(self.viewer_token_file, "viewer_token_file")
+        if self.token_file:
+            return derive_viewer_token(load_token(self.token_file))
+        return None
 
     @property
     def data_plane_curve(self) -> bool:

@@ -29,6 +29,8 @@ MAX_POINTS = 300
 MAX_POINTS_CAP = 2000
 #: A source's value counts towards a bucket for this long after it was reported.
 CARRY_S = 3.0
+#: Where a viewer token derived from the join token is written, under the state dir (0600).
+VIEWER_TOKEN_FILE = "viewer.token"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,8 +57,10 @@ class StatusHttp:
         routes: dict[str, Handler] = {"/": self._page, "/index.html": self._page, "/metrics": self._metrics, "/healthz": self._healthz,
                   "/api/status": self._status, "/api/series": self._series}
         self.gate: TokenGate | None = None
-        if coord.config.token_file:  # the same token as the gRPC side
-            self.gate = TokenGate(load_token(coord.config.token_file))
+        viewer = coord.config.viewer_token()
+        if viewer is not None:  # every route only reads: the viewer token opens them, and so does the join token
+            token_file = coord.config.token_file
+            self.gate = TokenGate(viewer, join=load_token(token_file) if token_file else None)
             routes = {path: self.gate.guard(path, handler) for path, handler in routes.items()}
         self.server = HttpServer(routes, host=config.host, port=config.port)
 

@@ -21,13 +21,14 @@ from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.coordinator.core import Coordinator, wait_event
 from gossamer.coordinator.election import Election
 from gossamer.coordinator.health import HealthService
-from gossamer.coordinator.http import HttpConfig, StatusHttp
+from gossamer.coordinator.http import VIEWER_TOKEN_FILE, HttpConfig, StatusHttp
 from gossamer.coordinator.leader_gate import LeaderGate
 from gossamer.coordinator.pg_store import PgStore
 from gossamer.coordinator.retention import keep_bounded
 from gossamer.coordinator.udp_beats import UdpBeats
 from gossamer.errors import ConfigError, NotFoundError
 from gossamer.rpc_errors import ErrorStatusInterceptor
+from gossamer.security.certs import write_private
 from gossamer.security.serving import describe_security, server_interceptors, warn_if_open
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -294,11 +295,24 @@ class CoordinatorServer:
             Path(f"{http_file}.tmp").write_text(str(self.http_port))
             os.replace(f"{http_file}.tmp", http_file)
             log.info("status page and /metrics on http://%s:%d/%s", self.http_config.host, self.http_port,
-                     " (token required)" if self.config.token_file else "")
+                     self._viewer_token_note())
             warn_if_open("HTTP side (status page, /api, /metrics)", self.http_config.host, self.config,
-                         tls_applies=False)  # plain HTTP: only the token guards it
+                         tls_applies=False, guarded=self.http.gate is not None)  # plain HTTP: only a token guards it
         log.info("coordinator serving on %s:%d (state in %s; %s)", self.config.host, self.port,
                  self.coord.store.location, describe_security(self.config))
+
+    def _viewer_token_note(self) -> str:
+        """Where the operator finds the HTTP side's viewer token ("" when the side is open); a derived one
+        is written to STATE_DIR/viewer.token (0600) first, so a person or a scraper can be given it."""
+        if self.http is None or self.http.gate is None:
+            return ""
+        if self.config.viewer_token_file:
+            return f" (viewer token in {self.config.viewer_token_file})"
+        viewer = self.config.viewer_token()
+        assert viewer is not None  # a gate without a viewer file has a join token to derive it from
+        path = Path(self.config.state_dir) / VIEWER_TOKEN_FILE
+        write_private(path, f"{viewer}\n".encode())
+        return f" (viewer token in {path}: open /?token=$(cat {path}) once in a browser)"
 
     async def _start_grpc(self, port: int) -> int:
         """Build, bind and start the gRPC server on `port` (0: a free one); returns the bound port."""

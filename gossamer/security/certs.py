@@ -142,7 +142,7 @@ def local_names() -> list[str]:
     return list(dict.fromkeys(n.split("%")[0] for n in names if n))
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
     """Create `path` readable by its owner only (0600) from the first byte on."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)
@@ -212,5 +212,5 @@ def init_secure_dir(directory: str | os.PathLike[str], sans: list[str] | tuple[s
         (client / CA_CERT, ca.cert_pem), (client / CLIENT_CERT, cli.cert_pem), (client / CLIENT_KEY, cli.key_pem),
         (client / TOKEN, token),
     ]:
-        _write_private(path, data)
+        write_private(path, data)
     return SecureDir(root, True, names)

@@ -33,11 +33,14 @@ def reachable_from_others(host: str) -> bool:
     return host not in _LOOPBACK and not host.startswith("127.")
 
 
-def warn_if_open(what: str, host: str, config: CoordinatorConfig, *, tls_applies: bool = True) -> bool:
+def warn_if_open(what: str, host: str, config: CoordinatorConfig, *, tls_applies: bool = True,
+                 guarded: bool | None = None) -> bool:
     """Warn loudly when `what`, bound to `host`, is reachable from other hosts with neither a token
-    nor mutual TLS (that covers `what` when `tls_applies`); True when it warned."""
+    (`guarded`; default: whether the join token is set) nor mutual TLS (that covers `what` when
+    `tls_applies`); True when it warned."""
     tls = config.tls if tls_applies else None
-    if not reachable_from_others(host) or config.token_file or (tls is not None and tls.mutual):
+    guarded = bool(config.token_file) if guarded is None else guarded
+    if not reachable_from_others(host) or guarded or (tls is not None and tls.mutual):
         return False
     log.warning("%s\nUNPROTECTED: the coordinator's %s is bound to %s with neither a token nor mutual TLS: "
                 "anyone who can reach it can join nodes, read every experiment and submit code that runs on "

@@ -1,7 +1,9 @@
-"""The join token: loading it from a file, and the server interceptor that checks it on every call."""
+"""The join token (loading it, the server interceptor that checks it on every call) and the viewer token derived from it."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
 import logging
 import os
@@ -27,6 +29,21 @@ _MIN_LENGTH = 16
 def generate_token() -> str:
     """A fresh random token (256 bits, URL-safe)."""
     return secrets.token_urlsafe(32)
+
+
+#: The HMAC message a viewer token is derived under: a fixed label, so the derivation is the same on every
+#: coordinator that holds the join token (standbys included) and on nothing else.
+_VIEWER_LABEL = b"gossamer/http-viewer-token/v1"
+
+
+def derive_viewer_token(join_token: str) -> str:
+    """The viewer token of a cluster whose join token is `join_token`: HMAC-SHA256(join, label), URL-safe.
+
+    It opens the coordinator's read-only HTTP side (status page, /api, /metrics) and nothing else;
+    HMAC is one-way, so holding it tells nothing of the join token that joins nodes and submits code.
+    """
+    digest = hmac.new(join_token.encode(), _VIEWER_LABEL, hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
 def check_token(token: str, field: str = "token") -> str:

@@ -1,11 +1,13 @@
-"""What a coordinator exposes: its HTTP side binds loopback unless asked and asks for the token, an open one warns
-loudly, security material is never silently re-issued, and submit-time import checks are cached and capped."""
+"""What a coordinator exposes: its HTTP side binds loopback unless asked and asks for a token (the read-only viewer
+token, never stored as the join token), an open one warns loudly, security material is never silently re-issued, and submit-time import checks are cached and capped."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -15,10 +17,15 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from gossamer import Client, ConfigError
-from tests._fixtures import StartCoordinator
+from gossamer.errors import AuthError
+from gossamer.security.token import bearer
+from gossamer.v1 import coordinator_pb2 as pb
+from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+from tests._fixtures import InProcessCoordinator, StartCoordinator
 from tests.chaos._wait import wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -129,6 +136,105 @@ def test_http_side_asks_for_the_token_and_a_browser_gets_it_once(start_coordinat
     assert "HttpOnly" in headers["Set-Cookie"]
     for path in ("/", "/api/status"):
         assert _get(c.base + path, {"Cookie": cookie})[0] == 200, path
+
+
+def _viewer_cluster(start_coordinator: StartCoordinator, tmp_path: Path) -> tuple[InProcessCoordinator, str]:
+    """A coordinator with a join token serving its HTTP side, and the viewer token it wrote to its state dir."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    c = start_coordinator(http=True, token_file=str(token), check_imports=False)
+    viewer_file = Path(c.config.state_dir) / "viewer.token"
+    assert stat.S_IMODE(viewer_file.stat().st_mode) == 0o600
+    viewer = viewer_file.read_text().strip()
+    assert viewer and viewer != TOKEN and TOKEN not in viewer
+    return c, viewer
+
+
+def test_the_viewer_token_opens_the_page_api_and_metrics_the_join_token_still_does_and_a_wrong_one_is_refused(
+        start_coordinator: StartCoordinator, tmp_path: Path) -> None:
+    c, viewer = _viewer_cluster(start_coordinator, tmp_path)
+    exp = Client(c.address, token=TOKEN).submit({"name": "looked-at", "model": "m:model", "dataset": "m:data",
+                                                 "total_steps": 10})
+    paths = ("/", "/index.html", "/api/status", f"/api/series?experiment={exp.id}", "/metrics")
+    for path in paths:
+        status, body, _ = _get(c.base + path, {"Authorization": f"Bearer {viewer}"})
+        assert status == 200, (path, status, body)
+        assert TOKEN.encode() not in body and viewer.encode() not in body, path
+    status, body, _ = _get(c.base + "/api/status", {"Authorization": f"Bearer {viewer}"})
+    assert [e["id"] for e in json.loads(body)["experiments"]] == [exp.id]
+    assert b"gossamer_nodes" in _get(c.base + "/metrics", {"Authorization": f"Bearer {viewer}"})[1]
+    # Scrapers and scripts set up with the join token keep working on the read-only routes.
+    for path in ("/api/status", "/metrics"):
+        assert _get(c.base + path, {"Authorization": f"Bearer {TOKEN}"})[0] == 200, path
+    refused = c.server.http.gate.refused
+    for path in paths:
+        for headers in ({"Authorization": "Bearer " + viewer[:-1] + ("A" if viewer[-1] != "A" else "B")},
+                        {"Authorization": f"Bearer {TOKEN}x"}, {"Cookie": "gossamer_token=wrong"}, {}):
+            assert _get(c.base + path, headers)[0] == 401, (path, headers)
+    assert c.server.http.gate.refused == refused + 4 * len(paths)
+    # A wrong bearer is not rescued by a right cookie: the header says who is asking.
+    assert _get(c.base + "/api/status", {"Authorization": "Bearer wrong", "Cookie": f"gossamer_token={viewer}"})[0] == 401
+
+
+def test_the_page_s_cookie_is_the_viewer_token_which_cannot_join_submit_or_cancel_over_grpc(
+        start_coordinator: StartCoordinator, tmp_path: Path) -> None:
+    c, viewer = _viewer_cluster(start_coordinator, tmp_path)
+    job = Client(c.address, token=TOKEN).submit({"name": "kept", "model": "m:model", "dataset": "m:data",
+                                                 "total_steps": 10})
+    cookies = []
+    for presented in (viewer, TOKEN):  # a browser opened with either token gets the same cookie
+        status, body, headers = _get(c.base + f"/?token={presented}")
+        assert status == 303 and headers["Location"] == "/" and body == b""
+        assert TOKEN not in headers["Set-Cookie"] and "HttpOnly" in headers["Set-Cookie"]
+        cookies.append(headers["Set-Cookie"].split(";")[0])
+    assert cookies == [f"gossamer_token={viewer}"] * 2
+    status, page, headers = _get(c.base + "/", {"Cookie": cookies[0]})
+    assert status == 200 and b"<script>" in page and "Set-Cookie" not in headers
+    assert TOKEN.encode() not in page and viewer.encode() not in page  # neither token is in the HTML or its script
+    assert _get(c.base + "/api/status", {"Cookie": cookies[0]})[0] == 200
+
+    # What the browser holds opens nothing on the gRPC side: no join, no submit, no cancel.
+    cookie_token = cookies[0].partition("=")[2]
+    with grpc.insecure_channel(c.address) as channel:
+        nodes = pb_grpc.NodeServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            nodes.Join(pb.JoinRequest(name="intruder", address="127.0.0.1"), timeout=10,
+                       metadata=[bearer(cookie_token)])
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    viewer_client = Client(c.address, token=cookie_token)
+    with pytest.raises(AuthError, match="refused the token"):
+        viewer_client.submit({"name": "intruder", "model": "m:model", "dataset": "m:data", "total_steps": 10})
+    with pytest.raises(AuthError, match="refused the token"):
+        viewer_client.job(job.id).cancel()
+    member = Client(c.address, token=TOKEN)
+    assert member.nodes() == [] and [e["name"] for e in member.experiments()] == ["kept"]
+    assert job.status()["state"] == "queued"
+
+
+def test_a_cookie_that_held_the_join_token_is_served_once_and_replaced_by_the_viewer_token(
+        start_coordinator: StartCoordinator, tmp_path: Path) -> None:
+    c, viewer = _viewer_cluster(start_coordinator, tmp_path)
+    status, _, headers = _get(c.base + "/api/status", {"Cookie": f"gossamer_token={TOKEN}"})
+    assert status == 200 and headers["Set-Cookie"].split(";")[0] == f"gossamer_token={viewer}"
+
+
+def test_a_viewer_token_file_is_used_as_given_and_one_holding_the_join_token_is_refused(
+        serve: Serve, tmp_path: Path) -> None:
+    token, viewer = tmp_path / "token", tmp_path / "viewer"
+    token.write_text(TOKEN + "\n")
+    viewer.write_text("a-viewer-token-for-tests\n")
+    _, http_port, log = serve("--token-file", str(token), "--viewer-token-file", str(viewer))
+    base = f"http://127.0.0.1:{http_port}"
+    assert _get(base + "/api/status", {"Authorization": "Bearer a-viewer-token-for-tests"})[0] == 200
+    assert _get(base + "/?token=a-viewer-token-for-tests")[2]["Set-Cookie"].startswith(
+        "gossamer_token=a-viewer-token-for-tests;")
+    assert f"viewer token in {viewer}" in log.read_text()
+    assert not (log.parent / "viewer.token").exists()  # nothing derived when one is given
+    viewer.write_text(TOKEN + "\n")
+    proc = subprocess.run(_cli("coordinator", "serve", "--port", "0", "--state-dir", str(tmp_path / "refused"),
+                               "--token-file", str(token), "--viewer-token-file", str(viewer)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "viewer_token_file" in proc.stderr and "join token" in proc.stderr, proc.stderr
 
 
 def test_missing_secure_file_is_an_error_naming_it_not_a_new_ca(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The join token: the loader refuses bad files clearly; the interceptor refuses calls without it."""
+"""The join token: the loader refuses bad files clearly; the interceptor refuses calls without it (or with the viewer token)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gossamer.coordinator.config import CoordinatorConfig
 from gossamer.errors import ConfigError
-from gossamer.security.token import TokenAuthInterceptor, bearer, generate_token, load_token
+from gossamer.security.token import (
+    TokenAuthInterceptor,
+    bearer,
+    check_token,
+    derive_viewer_token,
+    generate_token,
+    load_token,
+)
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "s3cret-token-0123456789"
@@ -51,6 +59,33 @@ def test_load_token_warns_about_short_and_world_readable_tokens(tmp_path: Path,
 def test_generated_tokens_are_long_and_distinct() -> None:
     tokens = {generate_token() for _ in range(50)}
     assert len(tokens) == 50 and min(map(len, tokens)) >= 40
+
+
+def test_the_viewer_token_is_derived_the_same_on_every_coordinator_and_is_not_the_join_token() -> None:
+    viewer = derive_viewer_token(TOKEN)
+    assert viewer == derive_viewer_token(TOKEN)  # standbys holding the same join token derive the same one
+    assert check_token(viewer) == viewer and len(viewer) >= 40  # travels as a Bearer header or a cookie
+    assert viewer != TOKEN and TOKEN not in viewer
+    assert len({derive_viewer_token(generate_token()) for _ in range(50)} | {viewer}) == 51
+
+
+def test_the_coordinator_s_viewer_token_is_its_file_s_else_derived_else_none(tmp_path: Path) -> None:
+    join = _write(tmp_path / "join", TOKEN)
+    viewer = _write(tmp_path / "viewer", "a-viewer-token-0123456789\n")
+    state = str(tmp_path / "state")
+    assert CoordinatorConfig(state_dir=state).viewer_token() is None
+    assert CoordinatorConfig(state_dir=state, token_file=str(join)).viewer_token() == derive_viewer_token(TOKEN)
+    assert CoordinatorConfig(state_dir=state, token_file=str(join),
+                             viewer_token_file=str(viewer)).viewer_token() == "a-viewer-token-0123456789"
+    assert CoordinatorConfig(state_dir=state, viewer_token_file=str(viewer)).viewer_token() == "a-viewer-token-0123456789"
+
+
+def test_a_viewer_token_file_holding_the_join_token_or_nothing_is_refused_naming_the_field(tmp_path: Path) -> None:
+    join = _write(tmp_path / "join", TOKEN)
+    with pytest.raises(ConfigError, match="viewer_token_file.*join token"):
+        CoordinatorConfig(state_dir=str(tmp_path), token_file=str(join), viewer_token_file=str(join))
+    with pytest.raises(ConfigError, match="viewer_token_file.*empty"):
+        CoordinatorConfig(state_dir=str(tmp_path), viewer_token_file=str(_write(tmp_path / "empty", "\n")))
 
 
 # --- the interceptor, on a real grpc.aio server ---------------------------------------------
@@ -111,7 +146,8 @@ def test_interceptor_passes_the_right_token(channel: grpc.Channel) -> None:
 
 
 @pytest.mark.parametrize("metadata", [None, [bearer("wrong-token-0123456789")], [bearer(TOKEN[:-1])],
-                                      [("authorization", f"Basic {TOKEN}")], [("authorization", TOKEN)]])
+                                      [("authorization", f"Basic {TOKEN}")], [("authorization", TOKEN)],
+                                      [bearer(derive_viewer_token(TOKEN))]])
 def test_interceptor_refuses_missing_or_wrong_token(server: _Server, channel: grpc.Channel,
                                                     metadata: list[tuple[str, str]] | None) -> None:
     for method, kind in (("/test.Echo/Echo", "unary"), ("/test.Echo/Stream", "stream")):

@@ -65,11 +65,22 @@ def test_diloco_sync_and_async_at_the_defaults_end_where_sync_mode_ends() -> Non
     # against sync mode's 0.10) and the async outer step was a third of the sync one. Measured here:
     # sync mode 0.975 / 0.090; diloco/sync 0.983 / 0.097; diloco/async 0.969-0.981 / 0.10-0.12 (5 runs).
     sync = run_async(experiment(DILOCO, mode="sync", lr=0.05, momentum=0.9), workers=3)
-    outer = {o: run_async(experiment(DILOCO, mode="diloco", lr=0.003, outer_step=o,
-                                     total_steps=400 * (3 if o == "async" else 1)), workers=3)
+    outer = {o: _median_run(experiment(DILOCO, mode="diloco", lr=0.003, outer_step=o,
+                                       total_steps=400 * (3 if o == "async" else 1)), runs=3 if o == "async" else 1)
              for o in ("sync", "async")}
-    print({"sync mode": (sync["accuracy"], sync["loss"]), **{f"diloco/{o}": (r["accuracy"], r["loss"])
-                                                             for o, r in outer.items()}})
+    print({"sync mode": (sync["accuracy"], sync["loss"]), **{f"diloco/{o}": r for o, r in outer.items()}})
     for r in outer.values():
-        assert r["accuracy"] >= sync["accuracy"] - 0.01, (r["accuracy"], sync["accuracy"])  # type: ignore[operator]
-        assert r["loss"] <= 2 * sync["loss"], (r["loss"], sync["loss"])  # type: ignore[operator]
+        assert r["accuracy"] >= sync["accuracy"] - 0.01, (r, sync["accuracy"])  # type: ignore[operator]
+        assert r["loss"] <= 2 * sync["loss"], (r, sync["loss"])  # type: ignore[operator]
+
+
+def _median_run(exp: Any, runs: int) -> dict[str, Any]:
+    """The median accuracy and loss of `runs` runs of `exp` (each run's figures kept under "runs").
+
+    The async outer step applies each worker's round as it arrives, so where a round lands
+    depends on how the worker threads were scheduled: quiet, 0.969-0.983 over 6 runs; beside
+    six busy loops, 0.950-0.983 (2 of 6 more than a point below sync mode's 0.975). One run
+    measures the scheduler as much as the algorithm; the median of three measures the algorithm.
+    """
+    got = [(float(g["accuracy"]), float(g["loss"])) for g in (run_async(exp, workers=3) for _ in range(runs))]  # type: ignore[arg-type]
+    return {"accuracy": sorted(a for a, _ in got)[runs // 2], "loss": sorted(b for _, b in got)[runs // 2], "runs": got}

@@ -1,5 +1,5 @@
 """The coordinator's status page renders in headless Chromium: nodes, the experiment, charts drawn by its script,
-the straggler highlighted; a screenshot is taken and checked."""
+the straggler highlighted; a screenshot is taken and checked; opened with the viewer token, it renders too."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 from gossamer import Client
 from gossamer.local_cluster import LocalCluster
+from tests._fixtures import StartCoordinator
 from tests.integration._observability import HTTP_ENV, SLOW, digits, http_port, wait_ready
 
 CHROMIUM = "/usr/bin/chromium"
@@ -100,3 +101,19 @@ def test_status_page_renders_nodes_experiment_charts_and_straggler_in_headless_c
         colors = {c for _, c in img.convert("RGB").getcolors(maxcolors=1 << 20) or []}
     assert len(colors) > 200, len(colors)  # text, tables, charts: not a blank or error page
     assert (0xFF, 0xF1, 0xF3) in colors  # the straggler row's highlight
+
+
+def test_status_page_opened_with_the_viewer_token_renders_in_headless_chromium_and_holds_no_join_token(
+        start_coordinator: StartCoordinator, tmp_path: Path) -> None:
+    join = "join-token-only-for-members-0123"
+    (tmp_path / "token").write_text(join + "\n")
+    c = start_coordinator(http=True, token_file=str(tmp_path / "token"), check_imports=False)
+    viewer = (Path(c.config.state_dir) / "viewer.token").read_text().strip()
+    job = Client(c.address, token=join).submit(digits("viewed", workers=1))
+    # ?token= answers with a redirect that sets the cookie; the page's own fetches of /api carry it.
+    dom = _chromium(tmp_path, f"{c.base}/?token={viewer}", "--dump-dom")
+    assert 'data-rendered="true"' in dom, dom[-2000:]
+    assert job.id in dom and "viewed" in dom
+    assert join not in dom and viewer not in dom
+    refused = _chromium(tmp_path, f"{c.base}/?token=wrong", "--dump-dom")
+    assert "token required" in refused and 'data-rendered="true"' not in refused

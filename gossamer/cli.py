@@ -63,6 +63,16 @@ def cmd_security_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_security_viewer_token(args: argparse.Namespace) -> int:
+    from gossamer.errors import ConfigError
+    from gossamer.security.token import derive_viewer_token, load_token
+
+    if not args.token_file:
+        raise ConfigError("token_file", "pass --token-file FILE: the join token the viewer token is derived from")
+    print(derive_viewer_token(load_token(args.token_file)))
+    return 0
+
+
 def _retention_config(args: argparse.Namespace) -> dict[str, Any]:
     """The retention and import-check fields of CoordinatorConfig from `coordinator serve` flags."""
     out: dict[str, Any] = {field: getattr(args, flag.removeprefix("--").replace("-", "_"))
@@ -424,7 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 COMMANDS = {
     "coordinator_serve": cmd_coordinator_serve, "worker_join": cmd_worker_join, "submit": cmd_submit,
     "status": cmd_status, "nodes": cmd_nodes, "watch": cmd_watch, "cancel": cmd_cancel, "events": cmd_events,
-    "plot": cmd_plot, "export": cmd_export, "security_init": cmd_security_init, "demo": cmd_demo, "local_up": cmd_local_up,
+    "plot": cmd_plot, "export": cmd_export, "security_init": cmd_security_init,
+    "security_viewer_token": cmd_security_viewer_token, "demo": cmd_demo, "local_up": cmd_local_up,
     "local_down": cmd_local_down, "local_status": cmd_local_status,
 }
 

@@ -472,6 +472,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="a name or IP the coordinator is reached at (repeatable; this machine's are included)")
     _add(si, "--address", env="SECURITY_ADDRESS", default="HOST:7070", help="coordinator address to show in the instructions")
     si.set_defaults(fn="security_init")
+    sv = sesub.add_parser("viewer-token", help="print the read-only token of the coordinator's status page, /api "
+                                               "and /metrics, derived from the join token (docs/security.md)")
+    _add(sv, "--token-file", default=None, help="file with the join token (e.g. secure/token)")
+    sv.set_defaults(fn="security_viewer_token")
 
     d = sub.add_parser("demo", help="a whole local cluster: coordinator, shards, workers, digits in async mode")
     _add(d, "--workers", type=int, default=3, help="spot nodes, one worker each")

@@ -218,6 +218,18 @@ def test_a_cookie_that_held_the_join_token_is_served_once_and_replaced_by_the_vi
     assert status == 200 and headers["Set-Cookie"].split(";")[0] == f"gossamer_token={viewer}"
 
 
+def test_gossamer_security_viewer_token_prints_the_token_the_coordinator_derived(serve: Serve, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    _, http_port, log = serve("--token-file", str(token))
+    written = (log.parent / "viewer.token").read_text().strip()
+    assert f"viewer token in {log.parent / 'viewer.token'}" in log.read_text() and TOKEN not in log.read_text()
+    printed = subprocess.run(_cli("security", "viewer-token", "--token-file", str(token)), capture_output=True,
+                             text=True, timeout=120)
+    assert printed.returncode == 0 and printed.stdout.strip() == written, printed
+    assert _get(f"http://127.0.0.1:{http_port}/api/status", {"Authorization": f"Bearer {written}"})[0] == 200
+
+
 def test_a_viewer_token_file_is_used_as_given_and_one_holding_the_join_token_is_refused(
         serve: Serve, tmp_path: Path) -> None:
     token, viewer = tmp_path / "token", tmp_path / "viewer"

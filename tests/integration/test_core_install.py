@@ -47,7 +47,7 @@ def loss(out, y):
 '''
 
 RUN = '''
-import json, sys, time
+import json
 from gossamer import Client
 from gossamer.local_cluster import LocalCluster
 
@@ -55,11 +55,8 @@ with LocalCluster(stop_grace_s=0) as cluster:
     address = cluster.start_coordinator(port=0)
     cluster.add_node("od0")
     cluster.add_node("spot0", spot=True)
+    cluster.wait_joined("od0", "spot0", timeout=120)
     client = Client(address)
-    deadline = time.monotonic() + 120
-    while sum(n["state"] == "ready" for n in client.nodes()) < 2:
-        assert time.monotonic() < deadline, client.nodes()
-        time.sleep(0.2)
     job = client.submit({"name": "core", "mode": "async", "model": "usermodel:model", "dataset": "usermodel:data",
                          "loss": "usermodel:loss", "optimizer": "sgd", "lr": 0.05, "batch_size": 32,
                          "num_ps_shards": 1, "ps_backup": False, "min_workers": 1, "max_workers": 1,

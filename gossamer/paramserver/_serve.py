@@ -15,6 +15,7 @@ import zmq
 
 from gossamer.errors import ProtocolError
 from gossamer.faults import fail_at, hold_at
+from gossamer.paramserver._budget_waits import BudgetWaits, Waiting
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
@@ -65,6 +66,10 @@ _SENDER_OPS = (*_WORKER_OPS, "SYNC", "REPLICATE")
 OVER_BUDGET = "reply_budget"
 
 
+class _AwaitBudget(Exception):
+    """A current worker's request over its connection's reply budget: it waits (`BudgetWaits`), not refused."""
+
+
 class ServeLoop:
     """Receives on the shard's ROUTER (and the backup's DEALER) and dispatches each op.
 
@@ -106,6 +111,8 @@ class ServeLoop:
         self._deferred: collections.deque[tuple[bytes, Message, str | None]] = collections.deque()
         self.deferred_pushes = 0
         self._deferred_bytes = 0
+        #: Current workers' requests over their connection's reply budget, waiting for its replies' release.
+        self.budget_waits = BudgetWaits(self.credits.budget_bytes, MAX_WAITING)
 
     @property
     def curve_refused(self) -> int:
@@ -188,7 +195,7 @@ class ServeLoop:
                 if polled_backup is not None:
                     poller.register(polled_backup, zmq.POLLIN)
             # Pushes kept back go as soon as what held them is gone (a reply leaving takes a millisecond).
-            ready = dict(poller.poll(_DEFERRED_POLL_MS if self._deferred else _POLL_MS))
+            ready = dict(poller.poll(_DEFERRED_POLL_MS if self._deferred or self.budget_waits else _POLL_MS))
             if polled_backup is not None and polled_backup in ready:
                 self.replication.on_replies(polled_backup)
             if sock in ready:
@@ -200,6 +207,8 @@ class ServeLoop:
                     self._on_frames(frames)
             if self._deferred:
                 self._run_deferred()
+            if self.budget_waits:
+                self._run_budget_waits()
             if self.credits.waiting():  # an update's payload the backup was sent may be gone now
                 with self.lock:
                     self._reserve()
@@ -245,6 +254,10 @@ class ServeLoop:
             if isinstance(held, list):
                 held.clear()
         nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
+        if identity in self.budget_waits and self.budget_waits.may_add(identity, nbytes):
+            # Behind a request of its connection waiting for the reply budget: after it, in order (a push's fragments).
+            self.budget_waits.add(identity, Waiting(msg, key, nbytes, time.monotonic()))
+            return
         # A fragment that is only gathered has nothing to keep back for; asked on each, the hold's second would
         # run out before the push's last fragment came.
         if msg.op == "PUSH" and (self._deferred or (not self._only_gathered(msg) and self._holds_back())) and \
@@ -279,15 +292,35 @@ class ServeLoop:
             self._deferred_bytes -= sum(t.numel() * t.element_size() for t in msg.tensors.values())
             self._handle(identity, msg, key)
 
-    def _handle(self, identity: bytes, msg: Message, key: str | None) -> None:
+    def _run_budget_waits(self) -> None:
+        """Serve the waiting requests whose connection's replies were released; refuse those that waited their time."""
+        now = time.monotonic()
+        for identity in self.budget_waits.identities():
+            while (waiting := self.budget_waits.head(identity)) is not None:
+                with self.lock:
+                    over = waiting.msg.op in ("PULL", "PUSH") and self.replies.over_budget(identity) is not None
+                if over and not self.budget_waits.expired(waiting.since, now):
+                    break
+                self.budget_waits.pop(identity)
+                self._handle(identity, waiting.msg, waiting.key, waiting=waiting)
+                if self.budget_waits.head(identity) is waiting:  # over the budget again: it waits on
+                    break
+
+    def _handle(self, identity: bytes, msg: Message, key: str | None, *, waiting: Waiting | None = None) -> None:
+        """Dispatch a request and answer its failure; `waiting`: it waited for the reply budget (`budget_waits`)."""
         rid, op = msg.meta.get("rid"), msg.op
         keeps_credit = False
         try:
             with self.lock:
-                self._dispatch(identity, msg, key)
+                self._dispatch(identity, msg, key, waiting)
             # A fragment gathered keeps its connection's credit: the push is one dense push of the shard however
             # it travels. Refused, it gives it back (the rest is sent again).
             keeps_credit = self._only_gathered(msg)
+        except _AwaitBudget:
+            keeps_credit = True  # not read yet: its credit stays with it
+            nbytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
+            self.budget_waits.add(identity, waiting or Waiting(msg, key, nbytes, time.monotonic()),
+                                  front=waiting is not None)
         except ProtocolError as e:
             if op == "PUSH":
                 self.updates.discarded["nonfinite" if "finite" in str(e) else "rejected"] += 1
@@ -305,7 +338,7 @@ class ServeLoop:
                     self._reserve()
                     self._grant(self.credits.pushed(identity, time.monotonic()))
 
-    def _dispatch(self, identity: bytes, msg: Message, key: str | None = None) -> None:
+    def _dispatch(self, identity: bytes, msg: Message, key: str | None = None, waiting: Waiting | None = None) -> None:
         if msg.experiment != self.config.experiment:
             raise Reject(f"experiment {msg.experiment!r} does not match this shard's {self.config.experiment!r}",
                          FAILED_PRECONDITION)
@@ -321,7 +354,11 @@ class ServeLoop:
         if msg.op in _WORKER_OPS:
             self._admit_worker_op(msg)
             if msg.op in ("PULL", "PUSH") and (why := self.replies.over_budget(identity)) is not None:
+                if self._may_wait_for_budget(identity, msg, waiting):
+                    raise _AwaitBudget
                 self.refused[OVER_BUDGET] += 1
+                if waiting is not None:
+                    self.budget_waits.refused_after_wait += 1
                 raise Reject(why, RESOURCE_EXHAUSTED, cause=OVER_BUDGET)
             if self.seeding is not None and msg.op in ("PULL", "PUSH"):
                 raise Reject(f"shard {self.config.shard} lost every replica and is rebuilt from its workers' "
@@ -351,6 +388,14 @@ class ServeLoop:
             self.replies.send(identity, "BYE", {"rid": rid})
         else:
             raise Reject(f"unknown op {msg.op!r}", UNIMPLEMENTED)
+
+    def _may_wait_for_budget(self, identity: bytes, msg: Message, waiting: Waiting | None) -> bool:
+        """A current worker's request waits for its replies' release (see `_budget_waits`); a stranger's never."""
+        if not self.updates.is_member(msg.sender):
+            return False
+        if waiting is not None:
+            return not self.budget_waits.expired(waiting.since, time.monotonic())
+        return self.budget_waits.may_add(identity, sum(t.numel() * t.element_size() for t in msg.tensors.values()))
 
     def _admit_worker_op(self, msg: Message) -> None:
         """Refuse a worker op from a sender that cannot prove its id, or to a backup or fenced primary."""

@@ -403,6 +403,8 @@ class ShardServer:
             "queue_full": refused[QUEUE_FULL],
             "peer_gone": refused[PEER_GONE],
             "over_budget": refused[OVER_BUDGET],
+            "budget_waits": self._loop.budget_waits.waited,
+            "budget_waits_refused": self._loop.budget_waits.refused_after_wait,
             "held_replies": self._replies.outgoing.held_replies(),
             "held_reply_bytes": self._replies.outgoing.held_bytes(self._replies.live_storages()),
             "reply_budget_bytes": self._replies.outgoing.max_bytes,

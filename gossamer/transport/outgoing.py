@@ -32,7 +32,9 @@ class ReplyBudget:
     """
 
     #: A worker waits for each reply before its next request on the same socket: 1 is all
-    #: it needs; 2 leaves room for a reply still leaving while the next request arrives.
+    #: it needs; 2 leaves room for a reply still leaving while the next request arrives. A reply's
+    #: release lags the peer's read on a busy host: a shard lets a current worker's request over
+    #: this wait for it (`paramserver/_budget_waits`) instead of refusing it.
     per_peer: int = 2
     #: None: `ReplyBudget.default_bytes` of the server's largest reply.
     max_bytes: int | None = None

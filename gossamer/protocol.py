@@ -414,9 +414,14 @@ class ParamsMeta:
     #: Chunk index (as a string) -> codec meta of a compressed difference.
     pull_compression: dict[str, Any] | None = None
     codec: str | None = None
+    #: Async: every worker's last applied clock in the state these values are of. A worker offers it with
+    #: its copy (SEED), so a shard rebuilt from that copy counts exactly the updates it lacks.
+    applied: dict[str, int] | None = None
 
     def to_meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"done": self.done}
+        if self.applied is not None:
+            meta["applied"] = self.applied
         if self.staleness is not None:
             meta["staleness"] = self.staleness
         if self.lead is not None:
@@ -439,7 +444,18 @@ class ParamsMeta:
             raise ProtocolError("PARAMS meta 'pull_compression' must map chunk index -> chunk meta")
         codec = meta.get("codec")
         return cls(done=done, staleness=staleness, pull_compression=compressed,
-                   codec=codec if isinstance(codec, str) else None)
+                   codec=codec if isinstance(codec, str) else None, applied=clocks_of(meta, "PARAMS", "applied"))
+
+
+def clocks_of(meta: Mapping[str, Any], op: str, name: str) -> dict[str, int] | None:
+    """`meta[name]`: worker -> clock (None when absent); raises ProtocolError naming `op` if malformed."""
+    clocks = meta.get(name)
+    if clocks is None:
+        return None
+    if not isinstance(clocks, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in clocks.items()):
+        raise ProtocolError(f"{op} meta {name!r} must map worker -> int clock")
+    return dict(clocks)
 
 
 @dataclass(frozen=True, kw_only=True)

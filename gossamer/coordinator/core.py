@@ -579,7 +579,8 @@ class Coordinator:
             )
         restore = failover.restore_outcome(exp.roles, role, index=req.index, version=int(req.version),
                                            source=req.restored_from,
-                                           last=exp.shard_versions.get(str(req.index), 0))
+                                           last=exp.shard_versions.get(str(req.index), 0),
+                                           counted=int(req.versions_lost), unknown=req.versions_lost_unknown)
         if restore is not None:
             kind, message, lost = restore
             if kind == "restored":

@@ -124,11 +124,13 @@ def roll_back_together(roles: Sequence[RoleRec], index: int, *, barrier: bool) -
 
 
 def restore_outcome(roles: Sequence[RoleRec], shard: RoleRec, *, index: int, version: int, source: str,
-                    last: int) -> tuple[str, str, int] | None:
+                    last: int, counted: int = 0, unknown: str = "") -> tuple[str, str, int] | None:
     """The event a shard's report of restoring calls for: (kind, message, versions lost), or None.
 
     `source`: where the shard said it restored from (RESTORE_SEEDING: it waits for the workers'
-    copies); `last`: the highest version the coordinator heard of before the loss.
+    copies); `last`: the highest version the coordinator heard of before the loss; `counted`: the
+    versions lost the shard counted, and `unknown` why that is not the exact count ("": it is,
+    for a rebuild from the workers' copies).
     """
     if source == RESTORE_SEEDING:
         if any(r.role == pb.ROLE_WORKER for r in roles):
@@ -137,10 +139,15 @@ def restore_outcome(roles: Sequence[RoleRec], shard: RoleRec, *, index: int, ver
         source = "(none: no checkpoint, and no worker left to hold a copy)"
     elif not (source or (shard.restore_epoch and version == 0 and not shard.version)):
         return None
-    lost = max(0, last - version)
-    return ("restored", f"shard {index} restored from {source or 'its initial values'} at version {version}; at "
-            f"least {lost} version(s) lost (last reported version {last}; the exact count follows as workers "
-            "return)", lost)
+    head = f"shard {index} restored from {source or 'its initial values'} at version {version}"
+    if source.endswith("'s copy") and not unknown:
+        return ("restored", f"{head}; {counted} version(s) lost, counted exactly from every worker's copy (each says "
+                "which of its updates were acknowledged)", counted)
+    # The shard's metric points come once a second: the last version heard of is only a lower bound.
+    lost = max(counted, last - version)
+    why = unknown or "each worker's updates since are counted as it pushes again"
+    return ("restored", f"{head}; at least {lost} version(s) lost (last reported version {last}); the exact count is "
+            f"not known yet: {why} (lost-updates events follow)", lost)
 
 
 def gives_up(failures: int, max_workers: int) -> bool:

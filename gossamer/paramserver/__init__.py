@@ -5,7 +5,7 @@ from __future__ import annotations
 from gossamer.paramserver.client import PullResult, ShardClient
 from gossamer.paramserver.consistency import ApplyRecord, SSPGate, lr_factor
 from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer
-from gossamer.paramserver.shard import ShardConfig, ShardServer
+from gossamer.paramserver.shard import Rebuilt, ShardConfig, ShardServer
 from gossamer.paramserver.shard_plan import (
     Chunk,
     ShardPlan,
@@ -20,6 +20,7 @@ __all__ = [
     "Chunk",
     "OptimizerConfig",
     "PullResult",
+    "Rebuilt",
     "SSPGate",
     "ShardClient",
     "ShardConfig",

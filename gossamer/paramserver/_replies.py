@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -93,6 +94,8 @@ class Replies:
         `counted` as `send`'s."""
         meta, tensors, live = self.views.reply(identity, chunks, self.state.params, done=self.state.done,
                                                staleness=staleness, lead=lead)
+        if not self.state.config.barrier:  # what the worker's copy of these values holds (`ParamsMeta.applied`)
+            meta = dataclasses.replace(meta, applied=dict(self.state.applied))
         self.raw_bytes_out += sum(4 * self.state.chunks[idx].numel for idx in chunks)
         self.send(identity, "PARAMS", {"rid": rid, **meta.to_meta()}, tensors, live=live, version=version,
                   counted=counted)

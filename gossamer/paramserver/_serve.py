@@ -28,6 +28,7 @@ from gossamer.protocol import (
     HelloMeta,
     PullMeta,
     WelcomeMeta,
+    clocks_of,
     parse_chunk_key,
 )
 from gossamer.security import sender_tokens
@@ -449,7 +450,8 @@ class ServeLoop:
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise Reject("SEED meta 'seed_version' must be an int >= 0")
         try:
-            self.seeding.offer(msg.sender, version, {parse_chunk_key(k): t for k, t in msg.tensors.items()}, now)
+            self.seeding.offer(msg.sender, version, {parse_chunk_key(k): t for k, t in msg.tensors.items()}, now,
+                               clocks_of(msg.meta, "SEED", "seed_applied"))
         except (ValueError, ProtocolError) as e:
             raise Reject(str(e)) from None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -513,10 +513,12 @@ class Updates:
             self.discarded["partial"] += 1
             self._abort(key, f"worker {worker} left with its update incomplete")
 
-    def restored(self, applied: dict[str, int]) -> None:
-        """The state was rolled back to a checkpoint holding `applied`."""
+    def restored(self, applied: dict[str, int], counted: Mapping[str, int] | None = None) -> None:
+        """The state was rolled back to a checkpoint (or a worker's copy) holding `applied`; `counted`: the
+        updates lost of the workers already counted (a copy's senders), not counted again at their next push."""
         self._restored_applied = dict(applied)
-        self._seen_since_restore = set()
+        self._seen_since_restore = set(counted or ())
+        self.versions_lost += sum((counted or {}).values())
 
     # -- membership ---------------------------------------------------------------------------
     def set_members(self, senders: list[str], generation: int | None, now: float) -> None:

@@ -128,6 +128,8 @@ class ShardClient:
         #: shard): sent as a SEED to a shard rebuilt from its workers' copies (None: nothing to offer).
         self.seed_source: Callable[[int], tuple[int, dict[int, torch.Tensor]]] | None = None
         self._seeded: set[tuple[int, int]] = set()  # (shard, epoch) this client sent its copy to
+        #: Shard -> every worker's applied clock in the values of its last answer (`ParamsMeta.applied`).
+        self._applied: dict[int, dict[str, int]] = {}
         self.plan = plan
         self.timeout_s = timeout_s
         indices = sorted(c.index for c in plan.chunks) if chunks is None else sorted(chunks)
@@ -612,7 +614,8 @@ class ShardClient:
         version, values = self.seed_source(s)
         logger.warning("shard %d is rebuilt from its workers' copies: sending ours (version %d, %d chunks)", s,
                        version, len(values))
-        self._send_one(s, self._msg("SEED", s, {"seed_version": version},
+        applied = {"seed_applied": self._applied[s]} if s in self._applied else {}
+        self._send_one(s, self._msg("SEED", s, {"seed_version": version, **applied},
                                     {chunk_key(i): v.reshape(-1).to(torch.float32) for i, v in values.items()}))
 
     def _note_answer(self, s: int, reply: Message) -> None:
@@ -643,6 +646,8 @@ class ShardClient:
             except ProtocolError as e:
                 raise ShardError(f"shard {s} sent a malformed reply: {e}") from e
             versions[s] = reply.version
+            if meta.applied is not None:
+                self._applied[s] = meta.applied
             done = done or meta.done
             if meta.staleness is not None:
                 staleness[s] = meta.staleness

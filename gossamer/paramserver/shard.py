@@ -23,7 +23,7 @@ from gossamer.paramserver._pull_views import PullViews
 from gossamer.paramserver._push_decoding import PushDecoders
 from gossamer.paramserver._replication import Replication
 from gossamer.paramserver._replies import Replies
-from gossamer.paramserver._seeding import Seeding
+from gossamer.paramserver._seeding import Rebuilt, Seed, Seeding
 from gossamer.paramserver._serve import OVER_BUDGET, ServeLoop
 from gossamer.paramserver._snapshot import PendingSnapshot
 from gossamer.paramserver._state import ShardState
@@ -42,7 +42,7 @@ from gossamer.transport.router import (
     UNROUTABLE,
 )
 
-__all__ = ["ShardConfig", "ShardServer", "chunk_key", "parse_chunk_key"]
+__all__ = ["Rebuilt", "ShardConfig", "ShardServer", "chunk_key", "parse_chunk_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +94,9 @@ class ShardServer:
         # Pieces (a chunk's values or one optimizer buffer) of the snapshots before the newest: written from
         # the live state / left to the snapshot by an update that wrote them out of place (new memory, no copy).
         self._snapshot_chunks = {"copied": 0, "adopted": 0}
-        #: Called (serve thread) when a rebuild from the workers' copies ends: (sender, version), or ("", 0)
-        #: when no copy came before the deadline.
-        self.on_seeded: Callable[[str, int], None] | None = None
+        #: Called (serve thread) when a rebuild from the workers' copies ends: from which copy, and the
+        #: versions lost (sender "" and version 0: no copy came before the deadline).
+        self.on_seeded: Callable[[Rebuilt], None] | None = None
         self._loop.periodic.append(self._check_seeding)
 
     # -- lifecycle --------------------------------------------------------------------
@@ -274,19 +274,37 @@ class ShardServer:
         if seed is None and not seeding.expired(now):
             return
         self._loop.seeding = None
+        rebuilt = Rebuilt("", 0)
         if seed is None:
             logger.error("shard %d: no worker sent its copy within %.0f s: nothing to rebuild from",
                          self.config.shard, seeding.deadline_s)
         else:
             self._updates.void_waiting(f"shard {self.config.shard} rebuilt from a worker's copy; pull and redo",
                                        FAILED_PRECONDITION, "rolled_back")
-            meta = SyncMeta(state_version=seed.version, applied={}, scalars={})
+            meta = SyncMeta(state_version=seed.version, applied=dict(seed.applied or {}), scalars={})
             self._replication.load(meta, {chunk_key(i): t for i, t in seed.values.items()})
-            self._views.clear()  # no per-worker clocks in a copy: the coordinator counts the versions lost
+            self._views.clear()
+            rebuilt = self._rebuilt(seeding, seed)
             logger.warning("shard %d rebuilt from %s's copy at version %d (of %d copies; optimizer state starts "
-                           "afresh)", self.config.shard, seed.sender, seed.version, len(seeding.seeds))
+                           "afresh): %d version(s) lost%s", self.config.shard, seed.sender, seed.version,
+                           len(seeding.seeds), rebuilt.lost, f" so far ({rebuilt.unknown})" if rebuilt.unknown else "")
         if self.on_seeded is not None:
-            self.on_seeded(seed.sender if seed else "", seed.version if seed else 0)
+            self.on_seeded(rebuilt)
+
+    def _rebuilt(self, seeding: Seeding, seed: Seed) -> Rebuilt:
+        """Count the versions lost with the copy taken: exactly for every worker that sent a copy (async);
+        the others' as they push again (`Updates.restored`)."""
+        lost = seeding.lost(seed) if not self.config.barrier else None
+        if lost is None:
+            self._updates.restored(dict(seed.applied or {}))
+            why = ("sync: each worker redoes the steps from the copy's" if self.config.barrier
+                   else "a copy came without its workers' clocks")
+            return Rebuilt(seed.sender, seed.version, 0, f"{why}; counted as workers push again")
+        self._updates.restored(dict(seed.applied or {}), lost)
+        silent = sorted((self._updates.members or frozenset()) - set(lost))
+        unknown = (f"{len(silent)} worker(s) sent no copy ({', '.join(silent[:4])}); their updates lost are "
+                   "counted as they push again") if silent else ""
+        return Rebuilt(seed.sender, seed.version, sum(lost.values()), unknown)
 
     def _apply(self, grads: dict[int, torch.Tensor], lr_factor: float,
                applied: list[tuple[str, int]] | None = None) -> None:
@@ -310,6 +328,11 @@ class ShardServer:
     @property
     def done(self) -> bool:
         return self._state.done
+
+    @property
+    def seeding(self) -> bool:
+        """Waiting for the workers' copies (`await_seed`): the values and version are not the shard's yet."""
+        return self._loop.seeding is not None
 
     @property
     def updates(self) -> int:

@@ -819,6 +819,8 @@ class ReportRoleRequest(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     RESTORED_FROM_FIELD_NUMBER: _builtins.int
     USER_FIELD_FIELD_NUMBER: _builtins.int
+    VERSIONS_LOST_FIELD_NUMBER: _builtins.int
+    VERSIONS_LOST_UNKNOWN_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Node running the role."""
     experiment_id: _builtins.str
@@ -846,6 +848,14 @@ class ReportRoleRequest(_message.Message):
     (model, dataset, loss, collate, metrics) whose ConfigError ended it. Every worker would fail
     alike, so a second such failure ends the experiment instead of restarting workers.
     """
+    versions_lost: _builtins.int
+    """Parameter server restored (restored_from set): the versions lost that it counted at the restore:
+    exactly, for every worker that sent its copy of a shard rebuilt from the workers' copies.
+    """
+    versions_lost_unknown: _builtins.str
+    """Parameter server restored: why versions_lost is not the exact count yet (a worker sent no copy;
+    a checkpoint's), "" when it is. The rest is counted as the workers push again.
+    """
     def __init__(
         self,
         *,
@@ -861,10 +871,12 @@ class ReportRoleRequest(_message.Message):
         version: _builtins.int = ...,
         restored_from: _builtins.str = ...,
         user_field: _builtins.str = ...,
+        versions_lost: _builtins.int = ...,
+        versions_lost_unknown: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "experiment_id", b"experiment_id", "index", b"index", "message", b"message", "node_id", b"node_id", "replica", b"replica", "replicated", b"replicated", "restored_from", b"restored_from", "role", b"role", "state", b"state", "user_field", b"user_field", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "experiment_id", b"experiment_id", "index", b"index", "message", b"message", "node_id", b"node_id", "replica", b"replica", "replicated", b"replicated", "restored_from", b"restored_from", "role", b"role", "state", b"state", "user_field", b"user_field", "version", b"version", "versions_lost", b"versions_lost", "versions_lost_unknown", b"versions_lost_unknown"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -18,7 +18,7 @@ from gossamer.compression.kernels import kernels_unless_asked
 from gossamer.experiment import Experiment
 from gossamer.faults import fault
 from gossamer.metric_families import staleness_buckets
-from gossamer.paramserver import ShardConfig, ShardPlan, ShardServer, take_shard_values
+from gossamer.paramserver import Rebuilt, ShardConfig, ShardPlan, ShardServer, take_shard_values
 from gossamer.protocol import (
     RESTORE_NONE,
     RESTORE_SEEDING,
@@ -67,6 +67,8 @@ class ServerRole:
         self._snapshot_open_s = 0.0
         self.restored_epoch = 0
         self.restored_path = ""  # a restore the coordinator has not heard of yet
+        #: Of that restore: the versions lost counted, and why that is not the exact count ("": it is).
+        self.restored_lost: tuple[int, str] = (0, "")
         self.fetch_note = ""  # why no checkpoint could be fetched, for the coordinator's events
         self.endpoint = ""
         self._sent: tuple[bool | None, bool | None] = (None, None)  # (replicated, primary) the coordinator knows
@@ -197,11 +199,15 @@ class ServerRole:
             self.fetch_note = f"shard {self.shard} restore: {fetched}" if fetched else ""
             return
         self.server.restore(str(path))
+        self.restored_lost = (0, "a checkpoint holds no update after it; each worker's are counted as it pushes "
+                                 "again")
         self.restored_path = f"{path} ({fetched})" if fetched.startswith("fetched") else str(path)
 
-    def _seeded(self, sender: str, version: int) -> None:
-        """The rebuild from the workers' copies ended (serve thread): the coordinator hears from where."""
-        self.restored_path = f"worker {sender}'s copy" if sender else RESTORE_NONE
+    def _seeded(self, rebuilt: Rebuilt) -> None:
+        """The rebuild from the workers' copies ended (serve thread): the coordinator hears from where, and what
+        it lost."""
+        self.restored_lost = (rebuilt.lost, rebuilt.unknown)
+        self.restored_path = f"worker {rebuilt.sender}'s copy" if rebuilt.sender else RESTORE_NONE
 
     def _report_checkpoint_failures(self) -> None:
         """A failed checkpoint write reaches the coordinator as a warning event, with its error."""
@@ -219,10 +225,12 @@ class ServerRole:
             # shard instead of promoting its synced backup). The process's FAILED report follows.
             return
         message, self.fetch_note = message or self.fetch_note, "" if not message else self.fetch_note
+        lost, unknown = self.restored_lost if self.restored_path else (0, "")
         self.reporter.role(self.spec.node_id, pb.ROLE_PARAMETER_SERVER, self.shard, state, endpoint=self.endpoint,
                            message=message,
                            replica=0 if primary else 1, replicated=replicated,
-                           version=self.server.version, restored_from=self.restored_path)
+                           version=self.server.version, restored_from=self.restored_path,
+                           versions_lost=lost, versions_lost_unknown=unknown)
         self._sent = (replicated, primary)
         self.restored_path = ""
 
@@ -250,6 +258,10 @@ class ServerRole:
         self.reporter.checkpoint(snap.step, str(path), "shard", node_id=self.spec.node_id)
 
     def _metrics(self) -> None:
+        if self.server.seeding:
+            # Its values and version are the initial ones until a worker's copy is taken: a point at version 0
+            # would say the shard went back to the start.
+            return
         st = self.server.stats()
         values = {
             "ps_updates": float(st.get("updates", 0)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +70,12 @@ def _no_checkpoint_run(client: Client) -> Any:
 
 
 def _restored_event(events: list[dict[str, Any]]) -> tuple[str, int, int]:
-    """The `restored` event: (its text, the version restored, its 'at least N version(s) lost')."""
+    """The `restored` event: (its text, the version restored, its '[at least] N version(s) lost')."""
     text = next(e["message"] for e in events if e["kind"] == "restored")
     version = int(text.split(" at version ")[1].split(";")[0])
-    return text, version, int(text.split("at least ")[1].split(" version")[0])
+    lost = re.search(r"; (?:at least )?(\d+) version\(s\) lost", text)
+    assert lost is not None, text
+    return text, version, int(lost.group(1))
 
 
 def test_shard_lost_with_no_checkpoint_is_rebuilt_from_the_freshest_workers_copy(

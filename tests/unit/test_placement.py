@@ -178,6 +178,17 @@ def test_a_shard_seeding_waits_for_workers_copies_only_while_a_worker_is_left_to
     assert restore_outcome([shard], shard, index=0, version=190, source="/ck/step-190", last=185)[:1] == ("restored",)
 
 
+def test_a_rebuild_from_the_workers_copies_says_the_exact_count_or_why_it_is_not_known() -> None:
+    shard = _shard("n", 0)
+    kind, message, lost = restore_outcome([shard], shard, index=0, version=6424, source="worker w:0's copy",
+                                          last=5046, counted=3) or ("", "", -1)
+    assert (kind, lost) == ("restored", 3) and "3 version(s) lost, counted exactly" in message, message
+    kind, message, lost = restore_outcome([shard], shard, index=0, version=6424, source="worker w:0's copy",
+                                          last=5046, counted=3, unknown="1 worker(s) sent no copy (w:2)") or ("", "", -1)
+    assert lost == 3 and "at least 3 version(s) lost" in message, message
+    assert "not known yet: 1 worker(s) sent no copy (w:2)" in message, message
+
+
 def test_in_a_barrier_mode_every_shard_rolls_back_with_a_restored_one() -> None:
     roles = [_shard("a", 0), _shard("b", 2), RoleRec(node_id="w", role=WORKER, index=5)]
     assert roll_back_together(roles, 1, barrier=resolve("sync").barrier) == [0, 1, 2]

@@ -223,7 +223,7 @@ def _state(pid: int) -> str:
 
 
 # --- item 4: worker join to a wrong address --------------------------------------------------------
-def test_worker_join_to_a_wrong_address_keeps_saying_so_and_gives_up_with_exit_2(tmp_path: Path) -> None:
+def test_worker_join_to_a_wrong_address_keeps_saying_so_and_gives_up_with_exit_3(tmp_path: Path) -> None:
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -231,7 +231,7 @@ def test_worker_join_to_a_wrong_address_keeps_saying_so_and_gives_up_with_exit_2
     out = subprocess.run([sys.executable, "-m", "gossamer.cli", "worker", "join", f"127.0.0.1:{port}",
                           "--join-timeout", "10", "--no-warm-roles"], env=env, capture_output=True, text=True,
                          timeout=120)
-    assert out.returncode == 2, out.stderr
+    assert out.returncode == 3, out.stderr  # the coordinator did not answer (cli_parser's exit codes)
     waits = re.findall(rf"waiting for the coordinator at 127\.0\.0\.1:{port} for (\d+) s", out.stderr)
     assert len(waits) >= 2 and int(waits[-1]) >= 5, out.stderr  # said again as time passes
     assert "within --join-timeout 10 s" in out.stderr and "left the cluster" not in out.stderr, out.stderr

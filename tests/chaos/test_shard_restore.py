@@ -80,8 +80,8 @@ def _restored_event(events: list[dict[str, Any]]) -> tuple[str, int, int]:
 
 def test_shard_lost_with_no_checkpoint_is_rebuilt_from_the_freshest_workers_copy(
         tmp_path: Path, make_cluster: MakeCluster) -> None:
-    # The reproduction of issue 15: 1 shard, no backup, no checkpoints, its node killed at 30%.
-    # It restarted from initial values while the run went on, and `versions_lost` read 0. The
+    # 1 shard, no backup, no checkpoints, its node killed at 30%. Without the rebuild it restarted
+    # from initial values while the run went on, and `versions_lost` read 0. The
     # worker holds the values it last pulled: the shard is rebuilt from them.
     with make_cluster(state_dir=tmp_path / "state") as cluster:
         client = Client(cluster.start_coordinator(port=0))

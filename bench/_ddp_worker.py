@@ -44,8 +44,8 @@ def main() -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from gossamer.worker.model import evaluate
-    from gossamer.worker.sampler import even_split, sync_global_batch
+    from gossamer.engine.model import evaluate
+    from gossamer.engine.sampler import even_split, sync_global_batch
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(cfg.get("seed", 0))

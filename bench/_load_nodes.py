@@ -1,16 +1,16 @@
 """Simulated nodes for bench/coordinator_load.py: the real node protocol over gRPC and UDP, many nodes per asyncio process.
 
-Each simulated node does what `gossamer worker join` does on the control plane (gossamer/worker/agent.py):
+Each simulated node does what `gossamer worker join` does on the control plane (gossamer/node/agent.py):
 Join (timeout 5 s, retried after 0.5 s doubling to 5 s on any error, as `NodeAgent._join`), one
 WatchAssignments stream, a heartbeat every `heartbeat_interval_s` (joining again when the coordinator
 answers `known=False`), ReportRole SERVING for each role it is given (a shard primary says its backup is
 attached) and, for workers, a metric point every `metrics_every_s`. No role process runs.
 
-Heartbeats follow the real node's rules (worker/heartbeat.py, worker/udp_beats.py), per node:
+Heartbeats follow the real node's rules (node/heartbeat.py, node/beat_sender.py), per node:
 
 * at most one gRPC Heartbeat in flight (the real node's heartbeat thread waits for its answer, deadline
   3 intervals); a tick that comes due meanwhile goes once it is answered, never in a burst;
-* with `udp`, a tick sends one UDP beat (beat_wire.py) to the port and key Join gave, and a gRPC Heartbeat
+* with `udp`, a tick sends one UDP beat (transport/beat_wire.py) to the port and key Join gave, and a gRPC Heartbeat
   as well while no beat under this key has been answered yet, or after `HEDGE_MISSES` ticks in a row
   without any reply (one, for a lease under `HEDGE_MISSES + 2` intervals), such hedges at most one a
   third of the lease, the gap doubling (up to the lease) after a hedge answered late or not at all;
@@ -38,11 +38,11 @@ from typing import Any
 
 import grpc
 
-from gossamer.beat_wire import Signer, peek_reply
+from gossamer.node.beat_sender import HEDGE_MISSES, MISSES_TO_PAUSE, PAUSE_BEATS, PENDING
+from gossamer.node.leave import deliver_leave
+from gossamer.transport.beat_wire import Signer, peek_reply
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
-from gossamer.worker.leave import deliver_leave
-from gossamer.worker.udp_beats import HEDGE_MISSES, MISSES_TO_PAUSE, PAUSE_BEATS, PENDING
 
 NODES_PER_CHANNEL = 250  # HTTP/2 connections to the coordinator: one per this many simulated nodes
 LEAVE_BUDGET_S = 25.0  # NodeAgent's default grace (30 s) less the 5 s it keeps to stop its shards

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gossamer.worker.ports import reserve_port
+from gossamer.node.ports import reserve_port
 
 #: Where Debian's postgresql-NN packages put the server binaries (CI installs one; .ci/run).
 _BIN_GLOBS = ("/usr/lib/postgresql/*/bin", "/usr/local/pgsql/bin")

@@ -32,8 +32,8 @@ def replica(conn: Connection, backup: bool, mode: str = "sync") -> None:
     ("window", bytes): set its REPLICATE window; "stats": answer its stats; "resync": detach the backup and
     attach it again (a full SYNC), once it is synced again; "digest": a hash of its whole state and version."""
     torch.set_num_threads(1)
+    from gossamer.engine.allocator import mmap_large_allocations
     from gossamer.paramserver import OptimizerConfig, ShardConfig, ShardServer
-    from gossamer.worker.allocator import mmap_large_allocations
 
     # As a shard host's role process does at start (`_role_process.setup`): without it, what glibc
     # keeps of freed buffers in its heaps (2.67x to 3.07x for the primary) hides what the shard holds.

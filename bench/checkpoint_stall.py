@@ -37,8 +37,8 @@ import torch
 
 from bench._report import write_report
 from gossamer.checkpoint.sharded import AsyncCheckpointer
+from gossamer.engine.allocator import mmap_large_allocations
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
-from gossamer.worker.allocator import mmap_large_allocations
 
 MB = 1e6
 T0 = time.monotonic()

@@ -39,7 +39,7 @@ import grpc
 
 from bench._load_nodes import LoaderConfig, loader_main
 from bench._report import RESULTS, write_report
-from gossamer.experiment import Experiment
+from gossamer.core.experiment import Experiment
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -88,7 +88,7 @@ class Coordinator:
     def start(self, timeout_s: float = 60.0) -> None:
         ready = self.state_dir / "ready"
         ready.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "gossamer.cli", "coordinator", "serve", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "gossamer.tools.cli", "coordinator", "serve", "--port", str(self.port),
                "--state-dir", str(self.state_dir), "--rate-limit", "0", "--no-import-check",
                "--lease-timeout", str(self.lease_timeout_s), "--ready-file", str(ready), "--log-level", "WARNING"]
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}

@@ -28,7 +28,7 @@ from bench._postgres import PostgresServer, find_bin_dir, leads
 from bench._report import write_report
 from bench._wait import wait
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 
 NODES = ("n0", "n1", "n2")
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from bench._report import write_report
-from gossamer.worker import sampler
-from gossamer.worker.batches import Data
-from gossamer.worker.loader import StepLoader
+from gossamer.engine import sampler
+from gossamer.engine.batches import Data
+from gossamer.engine.loader import StepLoader
 
 
 class SlowSet(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -106,7 +106,7 @@ def main() -> None:
              f"{rows[1]['wait_vs_none']:.2f}x of what it waits without (target <= 0.2x).** "
              f"A map-style set whose sample costs {args.read_ms / args.batch:.2f} ms of I/O-like waiting (sleep) "
              f"-> {args.read_ms:.0f} ms per batch of {args.batch}; a step of {args.compute_ms:.0f} ms of torch work; "
-             f"{args.steps} steps each, one process, torch threads 1, through gossamer.worker.loader.StepLoader as "
+             f"{args.steps} steps each, one process, torch threads 1, through gossamer.engine.loader.StepLoader as "
              "a trainer calls it. The stream rows: an IterableDataset of the same samples at the same cost, "
              "split across its loader processes by get_worker_info(), read by position. "
              "All rows measured in the same run, on a shared machine (other jobs running).")

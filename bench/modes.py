@@ -22,7 +22,7 @@ from typing import Any
 
 from bench._report import write_report
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 
 MODELS = {
     "mlp": {"model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data"},

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from bench._report import write_report
-from gossamer.experiment import Experiment
-from gossamer.worker import sampler
-from gossamer.worker.model import build
-from gossamer.worker.ps_trainer import ParameterServerTrainer
-from gossamer.worker.rank import RankContext
+from gossamer.core.experiment import Experiment
+from gossamer.engine import sampler
+from gossamer.engine.model import build
+from gossamer.engine.rank import RankContext
+from gossamer.training.ps_trainer import ParameterServerTrainer
 
 
 def _exp(steps: int, batch: int, mode: str) -> Experiment:

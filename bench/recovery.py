@@ -41,8 +41,8 @@ from bench._report import write_report
 from bench._wait import wait
 from gossamer import Client
 from gossamer.examples.digits import mlp
-from gossamer.local_cluster import LocalCluster
 from gossamer.paramserver import ShardClient, ShardPlan
+from gossamer.tools.local_cluster import LocalCluster
 
 CKPT_EVERY = 100
 SPEC: dict[str, Any] = {

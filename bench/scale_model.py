@@ -47,9 +47,9 @@ import zmq
 from bench._report import record_line, report_path, write_report
 from bench._scale_user import mlp
 from bench._wait import wait
-from gossamer.experiment import Experiment
-from gossamer.local_cluster import LocalCluster
+from gossamer.core.experiment import Experiment
 from gossamer.paramserver import ShardClient, ShardConfig, ShardPlan, ShardServer
+from gossamer.tools.local_cluster import LocalCluster
 from gossamer.transport.frames import FrameLimits, Message, encode
 
 BENCH = Path(__file__).resolve().parent
@@ -174,8 +174,8 @@ def torch_baseline_mb() -> dict[str, float]:
     """Peak RSS of a fresh process that imported torch (and, second, the role code) and built nothing."""
     out = {}
     for label, code in (("import torch", "import torch"),
-                        ("import torch + role code", "import torch, torch.distributed, gossamer.worker.roles, "
-                         "gossamer.worker.server_role, gossamer.worker.worker_role")):
+                        ("import torch + role code", "import torch, torch.distributed, gossamer.node.roles, "
+                         "gossamer.node.server_role, gossamer.node.worker_role")):
         res = subprocess.run([sys.executable, "-c", code + "\nprint(open('/proc/self/status').read())"],
                              capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
         hwm = next(int(line.split()[1]) for line in res.stdout.splitlines() if line.startswith("VmHWM:"))
@@ -394,7 +394,7 @@ def step_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
 # Push+pull against raw ZMQ (same bytes, same frames, loopback TCP, server in its own process)
 # ------------------------------------------------------------------------------------------
 def _shard_server(port_q: Any, stop: Any, spec: dict[str, Any]) -> None:
-    from gossamer.worker.allocator import mmap_large_allocations
+    from gossamer.engine.allocator import mmap_large_allocations
 
     # as a shard role process starts (`_role_process.setup`): large buffers by mmap, one torch thread
     mmap_large_allocations()

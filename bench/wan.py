@@ -272,7 +272,7 @@ def _env(host: int | None = None, slow: tuple[int, float] | None = None) -> dict
 
 
 def _gossamer_cli() -> list[str]:
-    return [PY, "-m", "gossamer.cli"]
+    return [PY, "-m", "gossamer.tools.cli"]
 
 
 def gossamer_spec(mode: str, steps: int, eval_every: int, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -378,8 +378,8 @@ def follow(args: argparse.Namespace) -> int:
     import dataclasses
 
     from gossamer import Client
-    from gossamer.errors import GossamerError
-    from gossamer.experiment import Experiment
+    from gossamer.core.errors import GossamerError
+    from gossamer.core.experiment import Experiment
 
     spec = json.loads(args.spec)
     known = {f.name for f in dataclasses.fields(Experiment)}

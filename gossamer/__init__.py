@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from gossamer.checkpoint import load_checkpoint
-from gossamer.client import Client, Job, Result
-from gossamer.errors import (
+from gossamer.core.errors import (
     CheckpointError,
     ConfigError,
     GossamerError,
@@ -13,9 +12,9 @@ from gossamer.errors import (
     ShardError,
     UnavailableError,
 )
-from gossamer.experiment import Experiment
-
-__version__ = "0.1.0"
+from gossamer.core.experiment import Experiment
+from gossamer.core.version import __version__ as __version__
+from gossamer.tools.client import Client, Job, Result
 
 __all__ = [
     "CheckpointError",

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.compression.momentum_placement import momentum_on_worker
 from gossamer.compression.worker_momentum import WorkerMomentum
-from gossamer.experiment import Experiment
-from gossamer.paramserver.shard_plan import ShardPlan, flatten_params, unflatten_into
-from gossamer.worker.model import build
+from gossamer.core.experiment import Experiment
+from gossamer.engine.model import build
+from gossamer.engine.shard_plan import ShardPlan, flatten_params, unflatten_into
 
 
 def simulate(exp: Experiment, workers: int = 3, steps: int | None = None, *, placement: str = "auto",

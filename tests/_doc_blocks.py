@@ -76,10 +76,10 @@ def blocks(path: Path) -> list[Block]:
 
 
 def gossamer_argv(command: str) -> list[str] | None:
-    """The arguments after `gossamer` (or `-m gossamer.cli`) in a documented command line, optional `[...]` parts
+    """The arguments after `gossamer` (or `-m gossamer.tools.cli`) in a documented command line, optional `[...]` parts
     dropped; None when the line runs no gossamer command."""
     words = shlex.split(re.sub(r"\[[^\]]*\]", "", command))
     for i, w in enumerate(words):
-        if w in ("gossamer", "gossamer.cli") or w.endswith("/gossamer"):
+        if w in ("gossamer", "gossamer.tools.cli") or w.endswith("/gossamer"):
             return words[i + 1:]
     return None

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 from gossamer.coordinator import CoordinatorConfig, CoordinatorServer
 from gossamer.coordinator.http import HttpConfig
-from gossamer.experiment import Experiment
-from gossamer.local_cluster import LocalCluster
+from gossamer.core.experiment import Experiment
+from gossamer.tools.local_cluster import LocalCluster
 
 __all__ = ["CLUSTER_DEFAULTS", "DIGITS", "InProcessCoordinator", "MakeCluster", "StartCoordinator", "experiment",
            "warm_context"]
@@ -36,7 +36,7 @@ def warm_context() -> ForkServerContext:
     already imported; a "spawn" rank imported them afresh, 3-4 s of CPU for each of the dozens
     of ranks the tests start. Started once per test process.
     """
-    from gossamer.worker.warm import role_context, warm_up
+    from gossamer.node.warm import role_context, warm_up
 
     warm_up()
     ctx = role_context(warm=True)

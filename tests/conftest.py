@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from bench._postgres import PostgresServer, find_bin_dir
-from gossamer import zygote
-from gossamer.experiment import Experiment
-from gossamer.local_cluster import LocalCluster
-from gossamer.worker.warm import start_shared
+from gossamer.core import zygote
+from gossamer.core.experiment import Experiment
+from gossamer.node.warm import start_shared
+from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import (
     CLUSTER_DEFAULTS,
     InProcessCoordinator,

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from gossamer.checkpoint.manifest import MANIFEST, regular_file
 from gossamer.checkpoint.piece_stream import Pieces, PieceStream
-from gossamer.errors import CheckpointError
+from gossamer.core.errors import CheckpointError
 
 __all__ = ["load_pieces", "save_pieces"]
 

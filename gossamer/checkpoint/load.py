@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gossamer.checkpoint.manifest import read_manifest
-from gossamer.errors import CheckpointError
+from gossamer.core.errors import CheckpointError
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:

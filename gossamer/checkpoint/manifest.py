@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gossamer.errors import CheckpointError
-from gossamer.faults import die_at
+from gossamer.core.errors import CheckpointError
+from gossamer.core.faults import die_at
 
 MANIFEST = "manifest.json"
 FORMAT = "gossamer-checkpoint/1"

@@ -20,8 +20,8 @@ import torch
 
 from gossamer.checkpoint.manifest import MANIFEST, fsync_dir, recover_dir, regular_file, replace_dir
 from gossamer.checkpoint.piece_stream import Pieces, PieceStream
-from gossamer.errors import CheckpointError
-from gossamer.faults import die_at
+from gossamer.core.errors import CheckpointError
+from gossamer.core.faults import die_at
 
 __all__ = [
     "FORMAT",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from gossamer.compression.registry import CODEC_NAMES, CODECS, CodecEntry
+from gossamer.core.codec_table import CODEC_NAMES, CODECS, CodecEntry
 
 if TYPE_CHECKING:
     from gossamer.compression.chunk_codec import ChunkCompressor, Segment

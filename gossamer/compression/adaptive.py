@@ -7,7 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 
 #: From exact to most aggressive; each step costs some accuracy and saves bytes.
 LADDER: tuple[str, ...] = ("none", "bf16", "int8", "topk:0.1", "topk:0.01", "topk:0.001")

@@ -14,13 +14,13 @@ import torch
 from gossamer.compression.codec import Codec, Payload
 from gossamer.compression.codec_spec import parse_codec
 from gossamer.compression.error_feedback import ErrorFeedback
-from gossamer.compression.registry import codec_entry
 from gossamer.compression.wire_pool import WirePool
 from gossamer.compression.worker_momentum import WorkerMomentum
-from gossamer.errors import ConfigError, ProtocolError
+from gossamer.core.codec_table import codec_entry
+from gossamer.core.errors import ConfigError, ProtocolError
 
 if TYPE_CHECKING:  # the data plane imports this module: no import cycle at run time
-    from gossamer.paramserver.shard_plan import ShardPlan
+    from gossamer.engine.shard_plan import ShardPlan
 
 __all__ = ["CHUNK_META_VERSION", "ChunkCompressor", "Segment"]
 

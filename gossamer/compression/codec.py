@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from gossamer.compression.registry import codec_entry
-from gossamer.errors import ConfigError, ProtocolError
+from gossamer.core.codec_table import codec_entry
+from gossamer.core.errors import ConfigError, ProtocolError
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -126,7 +126,7 @@ class Codec(ABC):
     `ProtocolError` for a malformed payload: a sender cannot make it raise anything else or
     return a tensor of the wrong size.
 
-    A codec is listed in `gossamer.compression.registry` (its spec grammar and traits);
+    A codec is listed in `gossamer.core.codec_table` (its spec grammar and traits);
     `parse_codec` builds it with `from_arg`.
 
     Attributes:

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import importlib
+
 from gossamer.compression.codec import Codec
-from gossamer.compression.registry import grammar, parse_spec
-from gossamer.errors import ConfigError
+from gossamer.core.codec_table import CodecEntry, grammar, parse_spec
+from gossamer.core.errors import ConfigError
 
 __all__ = ["parse_codec"]
+
+
+def codec_class(entry: CodecEntry) -> type[Codec]:
+    """The `Codec` subclass a codec table line names (imports its module, and so torch)."""
+    module, _, attr = entry.cls.partition(":")
+    cls: type[Codec] = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 def parse_codec(spec: str, *, seed: int | None = None, field: str = "compression") -> Codec:
     """Build the codec a spec string names; each call returns a fresh instance.
 
     Args:
-        spec: a spec of `gossamer.compression.registry.CODECS`, e.g. "none" | "fp16" | "bf16"
+        spec: a spec of `gossamer.core.codec_table.CODECS`, e.g. "none" | "fp16" | "bf16"
             | "int8" | "sign" | "qsgd:L" (1 <= L <= 127) | "topk:R" (0 < R <= 1) |
             "powersgd:K" (K >= 1); surrounding spaces are ignored.
         seed: seeds stochastic codecs (QSGD's rounding draws, PowerSGD's initial Q; None:
@@ -26,7 +35,7 @@ def parse_codec(spec: str, *, seed: int | None = None, field: str = "compression
     if not isinstance(spec, str):
         raise ConfigError(field, f"codec spec must be a string, got {type(spec).__name__}")
     entry, arg = parse_spec(spec.strip(), field=field)
-    cls: type[Codec] = entry.load()
+    cls = codec_class(entry)
     try:
         return cls.from_arg(arg, seed=seed)
     except ConfigError as e:  # the class refused what the grammar let through: name our field

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gossamer.compression.registry import ADAPTIVE, codec_entry, parse_spec
-from gossamer.modes import mode_of
+from gossamer.core.codec_table import ADAPTIVE, codec_entry, parse_spec
+from gossamer.core.modes import mode_of
 
 if TYPE_CHECKING:
-    from gossamer.experiment import Experiment
+    from gossamer.core.experiment import Experiment
 
 __all__ = ["density_warmup_steps", "momentum_on_worker", "sparse_on_worker"]
 

@@ -18,7 +18,7 @@ from gossamer.compression.codec import (
     payload_tensor,
 )
 from gossamer.compression.sparsification import fits_fp16
-from gossamer.errors import ConfigError, ProtocolError
+from gossamer.core.errors import ConfigError, ProtocolError
 
 __all__ = ["PowerSGDCodec"]
 

@@ -20,7 +20,7 @@ from gossamer.compression.codec import (
     payload_tensor,
 )
 from gossamer.compression.wire_pool import WirePool
-from gossamer.errors import ConfigError, ProtocolError
+from gossamer.core.errors import ConfigError, ProtocolError
 
 __all__ = ["INT8_BLOCK", "QSGD_MAX_LEVELS", "Int8Codec", "QSGDCodec"]
 

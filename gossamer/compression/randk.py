@@ -18,7 +18,7 @@ from gossamer.compression.codec import (
     payload_tensor,
 )
 from gossamer.compression.sparsification import fits_fp16, topk_count
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 
 __all__ = ["SEED_MAX", "RandKCodec", "positions"]
 

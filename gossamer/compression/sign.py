@@ -10,7 +10,7 @@ import torch
 from gossamer.compression import _jit
 from gossamer.compression._kernels import Scratch, pack_signs, spans
 from gossamer.compression.codec import Codec, Payload, all_finite, fp32_slack, into, payload_tensor
-from gossamer.errors import ProtocolError
+from gossamer.core.errors import ProtocolError
 
 __all__ = ["SignCodec"]
 

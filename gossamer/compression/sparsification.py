@@ -19,7 +19,7 @@ from gossamer.compression.codec import (
     into,
     payload_tensor,
 )
-from gossamer.errors import ConfigError, ProtocolError
+from gossamer.core.errors import ConfigError, ProtocolError
 
 __all__ = ["SAMPLED_MIN_NUMEL", "TopKCodec", "fits_fp16", "topk_count", "topk_indices", "topk_select"]
 

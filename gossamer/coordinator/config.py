@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 from gossamer.security.tls import TLSConfig
 from gossamer.security.token import derive_viewer_token, load_token
 

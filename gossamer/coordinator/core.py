@@ -19,9 +19,9 @@ from gossamer.coordinator.records import ExpRec, NodeRec, RoleRec, check_node_id
 from gossamer.coordinator.store import Store
 from gossamer.coordinator.stragglers import StepRates, worker_speeds
 from gossamer.coordinator.streams import AssignmentStreams
-from gossamer.errors import ConfigError, NotFoundError
-from gossamer.experiment import Experiment
-from gossamer.faults import hold_at
+from gossamer.core.errors import ConfigError, NotFoundError
+from gossamer.core.experiment import Experiment
+from gossamer.core.faults import hold_at
 from gossamer.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from gossamer.coordinator.records import NodeRec, RoleRec
-from gossamer.experiment import CODE_FIELDS
-from gossamer.protocol import RESTORE_SEEDING
+from gossamer.core.experiment import CODE_FIELDS
+from gossamer.core.protocol import RESTORE_SEEDING
 from gossamer.v1 import coordinator_pb2 as pb
 
 
@@ -172,18 +172,6 @@ def failure_ends(user_failures: dict[str, int], failures: int, max_workers: int,
         if n >= USER_CODE_FAILURES:
             return f"the experiment's own `{req.user_field}` failed {n} workers: not retried"
     return f"{failures} role failures: giving up" if gives_up(failures, max_workers) else ""
-
-
-def shard_lease_s(lease_timeout_s: float, heartbeat_interval_s: float) -> float:
-    """How long after sending a heartbeat the coordinator answered a node's shards may acknowledge.
-
-    The coordinator calls a node lost `lease_timeout_s` after it last *received* a heartbeat,
-    which is after the node sent it; the node's shards stop (are fenced) `shard_lease_s` after
-    it *sent* it. The margin (a heartbeat interval, at least a quarter of the lease) covers
-    the clocks' rates and the pipe to the shard process, so an isolated primary has stopped
-    acknowledging before its backup may be promoted.
-    """
-    return lease_timeout_s - max(heartbeat_interval_s, 0.25 * lease_timeout_s)
 
 
 #: How a worker's failure names the shards that did not answer it (ShardClient's UnavailableError).

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from gossamer.coordinator.records import ExpRec, RoleRec
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 from gossamer.v1 import coordinator_pb2 as pb
 
 __all__ = ["NAMED", "Completed", "begin", "ended", "settle"]

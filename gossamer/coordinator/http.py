@@ -14,9 +14,9 @@ from gossamer.coordinator._status_page import PAGE
 from gossamer.coordinator.http_auth import TokenGate
 from gossamer.coordinator.metrics import node_state_label, render, role_label, state_label
 from gossamer.coordinator.stragglers import STRAGGLER_FRACTION, worker_speeds
-from gossamer.errors import ConfigError
-from gossamer.httpserver import Handler, HttpServer, Request, Response
+from gossamer.core.errors import ConfigError
 from gossamer.security.token import load_token
+from gossamer.transport.httpserver import Handler, HttpServer, Request, Response
 from gossamer.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:

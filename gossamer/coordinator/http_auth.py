@@ -8,7 +8,7 @@ import logging
 from http.cookies import CookieError, SimpleCookie
 from urllib.parse import quote, unquote
 
-from gossamer.httpserver import Handler, Request, Response
+from gossamer.transport.httpserver import Handler, Request, Response
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ import sys
 import time
 from typing import NoReturn
 
-from gossamer import zygote
-from gossamer._import_check import send_verdict
-from gossamer.errors import ConfigError, UnavailableError
-from gossamer.experiment import Experiment
+from gossamer.core import zygote
+from gossamer.core.errors import ConfigError, UnavailableError
+from gossamer.core.experiment import Experiment
+from gossamer.core.import_check import send_verdict
 
 #: How long a failed check's verdict is reused (a fixed module is checked again after this).
 FAILURE_TTL_S = 30.0
@@ -34,7 +34,7 @@ def import_paths(exp: Experiment) -> Key:
 
 
 class ImportChecker:
-    """Runs `gossamer._import_check` in a child interpreter, which imports (runs) user code.
+    """Runs `gossamer.core.import_check` in a child interpreter, which imports (runs) user code.
 
     At most `concurrency` children run at once and at most `max_waiting` checks wait for
     one; identical submits in flight share one child; a success is cached for good and a
@@ -106,7 +106,7 @@ class ImportChecker:
 
 async def _cold_verdict(args: list[str], timeout_s: float) -> str | None:
     """The verdict of a fresh interpreter (None: it took over `timeout_s` and was killed)."""
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gossamer._import_check", *args,
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gossamer.core.import_check", *args,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
@@ -121,7 +121,7 @@ _adopted: bool | None = None
 
 
 def _warm() -> bool:
-    """Whether checks fork from this host's zygote (`gossamer.zygote`; torch already imported there)."""
+    """Whether checks fork from this host's zygote (`gossamer.core.zygote`; torch already imported there)."""
     global _adopted
     if _adopted is None:
         path = os.environ.get(zygote.ENV)

@@ -7,8 +7,8 @@ from typing import Any, Protocol
 
 import grpc
 
-from gossamer.errors import NotLeaderError
-from gossamer.rpc_errors import replace_behavior
+from gossamer.core.errors import NotLeaderError
+from gossamer.core.rpc_errors import replace_behavior
 
 #: Trailing metadata key holding the leading coordinator's HOST:PORT (empty: none leads yet).
 LEADER_KEY = "gossamer-leader"

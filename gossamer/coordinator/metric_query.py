@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gossamer.coordinator.sql import Db, is_postgres
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 
 #: Points a GetMetrics answer holds when the request names no max_points.
 DEFAULT_MAX_POINTS = 5000

@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 
 from gossamer.coordinator.records import ExpRec, NodeRec
 from gossamer.coordinator.stragglers import worker_speeds
-from gossamer.metric_families import Rows, counter, gauge, histogram_buckets, sum_buckets
+from gossamer.core.metric_families import Rows, counter, gauge, histogram_buckets, sum_buckets
 from gossamer.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from gossamer.coordinator.group_commit import GroupCommit
 from gossamer.coordinator.store import Store
-from gossamer.errors import ConfigError, NotLeaderError, UnavailableError
+from gossamer.core.errors import ConfigError, NotLeaderError, UnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

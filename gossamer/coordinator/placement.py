@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gossamer.coordinator.records import NodeRec, RoleRec
-from gossamer.modes import Mode
+from gossamer.core.modes import Mode
 from gossamer.v1 import coordinator_pb2 as pb
 
 

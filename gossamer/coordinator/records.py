@@ -10,11 +10,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from gossamer.beat_wire import Signer
-from gossamer.errors import ConfigError
-from gossamer.experiment import Experiment
-from gossamer.modes import Mode, resolve
+from gossamer.core.errors import ConfigError
+from gossamer.core.experiment import Experiment
+from gossamer.core.modes import Mode, resolve
 from gossamer.security.sender_tokens import new_key
+from gossamer.transport.beat_wire import Signer
 from gossamer.v1 import coordinator_pb2 as pb
 
 ACTIVE_STATES = (
@@ -50,7 +50,7 @@ def check_node_id(node_id: str) -> str:
 
 
 class BeatKey:
-    """A node's key for UDP heartbeats (beat_wire.py) and what checking its beats needs; never stored or shown.
+    """A node's key for UDP heartbeats (transport/beat_wire.py) and what checking its beats needs; never stored or shown.
 
     Issued with a fresh key at every Join (and to a known node without one at a gRPC heartbeat):
     a restarted or newly leading coordinator holds none, so beats under an older key are dropped
@@ -325,7 +325,7 @@ def _checked_key(key: str) -> str:
     """A node's public CURVE key if well formed, else "" (its checkpoint file server is then reached in plaintext)."""
     if not key:
         return ""
-    from gossamer.errors import ConfigError
+    from gossamer.core.errors import ConfigError
     from gossamer.security.curve import check_public_key
 
     try:

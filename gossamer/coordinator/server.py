@@ -25,11 +25,11 @@ from gossamer.coordinator.http import VIEWER_TOKEN_FILE, HttpConfig, StatusHttp
 from gossamer.coordinator.leader_gate import LeaderGate
 from gossamer.coordinator.pg_store import PgStore
 from gossamer.coordinator.retention import keep_bounded
+from gossamer.coordinator.serving import describe_security, server_interceptors, warn_if_open
 from gossamer.coordinator.udp_beats import UdpBeats
-from gossamer.errors import ConfigError, NotFoundError
-from gossamer.rpc_errors import ErrorStatusInterceptor
+from gossamer.core.errors import ConfigError, NotFoundError
+from gossamer.core.rpc_errors import ErrorStatusInterceptor
 from gossamer.security.certs import write_private
-from gossamer.security.serving import describe_security, server_interceptors, warn_if_open
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 

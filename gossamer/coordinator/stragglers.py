@@ -1,4 +1,4 @@
-"""Per-node step rates measured from workers' reports, judged by the straggler rule (`gossamer.straggler_rule`)."""
+"""Per-node step rates measured from workers' reports, judged by the straggler rule (`gossamer.core.straggler_rule`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gossamer.coordinator.records import ExpRec
-from gossamer.straggler_rule import STRAGGLER_FRACTION, stragglers
+from gossamer.core.straggler_rule import STRAGGLER_FRACTION, stragglers
 from gossamer.v1 import coordinator_pb2 as pb
 
 #: Seconds of reports a rate is measured over.

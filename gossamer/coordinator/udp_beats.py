@@ -1,9 +1,9 @@
-"""The coordinator's UDP heartbeat port: authenticated beats (beat_wire.py) renew leases as the gRPC Heartbeat does, for a fraction of its CPU.
+"""The coordinator's UDP heartbeat port: authenticated beats (transport/beat_wire.py) renew leases as the gRPC Heartbeat does, for a fraction of its CPU.
 
 A unary gRPC Heartbeat costs the coordinator about 420 us of CPU, 90 % of it inside grpcio's
 asyncio server (docs/scale.md): one core holds about 2,000 nodes at 1 Hz. A beat here is one
 datagram in and one out, checked with one HMAC. gRPC stays authoritative: it hands out the keys,
-and a node falls back to it whenever beats go unanswered (worker/udp_beats.py).
+and a node falls back to it whenever beats go unanswered (node/beat_sender.py).
 
 Anyone may send anything here, any number of times. Nothing is allocated per sender: a beat is
 parsed in place and looked up in the node table; unknown ids, replays (a counter not above the
@@ -22,9 +22,9 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from gossamer import beat_wire
 from gossamer.coordinator.beat_rate import renew
 from gossamer.coordinator.records import BeatKey
+from gossamer.transport import beat_wire
 from gossamer.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from gossamer.errors import MissingExtraError
+from gossamer.core.errors import MissingExtraError
 
 #: Fixed split: the last EVAL_SIZE samples of a seed-0 permutation are the eval set.
 EVAL_SIZE = 360

@@ -30,10 +30,10 @@ import torch
 import zmq
 
 from gossamer.compression import Codec, Payload
-from gossamer.errors import AuthError, ProtocolError
+from gossamer.core.errors import AuthError, ProtocolError
+from gossamer.core.protocol import CancelMeta, MassMeta, SnapMeta
 from gossamer.gossip.differences import EXACT, ReceivedValues
 from gossamer.gossip.neighbours import NeighbourSockets
-from gossamer.protocol import CancelMeta, MassMeta, SnapMeta
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
 from gossamer.transport.outgoing import OutgoingReplies, ReplyBudget, Reservation, track

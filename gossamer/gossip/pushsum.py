@@ -42,11 +42,11 @@ from typing import Any
 
 import torch
 
-from gossamer.errors import ConfigError, ProtocolError
+from gossamer.core.errors import ConfigError, ProtocolError
+from gossamer.core.protocol import MassMeta, SnapMeta, SnapshotMeta
 from gossamer.gossip._io import MASS, SNAP, SNAPSHOT, Fault, Incoming, PeerIO
 from gossamer.gossip.differences import References, model_buffers, value_mass
 from gossamer.gossip.value_codec import parse_value_codec
-from gossamer.protocol import MassMeta, SnapMeta, SnapshotMeta
 from gossamer.security import curve as curve_keys
 from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits, Message, encode

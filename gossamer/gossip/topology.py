@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import random
 
+from gossamer.core.modes import TOPOLOGIES
+
 __all__ = ["TOPOLOGIES", "out_peer", "revisit_rounds"]
 
 #: The graph names accepted by `out_peer` (the experiment's `topology` field).
-TOPOLOGIES = ("exponential", "ring", "random")
 
 
 def _stable_seed(*parts: int) -> int:

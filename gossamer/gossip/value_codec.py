@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from gossamer.compression.codec import Codec
 from gossamer.compression.codec_spec import parse_codec
-from gossamer.compression.registry import ADAPTIVE, CODECS, grammar
-from gossamer.errors import ConfigError
+from gossamer.core.codec_table import ADAPTIVE, CODECS, grammar
+from gossamer.core.errors import ConfigError
 
 __all__ = ["GOSSIP_CODECS", "parse_value_codec"]
 

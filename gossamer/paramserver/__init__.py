@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from gossamer.paramserver.client import PullResult, ShardClient
-from gossamer.paramserver.consistency import ApplyRecord, SSPGate, lr_factor
-from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer
-from gossamer.paramserver.shard import Rebuilt, ShardConfig, ShardServer
-from gossamer.paramserver.shard_plan import (
+from gossamer.engine.shard_plan import (
     Chunk,
     ShardPlan,
     flatten_grads,
@@ -14,6 +10,10 @@ from gossamer.paramserver.shard_plan import (
     take_shard_values,
     unflatten_into,
 )
+from gossamer.paramserver.consistency import ApplyRecord, SSPGate, lr_factor
+from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer
+from gossamer.paramserver.shard import Rebuilt, ShardConfig, ShardServer
+from gossamer.paramserver.shard_client import PullResult, ShardClient
 
 __all__ = [
     "ApplyRecord",

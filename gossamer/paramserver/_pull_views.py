@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from gossamer.compression.chunk_codec import ChunkCompressor
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
+from gossamer.core.protocol import ParamsMeta, chunk_key
+from gossamer.engine.shard_plan import ShardPlan
 from gossamer.paramserver._reject import Reject
-from gossamer.paramserver.shard_plan import ShardPlan
-from gossamer.protocol import ParamsMeta, chunk_key
 
 __all__ = ["PullViews"]
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from gossamer.compression.chunk_codec import ChunkCompressor
-from gossamer.errors import ConfigError, ProtocolError
+from gossamer.core.errors import ConfigError, ProtocolError
+from gossamer.core.protocol import PushCompression, parse_chunk_key
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._state import ShardState
-from gossamer.protocol import PushCompression, parse_chunk_key
 from gossamer.transport.router import NOT_FOUND
 
 __all__ = ["EncodedPart", "PushDecoders", "accumulate"]

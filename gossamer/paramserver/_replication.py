@@ -40,17 +40,17 @@ from dataclasses import replace
 import torch
 import zmq
 
-from gossamer.errors import AuthError, ProtocolError
-from gossamer.paramserver._push_decoding import EncodedPart, PushDecoders
-from gossamer.paramserver._reject import Reject
-from gossamer.paramserver._state import ShardState
-from gossamer.protocol import (
+from gossamer.core.errors import AuthError, ProtocolError
+from gossamer.core.protocol import (
     Authority,
     ReplicateMeta,
     SyncMeta,
     chunk_key,
     parse_chunk_key,
 )
+from gossamer.paramserver._push_decoding import EncodedPart, PushDecoders
+from gossamer.paramserver._reject import Reject
+from gossamer.paramserver._state import ShardState
 from gossamer.security import sender_tokens
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import (

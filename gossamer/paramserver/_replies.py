@@ -11,9 +11,9 @@ from typing import Any
 import torch
 import zmq
 
+from gossamer.core.protocol import ErrorMeta
 from gossamer.paramserver._pull_views import PullViews
 from gossamer.paramserver._state import ShardState
-from gossamer.protocol import ErrorMeta
 from gossamer.transport.frames import Message, encode, frames_nbytes
 from gossamer.transport.outgoing import OutgoingReplies, ReplyBudget, track
 from gossamer.transport.router import Router, send_reply

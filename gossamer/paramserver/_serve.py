@@ -13,16 +13,9 @@ from typing import Any
 
 import zmq
 
-from gossamer.errors import ProtocolError
-from gossamer.faults import fail_at, hold_at
-from gossamer.paramserver._budget_waits import BudgetWaits, Waiting
-from gossamer.paramserver._reject import Reject
-from gossamer.paramserver._replication import Replication
-from gossamer.paramserver._replies import Replies
-from gossamer.paramserver._seeding import Seeding
-from gossamer.paramserver._updates import Updates
-from gossamer.paramserver.push_credits import CREDIT_MIN_BYTES, MAX_WAITING, PushCredits
-from gossamer.protocol import (
+from gossamer.core.errors import ProtocolError
+from gossamer.core.faults import fail_at, hold_at
+from gossamer.core.protocol import (
     Authority,
     CreditMeta,
     HelloMeta,
@@ -31,6 +24,13 @@ from gossamer.protocol import (
     clocks_of,
     parse_chunk_key,
 )
+from gossamer.paramserver._budget_waits import BudgetWaits, Waiting
+from gossamer.paramserver._reject import Reject
+from gossamer.paramserver._replication import Replication
+from gossamer.paramserver._replies import Replies
+from gossamer.paramserver._seeding import Seeding
+from gossamer.paramserver._updates import Updates
+from gossamer.paramserver.push_credits import CREDIT_MIN_BYTES, MAX_WAITING, PushCredits
 from gossamer.security import sender_tokens
 from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits, Message, decode, frames_nbytes

@@ -11,9 +11,11 @@ from typing import Any
 import torch
 
 from gossamer.checkpoint.sharded import ShardSnapshot, restore_range, verify_step
-from gossamer.envinfo import fingerprint
-from gossamer.errors import ConfigError, ProtocolError
-from gossamer.lr_schedule import lr_multiplier
+from gossamer.core.envinfo import fingerprint
+from gossamer.core.errors import ConfigError, ProtocolError
+from gossamer.core.lr_schedule import lr_multiplier
+from gossamer.core.protocol import SyncMeta, chunk_key, parse_chunk_key
+from gossamer.engine.shard_plan import Chunk, ShardPlan
 from gossamer.paramserver._copy_on_write import WritesAside, storage_of
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._snapshot import PendingSnapshot
@@ -21,8 +23,6 @@ from gossamer.paramserver.delayed_nesterov import DelayedNesterov
 from gossamer.paramserver.optimizer import build_optimizer, set_lr_factor
 from gossamer.paramserver.optimizer import step as optimizer_step
 from gossamer.paramserver.shard_config import ShardConfig
-from gossamer.paramserver.shard_plan import Chunk, ShardPlan
-from gossamer.protocol import SyncMeta, chunk_key, parse_chunk_key
 
 __all__ = ["STEP_GROUP_BYTES", "ShardState"]
 

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from gossamer.errors import ProtocolError
-from gossamer.faults import die_at
+from gossamer.core.errors import ProtocolError
+from gossamer.core.faults import die_at
+from gossamer.core.protocol import PushCompression, PushMeta
 from gossamer.paramserver._push_decoding import EncodedPart, PushDecoders, accumulate
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._replication import Replication
@@ -21,7 +22,6 @@ from gossamer.paramserver._replies import Replies
 from gossamer.paramserver._state import ShardState
 from gossamer.paramserver.consistency import SSPGate
 from gossamer.paramserver.push_parts import SYNC_PUSH_PART_BYTES
-from gossamer.protocol import PushCompression, PushMeta
 from gossamer.transport.frames import Message, check_finite
 from gossamer.transport.router import ABORTED, FAILED_PRECONDITION, NOT_A_WORKER, REFORM
 

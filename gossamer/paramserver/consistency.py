@@ -8,7 +8,7 @@ asynchronous (nothing is ever held); ``staleness=0`` is lock-step.
 
 A straggler does not hold the others back (unless `wait_for_stragglers`): a worker whose own pace
 (the time between its updates, less the time its replies were held) is below half the median of
-the workers' paces (`gossamer.straggler_rule`, the rule `gossamer status` flags by) is left out of the
+the workers' paces (`gossamer.core.straggler_rule`, the rule `gossamer status` flags by) is left out of the
 slowest clock, like a suspect, and kept level with the slowest of the others. Its updates then
 arrive staler and the staleness-aware lr takes them down. Backup workers in synchronous SGD drop
 the slowest the same way (Chen et al. 2016, "Revisiting Distributed Synchronous SGD",
@@ -28,8 +28,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from gossamer.errors import ConfigError
-from gossamer.straggler_rule import PACE_SAMPLES, stragglers
+from gossamer.core.errors import ConfigError
+from gossamer.core.straggler_rule import PACE_SAMPLES, stragglers
 
 __all__ = ["ApplyRecord", "SSPGate", "lr_factor"]
 
@@ -82,7 +82,7 @@ class SSPGate(Generic[T]):
     applied yet is judged by the slowest worker's interval. When a suspect speaks again it
     is re-floored to the slowest other worker's clock, like a late joiner.
 
-    A worker whose own pace is below half the median (`gossamer.straggler_rule.stragglers` over the
+    A worker whose own pace is below half the median (`gossamer.core.straggler_rule.stragglers` over the
     workers with `PACE_SAMPLES` gaps) is a *straggler*: left out of the slowest clock unless
     `wait_for_stragglers`, and re-floored to the slowest other clock whenever it speaks.
     """

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from gossamer.experiment import Experiment
-from gossamer.paramserver.client import ShardClient
+from gossamer.core.experiment import Experiment
+from gossamer.engine.shard_plan import ShardPlan, flatten_params
 from gossamer.paramserver.shard import ShardConfig, ShardServer
-from gossamer.paramserver.shard_plan import ShardPlan, flatten_params
+from gossamer.paramserver.shard_client import ShardClient
 
 
 class LocalShards:
     """`exp.num_ps_shards` ShardServers in background threads, initialised like the PS role does."""
 
     def __init__(self, exp: Experiment, experiment_id: str = "e") -> None:
-        from gossamer.worker.model import build  # the worker package imports this one
+        from gossamer.engine.model import build  # the worker package imports this one
 
         model, _, _ = build(exp, torch.device("cpu"))
         self.plan = ShardPlan.for_experiment(model, exp)

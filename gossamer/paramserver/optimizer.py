@@ -12,7 +12,7 @@ import torch
 from torch.optim.sgd import sgd as sgd_per_tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 from gossamer.paramserver.delayed_nesterov import DelayedNesterov
 
 __all__ = ["FOREACH_MAX_NUMEL", "FusedSGD", "OptimizerConfig", "build_optimizer", "set_lr_factor", "step"]

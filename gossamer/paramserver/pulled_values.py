@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from gossamer.compression.chunk_codec import ChunkCompressor
-from gossamer.errors import ProtocolError, ShardError
+from gossamer.core.errors import ProtocolError, ShardError
 from gossamer.transport.frames import Message
 
 __all__ = ["apply_deltas"]

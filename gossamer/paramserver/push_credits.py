@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gossamer.protocol import CreditMeta
+from gossamer.core.protocol import CreditMeta
 from gossamer.transport.frames import Message
 
 __all__ = ["CREDIT_MIN_BYTES", "GRANT_TIMEOUT_S", "MAX_WAITING", "CreditAsker", "PushCredits"]

@@ -8,9 +8,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
+from gossamer.core.protocol import PushMeta, parse_chunk_key
 from gossamer.paramserver.push_credits import CREDIT_MIN_BYTES
-from gossamer.protocol import PushMeta, parse_chunk_key
 from gossamer.transport.frames import Message
 
 __all__ = ["FRAGMENT_BYTES", "SYNC_PUSH_PART_BYTES", "FragmentedPushes", "fragments", "most_fragments",

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from gossamer.checkpoint.sharded import ShardSnapshot
+from gossamer.core.protocol import SyncMeta, chunk_key, parse_chunk_key
+from gossamer.engine.shard_plan import ShardPlan
 from gossamer.paramserver._pull_views import PullViews
 from gossamer.paramserver._push_decoding import PushDecoders
 from gossamer.paramserver._replication import Replication
@@ -29,8 +31,6 @@ from gossamer.paramserver._snapshot import PendingSnapshot
 from gossamer.paramserver._state import ShardState
 from gossamer.paramserver._updates import Updates
 from gossamer.paramserver.shard_config import ShardConfig
-from gossamer.paramserver.shard_plan import ShardPlan
-from gossamer.protocol import SyncMeta, chunk_key, parse_chunk_key
 from gossamer.security.curve import CurveKeyring
 from gossamer.transport.frames import FrameLimits
 from gossamer.transport.router import (

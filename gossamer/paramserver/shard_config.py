@@ -7,16 +7,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gossamer.compression.momentum_placement import momentum_on_worker
-from gossamer.errors import ConfigError
-from gossamer.lr_schedule import LR_SCHEDULES
-from gossamer.modes import BARRIER_CONSISTENCY, SHARD_CONSISTENCIES, mode_of
+from gossamer.core.errors import ConfigError
+from gossamer.core.lr_schedule import LR_SCHEDULES
+from gossamer.core.modes import BARRIER_CONSISTENCY, SHARD_CONSISTENCIES, mode_of
 from gossamer.paramserver.optimizer import OptimizerConfig
 from gossamer.transport.frames import FrameLimits
 from gossamer.transport.outgoing import ReplyBudget
 from gossamer.transport.ratelimit import RateLimit
 
 if TYPE_CHECKING:
-    from gossamer.experiment import Experiment
+    from gossamer.core.experiment import Experiment
 
 __all__ = ["ShardConfig"]
 
@@ -27,7 +27,7 @@ class ShardConfig:
 
     experiment: str
     shard: int
-    #: The shard consistency (`gossamer.modes.SHARD_CONSISTENCIES`): "sync" or "async".
+    #: The shard consistency (`gossamer.core.modes.SHARD_CONSISTENCIES`): "sync" or "async".
     mode: str
     staleness: int | None
     optimizer: OptimizerConfig

@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 from gossamer.security.token import generate_token
 
 # One secure directory, as `gossamer security init DIR` writes it. The coordinator reads the

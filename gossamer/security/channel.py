@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 
-from gossamer.errors import AuthError, ConfigError, GossamerError, UnavailableError
-from gossamer.rpc_errors import from_rpc_error
+from gossamer.core.errors import AuthError, ConfigError, GossamerError, UnavailableError
+from gossamer.core.rpc_errors import from_rpc_error
 from gossamer.security import certs
 from gossamer.security.tls import TLSConfig
 from gossamer.security.token import REFUSED, bearer, check_token, load_token

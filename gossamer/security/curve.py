@@ -12,7 +12,7 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from gossamer.errors import AuthError, ConfigError
+from gossamer.core.errors import AuthError, ConfigError
 
 __all__ = [
     "CurveKeyPair",

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 
 
 def _read(path: str, field: str) -> bytes:

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

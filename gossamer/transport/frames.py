@@ -37,7 +37,7 @@ import msgpack
 import torch
 import zmq
 
-from gossamer.errors import ConfigError, ProtocolError
+from gossamer.core.errors import ConfigError, ProtocolError
 
 __all__ = [
     "DTYPES",

@@ -8,7 +8,7 @@ from typing import Any
 
 import zmq
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 
 __all__ = ["OutgoingReplies", "Reservation", "ReplyBudget", "track"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 
 __all__ = ["PeerRateLimiter", "RateLimit"]
 

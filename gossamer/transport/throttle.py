@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 
 
 class TokenBucket:

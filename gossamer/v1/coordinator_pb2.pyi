@@ -370,7 +370,7 @@ class JoinResponse(_message.Message):
     beat_port: _builtins.int
     """UDP heartbeats (docs/scale.md "UDP heartbeats"): the coordinator's UDP port on the host this
     node dialled; 0: none, heartbeat over gRPC only. Each beat is one datagram authenticated with
-    `beat_key` (gossamer/beat_wire.py); without an answer the node heartbeats over gRPC.
+    `beat_key` (gossamer/transport/beat_wire.py); without an answer the node heartbeats over gRPC.
     """
     beat_key: _builtins.bytes
     """This node's 32-byte beat key, fresh at every Join. A secret: never logged or shown."""

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from gossamer import Client
-from gossamer.client import Job
 from gossamer.examples.digits import mlp
-from gossamer.local_cluster import LocalCluster
 from gossamer.paramserver import ShardClient, ShardPlan
+from gossamer.tools.client import Job
+from gossamer.tools.local_cluster import LocalCluster
 from tests.chaos._wait import wait_for
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 from tests.chaos._coordinator_loss import shard_version, start_digits_run
 from tests.chaos._wait import wait_steps
 

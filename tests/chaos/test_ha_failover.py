@@ -10,7 +10,7 @@ import pytest
 from bench._postgres import leads
 from gossamer import Client
 from gossamer.coordinator.leader_gate import LEADER_KEY
-from gossamer.errors import UnavailableError
+from gossamer.core.errors import UnavailableError
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from tests._fixtures import MakeCluster

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import MakeCluster
 from tests.chaos._wait import assert_running, wait_for
 

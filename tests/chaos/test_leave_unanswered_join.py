@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 from tests.chaos._wait import wait_for_line
 
 pytestmark = pytest.mark.timeout(180)

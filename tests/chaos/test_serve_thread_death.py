@@ -48,7 +48,7 @@ def test_a_primary_whose_serve_thread_dies_fails_its_process_and_the_backup_take
                        for r in st["roles"])
 
         wait_for(new_primary_replicated, 240, "the promoted primary replicated to a new backup")
-        shown = subprocess.run([sys.executable, "-m", "gossamer.cli", "status", job.id, "-c", client.address],
+        shown = subprocess.run([sys.executable, "-m", "gossamer.tools.cli", "status", job.id, "-c", client.address],
                                capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "250"})
         result = job.wait(timeout=360)
         events = job.events()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gossamer import Client, Experiment, load_checkpoint
+from gossamer.engine.model import build
 from gossamer.paramserver import flatten_params
-from gossamer.worker.model import build
 from tests._fixtures import MakeCluster
 from tests.chaos._wait import assert_running, wait_for, wait_steps
 from tests.integration._ps_harness import reference_sync

@@ -23,8 +23,8 @@ def checkpoint_beside_updates(conn: Connection, root: str, updates: int) -> None
     the state in bytes, checkpoints saved, updates applied meanwhile)."""
     torch.set_num_threads(1)
     from gossamer.checkpoint.sharded import AsyncCheckpointer
+    from gossamer.engine.allocator import mmap_large_allocations
     from gossamer.paramserver import OptimizerConfig, ShardConfig, ShardPlan, ShardServer
-    from gossamer.worker.allocator import mmap_large_allocations
 
     mmap_large_allocations()  # as a role process does: freed buffers go back to the OS, not to glibc's heaps
     plan = ShardPlan.build([("w", NUMEL)], 1)

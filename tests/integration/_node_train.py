@@ -10,15 +10,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gossamer.checkpoint.node_state import load_node_state, save_node_state
+from gossamer.core.experiment import Experiment
+from gossamer.engine import sampler
+from gossamer.engine.layout import make_layout, stack_batch
+from gossamer.engine.node_state import load_node_state, save_node_state
+from gossamer.engine.precision import LossScaler, check_precision
+from gossamer.engine.process_group import backend_of, end_process_group, exit_process
 from gossamer.examples.digits import data, mlp
-from gossamer.experiment import Experiment
+from gossamer.node.ports import reserve_port
 from gossamer.paramserver.optimizer import OptimizerConfig, build_optimizer
-from gossamer.worker import sampler
-from gossamer.worker.layout import make_layout, stack_batch
-from gossamer.worker.ports import reserve_port
-from gossamer.worker.precision import LossScaler, check_precision
-from gossamer.worker.process_group import backend_of, end_process_group, exit_process
 
 
 def run_rank(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import DIGITS
 
 #: Every process of the cluster: the coordinator serves the status page and /metrics, each node

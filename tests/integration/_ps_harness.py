@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gossamer.experiment import Experiment
+from gossamer.core.experiment import Experiment
+from gossamer.engine import sampler
+from gossamer.engine.model import build
+from gossamer.engine.shard_plan import flatten_params
 from gossamer.paramserver.local import LocalShards
-from gossamer.paramserver.shard_plan import flatten_params
-from gossamer.worker import sampler
-from gossamer.worker.model import build
 
 Shards = LocalShards
 
@@ -40,9 +40,9 @@ def run_trainers(exp: Experiment, endpoints: dict[int, str], workers: int, check
     """
     import threading
 
-    from gossamer.worker.diloco import DilocoTrainer
-    from gossamer.worker.ps_trainer import ParameterServerTrainer
-    from gossamer.worker.rank import RankContext
+    from gossamer.engine.rank import RankContext
+    from gossamer.training.diloco import DilocoTrainer
+    from gossamer.training.ps_trainer import ParameterServerTrainer
 
     cls = DilocoTrainer if exp.mode == "diloco" else ParameterServerTrainer
     trainers = [
@@ -69,8 +69,8 @@ def run_trainers(exp: Experiment, endpoints: dict[int, str], workers: int, check
 
 def run_async(exp: Experiment, workers: int = 3) -> dict[str, object]:
     """Train `exp` with `workers` ParameterServerTrainer threads against real shards; final metrics and trainers."""
+    from gossamer.engine.model import evaluate
     from gossamer.paramserver import unflatten_into
-    from gossamer.worker.model import evaluate
 
     torch.set_num_threads(1)
     shards = Shards(exp)

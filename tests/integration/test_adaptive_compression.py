@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from gossamer.experiment import Experiment
+from gossamer.core.experiment import Experiment
+from gossamer.engine.rank import RankContext
+from gossamer.training.ps_trainer import ParameterServerTrainer
 from gossamer.transport.throttle import TokenBucket
-from gossamer.worker.ps_trainer import ParameterServerTrainer
-from gossamer.worker.rank import RankContext
 from tests.integration._ps_harness import Shards
 
 pytestmark = pytest.mark.timeout(300)

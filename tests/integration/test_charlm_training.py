@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from gossamer import Client, load_checkpoint
+from gossamer.engine.model import evaluate
 from gossamer.examples import charlm
-from gossamer.local_cluster import LocalCluster
-from gossamer.worker.model import evaluate
+from gossamer.tools.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(360)
 

@@ -36,7 +36,7 @@ def test_checkpoint_write_failure_is_an_event_and_shows_in_status(tmp_path: Path
         assert "parameter_server 0" in event["message"] and "NotADirectoryError" in event["message"], event
         wait_for(lambda: job.status()["metrics"].get("ckpt_failed", 0) >= 1, 60, "ckpt_failed in the status")
         env = {**os.environ, "COLUMNS": "200"}
-        out = subprocess.run([sys.executable, "-m", "gossamer.cli", "status", job.id, "-c", address],
+        out = subprocess.run([sys.executable, "-m", "gossamer.tools.cli", "status", job.id, "-c", address],
                              capture_output=True, text=True, timeout=60, env=env)
         job.cancel()
     assert out.returncode == 0, out.stderr

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from gossamer import Client, load_checkpoint
+from gossamer.engine.model import evaluate
 from gossamer.examples.digits import data, mlp
-from gossamer.local_cluster import LocalCluster
-from gossamer.worker.model import evaluate
+from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import ranks_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def test_async_digits_three_workers_two_shards_via_cli(cluster: LocalCluster) ->
     client = Client(address)
     _wait_ready(client, 5)
     out = subprocess.run(
-        [sys.executable, "-m", "gossamer.cli", "submit", str(ROOT / "examples" / "digits.toml"),
+        [sys.executable, "-m", "gossamer.tools.cli", "submit", str(ROOT / "examples" / "digits.toml"),
          "--coordinator", address, "--wait", "--quiet"],
         capture_output=True, text=True, timeout=360,
     )
@@ -65,7 +65,7 @@ def test_async_digits_three_workers_two_shards_via_cli(cluster: LocalCluster) ->
     evals = [p for p in series if "eval_accuracy" in p]
     assert len(evals) >= 10 and evals[-1]["eval_accuracy"] == pytest.approx(acc, abs=1e-4)
     assert all(n["role"] == "" for n in client.nodes())
-    status = subprocess.run([sys.executable, "-m", "gossamer.cli", "status", exp_id, "-c", address],
+    status = subprocess.run([sys.executable, "-m", "gossamer.tools.cli", "status", exp_id, "-c", address],
                             capture_output=True, text=True, timeout=60)
     assert "completed" in status.stdout and "eval_accuracy" in status.stdout
     client.close()
@@ -96,7 +96,7 @@ def test_cancel_stops_roles_and_frees_nodes(cluster: LocalCluster) -> None:
     while job.status()["steps"] < 20:
         assert time.monotonic() < deadline, job.status()
         time.sleep(0.2)
-    out = subprocess.run([sys.executable, "-m", "gossamer.cli", "cancel", job.id, "-c", address],
+    out = subprocess.run([sys.executable, "-m", "gossamer.tools.cli", "cancel", job.id, "-c", address],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "cancelled" in out.stdout
     assert job.wait(timeout=10).status == "cancelled"

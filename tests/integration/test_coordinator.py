@@ -62,7 +62,7 @@ def test_client_maps_refusal_to_config_error(coordinator) -> None:  # type: igno
 def test_unreachable_coordinator_is_a_clear_error() -> None:
     with pytest.raises(UnavailableError, match="unreachable"):
         Client("127.0.0.1:1", timeout=2).ping(timeout=1)
-    out = subprocess.run([sys.executable, "-m", "gossamer.cli", "status", "-c", "127.0.0.1:1",
+    out = subprocess.run([sys.executable, "-m", "gossamer.tools.cli", "status", "-c", "127.0.0.1:1",
                           "--connect-timeout", "1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 3  # unreachable: the same command may work later
     assert out.stderr.strip().splitlines() == ["gossamer: error: coordinator at 127.0.0.1:1 is unreachable"]
@@ -166,7 +166,7 @@ def test_unknown_experiment_is_not_found(coordinator) -> None:  # type: ignore[n
 
 def test_token_file_is_enforced_rather_than_silently_ignored(tmp_path: Path, make_cluster: MakeCluster) -> None:
     """--token-file was refused until tokens were checked; now it is enforced (tests/integration/test_security_grpc.py)."""
-    from gossamer.errors import AuthError
+    from gossamer.core.errors import AuthError
 
     token, wrong = tmp_path / "token", tmp_path / "wrong"
     token.write_text("secret-token-0123456789\n")
@@ -175,7 +175,7 @@ def test_token_file_is_enforced_rather_than_silently_ignored(tmp_path: Path, mak
         address = cluster.start_coordinator(port=0)
         with pytest.raises(AuthError, match="refused the token"):
             Client(address).nodes()
-        out = subprocess.run([sys.executable, "-m", "gossamer.cli", "worker", "join", address, "--token-file", str(wrong)],
+        out = subprocess.run([sys.executable, "-m", "gossamer.tools.cli", "worker", "join", address, "--token-file", str(wrong)],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "refused the token" in out.stderr and "--token-file" in out.stderr
         assert Client(address, token="secret-token-0123456789").nodes() == []

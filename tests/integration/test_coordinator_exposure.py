@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from gossamer import Client, ConfigError
-from gossamer.errors import AuthError
+from gossamer.core.errors import AuthError
 from gossamer.security.token import bearer
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -36,7 +36,7 @@ Serve = Callable[..., tuple[int, int, Path]]
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "gossamer.cli", *args]
+    return [sys.executable, "-m", "gossamer.tools.cli", *args]
 
 
 @pytest.fixture

@@ -49,7 +49,7 @@ def loss(out, y):
 RUN = '''
 import json
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 
 with LocalCluster(stop_grace_s=0) as cluster:
     address = cluster.start_coordinator(port=0)

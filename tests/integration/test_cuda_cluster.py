@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import MakeCluster
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 import zmq
 
-from gossamer.errors import ShardError, UnavailableError
+from gossamer.core.errors import ShardError, UnavailableError
 from gossamer.gossip import PushSumPeer
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
 from gossamer.security.curve import CurveKeyPair, CurveKeyring, HandshakeMonitor
@@ -507,8 +507,8 @@ def test_a_plaintext_coordinator_hands_out_no_keys(tmp_path: Path, start_coordin
 def test_secured_cluster_runs_curve_and_refuses_strangers_end_to_end(tmp_path: Path, make_cluster: MakeCluster) -> None:
     """TLS + token via LocalCluster(secure=...): CURVE is on by default; a digits run completes,
     and while it runs a plaintext socket and a stranger's key are refused by its shard."""
+    from gossamer.core.experiment import Experiment
     from gossamer.examples.digits import mlp
-    from gossamer.experiment import Experiment
 
     spec = {
         "name": "curve-e2e", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",

@@ -19,9 +19,9 @@ import pytest
 import torch
 import zmq
 
-from gossamer.errors import ShardError
+from gossamer.core.errors import ShardError
+from gossamer.core.protocol import PullMeta
 from gossamer.paramserver import ShardClient
-from gossamer.protocol import PullMeta
 from gossamer.transport.frames import Message, decode, encode
 from gossamer.transport.router import FAILED_PRECONDITION
 from tests.integration._bounded_peer import EXPERIMENT as PEER_EXPERIMENT

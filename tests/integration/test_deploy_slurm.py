@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gossamer.errors import GossamerError
+from gossamer.core.errors import GossamerError
 from gossamer.v1 import coordinator_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]

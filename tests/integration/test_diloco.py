@@ -2,7 +2,7 @@
 
 The outer momentum is 0.6 (the default), not the paper's 0.9: with AdamW's
 inner steps 0.9 grows the weights on digits (measured: same accuracy band, eval loss 0.63
-against 0.10; more rounds make it worse: README, DiLoCo).
+against 0.10; more rounds make it worse: docs/modes.md, DiLoCo).
 """
 
 from __future__ import annotations

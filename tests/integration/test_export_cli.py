@@ -13,8 +13,8 @@ import pytest
 
 from gossamer import Client
 from gossamer.coordinator.metric_query import DEFAULT_MAX_POINTS
-from gossamer.export import run_dir
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.export import run_dir
+from gossamer.tools.local_cluster import LocalCluster
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from tests._fixtures import DIGITS, StartCoordinator, experiment
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gossamer.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "gossamer.tools.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_export_writes_every_reported_series_as_tensorboard_scalars(cluster: LocalCluster, tmp_path: Path) -> None:

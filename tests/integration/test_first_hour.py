@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from gossamer.local_up import down, group_members, read_info
+from gossamer.tools.local_up import down, group_members, read_info
 from tests._doc_blocks import ROOT, Block, blocks
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ class Session:
         return out
 
     def popen(self, *argv: str) -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, "-m", "gossamer.cli", *argv], cwd=self.cwd, env=self.env,
+        return subprocess.Popen([sys.executable, "-m", "gossamer.tools.cli", *argv], cwd=self.cwd, env=self.env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     @property
@@ -228,7 +228,7 @@ def test_worker_join_to_a_wrong_address_keeps_saying_so_and_gives_up_with_exit_3
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = _env(tmp_path / "local")
-    out = subprocess.run([sys.executable, "-m", "gossamer.cli", "worker", "join", f"127.0.0.1:{port}",
+    out = subprocess.run([sys.executable, "-m", "gossamer.tools.cli", "worker", "join", f"127.0.0.1:{port}",
                           "--join-timeout", "10", "--no-warm-roles"], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 3, out.stderr  # the coordinator did not answer (cli_parser's exit codes)
@@ -241,7 +241,7 @@ def test_worker_join_stopped_before_joining_does_not_claim_it_left(tmp_path: Pat
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "gossamer.cli", "worker", f"127.0.0.1:{port}", "--no-warm-roles"],
+    proc = subprocess.Popen([sys.executable, "-m", "gossamer.tools.cli", "worker", f"127.0.0.1:{port}", "--no-warm-roles"],
                             env=_env(tmp_path / "local"), stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         lines = [""]

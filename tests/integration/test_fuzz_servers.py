@@ -42,7 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gossamer import Experiment
 from gossamer.compression import ChunkCompressor
-from gossamer.errors import ProtocolError
+from gossamer.core.errors import ProtocolError
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
 from gossamer.transport.frames import DTYPES, Message, decode, encode
 from gossamer.v1 import coordinator_pb2 as pb

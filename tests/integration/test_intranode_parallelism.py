@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from gossamer import Client, load_checkpoint
+from gossamer.engine.model import evaluate
 from gossamer.examples.digits import data, mlp
-from gossamer.local_cluster import LocalCluster
-from gossamer.worker.model import evaluate
+from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import ranks_env
 
 pytestmark = pytest.mark.timeout(600)

@@ -61,7 +61,7 @@ def test_a_join_retried_after_its_answer_was_lost_makes_one_node(start_coordinat
     server.start()
     log = tmp_path / "agent.log"
     with open(log, "wb") as out:
-        agent = subprocess.Popen([sys.executable, "-m", "gossamer.cli", "worker", "join", f"127.0.0.1:{port}",
+        agent = subprocess.Popen([sys.executable, "-m", "gossamer.tools.cli", "worker", "join", f"127.0.0.1:{port}",
                                   "--name", "retry"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
     nodes = pb_grpc.NodeServiceStub(grpc.insecure_channel(coordinator.address))

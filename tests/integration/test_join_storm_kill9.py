@@ -24,7 +24,7 @@ JOINS = 600
 
 def _serve(state: Path) -> tuple[subprocess.Popen[bytes], str]:
     ready = state / "ready"
-    proc = subprocess.Popen([sys.executable, "-m", "gossamer.cli", "coordinator", "serve", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "gossamer.tools.cli", "coordinator", "serve", "--port", "0",
                              "--state-dir", str(state), "--rate-limit", "0", "--no-import-check", "--no-udp-beats",
                              "--ready-file", str(ready), "--log-level", "WARNING"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

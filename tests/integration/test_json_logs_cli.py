@@ -37,7 +37,7 @@ def _records(out: str) -> list[dict[str, object]]:
 def test_coordinator_and_agent_write_parseable_json_lines(tmp_path: Path) -> None:
     ready = tmp_path / "port"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "gossamer.cli"]
+    cmd = [sys.executable, "-m", "gossamer.tools.cli"]
     coord = subprocess.Popen([*cmd, "coordinator", "serve", "--port", "0", "--state-dir", str(tmp_path / "state"),
                               "--ready-file", str(ready), "--log-format", "json"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from gossamer import Client, zygote
-from gossamer.local_cluster import LocalCluster
-from gossamer.worker.late_imports import SIGNAL
+from gossamer import Client
+from gossamer.core import zygote
+from gossamer.node.late_imports import SIGNAL
+from gossamer.tools.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(300)
 

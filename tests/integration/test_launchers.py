@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import MakeCluster, ranks_env
 
 pytestmark = pytest.mark.timeout(300)
@@ -131,7 +131,7 @@ def test_torchrun_two_processes_make_one_node_with_two_local_ranks(
     with open(log, "wb") as out:
         torchrun = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             "-m", "gossamer.cli", "worker", "join", cluster.address, "--name", "tr", "--spot", "--grace", "10"],
+             "-m", "gossamer.tools.cli", "worker", "join", cluster.address, "--name", "tr", "--spot", "--grace", "10"],
             stdout=out, stderr=subprocess.STDOUT, env=_clean_env(), start_new_session=True)
     sessions = {torchrun.pid}
     try:
@@ -167,7 +167,7 @@ def test_srun_tasks_on_one_node_make_one_node_with_two_local_ranks(
         for local_id in (1, 0):  # the attached rank first: it waits for its agent
             with open(tmp_path / f"task{local_id}.log", "wb") as out:
                 tasks.append(subprocess.Popen(
-                    [sys.executable, "-m", "gossamer.cli", "worker", "join", cluster.address, "--name", "sr",
+                    [sys.executable, "-m", "gossamer.tools.cli", "worker", "join", cluster.address, "--name", "sr",
                      "--spot", "--grace", "10", "--run-dir", run_dir],
                     stdout=out, stderr=subprocess.STDOUT, env=_srun_env(local_id, job_id), start_new_session=True))
         ready = _wait_nodes(client, {"ps", "sr"})
@@ -204,7 +204,7 @@ def test_a_dead_attached_rank_makes_the_agent_leave_with_an_error(tmp_path: Path
             for i in (0, 1):
                 with open(tmp_path / f"t{i}.log", "wb") as out:
                     tasks[i] = subprocess.Popen(
-                        [sys.executable, "-m", "gossamer.cli", "worker", "join", cluster.address, "--name", "dead",
+                        [sys.executable, "-m", "gossamer.tools.cli", "worker", "join", cluster.address, "--name", "dead",
                          "--run-dir", run_dir],
                         stdout=out, stderr=subprocess.STDOUT, env=_srun_env(i, job_id), start_new_session=True)
             _wait_nodes(client, {"dead"})
@@ -222,7 +222,7 @@ def test_a_dead_attached_rank_makes_the_agent_leave_with_an_error(tmp_path: Path
 
 def test_nproc_per_node_conflicting_with_the_launcher_exits_2() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "gossamer.cli", "worker", "join", "127.0.0.1:1", "--nproc-per-node", "3"],
+        [sys.executable, "-m", "gossamer.tools.cli", "worker", "join", "127.0.0.1:1", "--nproc-per-node", "3"],
         env=_srun_env(0, "1"), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     assert "--nproc-per-node 3 conflicts with the 2 processes srun started on this node" in out.stderr
@@ -233,7 +233,7 @@ def test_an_attached_rank_without_its_agent_gives_up_with_a_clear_error() -> Non
     try:
         t0 = time.monotonic()
         out = subprocess.run(
-            [sys.executable, "-m", "gossamer.cli", "worker", "join", "127.0.0.1:1", "--run-dir", run_dir,
+            [sys.executable, "-m", "gossamer.tools.cli", "worker", "join", "127.0.0.1:1", "--run-dir", run_dir,
              "--attach-timeout", "1"], env=_srun_env(1, "2"), capture_output=True, text=True, timeout=60)
         assert out.returncode == 3, out.stderr  # its node agent did not answer
         assert f"no node agent at {run_dir}/srun-" in out.stderr and "local rank 0 of this launch" in out.stderr
@@ -244,7 +244,7 @@ def test_an_attached_rank_without_its_agent_gives_up_with_a_clear_error() -> Non
 
 def test_a_second_local_rank_0_is_refused_and_leaves_the_first_agents_socket_alone() -> None:
     run_dir = tempfile.mkdtemp(prefix="gsr-")
-    cmd = [sys.executable, "-m", "gossamer.cli", "worker", "join", "127.0.0.1:1", "--run-dir", run_dir]
+    cmd = [sys.executable, "-m", "gossamer.tools.cli", "worker", "join", "127.0.0.1:1", "--run-dir", run_dir]
     first = subprocess.Popen(cmd, env=_srun_env(0, "3"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
     try:

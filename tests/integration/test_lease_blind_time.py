@@ -9,9 +9,9 @@ import time
 import grpc
 import pytest
 
+from gossamer.node.heartbeat import HeartbeatThread
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
-from gossamer.worker.heartbeat import HeartbeatThread
 
 pytestmark = pytest.mark.timeout(120)
 BEAT_S, LEASE_S = 0.2, 1.0

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import InProcessCoordinator, StartCoordinator
 from tests.integration._observability import (
     HTTP_ENV,

@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from gossamer.errors import ShardError, UnavailableError
+from gossamer.core.errors import ShardError, UnavailableError
 from gossamer.paramserver import (
     OptimizerConfig,
     ShardClient,

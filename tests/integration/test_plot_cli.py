@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from gossamer import Client, Experiment
-from gossamer.local_cluster import LocalCluster
-from gossamer.plot import render
+from gossamer.tools.local_cluster import LocalCluster
+from gossamer.tools.plot import render
 from tests._fixtures import CLUSTER_DEFAULTS
 
 pytestmark = pytest.mark.timeout(420)
@@ -35,7 +35,7 @@ class Run:
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gossamer.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gossamer.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -57,7 +57,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             mode="async", lr=0.05, momentum=0.5, num_ps_shards=1, ps_backup=False, min_workers=2, max_workers=2,
             total_steps=1200, eval_every=200, compression="int8"))
         # `watch` follows the run live from the start, in its own process, until it finishes.
-        watcher = subprocess.Popen([sys.executable, "-m", "gossamer.cli", "watch", job.id, "-c", address],
+        watcher = subprocess.Popen([sys.executable, "-m", "gossamer.tools.cli", "watch", job.id, "-c", address],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             result = job.wait(timeout=240)
@@ -109,7 +109,7 @@ def test_ctrl_c_detaches_watch_and_the_experiment_goes_on(run: Run, tmp_path: Pa
         res = _cli("plot", queued.id, "--out", str(tmp_path / "z.png"), "-c", run.cluster.address)
         assert res.returncode == 1 and "no metric points yet" in res.stderr, res.stderr
 
-        watcher = subprocess.Popen([sys.executable, "-m", "gossamer.cli", "watch", queued.id, "-c",
+        watcher = subprocess.Popen([sys.executable, "-m", "gossamer.tools.cli", "watch", queued.id, "-c",
                                     run.cluster.address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             assert watcher.stderr is not None

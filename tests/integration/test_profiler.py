@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gossamer import Client, Experiment
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import MakeCluster
 
 pytestmark = pytest.mark.timeout(420)
@@ -62,7 +62,7 @@ def test_async_run_profiles_five_steps_of_its_worker(tmp_path: Path, make_cluste
         series = [p for p in client.job(exp_id).metrics() if "profile_compute_frac.w0" in p]
         assert series and series[0]["profile_compute_frac.w0"] == pytest.approx(fractions["compute"])
         assert client.job(exp_id).status()["metrics"]["profile_steps.w0"] == 5
-        status = subprocess.run([sys.executable, "-m", "gossamer.cli", "status", exp_id, "-c", cluster.address],
+        status = subprocess.run([sys.executable, "-m", "gossamer.tools.cli", "status", exp_id, "-c", cluster.address],
                                 capture_output=True, text=True, timeout=60)
         assert "profile" in status.stdout and "communication" in status.stdout, status.stdout + status.stderr
         client.close()

@@ -13,10 +13,10 @@ import torch
 
 from bench._replicated_pair import EXPERIMENT, NUMEL, plan, replica
 from gossamer.compression.chunk_codec import ChunkCompressor
-from gossamer.errors import ProtocolError
+from gossamer.core.errors import ProtocolError
+from gossamer.core.protocol import PushMeta
 from gossamer.paramserver import ShardClient
-from gossamer.protocol import PushMeta
-from gossamer.worker.ps_trainer import chunk_groups
+from gossamer.training.ps_trainer import chunk_groups
 
 pytestmark = pytest.mark.timeout(300)
 _SPAWN = mp.get_context("spawn")

@@ -12,10 +12,10 @@ import pytest
 import torch
 import zmq
 
-from gossamer.errors import UnavailableError
+from gossamer.core.errors import UnavailableError
+from gossamer.core.protocol import CreditMeta, chunk_key
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
 from gossamer.paramserver.push_credits import CREDIT_MIN_BYTES
-from gossamer.protocol import CreditMeta, chunk_key
 from gossamer.transport.frames import FrameLimits, Message, decode, encode
 
 pytestmark = pytest.mark.timeout(120)

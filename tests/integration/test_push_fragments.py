@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from gossamer.core.protocol import PushMeta
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
 from gossamer.paramserver import _state as state_module
 from gossamer.paramserver.push_parts import fragments, most_fragments
-from gossamer.protocol import PushMeta
 from gossamer.transport.frames import Message, encode
 
 pytestmark = pytest.mark.timeout(120)

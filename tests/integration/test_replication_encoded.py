@@ -15,8 +15,8 @@ import torch
 import zmq
 
 from gossamer.compression.chunk_codec import ChunkCompressor
+from gossamer.core.protocol import Authority, PushCompression, ReplicateMeta
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
-from gossamer.protocol import Authority, PushCompression, ReplicateMeta
 from gossamer.security.sender_tokens import new_key, primary_sender, token_for
 from gossamer.transport.frames import FrameLimits, Message, decode, encode
 from gossamer.transport.router import INVALID_ARGUMENT, UNAUTHENTICATED

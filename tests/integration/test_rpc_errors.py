@@ -7,7 +7,7 @@ from typing import Any, NoReturn
 import grpc
 import pytest
 
-from gossamer.errors import NotFoundError
+from gossamer.core.errors import NotFoundError
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gossamer import Client
-from gossamer.errors import AuthError
+from gossamer.core.errors import AuthError
 from gossamer.security import certs
 from gossamer.security.channel import ChannelSecurity, open_channel
 from gossamer.security.tls import TLSConfig
@@ -235,7 +235,7 @@ def test_rate_limit_refuses_a_burst_then_allows_again(start: Start) -> None:
 
 # --- through real processes -------------------------------------------------------------------
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gossamer.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gossamer.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 
@@ -286,7 +286,7 @@ def test_secure_flags_from_the_environment(start: Start, pki: PKI) -> None:
     env = {"GOSSAMER_TLS_CA": pki.ca, "GOSSAMER_TLS_CERT": pki.client_cert, "GOSSAMER_TLS_KEY": pki.client_key,
            "GOSSAMER_TOKEN_FILE": pki.token_file, "GOSSAMER_COORDINATOR": c.address}
 
-    out = subprocess.run([sys.executable, "-m", "gossamer.cli", "nodes", "--json"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "gossamer.tools.cli", "nodes", "--json"], capture_output=True, text=True,
                          timeout=60, cwd=ROOT, env={**os.environ, **env})
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
     sec = ChannelSecurity.from_flags(tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key,

@@ -9,8 +9,8 @@ import pytest
 
 from gossamer import Client
 from gossamer.examples.digits import mlp
-from gossamer.local_cluster import LocalCluster
 from gossamer.paramserver import ShardClient, ShardPlan
+from gossamer.tools.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(240)
 SLOW = {"GOSSAMER_FAULT": "delay:seconds=0.03"}  # about 5x a normal step on this workload

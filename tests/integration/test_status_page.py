@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import StartCoordinator
 from tests.integration._observability import HTTP_ENV, SLOW, digits, http_port, wait_ready
 

@@ -13,7 +13,7 @@ import pytest
 from gossamer.coordinator.pg_store import PgStore
 from gossamer.coordinator.records import ExpRec, NodeRec, RoleRec
 from gossamer.coordinator.store import Store
-from gossamer.errors import NotLeaderError
+from gossamer.core.errors import NotLeaderError
 
 pytestmark = pytest.mark.timeout(300)
 T = TypeVar("T")

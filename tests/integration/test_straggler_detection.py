@@ -10,7 +10,7 @@ import time
 import pytest
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 from tests.integration._observability import (
     HTTP_ENV,
     SLOW,
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.timeout(420), pytest.mark.cluster(env=HTTP_ENV)]
 
 
 def _gossamer(*args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "gossamer.cli", *args], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "gossamer.tools.cli", *args], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 

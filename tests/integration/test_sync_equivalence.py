@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from gossamer.experiment import Experiment
-from gossamer.worker.ports import reserve_port
-from gossamer.worker.ps_trainer import ParameterServerTrainer
-from gossamer.worker.rank import RankContext
+from gossamer.core.experiment import Experiment
+from gossamer.engine.rank import RankContext
+from gossamer.node.ports import reserve_port
+from gossamer.training.ps_trainer import ParameterServerTrainer
 from tests._fixtures import experiment, warm_context
 from tests.integration._ps_harness import Shards, reference_sync, run_trainers
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 import zmq
 
+from gossamer.core.protocol import PushMeta, chunk_key
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
 from gossamer.paramserver.push_parts import SYNC_PUSH_PART_BYTES, push_rounds
-from gossamer.protocol import PushMeta, chunk_key
 from gossamer.transport.frames import Message, decode, encode
 from gossamer.transport.router import FAILED_PRECONDITION, REFORM
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossamer.experiment import Experiment
-from gossamer.paramserver.shard_plan import flatten_params
-from gossamer.worker.model import build
+from gossamer.core.experiment import Experiment
+from gossamer.engine.model import build
+from gossamer.engine.shard_plan import flatten_params
 from tests.integration.test_user_loss_equivalence import _assert_equal, _reference, _train
 
 pytest.importorskip("transformers")

@@ -28,10 +28,11 @@ from typing import Any
 import pytest
 import torch
 
-from gossamer import Client, zygote
+from gossamer import Client
+from gossamer.core import zygote
 from gossamer.examples import gpt2
-from gossamer.local_cluster import LocalCluster
-from gossamer.worker.warm import start_shared
+from gossamer.node.warm import start_shared
+from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import MakeCluster, ranks_env
 
 pytest.importorskip("transformers")

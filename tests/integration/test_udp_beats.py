@@ -15,12 +15,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gossamer.beat_wire import Signer
 from gossamer.coordinator.udp_beats import CHECKS_PER_INTERVAL
+from gossamer.node.beat_sender import UdpBeats
+from gossamer.node.heartbeat import HeartbeatThread
+from gossamer.transport.beat_wire import Signer
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
-from gossamer.worker.heartbeat import HeartbeatThread
-from gossamer.worker.udp_beats import UdpBeats
 
 pytestmark = pytest.mark.timeout(120)
 BEAT_S, LEASE_S = 0.2, 1.5

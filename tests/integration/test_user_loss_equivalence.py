@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gossamer.experiment import Experiment
+from gossamer.core.experiment import Experiment
+from gossamer.engine import sampler
+from gossamer.engine.batches import Data
+from gossamer.engine.model import build
+from gossamer.engine.rank import RankContext
+from gossamer.engine.shard_plan import flatten_params
+from gossamer.node.ports import reserve_port
 from gossamer.paramserver.local import LocalShards
-from gossamer.paramserver.shard_plan import flatten_params
-from gossamer.worker import sampler
-from gossamer.worker.batches import Data
-from gossamer.worker.model import build
-from gossamer.worker.ports import reserve_port
-from gossamer.worker.ps_trainer import ParameterServerTrainer
-from gossamer.worker.rank import RankContext
+from gossamer.training.ps_trainer import ParameterServerTrainer
 from tests._fixtures import warm_context
 from tests.integration import _user_regression as user
 from tests.integration._ps_harness import run_trainers

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gossamer import Client
-from gossamer.local_cluster import LocalCluster
+from gossamer.tools.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -36,7 +36,7 @@ def _toml(path: Path, **fields: object) -> Path:
 
 
 def _cli(*args: str, timeout: float = 360) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gossamer.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gossamer.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "COLUMNS": "400"})  # rich wraps at the width
 
 

@@ -38,7 +38,7 @@ SPEC = {"name": "partition", "model": "gossamer.examples.digits:mlp", "dataset":
 
 
 def _cli(*args: str) -> list[str]:
-    return [PY, "-m", "gossamer.cli", *args]
+    return [PY, "-m", "gossamer.tools.cli", *args]
 
 
 def _read(path: Path) -> dict[str, Any]:

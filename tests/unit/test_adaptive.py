@@ -11,7 +11,7 @@ from gossamer.compression.adaptive import (
     BaseLatency,
     ProbeSchedule,
 )
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 
 RATIO = {"none": 1.0, "bf16": 2.0, "int8": 3.9, "topk:0.1": 6.0, "topk:0.01": 60.0, "topk:0.001": 600.0}
 TENSORS = {"big.weight": 100_000, "small.weight": 5_000, "bias": 100}

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from gossamer import beat_wire
-from gossamer.beat_wire import Signer, parse_beat
+from gossamer.transport import beat_wire
+from gossamer.transport.beat_wire import Signer, parse_beat
 
 DATA = pathlib.Path(__file__).parent.parent / "data"
 KEY = bytes(range(32))

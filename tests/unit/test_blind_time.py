@@ -7,8 +7,9 @@ import random
 import pytest
 
 from gossamer.coordinator.blind_time import BlindTime
-from gossamer.coordinator.failover import lease_suspects, lease_verdict, shard_lease_s
+from gossamer.coordinator.failover import lease_suspects, lease_verdict
 from gossamer.coordinator.records import NodeRec
+from gossamer.core.protocol import shard_lease_s
 from gossamer.v1 import coordinator_pb2 as pb
 
 LEASE, BEAT, TICK = 4.0, 0.5, 0.5

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from gossamer.core.experiment import Experiment
+from gossamer.engine.layout import loss_sum
+from gossamer.engine.model import evaluate
 from gossamer.examples import charlm
-from gossamer.experiment import Experiment
-from gossamer.worker.layout import loss_sum
-from gossamer.worker.model import evaluate
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"seq_len": 32, "max_chars": 100_000}

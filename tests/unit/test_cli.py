@@ -1,4 +1,4 @@
-"""The command line as a newcomer meets it: defaults in --help, the README's defaults and commands, aliases, suggestions."""
+"""The command line as a newcomer meets it: defaults in --help, the documented defaults and commands, aliases, suggestions."""
 
 from __future__ import annotations
 
@@ -12,15 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from gossamer.cli_parser import build_parser, normalize_argv, parse_args
 from gossamer.coordinator.placement import nodes_needed
-from gossamer.errors import ConfigError
-from gossamer.experiment import Experiment
-from gossamer.modes import resolve
+from gossamer.core.errors import ConfigError
+from gossamer.core.experiment import Experiment
+from gossamer.core.modes import resolve
+from gossamer.tools.cli_parser import build_parser, normalize_argv, parse_args
 from tests._doc_blocks import ROOT, blocks, gossamer_argv
 
 README = ROOT / "README.md"
-DOCS = [README, ROOT / "docs" / "quickstart.md"]  # the pages whose every block is marked and checked
+CLI_PAGE = ROOT / "docs" / "cli.md"  # the defaults table
+#: The pages whose every block is marked and checked.
+DOCS = [README, *(ROOT / "docs" / name for name in ("quickstart.md", "cli.md", "experiments.md", "modes.md",
+                                                   "compression.md", "observability.md", "performance.md"))]
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +45,7 @@ def _subparsers(p: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Itera
 def _cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GOSSAMER_")}
     env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([sys.executable, "-m", "gossamer.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gossamer.tools.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -62,14 +65,14 @@ def test_every_option_has_help_and_every_set_default_is_shown_in_it() -> None:
             assert "".join(f"(default: {shown})".split()) in helptext, f"gossamer {' '.join(path)} {name}: default {d!r} not in --help"
 
 
-def test_the_readme_defaults_table_matches_the_parser() -> None:
-    rows = re.findall(r"^\| `([a-z ]+)` \| `([a-z-]+)` \| `([^`]*)`", README.read_text(), re.M)
+def test_the_cli_page_defaults_table_matches_the_parser() -> None:
+    rows = re.findall(r"^\| `([a-z ]+)` \| `([a-z-]+)` \| `([^`]*)`", CLI_PAGE.read_text(), re.M)
     assert len(rows) >= 15, rows
     parsers = {" ".join(path): p for path, p in _subparsers(build_parser())}
     for command, flag, value in rows:
         p = parsers[command]
         (action,) = [a for a in p._actions if flag in a.option_strings or a.dest == flag]
-        assert str(action.default) == value, f"README: `{command} {flag}` defaults to {value}, the parser to {action.default!r}"
+        assert str(action.default) == value, f"docs/cli.md: `{command} {flag}` defaults to {value}, the parser to {action.default!r}"
 
 
 def test_help_through_the_real_cli_shows_defaults() -> None:

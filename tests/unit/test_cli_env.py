@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from gossamer.cli_parser import build_parser, env_var, parse_args
+from gossamer.tools.cli_parser import build_parser, env_var, parse_args
 
-#: Options without a variable of their own, and why (README "Environment").
+#: Options without a variable of their own, and why (docs/cli.md, "Environment variables").
 NO_VARIABLE = {
     ("submit", "--set"): "GOSSAMER_EXP_<FIELD>=VALUE sets an experiment field from the environment (--set beats it)",
     ("worker join", "--coordinator"): "the positional HOST:PORT's other spelling: GOSSAMER_COORDINATOR fills that one",

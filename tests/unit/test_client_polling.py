@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gossamer.paramserver.client import poll_ms
+from gossamer.paramserver.shard_client import poll_ms
 
 
 def test_a_poll_is_a_slice_of_what_is_left() -> None:

@@ -16,7 +16,7 @@ from gossamer.compression.codec_spec import parse_codec
 from gossamer.compression.quantization import INT8_BLOCK, Int8Codec
 from gossamer.compression.sparsification import SAMPLED_MIN_NUMEL, topk_count, topk_select
 from gossamer.compression.wire_pool import MIN_POOLED, WirePool
-from gossamer.paramserver.shard_plan import ShardPlan
+from gossamer.engine.shard_plan import ShardPlan
 from gossamer.transport import frames
 from gossamer.transport.frames import Message
 

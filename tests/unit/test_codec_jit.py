@@ -12,7 +12,7 @@ from gossamer.compression import _jit
 from gossamer.compression.codec import Codec, Payload
 from gossamer.compression.codec_spec import parse_codec
 from gossamer.compression.quantization import INT8_BLOCK
-from gossamer.errors import ProtocolError
+from gossamer.core.errors import ProtocolError
 
 SPECS = ("fp16", "bf16", "int8", "sign", "topk:0.01", "topk:0.2")
 # Around every boundary the kernels have: a byte of signs (8), an int8 block (512), a group

@@ -12,7 +12,7 @@ from gossamer.compression.codec_spec import parse_codec
 from gossamer.compression.error_feedback import ErrorFeedback
 from gossamer.compression.sign import pack_bits
 from gossamer.compression.sparsification import SAMPLED_MIN_NUMEL, topk_count, topk_indices
-from gossamer.errors import ProtocolError
+from gossamer.core.errors import ProtocolError
 
 # Past two chunks and not a multiple of a block, a byte or a chunk: every tail path runs.
 BIG = 2 * CHUNK + 777

@@ -26,10 +26,11 @@ from gossamer.compression import (
     QSGDCodec,
     parse_codec,
 )
+from gossamer.compression.codec_spec import codec_class
 from gossamer.compression.randk import positions
-from gossamer.compression.registry import IntArg, RatioArg
-from gossamer.errors import ConfigError, ProtocolError
-from gossamer.paramserver.shard_plan import ShardPlan
+from gossamer.core.codec_table import IntArg, RatioArg
+from gossamer.core.errors import ConfigError, ProtocolError
+from gossamer.engine.shard_plan import ShardPlan
 from gossamer.transport.frames import Message
 from gossamer.transport.frames import decode as decode_frames
 from gossamer.transport.frames import encode as encode_frames
@@ -345,7 +346,7 @@ def test_specs_are_canonical():
 
 @pytest.mark.parametrize("entry", CODECS, ids=lambda e: e.name)
 def test_every_registry_line_names_its_class_and_canonical_examples(entry: CodecEntry) -> None:
-    cls = entry.load()
+    cls = codec_class(entry)
     assert issubclass(cls, Codec) and cls.name == entry.name
     assert entry.examples and all(s.partition(":")[0] == entry.name for s in entry.examples)
     for spec in entry.examples:
@@ -381,7 +382,7 @@ def test_argument_grammar_bounds_agree_with_the_codec_class(entry: CodecEntry) -
     if isinstance(entry.arg, IntArg) and entry.arg.hi < 999_999_999:
         # The class refuses beyond the grammar too, when built directly.
         with pytest.raises(ConfigError):
-            entry.load().from_arg(entry.arg.hi + 1)
+            codec_class(entry).from_arg(entry.arg.hi + 1)
 
 
 @pytest.mark.parametrize("entry", [e for e in CODECS if e.arg is None], ids=lambda e: e.name)
@@ -398,7 +399,7 @@ def test_elementwise_codecs_share_one_payload_across_parameters(entry: CodecEntr
 
 def test_registry_and_experiment_validation_import_without_torch() -> None:
     code = (
-        "import sys, gossamer.compression.registry, gossamer.experiment, gossamer.compression; "
+        "import sys, gossamer.core.codec_table, gossamer.core.experiment, gossamer.compression; "
         "gossamer.compression.CODECS; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

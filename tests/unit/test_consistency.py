@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 from gossamer.paramserver.consistency import SSPGate, lr_factor
 
 

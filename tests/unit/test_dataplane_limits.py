@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 from gossamer.security.curve import CurveKeyPair, CurveKeyring, check_public_key, keyring_from_spec
 from gossamer.transport.frames import MIN_MESSAGE_BYTES, FrameLimits, Message, encode, peek_header
 from gossamer.transport.ratelimit import PeerRateLimiter, RateLimit

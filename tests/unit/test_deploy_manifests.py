@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gossamer.cli_parser import build_parser, env_names
+from gossamer.tools.cli_parser import build_parser, env_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

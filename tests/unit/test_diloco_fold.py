@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from gossamer.errors import ShardError
-from gossamer.experiment import Experiment
+from gossamer.core.errors import ShardError
+from gossamer.core.experiment import Experiment
+from gossamer.engine.rank import RankContext
 from gossamer.paramserver.local import LocalShards
-from gossamer.worker.diloco import DilocoTrainer
-from gossamer.worker.rank import RankContext
+from gossamer.training.diloco import DilocoTrainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -197,9 +197,9 @@ def test_a_round_start_refolded_at_another_worker_count_pushes_that_counts_share
     from torch import nn
 
     from gossamer.compression.chunk_codec import ChunkCompressor
+    from gossamer.engine.layout import ReplicatedLayout
     from gossamer.paramserver import ShardPlan
-    from gossamer.worker.layout import ReplicatedLayout
-    from gossamer.worker.round_start import RoundStart
+    from gossamer.training.round_start import RoundStart
 
     exp = Experiment(name="c", mode="diloco", chunk_numel=300, **DIGITS)  # type: ignore[arg-type]
     torch.manual_seed(0)

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from gossamer import ConfigError, Experiment
 from gossamer.compression import CODECS, CodecEntry
-from gossamer.compression.registry import codec_entry
-from gossamer.modes import mode_of
+from gossamer.core.codec_table import codec_entry
+from gossamer.core.modes import mode_of
+from gossamer.engine.shard_plan import ShardPlan
 from gossamer.paramserver.optimizer import OptimizerConfig
 from gossamer.paramserver.shard import ShardConfig
-from gossamer.paramserver.shard_plan import ShardPlan
 
 BASE = {"name": "x", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data"}
 

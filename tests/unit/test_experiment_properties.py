@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from gossamer import ConfigError, Experiment
 from gossamer.compression import parse_codec
-from gossamer.experiment import MODES, OPTIMIZERS, OUTER_STEPS, PARALLELISMS, TOPOLOGIES
-from gossamer.modes import mode_of
+from gossamer.core.experiment import MODES, OPTIMIZERS, OUTER_STEPS, PARALLELISMS, TOPOLOGIES
+from gossamer.core.modes import mode_of
 from gossamer.paramserver.optimizer import OptimizerConfig
 from gossamer.paramserver.shard import ShardConfig
 

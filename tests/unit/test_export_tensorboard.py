@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from gossamer.errors import GossamerError
-from gossamer.export import run_dir, write_tensorboard
+from gossamer.core.errors import GossamerError
+from gossamer.tools.export import run_dir, write_tensorboard
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gossamer.faults import InjectedFault, fail_at, fault, parse_faults
+from gossamer.core.faults import InjectedFault, fail_at, fault, parse_faults
 
 
 def test_parsed_faults_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,12 +6,11 @@ import multiprocessing as mp
 
 import pytest
 
-from gossamer.coordinator.failover import shard_lease_s
 from gossamer.coordinator.records import ExpRec
-from gossamer.errors import ProtocolError
-from gossamer.protocol import AssignmentUpdate, Authority, LeaseRenewal
+from gossamer.core.errors import ProtocolError
+from gossamer.core.protocol import AssignmentUpdate, Authority, LeaseRenewal, shard_lease_s
+from gossamer.node._role_process import drain
 from gossamer.security.sender_tokens import new_key, token_for, verify
-from gossamer.worker._role_process import drain
 
 
 @pytest.mark.parametrize(("lease", "heartbeat", "expected"), [(10.0, 1.0, 7.5), (4.0, 0.5, 3.0), (1.0, 0.2, 0.75),

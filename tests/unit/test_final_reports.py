@@ -6,7 +6,7 @@ import pytest
 
 from gossamer.coordinator import final_reports
 from gossamer.coordinator.records import ExpRec, RoleRec
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 from gossamer.v1 import coordinator_pb2 as pb
 
 NAMES = {"n0": "w0", "n1": "w1", "n2": "w2"}

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossamer.errors import ProtocolError
+from gossamer.core.errors import ProtocolError
 from gossamer.transport.frames import (
     DTYPES,
     WIRE_VERSION,

@@ -13,7 +13,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossamer.errors import ProtocolError
+from gossamer.core.errors import ProtocolError
 from gossamer.transport.frames import DTYPES, MAX_NDIM, FrameLimits, Message, decode, encode
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

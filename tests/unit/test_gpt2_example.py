@@ -127,7 +127,7 @@ def test_a_checkpoint_missing_a_parameter_that_is_not_a_tied_alias_is_refused(tm
 
 
 def test_the_example_file_names_this_model_with_its_own_loss_and_matching_lengths() -> None:
-    from gossamer.experiment import Experiment
+    from gossamer.core.experiment import Experiment
 
     exp = Experiment.from_toml(Path(__file__).parents[2] / "examples" / "gpt2-tiny.toml")
     assert exp.loss == "model" and exp.model == "gossamer.examples.gpt2:model"

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gossamer.worker.host_load import cpu_times, idle_cpus, spare_cpus
+from gossamer.node.host_load import cpu_times, idle_cpus, spare_cpus
 
 STAT = "cpu  {user} 0 {system} {idle} {iowait} 0 0 {steal} 7 0\ncpu0 1 2 3 4 5 6 7 8 9 10\nintr 1 2\n"
 

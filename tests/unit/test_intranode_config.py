@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
+from gossamer.engine.layout import FSDP_MAX_LOCAL_RANKS, fsdp_row_cuts, pipeline_split
+from gossamer.engine.precision import LossScaler, check_precision
 from gossamer.examples.digits import mlp
 from gossamer.paramserver import ShardPlan
-from gossamer.worker.layout import FSDP_MAX_LOCAL_RANKS, fsdp_row_cuts, pipeline_split
-from gossamer.worker.precision import LossScaler, check_precision
 from tests._fixtures import experiment
 
 #: The digits experiment of these tests (overrides per test).

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from gossamer import logs
-from gossamer.errors import ConfigError
+from gossamer.core import logs
+from gossamer.core.errors import ConfigError
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from gossamer.modes import MODES, resolve
+from gossamer.core.modes import MODES, resolve
+from gossamer.node.agent import _needs_late
 from gossamer.v1 import coordinator_pb2 as pb
-from gossamer.worker.agent import _needs_late
 
 
 def _worker(**fields: object) -> pb.Assignment:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gossamer.errors import ConfigError
-from gossamer.worker.launcher import (
+from gossamer.core.errors import ConfigError
+from gossamer.node.launcher import (
     Launch,
     check_cuda_ranks,
     detect,

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gossamer.errors import ConfigError
-from gossamer.experiment import Experiment
-from gossamer.worker.batches import batch_samples, split_batch
-from gossamer.worker.loss import EvalTotals, Objective
+from gossamer.core.errors import ConfigError
+from gossamer.core.experiment import Experiment
+from gossamer.engine.batches import batch_samples, split_batch
+from gossamer.engine.loss import EvalTotals, Objective
 
 U = "tests.integration._user_regression"
 
@@ -141,7 +141,7 @@ def test_a_batch_the_model_cannot_take_is_named_with_its_shape() -> None:
 @pytest.mark.parametrize(("dataset", "match"), [("not_a_pair", r"^dataset: .*\(train, eval\) pair"),
                                                 ("not_datasets", r"^dataset: .*got int")])
 def test_a_dataset_callable_returning_the_wrong_thing_is_named(dataset: str, match: str) -> None:
-    from gossamer.worker.model import build, experiment_data
+    from gossamer.engine.model import build, experiment_data
 
     exp = Experiment(name="e", model=f"{U}:linear", dataset=f"{U}:{dataset}")
     with pytest.raises(ConfigError, match=match):
@@ -149,7 +149,7 @@ def test_a_dataset_callable_returning_the_wrong_thing_is_named(dataset: str, mat
 
 
 def test_user_metrics_that_raise_are_named_and_get_the_model_on_its_device() -> None:
-    from gossamer.worker.model import user_metrics
+    from gossamer.engine.model import user_metrics
     from tests.integration._user_regression import linear, stream_data
 
     model, (_, evalset) = linear(), stream_data(eval_n=50)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from gossamer import Experiment
-from gossamer.errors import ConfigError
-from gossamer.lr_schedule import lr_multiplier
-from gossamer.paramserver.client import ShardClient
+from gossamer.core.errors import ConfigError
+from gossamer.core.lr_schedule import lr_multiplier
 from gossamer.paramserver.local import LocalShards
+from gossamer.paramserver.shard_client import ShardClient
 
 
 def test_constant_is_one_everywhere() -> None:

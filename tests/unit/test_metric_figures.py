@@ -13,8 +13,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gossamer.coordinator.http import series
-from gossamer.metric_families import histogram_buckets, staleness_buckets, sum_buckets
-from gossamer.worker.node_metrics import MetricsFeed, NodeMetrics
+from gossamer.core.metric_families import histogram_buckets, staleness_buckets, sum_buckets
+from gossamer.node.node_metrics import MetricsFeed, NodeMetrics
 
 
 def test_staleness_buckets_are_cumulative_with_sum_and_count() -> None:
@@ -126,7 +126,7 @@ def test_feed_directories_of_killed_nodes_are_swept_and_live_or_young_ones_kept(
     import os
     import socket
 
-    from gossamer.worker.node_metrics import FEED_PREFIX, sweep_stale_feeds
+    from gossamer.node.node_metrics import FEED_PREFIX, sweep_stale_feeds
 
     def feed(name: str, *, live: bool, age_s: float) -> tuple[Path, socket.socket | None]:
         d = tmp_path / f"{FEED_PREFIX}{name}"

@@ -9,9 +9,9 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gossamer.errors import ConfigError
-from gossamer.worker.ports import reserve_port
-from gossamer.worker.process_group import check_one_gpu_per_rank, shared_gpu
+from gossamer.core.errors import ConfigError
+from gossamer.engine.process_group import check_one_gpu_per_rank, shared_gpu
+from gossamer.node.ports import reserve_port
 
 pytestmark = pytest.mark.timeout(120)
 

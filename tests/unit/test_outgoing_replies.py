@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 from gossamer.transport.outgoing import OutgoingReplies, ReplyBudget
 
 

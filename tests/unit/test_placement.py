@@ -33,8 +33,8 @@ from gossamer.coordinator.placement import (
     waiting_for,
 )
 from gossamer.coordinator.records import NodeRec, RoleRec
-from gossamer.modes import resolve
-from gossamer.protocol import RESTORE_SEEDING
+from gossamer.core.modes import resolve
+from gossamer.core.protocol import RESTORE_SEEDING
 from gossamer.v1 import coordinator_pb2 as pb
 
 PS, WORKER = pb.ROLE_PARAMETER_SERVER, pb.ROLE_WORKER
@@ -271,7 +271,7 @@ def test_a_late_start_runs_without_unsynced_backups_or_fails_naming_the_shards_n
 
 def test_a_spec_stored_before_the_deadline_fields_existed_reads_their_defaults() -> None:
     from gossamer.coordinator.records import ExpRec
-    from gossamer.experiment import Experiment
+    from gossamer.core.experiment import Experiment
 
     old = ExpRec(id="e", seq=1, name="e", spec_json='{"mode": "async", "num_ps_shards": 2}')
     assert old.spec["num_ps_shards"] == 2

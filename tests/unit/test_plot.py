@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gossamer.errors import GossamerError
-from gossamer.plot import plot_to_file, render, summed_latest
+from gossamer.core.errors import GossamerError
+from gossamer.tools.plot import plot_to_file, render, summed_latest
 
 
 def _points(workers: int = 2, seconds: int = 10) -> list[dict[str, object]]:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossamer.errors import ConfigError
-from gossamer.experiment import Experiment
-from gossamer.worker.profiling import StepProfiler, profiles_node
+from gossamer.core.errors import ConfigError
+from gossamer.core.experiment import Experiment
+from gossamer.engine.profiling import StepProfiler, profiles_node
 
 BASE: dict[str, object] = dict(name="p", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
                                total_steps=100)

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from gossamer.errors import ProtocolError
-from gossamer.protocol import (
+from gossamer.core.errors import ProtocolError
+from gossamer.core.protocol import (
     CancelMeta,
     HelloMeta,
     MassMeta,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from gossamer.core.protocol import chunk_key
+from gossamer.engine.shard_plan import ShardPlan
 from gossamer.paramserver._pull_views import PullViews
-from gossamer.paramserver.shard_plan import ShardPlan
-from gossamer.protocol import chunk_key
 
 
 def test_an_overflowing_difference_is_sent_whole_and_becomes_the_view() -> None:

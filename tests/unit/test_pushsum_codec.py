@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gossamer.compression import CODECS, parse_codec
-from gossamer.compression.registry import codec_entry
-from gossamer.errors import ConfigError
+from gossamer.core.codec_table import codec_entry
+from gossamer.core.errors import ConfigError
 from gossamer.gossip import parse_value_codec
 
 

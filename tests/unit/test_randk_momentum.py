@@ -7,8 +7,8 @@ import torch
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.compression.randk import positions
 from gossamer.compression.worker_momentum import WorkerMomentum
-from gossamer.experiment import Experiment
-from gossamer.paramserver.shard_plan import ShardPlan
+from gossamer.core.experiment import Experiment
+from gossamer.engine.shard_plan import ShardPlan
 from tests._async_sim import simulate
 
 

@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from gossamer.worker.ports import reserve_port
+from gossamer.node.ports import reserve_port
 
 
 def test_a_held_port_is_refused_to_others_and_taken_by_the_store() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gossamer.worker import sampler
+from gossamer.engine import sampler
 
 
 def test_global_batch_split_covers_it_exactly_for_any_worker_count() -> None:
@@ -30,7 +30,7 @@ def test_async_workers_draw_different_streams() -> None:
 
 
 def test_index_tuple_matches_element_by_element() -> None:
-    from gossamer.worker.loader import index_tuple
+    from gossamer.engine.loader import index_tuple
 
     idx = sampler.async_batch(1797, 32, 7, 0, 0)
     got = index_tuple(idx)

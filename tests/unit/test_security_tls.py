@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gossamer.coordinator.config import CoordinatorConfig
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 from gossamer.security import certs
 from gossamer.security.channel import ChannelSecurity, client_files
 from gossamer.security.tls import TLSConfig

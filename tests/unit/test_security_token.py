@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gossamer.coordinator.config import CoordinatorConfig
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 from gossamer.security.token import (
     TokenAuthInterceptor,
     bearer,

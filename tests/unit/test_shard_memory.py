@@ -14,6 +14,7 @@ from torch import nn
 from gossamer.checkpoint import save_model_checkpoint
 from gossamer.checkpoint.manifest import read_manifest
 from gossamer.checkpoint.sharded import AsyncCheckpointer, save_shard, step_dir
+from gossamer.core.protocol import PushMeta, chunk_key
 from gossamer.paramserver import (
     OptimizerConfig,
     ShardConfig,
@@ -24,7 +25,6 @@ from gossamer.paramserver import (
 )
 from gossamer.paramserver._copy_on_write import storage_of
 from gossamer.paramserver._state import ShardState
-from gossamer.protocol import PushMeta, chunk_key
 from gossamer.transport.frames import Message
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -250,7 +250,7 @@ def test_a_large_optimizer_steps_tensor_by_tensor(name: str) -> None:
 
 _FREED_RSS = """
 import sys, torch
-from gossamer.worker.allocator import mmap_large_allocations
+from gossamer.engine.allocator import mmap_large_allocations
 if sys.argv[1] == "on":
     mmap_large_allocations()
 def rss():

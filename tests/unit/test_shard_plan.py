@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossamer.errors import ConfigError
-from gossamer.paramserver.shard_plan import ShardPlan, flatten_params, unflatten_into
+from gossamer.core.errors import ConfigError
+from gossamer.engine.shard_plan import ShardPlan, flatten_params, unflatten_into
 
 named = st.lists(st.integers(0, 50), min_size=1, max_size=12).map(
     lambda ns: [(f"p{i}", n) for i, n in enumerate(ns)]

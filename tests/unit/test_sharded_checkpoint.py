@@ -32,7 +32,7 @@ from gossamer.checkpoint.sharded import (
     step_dir,
     verify_step,
 )
-from gossamer.paramserver.shard_plan import ShardPlan
+from gossamer.engine.shard_plan import ShardPlan
 
 # DCP warns on every call without a process group; the module filters it, but pytest
 # restores the warning filters it had before collection imported the module.

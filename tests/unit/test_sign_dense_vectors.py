@@ -7,8 +7,8 @@ import torch
 
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.compression.worker_momentum import WorkerMomentum
-from gossamer.errors import ProtocolError
-from gossamer.paramserver.shard_plan import ShardPlan
+from gossamer.core.errors import ProtocolError
+from gossamer.engine.shard_plan import ShardPlan
 
 PLAN = ShardPlan.build([("w", 12), ("b", 3), ("g", 3)], num_shards=1, chunk_numel=1 << 20)
 SHAPES = {"w": (4, 3), "b": (3,), "g": (3,)}

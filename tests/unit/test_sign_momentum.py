@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from gossamer.experiment import Experiment
+from gossamer.core.experiment import Experiment
 from tests._async_sim import simulate
 
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from gossamer.checkpoint.sharded import ShardSnapshot, save_shard, step_dir
+from gossamer.core.protocol import chunk_key
 from gossamer.paramserver import OptimizerConfig, ShardConfig, ShardPlan
 from gossamer.paramserver._copy_on_write import WritesAside, storage_of
 from gossamer.paramserver._snapshot import PendingSnapshot
 from gossamer.paramserver._state import ShardState
-from gossamer.protocol import chunk_key
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -6,8 +6,8 @@ import heapq
 
 import pytest
 
+from gossamer.core.straggler_rule import PACE_SAMPLES
 from gossamer.paramserver.consistency import SSPGate
-from gossamer.straggler_rule import PACE_SAMPLES
 
 
 def run(gate: SSPGate[str], step_s: dict[str, float], until: float,
@@ -135,7 +135,7 @@ def test_a_pace_that_hovers_at_the_cut_does_not_flip_the_judgement_every_update(
 
 @pytest.mark.parametrize("wait", [False, True])
 def test_the_experiment_s_choice_reaches_the_shard_s_gate(wait: bool) -> None:
-    from gossamer.experiment import Experiment
+    from gossamer.core.experiment import Experiment
     from gossamer.paramserver.shard_config import ShardConfig
 
     exp = Experiment(name="s", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",

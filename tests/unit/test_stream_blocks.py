@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
 
-from gossamer.worker.batches import Data
-from gossamer.worker.loader import StepLoader
-from gossamer.worker.stream_blocks import Blocks, keep, pack, unpack, unpack_blocks
+from gossamer.engine.batches import Data
+from gossamer.engine.loader import StepLoader
+from gossamer.engine.stream_blocks import Blocks, keep, pack, unpack, unpack_blocks
 
 Pair = namedtuple("Pair", "x y")
 

@@ -11,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.data import IterableDataset, TensorDataset
 
-from gossamer.errors import ConfigError
-from gossamer.worker.batches import Data
-from gossamer.worker.loader import StepLoader
-from gossamer.worker.sampler import stream_span
+from gossamer.core.errors import ConfigError
+from gossamer.engine.batches import Data
+from gossamer.engine.loader import StepLoader
+from gossamer.engine.sampler import stream_span
 
 
 class Counting(IterableDataset):  # type: ignore[type-arg]

@@ -1,4 +1,4 @@
-"""The package's structure: no import cycles, no private names across modules, no oversized functions or classes."""
+"""The package's structure: layers imported one way, no import cycles, no private names across modules, no oversized functions or classes."""
 
 from __future__ import annotations
 
@@ -90,6 +90,79 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles_in_gossamer() -> None:
     found = cycles(import_graph())
     assert not found, "import cycles among gossamer modules:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+#: gossamer's packages from the bottom up. A module may import its own package and any package of
+#: a lower layer; two packages of one layer know nothing of each other. The package's own
+#: `gossamer/__init__.py` (the public names) sits above them all.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("core",),  # shared definitions, free of torch at import: Experiment, modes, protocol, errors
+    ("security", "v1"),  # credentials and channels; the generated control-plane API
+    ("transport", "checkpoint"),  # the wire (frames, router, beats, HTTP); checkpoint files
+    ("engine",),  # one rank: layouts, flat parameters, model, loss, batches, loaders
+    ("compression",),
+    ("paramserver", "gossip"),
+    ("training",),  # the rank loops and the modes' algorithms
+    ("node", "coordinator"),
+    ("tools", "examples"),  # the user's tools: CLI, client, demo, watch, plot, export
+)
+MAX_LOOSE_MODULES = 6
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer_violations() -> list[str]:
+    """Imports that run up the layer order or across one layer, TYPE_CHECKING and lazy ones included."""
+    rank = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+    graph, mods = import_graph(), _modules()
+    found = []
+    for name, deps in sorted(graph.items()):
+        src = _package(name)
+        if not src:
+            continue
+        for dep in sorted(deps):
+            dst = _package(dep)
+            if dst == src:
+                continue
+            if not dst or dst not in rank or src not in rank or rank[dst] >= rank[src]:
+                found.append(f"{mods[name].relative_to(PACKAGE.parent)} imports {dep}")
+    return found
+
+
+def test_packages_import_down_the_layers_only() -> None:
+    rank = {pkg for layer in LAYERS for pkg in layer}
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert packages == rank, f"packages not in LAYERS: {sorted(packages - rank)}; gone: {sorted(rank - packages)}"
+    found = layer_violations()
+    assert not found, "imports against the layer order:\n" + "\n".join(found)
+
+
+def test_no_two_packages_import_each_other() -> None:
+    edges = {(_package(a), _package(b)) for a, deps in import_graph().items() for b in deps}
+    mutual = sorted(f"{a} <-> {b}" for a, b in edges if a and b and a < b and (b, a) in edges)
+    assert not mutual, mutual
+
+
+def test_few_loose_modules_and_no_two_modules_share_a_name() -> None:
+    loose = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(loose) <= MAX_LOOSE_MODULES, loose
+    by_name: dict[str, list[str]] = {}
+    for p in PACKAGE.rglob("*.py"):
+        if p.name != "__init__.py" and "v1" not in p.relative_to(PACKAGE).parts:
+            by_name.setdefault(p.name, []).append(str(p.relative_to(PACKAGE.parent)))
+    shared = {n: ps for n, ps in by_name.items() if len(ps) > 1}
+    assert not shared, shared
+
+
+def test_core_imports_no_torch_at_module_level() -> None:
+    for path in sorted((PACKAGE / "core").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "torch" or n.startswith("torch.") for n in names), f"{path.name} imports torch"
 
 
 def private_imports() -> list[str]:

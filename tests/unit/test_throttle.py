@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gossamer.errors import ConfigError
+from gossamer.core.errors import ConfigError
 from gossamer.transport.throttle import TokenBucket, parse_bandwidth
 
 

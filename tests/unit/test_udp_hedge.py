@@ -1,4 +1,4 @@
-"""The node's UDP beats against a coordinator that answers late or not at all (worker/udp_beats.py), over real UDP sockets.
+"""The node's UDP beats against a coordinator that answers late or not at all (node/beat_sender.py), over real UDP sockets.
 
 Late replies must add no gRPC call (hedging at each one multiplied an overloaded coordinator's
 load eight-fold); silence brings gRPC in within HEDGE_MISSES ticks, spaced out by the lease and
@@ -10,8 +10,8 @@ from __future__ import annotations
 import secrets
 import socket
 
-from gossamer import beat_wire
-from gossamer.worker.udp_beats import HEDGE_MISSES, PAUSE_BEATS, UdpBeats, wait_for_replies
+from gossamer.node.beat_sender import HEDGE_MISSES, PAUSE_BEATS, UdpBeats, wait_for_replies
+from gossamer.transport import beat_wire
 
 NODE = "n1"
 

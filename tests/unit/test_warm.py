@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from gossamer import zygote
-from gossamer.errors import ConfigError
-from gossamer.worker.warm import ROLE_MODULES, check_preload, role_context, warm_up
+from gossamer.core import zygote
+from gossamer.core.errors import ConfigError
+from gossamer.node.warm import ROLE_MODULES, check_preload, role_context, warm_up
 
 
 def _report_modules(conn: Connection) -> None:
@@ -49,7 +49,7 @@ def test_preload_imports_the_users_modules_in_the_fork_server() -> None:
     script = (
         "import sys\n"
         "from tests.unit.test_warm import _loaded_by_role\n"
-        "from gossamer.worker.warm import warm_up\n"
+        "from gossamer.node.warm import warm_up\n"
         "warm_up(('xml.dom.minidom',))\n"
         "print(_loaded_by_role('xml.dom.minidom'))\n"
     )
@@ -103,7 +103,7 @@ def test_checking_a_submodule_does_not_import_its_package(tmp_path: Path, monkey
 
 
 def _named(conn: Connection) -> None:
-    from gossamer.worker._role_process import name_process
+    from gossamer.node._role_process import name_process
 
     name_process("gossamer-w3.1")
     conn.send(open("/proc/self/comm").read().strip())
@@ -126,7 +126,7 @@ def test_a_node_stopped_during_the_warm_up_leaves_no_error_in_its_log(monkeypatc
     # setting its result ("Exception in thread gossamer-warm-up" broke a JSON log).
     import threading
 
-    from gossamer.worker.warm import warm_up_in_background
+    from gossamer.node.warm import warm_up_in_background
 
     errors: list[object] = []
     monkeypatch.setattr(threading, "excepthook", errors.append)
@@ -141,7 +141,7 @@ def test_a_node_stopped_during_the_warm_up_leaves_no_error_in_its_log(monkeypatc
 def _late_state(conn: Connection) -> None:
     import signal
 
-    from gossamer.worker import late_imports
+    from gossamer.node import late_imports
 
     inherited = signal.getsignal(late_imports.SIGNAL) not in (signal.SIG_DFL, signal.SIG_IGN, None)
     late_imports.forget()
@@ -168,8 +168,8 @@ def test_the_fork_server_serves_before_its_late_imports_and_has_them_once_asked(
     script = (
         "import json, time\n"
         "from tests.unit.test_warm import _late_seen\n"
-        "from gossamer.worker.late_imports import LATE_MODULES\n"
-        "from gossamer.worker.warm import import_late, warm_up\n"
+        "from gossamer.node.late_imports import LATE_MODULES\n"
+        "from gossamer.node.warm import import_late, warm_up\n"
         "warm_up(late=False)\n"
         "before = _late_seen()\n"
         "import_late()\n"
@@ -189,7 +189,7 @@ def test_role_modules_leave_the_late_ones_out() -> None:
     """What a role's first step needs imports neither dynamo nor DCP (else the second stage saves nothing)."""
     script = (
         "import sys\n"
-        "from gossamer.worker.warm import ROLE_MODULES\n"
+        "from gossamer.node.warm import ROLE_MODULES\n"
         "for m in ROLE_MODULES:\n"
         "    __import__(m)\n"
         "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.checkpoint') if m in sys.modules))\n"

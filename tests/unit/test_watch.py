@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from gossamer.watch import WatchView, detached_note, outcome_line, stragglers
+from gossamer.tools.watch import WatchView, detached_note, outcome_line, stragglers
 
 
 def _status(**kw: object) -> dict[str, object]:

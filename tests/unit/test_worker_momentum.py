@@ -8,12 +8,12 @@ import torch
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.compression.momentum_placement import density_warmup_steps, momentum_on_worker
 from gossamer.compression.worker_momentum import WorkerMomentum, warmup_density
-from gossamer.experiment import Experiment
+from gossamer.core.experiment import Experiment
+from gossamer.engine.shard_plan import ShardPlan
 from gossamer.paramserver.delayed_nesterov import DelayedNesterov
 from gossamer.paramserver.optimizer import build_optimizer
 from gossamer.paramserver.shard_config import ShardConfig
-from gossamer.paramserver.shard_plan import ShardPlan
-from gossamer.worker.density_warmup import warm_spec
+from gossamer.training.density_warmup import warm_spec
 
 BASE = {"name": "m", "model": "m:f", "dataset": "d:f", "total_steps": 200}
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from gossamer import zygote
-from gossamer.worker.warm import start_shared
+from gossamer.core import zygote
+from gossamer.node.warm import start_shared
 
 #: A stand-in node: warms up as an agent does, starts two roles, reports what they saw, then
 #: either exits or (argv[1] == "hold") keeps a role running and waits to be killed.
 NODE = r'''
 import json, os, sys, time
-from gossamer.worker.warm import role_context, warm_up
+from gossamer.node.warm import role_context, warm_up
 
 def role(q):
     q.put({"pid": os.getpid(), "pgid": os.getpgrp(), "torch": "torch" in sys.modules,
@@ -142,8 +142,8 @@ def test_an_unreachable_zygote_leaves_the_node_its_own_fork_server(tmp_path: Pat
 CHECKS = r'''
 import asyncio, json, os
 from gossamer.coordinator.import_checks import ImportChecker
-from gossamer.errors import ConfigError
-from gossamer.experiment import Experiment
+from gossamer.core.errors import ConfigError
+from gossamer.core.experiment import Experiment
 
 async def main():
     checker, out = ImportChecker(), {}

@@ -1,0 +1,1 @@
+"""Shared definitions every layer uses, free of torch: the Experiment, modes, protocol, errors, faults, logs."""

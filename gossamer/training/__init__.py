@@ -1,0 +1,1 @@
+"""The training loops of one rank and the modes' algorithms over them."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from gossamer.core.codec_table import ADAPTIVE, CODEC_NAMES, grammar, parse_spec
 from gossamer.core.errors import ConfigError
+from gossamer.core.experiment_sections import flatten
 from gossamer.core.lr_schedule import LR_SCHEDULES
 from gossamer.core.modes import MODES, OUTER_STEPS, TOPOLOGIES, Mode, mode_of, resolve
 
@@ -56,28 +57,28 @@ class Experiment:
     global batch and splits it over the current workers.
     """
 
+    # Each field's section, meaning and modes: `experiment_sections.SECTIONS`, one entry per field
+    # (docs/experiment.md is generated from it; a file may group the fields in section tables).
     name: str
     model: str
     dataset: str
     model_args: dict[str, Any] = field(default_factory=dict)
     dataset_args: dict[str, Any] = field(default_factory=dict)
-    loss: str = "cross_entropy"  # cross_entropy | mse | model | "package.module:callable" (fn(output, target))
-    collate: str = ""  # "package.module:callable": a list of samples -> a batch ("": stack pairs / default_collate)
-    metrics: str = ""  # "package.module:callable": fn(model, eval_set) -> {name: float}, reported as eval_<name>
-    num_workers: int = 0  # DataLoader worker processes reading the training set (0: in the training process)
-    prefetch: int = 0  # batches read ahead of the step (0: none); with num_workers, per worker
-    eval_samples: int = 0  # evaluate on this many samples (0: the whole eval set; a stream's first 10000)
+    loss: str = "cross_entropy"
+    collate: str = ""
+    metrics: str = ""
+    num_workers: int = 0
+    prefetch: int = 0
+    eval_samples: int = 0
     mode: str = "async"
-    compression: str = "auto"  # "auto": the mode's default (int8 for diloco's pseudo-gradients, none otherwise)
+    compression: str = "auto"
     compression_overrides: dict[str, str] = field(default_factory=dict)
     pull_compression: str = "none"
-    #: The residual a pushing worker keeps of what its codec dropped (one fp32 copy of what it pushes):
-    #: "auto" (on for the biased codecs: int8, topk, randk, sign, powersgd), "on" or "off".
     error_feedback: str = "auto"
     adaptive_target_share: float = 0.2
-    optimizer: str = "auto"  # "auto": the mode's default (adamw for diloco's inner steps, sgd otherwise)
+    optimizer: str = "auto"
     lr: float = 0.05
-    lr_schedule: str = "constant"  # constant | linear | cosine (decay to 0 at total_steps)
+    lr_schedule: str = "constant"
     warmup_steps: int = 0
     momentum: float = 0.0
     nesterov: bool = False
@@ -91,7 +92,7 @@ class Experiment:
     #: Gossip's `gossip_lag` always waits: there a node left behind ends with a model the others' disagree with.
     wait_for_stragglers: bool = False
     overlap: bool = False
-    num_ps_shards: int = 1  # >= 1 with servers; 0 or ignored without
+    num_ps_shards: int = 1
     ps_backup: bool = True
     min_workers: int = 1
     max_workers: int = 16
@@ -108,36 +109,25 @@ class Experiment:
     #: norm 48 against sync's 15, eval loss 0.59 against 0.10; 0.6 gives 20 and 0.10 (README, DiLoCo).
     outer_momentum: float = 0.6
     outer_step: str = "sync"
-    #: Where a DiLoCo worker keeps the parameters its round started from: "memory" (a copy), or "shards"
-    #: (none: pulled again from the shards, which hold them until the round's barrier, shard by shard at
-    #: the round's end; one more download of the model per round; outer_step "sync"; a node of several local
-    #: ranks keeps a copy).
     round_start: str = "memory"
     topology: str = "exponential"
-    #: gossip: a node does not begin a step while an in-neighbour is more than this many steps behind
-    #: (`LagBound`, SGP's bounded delay); None: never waits, so a straggler does not slow the others, at
-    #: the cost of models that agree less at the end (README, gossip).
+    #: 1, not None: a node that never waits for a straggler ends with a model the others agree
+    #: with less (SGP's bounded delay; README, gossip).
     gossip_lag: int | None = 1
-    parallelism: str = "ddp"  # inside a node: ddp | fsdp | pipeline (gossamer/engine/layout.py)
+    parallelism: str = "ddp"
     pipeline_microbatches: int = 4
-    pipeline_schedule: str = "gpipe"  # gpipe | 1f1b
-    precision: str = "fp32"  # fp32 | bf16 (autocast, CPU and CUDA) | fp16 (autocast + loss scaling, CUDA)
-    max_grad_norm: float = 0.0  # > 0: clip each node's gradient to this global L2 norm
-    lr_scaling: str = "none"  # none | linear: lr x (batch per update / base_batch_size)
-    base_batch_size: int = 0  # the batch `lr` was tuned for (0: batch_size)
+    pipeline_schedule: str = "gpipe"
+    precision: str = "fp32"
+    max_grad_norm: float = 0.0
+    lr_scaling: str = "none"
+    base_batch_size: int = 0
     chunk_numel: int = 1 << 20
-    profile_steps: int = 0  # > 0: a torch.profiler trace of this many steps (gossamer/engine/profiling.py)
-    profile_start: int = 5  # each profiled rank's own step at which the trace starts
-    profile_nodes: list[str] = field(default_factory=list)  # node names or ids; empty: every worker
-    #: Seconds STARTING may last: then it runs without the backups not yet synced, or fails naming what did not start.
+    profile_steps: int = 0
+    profile_start: int = 5
+    profile_nodes: list[str] = field(default_factory=list)
     start_timeout_s: float = 600.0
-    #: Seconds a running experiment left without nodes (a shard with no host, or no worker) waits for nodes
-    #: to return before it fails; they resume it from its newest checkpoint.
     node_wait_timeout_s: float = 3600.0
-    #: Seconds without a step reported before its status and an event say it makes no progress.
     progress_timeout_s: float = 600.0
-    #: Seconds a worker waits for a shard's answer before the request fails: the worker is replaced and
-    #: the coordinator counts the timeout against the shard (two workers timing out on one shard fail it over).
     shard_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -163,9 +153,10 @@ class Experiment:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Experiment:
-        """Build from a plain dict (TOML table, JSON); unknown keys are an error naming them."""
+        """Build from a plain dict (TOML table, JSON), flat or in section tables; unknown keys are an error naming them."""
         if not isinstance(data, dict):
             raise ConfigError("experiment", "must be an object/table")
+        data = flatten(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known, key=str)
         if unknown:
@@ -201,9 +192,9 @@ class Experiment:
         table = data.get("experiment", data)
         if not isinstance(table, dict):
             raise ConfigError("experiment", "must be a table")
-        data = dict(table)
+        data = flatten(table)
         data.update(_env_overrides())
-        data.update(overrides or {})
+        data.update(flatten(overrides or {}))
         return cls.from_dict(data)
 
     # --- derived values ----------------------------------------------------------------

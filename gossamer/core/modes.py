@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["BARRIER_CONSISTENCY", "MODES", "OUTER_STEPS", "SHARD_CONSISTENCIES", "Mode", "mode_names", "mode_of", "resolve"]
+__all__ = ["BARRIER_CONSISTENCY", "MODES", "OUTER_STEPS", "SHARD_CONSISTENCIES", "Mode", "mode_names", "mode_of", "resolve", "rows"]
 
 
 class _HasMode(Protocol):
@@ -60,6 +60,21 @@ class Mode:
         return self.servers and self.shard_consistency == "sync"
 
     @property
+    def gossips(self) -> bool:
+        """Workers average among themselves over a graph (`topology`)."""
+        return not self.servers
+
+    @property
+    def lag_bounded(self) -> bool:
+        """A node waits for in-neighbours left behind (`gossip_lag`): gossip of every step, not of rounds."""
+        return not self.servers and not self.rounds
+
+    @property
+    def holds_round_start(self) -> bool:
+        """The shards keep a round's start until its barrier, so workers may pull it again (`round_start`)."""
+        return self.rounds and self.barrier
+
+    @property
     def label(self) -> str:
         return f"{self.name}/{self.outer_step}" if self.outer_step else self.name
 
@@ -105,6 +120,11 @@ OUTER_STEPS: tuple[str, ...] = tuple(m.outer_step for m in _TABLE if m.outer_ste
 
 def mode_names() -> tuple[str, ...]:
     return MODES
+
+
+def rows() -> tuple[Mode, ...]:
+    """Every row of the table, in order (one per outer step for a mode with outer steps)."""
+    return _TABLE
 
 
 def resolve(mode: str, outer_step: str = "") -> Mode:

@@ -319,12 +319,20 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from gossamer.tools.watch import follow, watch
+    from gossamer.tools.live_metrics import live_sinks
+    from gossamer.tools.watch import follow, outcome_line, watch
 
     client = _client(args)
-    if args.quiet:
-        return follow(client.job(args.id), quiet=True)
-    return watch(client, args.id, refresh_s=args.interval)
+    with live_sinks(client.job(args.id), tensorboard=args.tensorboard, wandb_project=args.wandb) as sinks:
+        if args.quiet and sinks:
+            from gossamer.tools.live_metrics import feed
+
+            final = feed(client.job(args.id), sinks, refresh_s=args.interval)
+            print(outcome_line(final))
+            return 0 if final["state"] == "completed" else 1
+        if args.quiet:
+            return follow(client.job(args.id), quiet=True)
+        return watch(client, args.id, refresh_s=args.interval, sinks=sinks)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

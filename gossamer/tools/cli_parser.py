@@ -426,6 +426,12 @@ def _client_parsers(sub: Any) -> None:
     w.add_argument("id", help="the experiment id")
     _add(w, "--quiet", "-q", action="store_true", help="no live table: wait, then print the outcome")
     _add(w, "--interval", type=float, default=1.0, help="seconds between refreshes")
+    _add(w, "--tensorboard", metavar="DIR", default=None,
+         help="append each metric point as it arrives to DIR/ID/<node>[/<rank>]/events.out.tfevents.* "
+              "(the runs of `export --tensorboard`; watching again appends only newer points)")
+    _add(w, "--wandb", metavar="PROJECT", default=None,
+         help="log each metric point to a Weights & Biases run of PROJECT named after the experiment "
+              "(WANDB_MODE=offline: written locally, `wandb sync` later)")
     _add_client_flags(w)
     w.set_defaults(fn="watch")
 

@@ -93,6 +93,11 @@ class Job:
         """State, steps done, generation, roles, message and current totals."""
         return status_dict(self._client._call(self._client._exp.Get, pb.GetExperimentRequest(experiment_id=self.id)))
 
+    def spec(self) -> dict[str, Any]:
+        """The experiment's fields as the coordinator holds them (defaults filled in)."""
+        resp = self._client._call(self._client._exp.Get, pb.GetExperimentRequest(experiment_id=self.id))
+        return dict(json.loads(resp.experiment_json or "{}"))
+
     def metrics(self, since_unix: float = 0.0, max_points: int = 0) -> list[dict[str, Any]]:
         """The time series: one dict per point (time_unix, step, source, values...), oldest first.
 

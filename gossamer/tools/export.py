@@ -45,7 +45,6 @@ def write_tensorboard(points: Iterable[dict[str, Any]], out: str | Path,
             (a second export would show every point twice).
     """
     try:
-        from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
     except ImportError as e:
         raise GossamerError(f"export --tensorboard needs the tensorboard package ({e}): "
@@ -65,15 +64,24 @@ def write_tensorboard(points: Iterable[dict[str, Any]], out: str | Path,
         n = 0
         try:
             for p in series:
-                values = [summary_pb2.Summary.Value(tag=tag, simple_value=v) for tag, v in scalars(p)]
-                if values:
-                    writer.add_event(event_pb2.Event(wall_time=p["time_unix"], step=int(p["step"]),
-                                                     summary=summary_pb2.Summary(value=values)))
-                    n += len(values)
+                event = point_event(p)
+                if event is not None:
+                    writer.add_event(event)
+                    n += len(event.summary.value)
         finally:
             writer.close()
         counts[run.as_posix()] = n
     return counts
+
+
+def point_event(point: dict[str, Any]) -> Any:
+    """The TensorBoard Event of one point: its `scalars` at its step and wall time (None: it has none)."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+
+    values = [summary_pb2.Summary.Value(tag=tag, simple_value=v) for tag, v in scalars(point)]
+    if not values:
+        return None
+    return event_pb2.Event(wall_time=point["time_unix"], step=int(point["step"]), summary=summary_pb2.Summary(value=values))
 
 
 def is_merged(point: dict[str, Any]) -> bool:

@@ -10,7 +10,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -20,6 +20,9 @@ from rich.table import Table
 from rich.text import Text
 
 from gossamer.core.errors import UnavailableError
+
+if TYPE_CHECKING:
+    from gossamer.tools.live_metrics import MetricSink
 
 _FINISHED = ("completed", "failed", "cancelled")
 _RATE_WINDOW_S = 10.0  # a role's step rate is measured over its reports of the last 10 s
@@ -242,8 +245,10 @@ def _ctrl_c() -> Iterator[threading.Event]:
 
 
 def watch(client: Any, experiment_id: str, *, refresh_s: float = 1.0, console: Console | None = None,
-          out: Console | None = None) -> int:
+          out: Console | None = None, sinks: Sequence[MetricSink] = ()) -> int:
     """Follow an experiment in a live table until it finishes; print the final summary.
+
+    `sinks` (`live_metrics`: TensorBoard files, a W&B run) get each new point as the table does.
 
     Ctrl-C detaches (the experiment keeps running). Returns 0 when it completed, 1 when
     it failed or was cancelled, 130 when detached.
@@ -251,23 +256,21 @@ def watch(client: Any, experiment_id: str, *, refresh_s: float = 1.0, console: C
     Raises:
         NotFoundError: unknown experiment.
     """
+    from gossamer.tools.live_metrics import NewPoints, node_names
+
     job = client.job(experiment_id)
     view = WatchView()
     view.update(status=job.status())  # an unknown id fails here, before the live display starts
     console = console or Console(stderr=True)
     out = out or Console()
-    since = 0.0
-    seen: set[tuple[str, float, int]] = set()
+    new_points = NewPoints(job)
     with _ctrl_c() as detach:
         console.print(f"following {experiment_id}; Ctrl-C detaches (the experiment goes on)", style="dim")
         with Live(view.render(), console=console, refresh_per_second=4, transient=False) as live:
             while not detach.is_set():
                 try:
                     status = job.status()
-                    # Points are stamped by their sources' clocks and may arrive late: re-ask a
-                    # margin and drop what was already taken.
-                    points = [p for p in job.metrics(since_unix=max(0.0, since - 5.0))
-                              if (p["source"], p["time_unix"], p["step"]) not in seen]
+                    points = new_points()
                     nodes = client.nodes()
                     view.note = ""
                 except UnavailableError as e:
@@ -275,9 +278,8 @@ def watch(client: Any, experiment_id: str, *, refresh_s: float = 1.0, console: C
                     live.update(view.render())
                     detach.wait(refresh_s)
                     continue
-                seen = {k for k in seen if k[1] >= since - 5.0}
-                seen.update((p["source"], p["time_unix"], p["step"]) for p in points)
-                since = max([since, *(p["time_unix"] for p in points)])
+                for sink in sinks:  # every point once, as the table takes it
+                    sink.write(points, node_names(status))
                 view.update(status, points, nodes)
                 live.update(view.render())
                 if status["state"] in _FINISHED:

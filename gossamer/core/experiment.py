@@ -36,7 +36,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 #: Built-in losses (gossamer/engine/loss.py); a "package.module:callable" is the user's own.
 LOSSES = ("cross_entropy", "mse", "model")
 #: The fields that name user code, checked by importing them at submit (gossamer/core/import_check.py).
-CODE_FIELDS = ("model", "dataset", "loss", "collate", "metrics")
+CODE_FIELDS = ("train", "model", "dataset", "loss", "collate", "metrics")
+#: The modes a train function runs in (its optimizer steps on the worker; see training/train_function.py).
+TRAIN_FUNCTION_MODES = ("async", "diloco")
 LR_SCALINGS = ("none", "linear")
 _CALLABLE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 #: Integers travel through TOML, SQLite and msgpack: all three stop at 64 bits.
@@ -46,7 +48,9 @@ _MAX_DEPTH = 32
 
 @dataclass(frozen=True, kw_only=True)
 class Experiment:
-    """A training run. Every field has a default except `name`, `model` and `dataset`.
+    """A training run. Every field has a default except `name`, and what to train: either `train`, the
+    user's own loop (`"package.module:fn"`, called as `fn(ctx)` with a `gossamer.TrainContext` on every
+    worker rank), or gossamer's loop over `model` and `dataset`.
 
     `model` and `dataset` are "module:callable" paths; the model callable returns an
     nn.Module (called with `model_args`), the dataset callable a (train, eval) pair of
@@ -60,8 +64,9 @@ class Experiment:
     # Each field's section, meaning and modes: `experiment_sections.SECTIONS`, one entry per field
     # (docs/experiment.md is generated from it; a file may group the fields in section tables).
     name: str
-    model: str
-    dataset: str
+    train: str = ""
+    model: str = ""
+    dataset: str = ""
     model_args: dict[str, Any] = field(default_factory=dict)
     dataset_args: dict[str, Any] = field(default_factory=dict)
     loss: str = "cross_entropy"
@@ -162,9 +167,12 @@ class Experiment:
         if unknown:
             close = difflib.get_close_matches(str(unknown[0]), sorted(known), n=1, cutoff=0.6)
             raise ConfigError(str(unknown[0]), "unknown field" + (f"; did you mean {close[0]!r}?" if close else ""))
-        for required in ("name", "model", "dataset"):
-            if required not in data:
-                raise ConfigError(required, "is required")
+        if "name" not in data:
+            raise ConfigError("name", "is required")
+        if not data.get("train"):
+            for required in ("model", "dataset"):
+                if required not in data:
+                    raise ConfigError(required, "is required (or name your own loop in 'train')")
         return cls(**data)
 
     @classmethod
@@ -228,10 +236,32 @@ def _check_wire(exp: Experiment) -> None:
             raise ConfigError(fld.name, problem)
 
 
+def _check_train_function(exp: Experiment) -> None:
+    """`train`: the user's loop owns the model, data, loss and metrics; gossamer owns the exchange."""
+    if not isinstance(exp.train, str) or not _CALLABLE.fullmatch(exp.train):
+        raise ConfigError("train", f"must look like 'package.module:fn', got {exp.train!r}")
+    given = [f for f, default in (("model", ""), ("dataset", ""), ("loss", "cross_entropy"), ("collate", ""),
+                                  ("metrics", "")) if getattr(exp, f) != default]
+    if given:
+        raise ConfigError(given[0], f"the train function {exp.train!r} builds its own model, data, loss and "
+                                    f"metrics; leave out {', '.join(given)}")
+    if exp.mode not in TRAIN_FUNCTION_MODES:
+        raise ConfigError("mode", f"a train function runs in {' or '.join(TRAIN_FUNCTION_MODES)}; "
+                                  f"mode {exp.mode!r} is not supported with 'train' yet")
+    if exp.parallelism != "ddp":
+        raise ConfigError("parallelism", "a train function runs with parallelism='ddp' (one rank per node holds "
+                                         "the whole model)")
+
+
 def _check_identity(exp: Experiment) -> None:
     """`name`, and what to train: `model`, `dataset` and their arguments."""
     if not isinstance(exp.name, str) or not exp.name.strip():
         raise ConfigError("name", "must be a non-empty string")
+    if not isinstance(exp.train, str):
+        raise ConfigError("train", f"must be a string 'package.module:fn' (or empty), got {type(exp.train).__name__}")
+    if exp.train:
+        _check_train_function(exp)
+        return
     for f in ("model", "dataset"):
         v = getattr(exp, f)
         if not isinstance(v, str) or not _CALLABLE.fullmatch(v):

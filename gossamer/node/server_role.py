@@ -30,6 +30,7 @@ from gossamer.node._role_process import EXIT_REPORTED, drain, keyring_of, refres
 from gossamer.node.node_metrics import MetricsFeed
 from gossamer.node.reporter import Reporter
 from gossamer.paramserver import Rebuilt, ShardConfig, ShardPlan, ShardServer, take_shard_values
+from gossamer.training.train_function import capture_model
 from gossamer.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class ServerRole:
         kernels_unless_asked()  # a shard only decodes: numba's memory buys it little (`kernels_unless_asked`)
         if (slow := fault("slow-start")) is not None:
             time.sleep(float(slow.get("seconds", "0")))
-        model, _, _ = build(self.exp, torch.device("cpu"))
+        model = capture_model(self.exp) if self.exp.train else build(self.exp, torch.device("cpu"))[0]
         plan = ShardPlan.for_experiment(model, self.exp)
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         init = take_shard_values(model, plan, self.shard)  # empties the model: it is not needed again

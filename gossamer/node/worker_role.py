@@ -30,6 +30,7 @@ from gossamer.node.node_metrics import MetricsFeed
 from gossamer.node.reporter import Reporter
 from gossamer.security.curve import install as install_keyring
 from gossamer.training.rank_trainer import RankTrainer
+from gossamer.training.train_function import run_train_function
 from gossamer.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,8 @@ class WorkerRankRole:
     def _train(self) -> bool:
         """Run the trainer of the experiment's mode; whether it reached the end with every local rank."""
         ctx = self._context()
+        if ctx.experiment.train:
+            return self._train_function(ctx)
         trainer_class = resolve(mode_of(ctx.experiment).trainer)
         assert isinstance(trainer_class, type) and issubclass(trainer_class, RankTrainer)
         trainer = trainer_class(ctx, on_metrics=self.feed.tee(self.reporter.metric), updates=self._updates,
@@ -141,6 +144,22 @@ class WorkerRankRole:
         if self.rank == 0 and trainer.final_path:
             self.reporter.complete(self.spec.node_id, trainer.final_metrics, trainer.final_path)
         return trainer.finished
+
+    def _train_function(self, ctx: RankContext) -> bool:
+        """Call the experiment's train function; gossamer's exchange runs inside its optimizer's step."""
+        if self.world > 1:
+            raise ConfigError("train", f"a train function runs one rank per node; this node runs {self.world} "
+                                       "(join it with --nproc-per-node 1)")
+        if self.rank == 0:
+            self._record_environment()
+            self.reporter.role(self.spec.node_id, pb.ROLE_WORKER, self.index, pb.ROLE_STATE_SERVING)
+        trainer = run_train_function(ctx, on_metrics=self.feed.tee(self.reporter.metric), updates=self._updates,
+                                     should_stop=self.stop.is_set, on_saved=self.reporter.checkpoint,
+                                     report_final=self._report_final)
+        self.reporter.flush()
+        if trainer is not None and trainer.final_path:
+            self.reporter.complete(self.spec.node_id, trainer.final_metrics, trainer.final_path)
+        return trainer is not None and trainer.finished
 
     def _report_final(self) -> None:
         """This rank's final counters, then (rank 0) ROLE_STATE_DONE: the coordinator completes the run only

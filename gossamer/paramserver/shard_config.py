@@ -111,6 +111,10 @@ class ShardConfig:
             optimizer = OptimizerConfig(name="sgd", lr=exp.outer_lr, momentum=momentum,
                                         nesterov=momentum > 0 and row.barrier,
                                         delayed=momentum > 0 and not row.barrier)
+        elif exp.train:
+            # A train function's optimizer steps on the worker, which pushes the change it made: the
+            # shard adds each change as it comes (SGD, lr 1), so any optimizer keeps its meaning.
+            optimizer = OptimizerConfig(name="sgd", lr=1.0)
         elif momentum_on_worker(exp):  # sign, topk, randk: the workers run it before compressing
             optimizer = OptimizerConfig(name=exp.optimizer, lr=exp.lr, weight_decay=exp.weight_decay)
         else:
@@ -121,10 +125,12 @@ class ShardConfig:
             staleness=exp.staleness if row.staleness_applies else None, optimizer=optimizer,
             total_steps=-(-exp.total_steps // per_version),
             # Rounds: tau is the staleness in rounds (versions since the basis / workers).
-            lr_staleness_scaling=row.rounds or exp.lr_staleness_scaling, staleness_in_rounds=row.rounds,
+            lr_staleness_scaling=row.rounds or (exp.lr_staleness_scaling and not exp.train),
+            staleness_in_rounds=row.rounds,
             wait_for_stragglers=exp.wait_for_stragglers,
             # The outer optimizer has its own lr: no schedule, warmup or linear scaling.
-            lr_schedule="constant" if outer else exp.lr_schedule, warmup_steps=0 if outer else exp.warmup_steps,
-            lr_linear=exp.linear_lr_factor if not outer and exp.lr_scaling != "none" else None,
+            lr_schedule="constant" if outer or exp.train else exp.lr_schedule,
+            warmup_steps=0 if outer or exp.train else exp.warmup_steps,
+            lr_linear=exp.linear_lr_factor if not (outer or exp.train) and exp.lr_scaling != "none" else None,
             checkpoint_every=-(-exp.checkpoint_every // per_version), expect_backup=exp.ps_backup,
         )

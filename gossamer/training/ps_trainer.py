@@ -57,6 +57,8 @@ class ParameterServerTrainer(RankTrainer):
     """
 
     uses_servers = True
+    #: Whether the worker's own loss goes into its reports (a train function reports its own).
+    reports_loss = True
 
     def __init__(self, ctx: RankContext, *, on_metrics: Hook | None = None,
                  updates: Callable[[], AssignmentUpdate | None] | None = None,
@@ -471,9 +473,11 @@ class ParameterServerTrainer(RankTrainer):
             values.update(self.adaptive.metrics())
         if self.ctx.local_rank == 0:
             values.update(
-                loss=self.stats.loss, samples=float(self.stats.samples), samples_per_s=rate,
+                samples=float(self.stats.samples), samples_per_s=rate,
                 updates=float(self.stats.steps), version=float(self.version),
             )
+            if self.reports_loss:
+                values["loss"] = self.stats.loss
         self.on_metrics(self.progress, values)
 
     def _maybe_eval_and_checkpoint(self) -> None:

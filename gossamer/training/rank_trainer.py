@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,8 +54,7 @@ class RankTrainer(abc.ABC):
         check_precision(self.exp, ctx.device)
         # Sharded layouts with servers never hold the whole model: it is built on the meta
         # device, each rank allocates its own part, and the first pull fills it in.
-        model, self.train_set, self.eval_set = build(
-            self.exp, ctx.device, meta=shards_model(self.exp, ctx.local_world) and self.uses_servers)
+        model, self.train_set, self.eval_set = self._build()
         #: The (train, eval) sets as the loop reads them: by index, or by position for streams.
         self.train_data, self.eval_data = experiment_data(self.exp, self.train_set, self.eval_set)
         self.loader = StepLoader(self.train_data, num_workers=self.exp.num_workers, prefetch=self.exp.prefetch)
@@ -87,6 +87,11 @@ class RankTrainer(abc.ABC):
         self.profiler = StepProfiler(self.exp, experiment_id=ctx.experiment_id, node_id=ctx.node_id,
                                      node_name=ctx.node_name, local_rank=ctx.local_rank, device=ctx.device,
                                      checkpoint_dir=ctx.checkpoint_dir, on_metrics=lambda s, v: self.on_metrics(s, v))
+
+    def _build(self) -> tuple[torch.nn.Module, Any, Any]:
+        """The model and the (train, eval) sets, from the experiment's `model` and `dataset`."""
+        return build(self.exp, self.ctx.device,
+                     meta=shards_model(self.exp, self.ctx.local_world) and self.uses_servers)
 
     @abc.abstractmethod
     def run(self) -> None:

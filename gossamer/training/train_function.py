@@ -1,0 +1,429 @@
+"""`Experiment(train="pkg.mod:fn")`: the user's own loop, with gossamer's exchange inside the optimizer's step."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset, default_collate
+
+from gossamer.core.errors import ConfigError, GossamerError, ShardError
+from gossamer.core.experiment import Experiment
+from gossamer.core.import_check import resolve
+from gossamer.core.protocol import AssignmentUpdate
+from gossamer.engine import sampler
+from gossamer.engine.rank import Hook, RankContext, StepAbandoned
+from gossamer.training.ps_trainer import ParameterServerTrainer
+from gossamer.training.rank_trainer import OnSaved
+from gossamer.transport.router import REFORM
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GossamerOptimizer", "TrainContext", "capture_model", "run_local"]
+
+
+class _Runtime:
+    """What a `TrainContext` asks of the run: the exchange, the progress, the membership. This base is
+    one plain process (`run_local`): the optimizer steps alone and the run ends at `total_steps`."""
+
+    def __init__(self, exp: Experiment) -> None:
+        self.exp = exp
+        self.steps = 0
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def worker_index(self) -> int:
+        return 0
+
+    @property
+    def is_lead(self) -> bool:
+        return True
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Make `model` the run's (its current state); called once."""
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The user's step and the mode's exchange."""
+        optimizer.step()
+        self.steps += 1
+
+    def done(self) -> bool:
+        return self.steps >= self.exp.total_steps
+
+    def stopping(self) -> bool:
+        return False
+
+    def report(self, values: dict[str, float]) -> None:
+        log.info("step %d: %s", self.steps, " ".join(f"{k} {v:.4g}" for k, v in sorted(values.items())))
+
+
+class _Captured(Exception):  # noqa: N818 - control flow, never seen by the user
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__("captured")
+        self.model = model
+
+
+class _Capture(_Runtime):
+    """A shard host runs the train function up to `prepare` to build the model the workers will train."""
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        raise _Captured(model)
+
+
+class GossamerOptimizer(torch.optim.Optimizer):
+    """The user's optimizer, whose `step()` also does the mode's exchange.
+
+    It shares the user's `param_groups`, `state` and `defaults` (LR schedulers, `clip_grad_norm_` and
+    `transformers.Trainer` see the user's), so it is a `torch.optim.Optimizer` wherever one is expected.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, runtime: _Runtime) -> None:  # noqa: D107
+        # Not Optimizer.__init__: the user's optimizer already holds the groups and the state.
+        self.optimizer = optimizer
+        self._runtime = runtime
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
+        self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        if closure is not None:
+            raise ConfigError("train", "a closure in optimizer.step(closure) is not supported by gossamer's "
+                                       "exchange; compute the loss and call step()")
+        self._runtime.step(self.optimizer)
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"GossamerOptimizer({self.optimizer!r})"
+
+
+class TrainContext:
+    """What a train function gets: its worker's place in the run, the run's state and its share of the data.
+
+    `model, optimizer = ctx.prepare(model, optimizer)` starts the model from where the run is and
+    returns the optimizer whose `step()` exchanges; `ctx.data(dataset, batch_size=B)` yields this
+    worker's batches until the run ends; `ctx.report(loss=...)` feeds status, watch and plot.
+    """
+
+    def __init__(self, runtime: _Runtime) -> None:  # noqa: D107
+        self._runtime = runtime
+        self._optimizer: GossamerOptimizer | None = None
+
+    @property
+    def experiment(self) -> Experiment:
+        return self._runtime.exp
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank among the current workers (changes as workers join and leave)."""
+        return self._runtime.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of workers now."""
+        return self._runtime.world_size
+
+    @property
+    def is_lead(self) -> bool:
+        """The worker that evaluates and writes the final checkpoint."""
+        return self._runtime.is_lead
+
+    @property
+    def step(self) -> int:
+        """The run's progress in optimizer steps, as compared with `total_steps`."""
+        return self._runtime.steps
+
+    def should_stop(self) -> bool:
+        """The run is over, cancelled, or this node was told to leave: end the loop."""
+        return self._runtime.done() or self._runtime.stopping()
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, GossamerOptimizer]:
+        """Load the run's current state into `model`; the returned optimizer's `step()` exchanges."""
+        if self._optimizer is not None:
+            raise ConfigError("train", "ctx.prepare was called twice; call it once with the model and optimizer")
+        if not isinstance(model, nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError("train", "ctx.prepare(model, optimizer) takes an nn.Module and a torch.optim.Optimizer, "
+                                       f"got {type(model).__name__} and {type(optimizer).__name__}")
+        params = {id(p) for p in model.parameters()}
+        stray = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in params)
+        if stray:
+            raise ConfigError("train", f"the optimizer holds {stray} tensor(s) that are not the model's parameters")
+        self._runtime.prepare(model, optimizer)
+        self._optimizer = GossamerOptimizer(optimizer, self._runtime)
+        return model, self._optimizer
+
+    def data(self, dataset: Any, batch_size: int | None = None, collate_fn: Callable[[list[Any]], Any] | None = None,
+             shuffle: bool = True) -> Iterator[Any]:
+        """This worker's batches of `dataset` (map-style, `IterableDataset` or a Hugging Face dataset).
+
+        A map-style set is sampled deterministically from the experiment's seed, an independent
+        stream per worker; an iterable one is dealt out by the current rank. Ends when the run is done,
+        cancelled, or this node leaves.
+        """
+        size = batch_size or self.experiment.batch_size
+        if size < 1:
+            raise ConfigError("batch_size", f"must be >= 1, got {size}")
+        collate = collate_fn or default_collate
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+            yield from self._stream(dataset, size, collate)
+            return
+        n = len(dataset)
+        if n == 0:
+            raise ConfigError("dataset", "the dataset passed to ctx.data is empty")
+        batch = self.step  # a worker joining mid-run does not replay its predecessor's batches
+        while not self.should_stop():
+            if shuffle:
+                idx = sampler.async_batch(n, size, batch, self.experiment.seed, self._runtime.worker_index).tolist()
+            else:
+                start = (batch * self.world_size + self.rank) * size
+                idx = [(start + i) % n for i in range(min(size, n))]
+            yield collate([dataset[i] for i in idx])
+            batch += 1
+
+    def _stream(self, dataset: Any, size: int, collate: Callable[[list[Any]], Any]) -> Iterator[Any]:
+        items: list[Any] = []
+        for position, item in enumerate(dataset):
+            if self.should_stop():
+                return
+            if position % self.world_size != self.rank:
+                continue
+            items.append(item)
+            if len(items) == size:
+                yield collate(items)
+                items = []
+
+    def report(self, **values: float) -> None:
+        """Figures of this step (`loss=...`; `eval_*` keys are evaluations), into status, watch, plot and /metrics."""
+        clean: dict[str, float] = {}
+        for k, v in values.items():
+            try:
+                clean[k] = float(v)
+            except (TypeError, ValueError):
+                raise ConfigError("report", f"{k}={v!r} is not a number") from None
+        self._runtime.report(clean)
+
+
+def _call(exp: Experiment, runtime: _Runtime) -> None:
+    fn = resolve(exp.train)
+    if not callable(fn):
+        raise ConfigError("train", f"{exp.train!r} is not callable")
+    torch.manual_seed(exp.seed)  # every process builds the same initial model
+    try:
+        fn(TrainContext(runtime))
+    except (GossamerError, StepAbandoned, _Captured):
+        raise
+    except Exception as e:  # the user's code failed: say where, and name the field, so the run gives up on it
+        raise ConfigError("train", f"{exp.train} raised {_summary(e)}") from e
+
+
+def _summary(e: BaseException) -> str:
+    """`ValueError: boom (at mymodule.py:12 in train)`: the exception and the user's innermost frame."""
+    frames = traceback.extract_tb(e.__traceback__)
+    user = [f for f in frames if "/gossamer/" not in f.filename.replace("\\", "/")] or frames
+    where = f" (at {Path(user[-1].filename).name}:{user[-1].lineno} in {user[-1].name})" if user else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+def capture_model(exp: Experiment) -> nn.Module:
+    """The model the train function builds and hands to `ctx.prepare` (run up to there, on a shard host)."""
+    try:
+        _call(exp, _Capture(exp))
+    except _Captured as c:
+        return c.model
+    raise ConfigError("train", f"{exp.train!r} returned without calling ctx.prepare(model, optimizer)")
+
+
+def run_local(exp: Experiment) -> dict[str, torch.Tensor]:
+    """Run the train function in this process alone (no coordinator, no exchange); the final state_dict."""
+    runtime = _LocalRuntime(exp)
+    _call(exp, runtime)
+    if runtime.model is None:
+        raise ConfigError("train", f"{exp.train!r} returned without calling ctx.prepare(model, optimizer)")
+    return {k: v.detach().clone() for k, v in runtime.model.state_dict().items()}
+
+
+class _LocalRuntime(_Runtime):
+    def __init__(self, exp: Experiment) -> None:
+        super().__init__(exp)
+        self.model: nn.Module | None = None
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+
+
+class _WorkerRuntime(_Runtime):
+    """A worker rank of a real run: the exchange through the experiment's shards."""
+
+    def __init__(self, ctx: RankContext, hooks: dict[str, Any]) -> None:
+        super().__init__(ctx.experiment)
+        self.ctx, self.hooks = ctx, hooks
+        self.trainer: TrainFunctionTrainer | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.worker_rank
+
+    @property
+    def world_size(self) -> int:
+        return max(1, self.ctx.num_workers)
+
+    @property
+    def worker_index(self) -> int:
+        return self.ctx.worker_index
+
+    @property
+    def is_lead(self) -> bool:
+        return self.ctx.lead
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        hooks = {k: v for k, v in self.hooks.items() if k != "report_final"}
+        self.trainer = TrainFunctionTrainer(self.ctx, model, **hooks)
+        self.trainer.report_final = self.hooks["report_final"]
+        self.trainer.start()
+        self.steps = self.trainer.progress
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.trainer is None:
+            raise ConfigError("train", "optimizer.step() before ctx.prepare(model, optimizer)")
+        self.trainer.user_step(optimizer)
+        self.steps = self.trainer.progress
+
+    def done(self) -> bool:
+        return self.trainer is not None and self.trainer.done
+
+    def stopping(self) -> bool:
+        return bool(self.hooks["should_stop"]())
+
+    def report(self, values: dict[str, float]) -> None:
+        self.hooks["on_metrics"](self.steps, values)
+
+
+class TrainFunctionTrainer(ParameterServerTrainer):
+    """The exchange of a train function's worker: the user's optimizer steps here, the change goes to the shards.
+
+    async: after each user step the change since the last pull is pushed (the shard adds it) and the
+    shard's values come back; diloco: the user's optimizer is the inner one, and every `inner_steps`
+    steps the round's change goes to the shards' outer optimizer (under the barrier).
+    """
+
+    def __init__(self, ctx: RankContext, model: nn.Module, *, on_metrics: Hook | None = None,
+                 updates: Callable[[], AssignmentUpdate | None] | None = None,
+                 should_stop: Callable[[], bool] | None = None, on_saved: OnSaved | None = None) -> None:
+        self._user_model = model
+        super().__init__(ctx, on_metrics=on_metrics, updates=updates, should_stop=should_stop, on_saved=on_saved)
+        self.done = False
+        self._basis: dict[int, torch.Tensor] = {}
+        self._inner = 0
+        self._t_report = time.monotonic()
+
+    def _build(self) -> tuple[nn.Module, Any, Any]:
+        return self._user_model.to(self.ctx.device), [], []
+
+    reports_loss = False  # the train function reports its own loss
+
+    def _evaluates(self) -> bool:
+        return False  # the train function evaluates and reports its own eval_* figures
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        return {}
+
+    def start(self) -> None:
+        """Register with the shards and take the run's current values."""
+        self.client.hello(fresh=True)
+        self.done = self.pull()
+        self._basis = self.layout.chunk_values()
+        self._exchanging = True
+
+    def user_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The user's step, then the mode's exchange."""
+        if self.done:
+            return
+        self._apply_updates()
+        optimizer.step()
+        self.clock += 1
+        self.stats.steps += 1
+        if self.mode.rounds:
+            self._inner += 1
+            if self._inner < self.exp.inner_steps:
+                return
+            self._inner = 0
+        change = {i: self._basis[i] - v for i, v in self.layout.chunk_values().items()}
+        for attempt in range(100):
+            generation = self.ctx.generation
+            try:
+                self.done = self._push_pull(change, step=self.version)
+                break
+            except ShardError as e:  # a re-formed barrier: the same change goes again to the new round
+                if not self.barrier or REFORM not in e.codes or attempt == 99:
+                    raise
+                self._await_generation(generation)
+        self._basis = self.layout.chunk_values()
+        now = time.monotonic()
+        if now - self._t_report >= 1.0 or self.done:
+            self._t_report = now
+            self._report(0.0)
+
+    @property
+    def progress(self) -> int:
+        """Optimizer steps of the run: shard versions, times `inner_steps` for diloco's rounds."""
+        return self.version * (self.exp.inner_steps if self.mode.rounds else 1)
+
+    def end(self) -> None:
+        """The train function returned: finish the run as gossamer's own loop does."""
+        self._exchanging = False
+        if self.done:
+            self._await_lead()
+            if self.ctx.lead and not self._stopping():
+                self.pull()
+                self.finish()
+        self.client.leave()
+        self.client.close()
+        self.finished = self.done
+
+
+def run_train_function(ctx: RankContext, **hooks: Any) -> TrainFunctionTrainer:
+    """Call the experiment's train function on this worker rank; the trainer that ran its exchange.
+
+    `hooks`: on_metrics, updates, should_stop, on_saved and report_final, as the role process wires a trainer.
+    """
+    runtime = _WorkerRuntime(ctx, hooks)
+    try:
+        _call(ctx.experiment, runtime)
+    except StepAbandoned:  # told to leave while exchanging: give the step up, as gossamer's loop does
+        if runtime.trainer is not None:
+            runtime.trainer.client.abandon()
+            runtime.trainer.end()
+        return runtime.trainer  # type: ignore[return-value]
+    trainer = runtime.trainer
+    if trainer is None:
+        raise ConfigError("train", f"{ctx.experiment.train!r} returned without calling ctx.prepare(model, optimizer)")
+    if not trainer.done and not runtime.stopping():
+        trainer.end()
+        raise ConfigError("train", f"{ctx.experiment.train!r} returned at step {trainer.progress} of "
+                                   f"{ctx.experiment.total_steps}, before the run ended (loop until "
+                                   "ctx.should_stop() or over ctx.data(...))")
+    trainer.end()
+    return trainer

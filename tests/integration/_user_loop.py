@@ -1,0 +1,45 @@
+"""A user's own training loop, as a researcher writes it: AdamW (0.9, 0.95), a warm-up, accumulation 2, clipping."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.optim.lr_scheduler import LambdaLR
+
+from gossamer.examples.digits import data, mlp
+
+ACCUMULATE = 2
+
+
+def train(ctx) -> None:  # type: ignore[no-untyped-def]
+    model = mlp(hidden=64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    warmup = LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
+    model, optimizer = ctx.prepare(model, optimizer)
+    train_set, eval_set = data()
+    for i, (x, y) in enumerate(ctx.data(train_set, batch_size=16)):
+        loss = F.cross_entropy(model(x), y) / ACCUMULATE
+        loss.backward()
+        if i % ACCUMULATE == ACCUMULATE - 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            warmup.step()
+            optimizer.zero_grad()
+            ctx.report(loss=loss.item() * ACCUMULATE, lr=warmup.get_last_lr()[0])
+    if ctx.is_lead:
+        ctx.report(eval_accuracy=accuracy(model, eval_set))
+
+
+def accuracy(model: torch.nn.Module, eval_set: torch.utils.data.Dataset) -> float:  # type: ignore[type-arg]
+    x, y = torch.utils.data.default_collate([eval_set[i] for i in range(len(eval_set))])  # type: ignore[arg-type]
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).float().mean())
+
+
+def raises(ctx) -> None:  # type: ignore[no-untyped-def]
+    model = mlp(hidden=8)
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step, _ in enumerate(ctx.data(data()[0], batch_size=8)):
+        if step == 3:
+            raise ValueError("the user's loop broke at step 3")
+        optimizer.step()

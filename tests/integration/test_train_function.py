@@ -1,0 +1,103 @@
+"""A user's own loop (`Experiment(train=...)`) through a CLI cluster: it learns, checkpoints, survives a lost worker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import gossamer
+from gossamer import Client
+from gossamer.examples.digits import mlp
+from gossamer.tools.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(420)
+
+U = "tests.integration._user_loop"
+
+
+def _wait_ready(client: Client, n: int, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(x["state"] == "ready" for x in client.nodes()) < n:
+        assert time.monotonic() < deadline, client.nodes()
+        time.sleep(0.2)
+
+
+def _toml(path: Path, **fields: object) -> Path:
+    lines = ["[experiment]"]
+    for k, v in fields.items():
+        lines.append(f"{k} = {v!r}".replace("'", '"') if not isinstance(v, bool) else f"{k} = {str(v).lower()}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _cli(*args: str, timeout: float = 360) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gossamer.tools.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "400"})
+
+
+def _cluster(cluster: LocalCluster, workers: int) -> tuple[str, Client]:
+    address = cluster.start_coordinator(port=0)
+    cluster.add_node("od0")
+    for i in range(workers):
+        cluster.add_node(f"spot{i}", spot=True)
+    client = Client(address)
+    _wait_ready(client, 1 + workers)
+    return address, client
+
+
+def _evals(client: Client, exp_id: str) -> list[float]:
+    return [p["eval_accuracy"] for p in client.job(exp_id).metrics() if "eval_accuracy" in p]
+
+
+@pytest.mark.parametrize("mode", ["async", "diloco"])
+def test_a_users_adamw_loop_learns_digits_and_checkpoints_its_own_model(cluster: LocalCluster, tmp_path: Path,
+                                                                         mode: str) -> None:
+    address, client = _cluster(cluster, workers=2)
+    extra = {"inner_steps": 10} if mode == "diloco" else {}
+    spec = _toml(tmp_path / "loop.toml", name=f"loop-{mode}", train=f"{U}:train", mode=mode, num_ps_shards=1,
+                 total_steps=300, ps_backup=False, min_workers=2, **extra)
+    out = _cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
+    assert out.returncode == 0, out.stdout + out.stderr
+    exp_id = out.stdout.splitlines()[0].strip()
+    result = client.job(exp_id).wait(timeout=30)
+    assert result.status == "completed", result
+    accuracy = _evals(client, exp_id)
+    assert accuracy and accuracy[-1] > 0.9, accuracy  # the lead's own evaluation, reported through ctx.report
+    losses = [p["loss"] for p in client.job(exp_id).metrics() if "loss" in p]
+    assert losses and losses[-1] < losses[0], losses
+    state = gossamer.load_checkpoint(result.checkpoint)
+    model = mlp(hidden=64)
+    model.load_state_dict(state)  # the user's own key names
+    assert all(torch.isfinite(v).all() for v in state.values())
+    client.close()
+
+
+def test_a_train_function_that_raises_fails_the_run_naming_train_and_the_users_line(cluster: LocalCluster,
+                                                                                     tmp_path: Path) -> None:
+    address, client = _cluster(cluster, workers=1)
+    spec = _toml(tmp_path / "raises.toml", name="raises", train=f"{U}:raises", mode="async", num_ps_shards=1,
+                 total_steps=300, ps_backup=False)
+    out = _cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
+    assert out.returncode != 0
+    exp_id = out.stdout.splitlines()[0].strip()
+    status = _cli("status", exp_id, "-c", address, timeout=60)
+    text = status.stdout + status.stderr
+    assert "failed" in text and "train" in text, text
+    assert "the user's loop broke at step 3" in text and "_user_loop.py" in text, text
+    client.close()
+
+
+def test_an_import_error_in_train_is_refused_at_submit(cluster: LocalCluster, tmp_path: Path) -> None:
+    address, client = _cluster(cluster, workers=0)
+    spec = _toml(tmp_path / "missing.toml", name="missing", train="tests.integration._no_such_module:train",
+                 mode="async", num_ps_shards=1, total_steps=10)
+    out = _cli("submit", str(spec), "--coordinator", address, "--quiet")
+    assert out.returncode == 2, out  # an invalid experiment, refused before anything ran
+    assert "train" in out.stderr and "_no_such_module" in out.stderr, out.stderr
+    client.close()

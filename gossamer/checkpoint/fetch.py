@@ -20,7 +20,7 @@ from gossamer.checkpoint.file_server import CHUNK, MAX_MANIFEST
 from gossamer.checkpoint.manifest import MANIFEST, fsync_dir, replace_dir, write_synced
 from gossamer.checkpoint.sharded import FORMAT, step_dir
 
-__all__ = ["FETCH_TIMEOUT_S", "FetchError", "Source", "fetch_newest"]
+__all__ = ["FETCH_TIMEOUT_S", "FetchError", "Source", "ask", "fetch_newest"]
 
 #: How long a restoring shard may spend fetching before it goes on without (then the workers' copies).
 FETCH_TIMEOUT_S = 120.0
@@ -84,6 +84,26 @@ class _Conn:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def ask(src: Source, experiment: str, op: str, timeout_s: float = REQUEST_TIMEOUT_S,
+        **fields: Any) -> tuple[dict[str, Any], bytes]:
+    """One request to a node's file server on a socket of its own: the answer's header and its data frame.
+
+    Raises:
+        FetchError: no answer within `timeout_s`, a refusal (with the server's reason), or a malformed answer.
+    """
+    ctx = zmq.Context()
+    try:
+        conn = _Conn(ctx, src, experiment, time.monotonic() + timeout_s)
+    except (zmq.ZMQError, ValueError) as e:
+        ctx.term()
+        raise FetchError(f"{src.endpoint}: {e}") from None
+    try:
+        return conn.ask(op, **fields)
+    finally:
+        conn.close()
+        ctx.term()
 
 
 def _local(root: Path) -> dict[int, set[int]]:

@@ -8,6 +8,7 @@ import os
 import re
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,14 @@ class CheckpointFileServer:
         self._endpoint = ""
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._ops: dict[str, tuple[Callable[[str], str], Callable[[str, dict[str, Any]], list[bytes]]]] = {}
+
+    def add_op(self, op: str, subject: Callable[[str], str],
+               answer: Callable[[str, dict[str, Any]], list[bytes]]) -> None:
+        """Answer `op` too, for a holder of a token of `subject(experiment)` (not a fetch token): `answer(experiment,
+        request)` gives the reply's frames (a packed header map first). Called before `start`; it runs on the
+        server's thread, so it must be quick and bounded (the node's role logs: `node/role_log_files.py`)."""
+        self._ops[op] = (subject, answer)
 
     @property
     def endpoint(self) -> str:
@@ -137,11 +146,15 @@ class CheckpointFileServer:
         if not isinstance(req, dict):
             return [_error("malformed request")]
         experiment = req.get("experiment")
+        extra = self._ops.get(req["op"]) if isinstance(req.get("op"), str) else None
+        subject = extra[0] if extra is not None else fetch_subject
         if not isinstance(experiment, str) or not _EXPERIMENT.fullmatch(experiment) \
-                or not verify(self.secret, fetch_subject(experiment), req.get("token")):
+                or not verify(self.secret, subject(experiment), req.get("token")):
             self.refused += 1
-            return [_error("refused: no valid fetch token for this experiment")]
+            return [_error("refused: no valid token for this experiment")]
         try:
+            if extra is not None:
+                return extra[1](experiment, req)
             if req.get("op") == "list":
                 return [msgpack.packb({"ok": True, "shards": self._list(experiment)})]
             if req.get("op") == "read":

@@ -25,6 +25,7 @@ from gossamer.coordinator.http import VIEWER_TOKEN_FILE, HttpConfig, StatusHttp
 from gossamer.coordinator.leader_gate import LeaderGate
 from gossamer.coordinator.pg_store import PgStore
 from gossamer.coordinator.retention import keep_bounded
+from gossamer.coordinator.role_logs import get_role_log
 from gossamer.coordinator.serving import describe_security, server_interceptors, warn_if_open
 from gossamer.coordinator.udp_beats import UdpBeats
 from gossamer.core.errors import ConfigError, NotFoundError
@@ -151,6 +152,10 @@ class ExperimentServicer(pb_grpc.ExperimentServiceServicer):
                      message=e["message"])
             for e in rows
         ])
+
+
+    async def GetRoleLog(self, request, context):  # type: ignore[no-untyped-def]
+        return await get_role_log(self.c.state, request)
 
 
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):

@@ -67,14 +67,19 @@ def configure(level: str = "INFO", fmt: str = "text", *, stream: TextIO | None =
     if not isinstance(logging.getLevelName(level.upper()), int):
         raise ConfigError("log_level", f"unknown level {level!r}")
     set_context(**context)
-    handler = logging.StreamHandler(stream or sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.addFilter(_TextContext())
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(context_tag)s%(name)s: %(message)s"))
+    handler = formatted(logging.StreamHandler(stream or sys.stderr), fmt)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+
+
+def formatted(handler: logging.Handler, fmt: str = "text") -> logging.Handler:
+    """`handler` writing records as `configure` does in `fmt` (a second handler of the process, e.g. a file)."""
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.addFilter(_TextContext())
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(context_tag)s%(name)s: %(message)s"))
+    return handler

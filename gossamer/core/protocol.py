@@ -161,6 +161,9 @@ class RoleSpec:
     assignment: AssignmentUpdate = field(default_factory=AssignmentUpdate)
     #: A shard: time.monotonic() until which the node's lease holds (0: no lease kept); renewed by `LeaseRenewal`.
     lease_until: float = 0.0
+    #: The file this process logs to besides stderr, its last traceback beside it ("": none), which the
+    #: node's agent serves to `gossamer logs`.
+    log_file: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -29,6 +29,13 @@ def setup(spec: RoleSpec) -> None:
     late_imports.forget()  # forked from the fork server with its handler
     name_process(f"gossamer-{spec.label}")
     configure(spec.log_level, spec.log_format, role=spec.label, node=spec.node_name, experiment=spec.experiment_id)
+    if spec.log_file:
+        from gossamer.node.role_log_files import record_to_files
+
+        try:
+            record_to_files(spec.log_file, spec.log_format)
+        except OSError as e:  # a full or read-only disk costs the role its log file, not its run
+            log.warning("not logging to %s: %s", spec.log_file, e)
     import torch
 
     from gossamer.engine.allocator import mmap_large_allocations

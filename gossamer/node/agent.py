@@ -22,16 +22,18 @@ from gossamer.checkpoint.file_server import CheckpointFileServer
 from gossamer.core.errors import AuthError, ConfigError, UnavailableError
 from gossamer.core.modes import resolve
 from gossamer.core.protocol import AssignmentUpdate, LeaseRenewal, RoleSpec, shard_lease_s
+from gossamer.core.role_log_names import log_stem
 from gossamer.node._role_process import EXIT_REPORTED
 from gossamer.node.attach import AttachedRanks, RolePipe, RoleProcess
 from gossamer.node.beat_sender import UdpBeats
 from gossamer.node.heartbeat import HeartbeatThread
 from gossamer.node.host_load import spare_cpus
 from gossamer.node.late_imports import LATE_MODULES
-from gossamer.node.launcher import Launch, visible_cuda_devices
+from gossamer.node.launcher import Launch, default_run_dir, visible_cuda_devices
 from gossamer.node.leave import deliver_leave
 from gossamer.node.node_metrics import NodeMetrics
 from gossamer.node.ports import reserve_port
+from gossamer.node.role_log_files import RoleLogs
 from gossamer.node.warm import (
     import_late,
     role_context,
@@ -46,7 +48,7 @@ from gossamer.security.channel import (
     open_aio_channel,
 )
 from gossamer.security.curve import CurveKeyPair
-from gossamer.security.sender_tokens import new_key
+from gossamer.security.sender_tokens import log_subject, new_key
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -103,6 +105,9 @@ class AgentConfig:
     join_timeout_s: float = 0.0
     #: Where this node's roles write checkpoints, in place of the assignment's checkpoint_dir ("": that one).
     checkpoint_dir: str = ""
+    #: Where role processes' logs and last tracebacks go (`<log_dir>/<node id>/<experiment>/`), served to
+    #: `gossamer logs` through the coordinator; "": `<run dir>/logs`.
+    log_dir: str = ""
 
     def __post_init__(self) -> None:
         for one in coordinator_addresses(self.coordinator):  # several: one leads (docs/ha.md)
@@ -187,6 +192,8 @@ class NodeAgent:
                                           if self.curve_keys else None)
         if config.checkpoint_dir:
             self.files.add_root(config.checkpoint_dir)
+        # The same server lends the role logs, to the coordinator only (a token of another subject).
+        self.files.add_op("logs", log_subject, lambda experiment, req: self.role_logs.answer(experiment, req))
         self.files_endpoint = ""
         self.curve = False  # the coordinator's answer: the data plane runs CurveZMQ
         self.udp_beats = UdpBeats(config.coordinator)  # keyed by each Join; used by the heartbeat thread
@@ -499,6 +506,12 @@ class NodeAgent:
                     pass
 
     # --- roles -------------------------------------------------------------------------
+    @property
+    def role_logs(self) -> RoleLogs:
+        """This node's role logs (under its node id: agents of one host share the log directory)."""
+        base = self.config.log_dir or os.path.join(self.config.run_dir or default_run_dir(), "logs")
+        return RoleLogs(os.path.join(base, self.node_id or "unjoined"))
+
     @staticmethod
     def _key(a: pb.Assignment) -> tuple[str, int, int]:
         # Not the generation or replica: membership changes and promotions reach the running
@@ -559,7 +572,9 @@ class NodeAgent:
         pipes: list[RolePipe] = []
         hold: socket.socket | None = None
         if a.role == pb.ROLE_PARAMETER_SERVER:
-            spec = replace(spec, label=f"ps{a.index}" + ("b" if a.replica else ""))
+            spec = replace(spec, label=f"ps{a.index}" + ("b" if a.replica else ""),
+                           log_file=str(self.role_logs.path(a.experiment_id, log_stem(worker=False, index=a.index,
+                                                                                        replica=a.replica))))
             recv, send = self._roles.Pipe(duplex=False)
             procs.append(self._roles.Process(target=roles.run_server, args=(spec, recv), name=f"gossamer-ps{a.index}"))
             pipes.append(send)
@@ -568,7 +583,9 @@ class NodeAgent:
             hold = reserve_port() if nproc > 1 else None
             port = hold.getsockname()[1] if hold is not None else 0
             for rank in range(nproc):
-                rspec = replace(spec, local_rank=rank, nproc=nproc, master_port=port, label=f"w{a.index}.{rank}")
+                rspec = replace(spec, local_rank=rank, nproc=nproc, master_port=port, label=f"w{a.index}.{rank}",
+                                log_file=str(self.role_logs.path(a.experiment_id, log_stem(worker=True, index=a.index,
+                                                                                             local_rank=rank))))
                 if rank > 0 and self.attached is not None:  # runs in the launcher's process of that local rank
                     proc, pipe = self.attached.remote(rank, rspec)
                     procs.append(proc)

@@ -6,7 +6,7 @@ import hashlib
 import hmac
 import secrets
 
-__all__ = ["fetch_subject", "fetch_token", "new_key", "primary_sender", "token_for", "verify"]
+__all__ = ["fetch_subject", "fetch_token", "log_subject", "log_token", "new_key", "primary_sender", "token_for", "verify"]
 
 
 def new_key() -> str:
@@ -37,3 +37,16 @@ def fetch_subject(experiment: str) -> str:
 def fetch_token(node_secret: str, experiment: str) -> str:
     """The token, under a node's checkpoint secret, that lets a restoring shard read `experiment`'s files there."""
     return token_for(node_secret, fetch_subject(experiment))
+
+
+def log_subject(experiment: str) -> str:
+    """What a role-log token proves: its holder (the coordinator) may read `experiment`'s role logs on a node.
+
+    Not a fetch token's subject: a restoring shard holding one cannot read the node's logs.
+    """
+    return f"role-logs:{experiment}"
+
+
+def log_token(node_secret: str, experiment: str) -> str:
+    """The token, under a node's checkpoint secret, that lets the coordinator read `experiment`'s role logs there."""
+    return token_for(node_secret, log_subject(experiment))

@@ -141,7 +141,7 @@ def cmd_worker_join(args: argparse.Namespace) -> int:
         nproc_per_node=nproc, spot=args.spot, labels=parse_labels(args.labels),
         grace_s=args.grace, threads_per_role=args.threads, log_level=args.log_level.upper(), log_format=args.log_format,
         launch=launch, run_dir=args.run_dir, attach_timeout_s=args.attach_timeout, warm_roles=args.warm_roles,
-        preload=tuple(args.preload), checkpoint_dir=args.checkpoint_dir,
+        preload=tuple(args.preload), checkpoint_dir=args.checkpoint_dir, log_dir=args.log_dir,
     )
     if config.warm_roles:
         from gossamer.node.warm import check_preload
@@ -362,6 +362,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_logs(args: argparse.Namespace) -> int:
+    from gossamer.tools.show_logs import show_logs
+
+    return show_logs(_client(args).job(args.id), role=args.role, local_rank=args.rank, follow=args.follow,
+                     max_bytes=args.bytes)
+
+
 def cmd_events(args: argparse.Namespace) -> int:
     events = _client(args).job(args.id).events()
     if args.json:
@@ -441,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 #: `args.fn` (set by gossamer.tools.cli_parser) -> the command.
 COMMANDS = {
     "coordinator_serve": cmd_coordinator_serve, "worker_join": cmd_worker_join, "submit": cmd_submit,
-    "status": cmd_status, "nodes": cmd_nodes, "watch": cmd_watch, "cancel": cmd_cancel, "events": cmd_events,
+    "status": cmd_status, "nodes": cmd_nodes, "watch": cmd_watch, "cancel": cmd_cancel, "events": cmd_events, "logs": cmd_logs,
     "plot": cmd_plot, "export": cmd_export, "security_init": cmd_security_init,
     "security_viewer_token": cmd_security_viewer_token, "demo": cmd_demo, "local_up": cmd_local_up,
     "local_down": cmd_local_down, "local_status": cmd_local_status,

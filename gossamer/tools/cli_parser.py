@@ -351,6 +351,9 @@ def _worker_parser(sub: Any) -> None:
             help="seconds to keep trying to reach the coordinator before giving up with exit code 3 "
                  "(0: keep trying)")
     _add(j, "--threads", type=int, default=1, help="torch threads per role process")
+    _add(j, "--log-dir", default="",
+         help="where role processes' logs and last tracebacks go (DIR/<node id>/<experiment>/), served to "
+              "`gossamer logs` through the coordinator (default: <run dir>/logs)")
     _add(j, "--checkpoint-dir", default="",
             help="where this node's roles write checkpoints, in place of the experiment's checkpoint_dir "
                  "(a disk local to this node; a shard restored elsewhere fetches its files from here) "
@@ -434,6 +437,17 @@ def _client_parsers(sub: Any) -> None:
               "(WANDB_MODE=offline: written locally, `wandb sync` later)")
     _add_client_flags(w)
     w.set_defaults(fn="watch")
+
+    lg = sub.add_parser("logs", help="a role's log and last traceback, fetched from the node that ran it")
+    lg.add_argument("id", help="the experiment id")
+    _add(lg, "--role", default="", metavar="ROLE",
+         help="worker/N or ps/N (default: the role whose traceback is newest, else the newest log)")
+    _add(lg, "--rank", type=int, default=None, help="a worker's local rank (default: the one that failed, else 0)")
+    _add(lg, "--follow", "-f", action="store_true",
+         help="then print what the role writes, until Ctrl-C or the experiment has finished")
+    _add(lg, "--bytes", type=int, default=0, metavar="N", help="at most N bytes of log (default and most: 64 KiB)")
+    _add_client_flags(lg)
+    lg.set_defaults(fn="logs")
 
     c = sub.add_parser("cancel", help="cancel an experiment")
     c.add_argument("id", help="the experiment id")

@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from gossamer.core.errors import AuthError, GossamerError, UnavailableError
+from gossamer.core.errors import AuthError, ConfigError, GossamerError, UnavailableError
 from gossamer.core.experiment import Experiment
 from gossamer.security.channel import (
     ChannelSecurity,
@@ -69,6 +69,17 @@ def status_dict(s: pb.ExperimentStatus) -> dict[str, Any]:
     }
 
 
+def parse_role(role: str) -> tuple[pb.Role.ValueType, int]:
+    """"worker/3" or "ps/0" ("" for none) as (Role, index); ConfigError names the field `role` otherwise."""
+    if not role:
+        return pb.ROLE_UNSPECIFIED, 0
+    kind, _, index = role.partition("/")
+    roles = {"worker": pb.ROLE_WORKER, "ps": pb.ROLE_PARAMETER_SERVER, "shard": pb.ROLE_PARAMETER_SERVER}
+    if kind not in roles or not index.isdigit():
+        raise ConfigError("role", f"expected worker/N or ps/N, got {role!r}")
+    return roles[kind], int(index)
+
+
 @dataclass(frozen=True)
 class Result:
     """The outcome of a finished experiment."""
@@ -118,6 +129,38 @@ class Job:
             token = resp.next_page_token
             if not token:
                 return out
+
+    def logs(self, role: str = "", *, local_rank: int | None = None, offset: int = 0, max_bytes: int = 0,
+             node_id: str = "") -> dict[str, Any]:
+        """A role's log and last traceback, read by the coordinator from the node that ran the role.
+
+        Args:
+            role: "worker/3" or "ps/0"; "": the role whose traceback is newest, else the newest log.
+            local_rank: a worker's local rank (None: the one that failed, else rank 0).
+            offset: log bytes already read (a follower passes the last answer's `end`); 0: the tail.
+            max_bytes: at most this much log (0: 64 KiB, the most one answer holds).
+            node_id: read from this node only (a follower pins the node of its first answer).
+
+        Returns:
+            node_id, node, role, index, local_rank, replica, text (the log piece, decoded with
+            replacement), start, end, skipped (bytes left out before start), traceback,
+            traceback_unix, modified_unix, available (every role log found), note.
+
+        Raises:
+            ConfigError: a malformed `role`.
+            NotFoundError: unknown experiment, or no live node holds a log of the role.
+        """
+        kind, index = parse_role(role)
+        req = pb.GetRoleLogRequest(experiment_id=self.id, role=kind, index=index, offset=offset,
+                                   max_bytes=max_bytes, node_id=node_id)
+        if local_rank is not None:
+            req.local_rank = local_rank
+        r = self._client._call(self._client._exp.GetRoleLog, req)
+        return {"node_id": r.node_id, "node": r.node_name, "role": _role_name(r.role), "index": r.index,
+                "local_rank": r.local_rank, "replica": r.replica, "text": r.text.decode("utf-8", "replace"),
+                "start": r.start, "end": r.end, "skipped": r.skipped, "traceback": r.traceback,
+                "traceback_unix": r.traceback_unix, "modified_unix": r.modified_unix,
+                "available": list(r.available), "note": r.note}
 
     def events(self, since_unix: float = 0.0) -> list[dict[str, Any]]:
         """The coordinator's event log for this experiment: failures, detections, promotions,

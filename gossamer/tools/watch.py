@@ -227,7 +227,7 @@ def outcome_line(status: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def _ctrl_c() -> Iterator[threading.Event]:
+def ctrl_c() -> Iterator[threading.Event]:
     """Ctrl-C sets an event the loop checks instead of raising KeyboardInterrupt wherever it lands.
 
     Raised inside a gRPC call or rich's Live refresh, it once left `gossamer watch` still
@@ -264,7 +264,7 @@ def watch(client: Any, experiment_id: str, *, refresh_s: float = 1.0, console: C
     console = console or Console(stderr=True)
     out = out or Console()
     new_points = NewPoints(job)
-    with _ctrl_c() as detach:
+    with ctrl_c() as detach:
         console.print(f"following {experiment_id}; Ctrl-C detaches (the experiment goes on)", style="dim")
         with Live(view.render(), console=console, refresh_per_second=4, transient=False) as live:
             while not detach.is_set():

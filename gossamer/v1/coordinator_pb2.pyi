@@ -1623,6 +1623,127 @@ class ListEventsResponse(_message.Message):
 Global___ListEventsResponse: _TypeAlias = ListEventsResponse  # noqa: Y015
 
 @_typing.final
+class GetRoleLogRequest(_message.Message):
+    """Ask for a role's log and its last traceback, read from the node that ran the role (through its agent)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPERIMENT_ID_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    LOCAL_RANK_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    experiment_id: _builtins.str
+    """Experiment id."""
+    role: Global___Role.ValueType
+    """The role; ROLE_UNSPECIFIED: the role of the experiment whose traceback is newest, else its newest log."""
+    index: _builtins.int
+    """Shard or worker index (with a role)."""
+    local_rank: _builtins.int
+    """A worker's local rank; unset: the rank with the newest traceback on the node, else rank 0."""
+    offset: _builtins.int
+    """Log byte offset to read from (a follower passes the last answer's `end`); 0: the last `max_bytes`."""
+    max_bytes: _builtins.int
+    """At most this many bytes of log (0, or more than 64 KiB: 64 KiB)."""
+    node_id: _builtins.str
+    """Read from this node only ("": whichever node holds the newest log of the role)."""
+    def __init__(
+        self,
+        *,
+        experiment_id: _builtins.str = ...,
+        role: Global___Role.ValueType = ...,
+        index: _builtins.int = ...,
+        local_rank: _builtins.int | None = ...,
+        offset: _builtins.int = ...,
+        max_bytes: _builtins.int = ...,
+        node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_local_rank", b"_local_rank", "local_rank", b"local_rank"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_local_rank", b"_local_rank", "experiment_id", b"experiment_id", "index", b"index", "local_rank", b"local_rank", "max_bytes", b"max_bytes", "node_id", b"node_id", "offset", b"offset", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__local_rank: _TypeAlias = _typing.Literal["local_rank"]  # noqa: Y015
+    _WhichOneofArgType__local_rank: _TypeAlias = _typing.Literal["_local_rank", b"_local_rank"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__local_rank) -> _WhichOneofReturnType__local_rank | None: ...
+
+Global___GetRoleLogRequest: _TypeAlias = GetRoleLogRequest  # noqa: Y015
+
+@_typing.final
+class RoleLog(_message.Message):
+    """A role's log as its node holds it: a bounded piece of it and the role's last traceback."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    NODE_NAME_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    LOCAL_RANK_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
+    TRACEBACK_FIELD_NUMBER: _builtins.int
+    TRACEBACK_UNIX_FIELD_NUMBER: _builtins.int
+    MODIFIED_UNIX_FIELD_NUMBER: _builtins.int
+    AVAILABLE_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node that ran the role, and its name."""
+    node_name: _builtins.str
+    role: Global___Role.ValueType
+    """The role, its index, a worker's local rank, a shard's replica (0 = primary, 1 = backup)."""
+    index: _builtins.int
+    local_rank: _builtins.int
+    replica: _builtins.int
+    text: _builtins.bytes
+    """Log bytes [start, end) of the file (text as the role wrote it; may split a character)."""
+    start: _builtins.int
+    end: _builtins.int
+    skipped: _builtins.int
+    """Bytes before `start` that this answer leaves out (0: the log from its beginning, or from `offset`)."""
+    traceback: _builtins.str
+    """The last uncaught (or reported) traceback of the role's process, its last 16 KiB; "" when none."""
+    traceback_unix: _builtins.float
+    """When the traceback and the log were last written (Unix time; 0: never)."""
+    modified_unix: _builtins.float
+    note: _builtins.str
+    """Nodes that did not answer, and why ("" when all did)."""
+    @_builtins.property
+    def available(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every role log of the experiment the asked nodes hold ("worker/1 rank 0 on NODE"), newest first, at most 64."""
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        node_name: _builtins.str = ...,
+        role: Global___Role.ValueType = ...,
+        index: _builtins.int = ...,
+        local_rank: _builtins.int = ...,
+        replica: _builtins.int = ...,
+        text: _builtins.bytes = ...,
+        start: _builtins.int = ...,
+        end: _builtins.int = ...,
+        skipped: _builtins.int = ...,
+        traceback: _builtins.str = ...,
+        traceback_unix: _builtins.float = ...,
+        modified_unix: _builtins.float = ...,
+        available: _abc.Iterable[_builtins.str] | None = ...,
+        note: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "end", b"end", "index", b"index", "local_rank", b"local_rank", "modified_unix", b"modified_unix", "node_id", b"node_id", "node_name", b"node_name", "note", b"note", "replica", b"replica", "role", b"role", "skipped", b"skipped", "start", b"start", "text", b"text", "traceback", b"traceback", "traceback_unix", b"traceback_unix"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoleLog: _TypeAlias = RoleLog  # noqa: Y015
+
+@_typing.final
 class CheckpointInfo(_message.Message):
     """A saved checkpoint."""
 

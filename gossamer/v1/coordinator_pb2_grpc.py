@@ -376,6 +376,11 @@ class ExperimentServiceStub:
                 request_serializer=gossamer_dot_v1_dot_coordinator__pb2.ListEventsRequest.SerializeToString,
                 response_deserializer=gossamer_dot_v1_dot_coordinator__pb2.ListEventsResponse.FromString,
                 _registered_method=True)
+        self.GetRoleLog = channel.unary_unary(
+                '/gossamer.v1.ExperimentService/GetRoleLog',
+                request_serializer=gossamer_dot_v1_dot_coordinator__pb2.GetRoleLogRequest.SerializeToString,
+                response_deserializer=gossamer_dot_v1_dot_coordinator__pb2.RoleLog.FromString,
+                _registered_method=True)
 
 
 class ExperimentServiceServicer:
@@ -445,6 +450,13 @@ class ExperimentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRoleLog(self, request, context):
+        """A role's log and last traceback from the node that ran it; NOT_FOUND when no live node holds one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExperimentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -492,6 +504,11 @@ def add_ExperimentServiceServicer_to_server(servicer, server):
                     servicer.ListEvents,
                     request_deserializer=gossamer_dot_v1_dot_coordinator__pb2.ListEventsRequest.FromString,
                     response_serializer=gossamer_dot_v1_dot_coordinator__pb2.ListEventsResponse.SerializeToString,
+            ),
+            'GetRoleLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRoleLog,
+                    request_deserializer=gossamer_dot_v1_dot_coordinator__pb2.GetRoleLogRequest.FromString,
+                    response_serializer=gossamer_dot_v1_dot_coordinator__pb2.RoleLog.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -738,6 +755,33 @@ class ExperimentService:
             '/gossamer.v1.ExperimentService/ListEvents',
             gossamer_dot_v1_dot_coordinator__pb2.ListEventsRequest.SerializeToString,
             gossamer_dot_v1_dot_coordinator__pb2.ListEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRoleLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gossamer.v1.ExperimentService/GetRoleLog',
+            gossamer_dot_v1_dot_coordinator__pb2.GetRoleLogRequest.SerializeToString,
+            gossamer_dot_v1_dot_coordinator__pb2.RoleLog.FromString,
             options,
             channel_credentials,
             insecure,

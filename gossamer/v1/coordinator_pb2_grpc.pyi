@@ -148,6 +148,8 @@ class ExperimentServiceStub:
     """End of training (lead worker)."""
     ListEvents: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListEventsRequest, _coordinator_pb2.ListEventsResponse]
     """The event log (failures, detections, reassignments, discarded updates)."""
+    GetRoleLog: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetRoleLogRequest, _coordinator_pb2.RoleLog]
+    """A role's log and last traceback from the node that ran it; NOT_FOUND when no live node holds one."""
 
 @_typing.type_check_only
 class ExperimentServiceAsyncStub(ExperimentServiceStub):
@@ -172,6 +174,8 @@ class ExperimentServiceAsyncStub(ExperimentServiceStub):
     """End of training (lead worker)."""
     ListEvents: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListEventsRequest, _coordinator_pb2.ListEventsResponse]  # type: ignore[assignment]
     """The event log (failures, detections, reassignments, discarded updates)."""
+    GetRoleLog: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetRoleLogRequest, _coordinator_pb2.RoleLog]  # type: ignore[assignment]
+    """A role's log and last traceback from the node that ran it; NOT_FOUND when no live node holds one."""
 
 class ExperimentServiceServicer(metaclass=_abc_1.ABCMeta):
     """Experiments: queue, status, metrics."""
@@ -247,6 +251,14 @@ class ExperimentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ListEventsResponse, _abc.Awaitable[_coordinator_pb2.ListEventsResponse]]:
         """The event log (failures, detections, reassignments, discarded updates)."""
+
+    @_abc_1.abstractmethod
+    def GetRoleLog(
+        self,
+        request: _coordinator_pb2.GetRoleLogRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RoleLog, _abc.Awaitable[_coordinator_pb2.RoleLog]]:
+        """A role's log and last traceback from the node that ran it; NOT_FOUND when no live node holds one."""
 
 def add_ExperimentServiceServicer_to_server(servicer: ExperimentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -1,4 +1,4 @@
-"""The core install (no extras) runs a coordinator and nodes and trains a user's model; verbs that need an extra name it.
+"""The core install (no extras) runs a coordinator and nodes and trains a user's model and train function; verbs that need an extra name it.
 
 A fresh virtual environment gets the pinned CPU torch and gossamer without extras, as a user's
 `pip install gossamer` would: no numba, scikit-learn or matplotlib. Everything then runs from that
@@ -44,6 +44,22 @@ def data():
 
 def loss(out, y):
     return ((out - y) ** 2).mean()
+
+
+def train(ctx):
+    """The same regression as the user's own loop: Adam with its betas, a train function."""
+    net = model()
+    net, optimizer = ctx.prepare(net, torch.optim.Adam(net.parameters(), lr=0.02, betas=(0.9, 0.95)))
+    train_set, eval_set = data()
+    for x, y in ctx.data(train_set, batch_size=32):
+        optimizer.zero_grad()
+        error = loss(net(x), y)
+        error.backward()
+        optimizer.step()
+        ctx.report(loss=error.item())
+    if ctx.is_lead:
+        x, y = eval_set[:]
+        ctx.report(eval_loss=loss(net(x), y).item())
 '''
 
 RUN = '''
@@ -62,7 +78,12 @@ with LocalCluster(stop_grace_s=0) as cluster:
                          "num_ps_shards": 1, "ps_backup": False, "min_workers": 1, "max_workers": 1,
                          "total_steps": 300, "eval_every": 100})
     result = job.wait(timeout=300)
-    print(json.dumps({"status": result.status, "metrics": result.metrics}))
+    own = client.submit({"name": "core-train", "mode": "async", "train": "usermodel:train", "num_ps_shards": 1,
+                         "ps_backup": False, "min_workers": 1, "max_workers": 1, "total_steps": 300})
+    trained = own.wait(timeout=300)
+    evals = [p["eval_loss"] for p in own.metrics() if "eval_loss" in p]
+    print(json.dumps({"status": result.status, "metrics": result.metrics, "train_status": trained.status,
+                      "train_eval_loss": evals[-1] if evals else None}))
     client.close()
 '''
 
@@ -99,7 +120,8 @@ def test_core_install_has_none_of_the_extras(core_env: Path) -> None:
     assert json.loads(out.stdout) == dict.fromkeys(EXTRAS, False)
 
 
-def test_core_install_runs_a_coordinator_and_nodes_and_trains_a_users_model(core_env: Path, tmp_path: Path) -> None:
+def test_core_install_runs_a_coordinator_and_nodes_and_trains_a_users_model_and_train_function(
+        core_env: Path, tmp_path: Path) -> None:
     (tmp_path / "usermodel.py").write_text(USER_MODULE)
     out = subprocess.run([str(core_env / "python"), "-c", RUN], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
                          text=True, timeout=480)
@@ -108,6 +130,8 @@ def test_core_install_runs_a_coordinator_and_nodes_and_trains_a_users_model(core
     assert result["status"] == "completed", result
     # Mean squared error from |w|^2 (about 2.6) at the start down to near the noise (1e-4).
     assert result["metrics"]["eval_loss"] < 0.01, result
+    # The user's own loop (a train function) learns the same regression on the same core install.
+    assert result["train_status"] == "completed" and result["train_eval_loss"] < 0.01, result
     # Imported from the new environment, not this tree: that install is what ran.
     where = subprocess.run([str(core_env / "python"), "-c", "import gossamer; print(gossamer.__file__)"],
                            cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=60, check=True)

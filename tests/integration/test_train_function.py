@@ -101,3 +101,53 @@ def test_an_import_error_in_train_is_refused_at_submit(cluster: LocalCluster, tm
     assert out.returncode == 2, out  # an invalid experiment, refused before anything ran
     assert "train" in out.stderr and "_no_such_module" in out.stderr, out.stderr
     client.close()
+
+
+def _progress(client: Client, exp_id: str) -> int:
+    return int(client.job(exp_id).status()["steps"])
+
+
+def _await_progress(client: Client, exp_id: str, step: int, timeout: float = 180) -> int:
+    deadline = time.monotonic() + timeout
+    while (now := _progress(client, exp_id)) < step:
+        assert client.job(exp_id).status()["state"] in ("queued", "starting", "running"), client.job(exp_id).status()
+        assert time.monotonic() < deadline, f"step {now} of {step}"
+        time.sleep(0.2)
+    return now
+
+
+@pytest.mark.parametrize("mode", ["async", "diloco"])
+def test_a_killed_worker_costs_the_run_nothing_and_a_joining_one_starts_from_the_runs_state(
+        cluster: LocalCluster, tmp_path: Path, mode: str) -> None:
+    total = 4000
+    address, client = _cluster(cluster, workers=2)
+    extra = {"inner_steps": 10} if mode == "diloco" else {}
+    spec = _toml(tmp_path / "loop.toml", name=f"elastic-{mode}", train=f"{U}:train", mode=mode, num_ps_shards=1,
+                 total_steps=total, ps_backup=False, min_workers=1, max_workers=2, **extra)
+    out = _cli("submit", str(spec), "--coordinator", address, "--quiet")
+    assert out.returncode == 0, out.stdout + out.stderr
+    exp_id = out.stdout.splitlines()[0].strip()
+    killed_at = _await_progress(client, exp_id, total // 4)
+    cluster.kill_node("spot1")
+    assert killed_at < total and client.job(exp_id).status()["state"] == "running"  # it landed mid-run
+    joined_at = _await_progress(client, exp_id, total // 2)
+    cluster.add_node("spot2", spot=True)
+    cluster.wait_joined("spot2", timeout=60)
+    joiner_id = {n["name"]: n["id"] for n in client.nodes()}["spot2"]
+    deadline = time.monotonic() + 120
+    while not any(p["source"].startswith(joiner_id) and "loss" in p for p in client.job(exp_id).metrics()):
+        assert client.job(exp_id).status()["state"] == "running", "the run ended before the joining worker trained"
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert joined_at < total
+    result = client.job(exp_id).wait(timeout=300)
+    assert result.status == "completed", result
+    ids = {"spot2": joiner_id}
+    points = client.job(exp_id).metrics()
+    first = [p["loss"] for p in points if "loss" in p][:3]
+    joiner = [p["loss"] for p in points if "loss" in p and p["source"].startswith(ids["spot2"])]
+    assert joiner, "the joining worker trained"
+    # It started from the run's parameters (the run's first losses are near ln 10 = 2.3).
+    assert min(first) > 1.5 and joiner[0] < 1.0, (first, joiner[:5])
+    assert _evals(client, exp_id)[-1] > 0.9
+    client.close()

@@ -151,3 +151,28 @@ def test_a_killed_worker_costs_the_run_nothing_and_a_joining_one_starts_from_the
     assert min(first) > 1.5 and joiner[0] < 1.0, (first, joiner[:5])
     assert _evals(client, exp_id)[-1] > 0.9
     client.close()
+
+
+@pytest.mark.parametrize("mode", ["async", "diloco"])
+def test_a_hugging_face_trainer_trains_a_gpt2_from_a_config_inside_a_train_function(
+        cluster: LocalCluster, tmp_path: Path, mode: str) -> None:
+    pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+    pytest.importorskip("accelerate", reason="the [hf] extra (accelerate, for transformers.Trainer) is not installed")
+    address, client = _cluster(cluster, workers=2)
+    extra = {"inner_steps": 10} if mode == "diloco" else {}
+    spec = _toml(tmp_path / "hf.toml", name=f"hf-{mode}", train="gossamer.examples.hf_trainer:train", mode=mode,
+                 num_ps_shards=1, total_steps=100, ps_backup=False, min_workers=2, **extra)
+    out = _cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
+    assert out.returncode == 0, out.stdout + out.stderr
+    exp_id = out.stdout.splitlines()[0].strip()
+    result = client.job(exp_id).wait(timeout=30)
+    assert result.status == "completed", result
+    points = client.job(exp_id).metrics()
+    losses = [p["loss"] for p in points if "loss" in p]
+    evals = [p["eval_loss"] for p in points if "eval_loss" in p]
+    # From about ln 256 = 5.5 nats a byte at the start to well under it: the Trainer's steps reached the run.
+    assert losses and evals and evals[-1] < 4.0, (losses[:3], evals)
+    assert {"learning_rate", "grad_norm"} <= {k for p in points for k in p}
+    state = gossamer.load_checkpoint(result.checkpoint)
+    assert any(k.startswith("transformer.") for k in state)  # the Hugging Face model's own key names
+    client.close()

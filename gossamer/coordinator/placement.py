@@ -19,10 +19,17 @@ class Placement:
     workers: list[NodeRec]
 
 
-def _server_preference(node: NodeRec) -> tuple[bool, float, str]:
-    # On-demand nodes first (a preempted shard costs more than a preempted worker), then
-    # the longest-lived node, which has shown it stays.
-    return (node.spot, node.joined_unix, node.id)
+def _server_preference(node: NodeRec) -> tuple[bool, bool, float, str]:
+    # On-demand nodes first (a preempted shard costs more than a preempted worker), then nodes
+    # without GPUs (a shard only decodes and applies: a GPU node hosting one leaves its GPUs idle),
+    # then the longest-lived node, which has shown it stays.
+    return (node.spot, node.gpus > 0, node.joined_unix, node.id)
+
+
+def _worker_preference(node: NodeRec) -> tuple[bool, bool, float, str]:
+    # GPU nodes train first; then spot nodes, so that an on-demand node left over can hold a
+    # shard's backup; then the longest-lived.
+    return (node.gpus == 0, not node.spot, node.joined_unix, node.id)
 
 
 def free_nodes(nodes: Iterable[NodeRec]) -> list[NodeRec]:
@@ -60,8 +67,7 @@ def place(
     by_pref = sorted(free, key=_server_preference)
     servers = spread_servers(by_pref, num_servers)
     chosen = {n.id for n in servers}
-    # Spot nodes train first: an on-demand node left over can hold a shard's backup.
-    rest = sorted((n for n in free if n.id not in chosen), key=lambda n: (not n.spot, n.joined_unix, n.id))
+    rest = sorted((n for n in free if n.id not in chosen), key=_worker_preference)
     return Placement(servers=servers, workers=rest[:max_workers])
 
 
@@ -120,7 +126,8 @@ def cluster_too_small(nodes: Iterable[NodeRec], spec: dict[str, Any], mode: Mode
 def grow(free: list[NodeRec], *, current_workers: int, max_workers: int) -> list[NodeRec]:
     """Free nodes to add as workers to a running experiment (up to `max_workers`)."""
     room = max(0, max_workers - current_workers)
-    return sorted(free, key=lambda n: (n.joined_unix, n.id))[:room] if room else []  # full: no sort per join
+    # GPU nodes first, then the longest-lived; full: no sort per join.
+    return sorted(free, key=lambda n: (n.gpus == 0, n.joined_unix, n.id))[:room] if room else []
 
 
 #: Node labels naming failure domains, widest first: a shard's replicas avoid sharing any of them.
@@ -146,7 +153,7 @@ def replica_host(
     another rack; within that, another server node, else a free node, else a worker node;
     on-demand, long-lived nodes first within each group.
     """
-    best: tuple[tuple[bool, ...], int, tuple[bool, float, str]] | None = None
+    best: tuple[tuple[bool, ...], int, tuple[bool, bool, float, str]] | None = None
     chosen: NodeRec | None = None
     for rank, group in enumerate((servers, free, workers)):
         for n in group:

@@ -22,10 +22,13 @@ from gossamer.coordinator.placement import (
     StartOverdue,
     cluster_too_small,
     free_nodes,
+    grow,
     lead_node,
     missing_shards,
     overdue,
+    place,
     place_experiment,
+    replica_host,
     shard_host,
     shards_ready,
     start_overdue,
@@ -292,3 +295,20 @@ def test_a_shard_is_suspected_once_two_workers_time_out_on_it_within_the_window(
     assert s.timed_out("e", "n3:2", "UnavailableError: shards [0] did not answer", 200.0, workers=3) == []  # n1's expired
     alone = ShardSuspicion(window_s=100.0)  # a run of one worker: its timeout is every worker's
     assert alone.timed_out("e", "n1:0", "UnavailableError: shards [0] did not answer", 5.0, workers=1) == [0]
+
+
+def test_shards_go_to_nodes_without_gpus_and_workers_to_nodes_with_them_when_both_exist() -> None:
+    gpu_a, gpu_b = _node(1, gpus=8), _node(2, gpus=8)  # joined first: long-lived GPU nodes
+    cpu = _node(3)  # a CPU shard host that joined after them
+    spot_gpu = _node(4, spot=True, gpus=8)
+    p = place([gpu_a, gpu_b, cpu, spot_gpu], num_servers=1, min_workers=2, max_workers=2)
+    assert p is not None
+    assert [n.id for n in p.servers] == ["n3"]  # on-demand, and no GPU left idle
+    assert {n.id for n in p.workers} == {"n4", "n1"}  # GPU nodes train; spot before on-demand among them
+    # Growing a run takes GPU nodes before a CPU host, and a shard's backup prefers the CPU host.
+    assert [n.id for n in grow([cpu, gpu_b], current_workers=2, max_workers=3)] == ["n2"]
+    host = replica_host(avoid={"n9"}, servers=[], free=[gpu_b, cpu], workers=[])
+    assert host is not None and host.id == "n3"
+    # Without GPUs anywhere the order is as before: on-demand, longest-lived first.
+    plain = place([_node(5), _node(6), _node(7, spot=True)], num_servers=1, min_workers=2, max_workers=2)
+    assert plain is not None and [n.id for n in plain.servers] == ["n5"]

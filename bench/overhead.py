@@ -2,6 +2,9 @@
 
     python -m bench.overhead [--steps 2000] [--batch 32] [--repeats 3]
 
+Rows `train:MODE` time a train function (bench/_train_loop.py: the user's own AdamW loop) through
+`TrainFunctionTrainer` against the same function run in one plain process (`gossamer.run_local`).
+
 Writes bench/results/overhead.{json,md}. Target: gossamer / plain <= 1.5.
 
 The same run also measures the floor any exchange over ZMQ has here: a raw DEALER/ROUTER round trip
@@ -28,9 +31,13 @@ from gossamer.engine import sampler
 from gossamer.engine.model import build
 from gossamer.engine.rank import RankContext
 from gossamer.training.ps_trainer import ParameterServerTrainer
+from gossamer.training.train_function import run_local, run_train_function
 
 
 def _exp(steps: int, batch: int, mode: str) -> Experiment:
+    if mode.startswith("train:"):
+        return Experiment(name="overhead", train="bench._train_loop:train", mode=mode.removeprefix("train:"),
+                          batch_size=batch, num_ps_shards=1, total_steps=steps)
     overlap = mode == "async+overlap"
     return Experiment(name="overhead", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
                       mode="async" if overlap else mode, overlap=overlap, lr=0.05, momentum=0.9,
@@ -50,14 +57,19 @@ def _serve(exp_json: str, q: mp.Queue, stop: mp.Event) -> None:  # type: ignore[
     )
 
     exp = Experiment.from_json(exp_json)
-    model, _, _ = build(exp, torch.device("cpu"))
-    plan = ShardPlan.for_module(model, 1)
+    if exp.train:  # as a train function's shard host: the model from the function, the config from the experiment
+        from gossamer.training.train_function import capture_model
+
+        model = capture_model(exp)
+        config = ShardConfig.for_experiment(exp, "bench", 0)
+    else:
+        model, _, _ = build(exp, torch.device("cpu"))
+        config = ShardConfig(experiment="bench", shard=0, mode=exp.mode, staleness=None, total_steps=exp.total_steps,
+                             optimizer=OptimizerConfig(name="sgd", lr=exp.lr, momentum=exp.momentum))
+    plan = ShardPlan.for_experiment(model, exp)
     flat = flatten_params(model)
-    srv = ShardServer(
-        ShardConfig(experiment="bench", shard=0, mode=exp.mode, staleness=None, total_steps=exp.total_steps,
-                    optimizer=OptimizerConfig(name="sgd", lr=exp.lr, momentum=exp.momentum)),
-        plan, {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone() for c in plan.chunks},
-    )
+    srv = ShardServer(config, plan, {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone()
+                                     for c in plan.chunks})
     q.put(srv.bind())
     ev = threading.Event()
     threading.Thread(target=lambda: (stop.wait(), ev.set()), daemon=True).start()
@@ -113,6 +125,10 @@ def raw_round_trip(steps: int, up_bytes: int, down_bytes: int) -> float:
 
 def plain_loop(exp: Experiment) -> float:
     """Seconds per step of the same model, data order and optimizer, in one process."""
+    if exp.train:
+        t0 = time.perf_counter()
+        run_local(exp)
+        return (time.perf_counter() - t0) / exp.total_steps
     model, train, _ = build(exp, torch.device("cpu"))
     x_all, y_all = train.tensors
     opt = torch.optim.SGD(model.parameters(), lr=exp.lr, momentum=exp.momentum)
@@ -134,10 +150,19 @@ def gossamer_loop(exp: Experiment) -> tuple[float, int]:
     proc.start()
     try:
         endpoint = q.get(timeout=60)
-        trainer = ParameterServerTrainer(RankContext(experiment_id="bench", experiment=exp, node_id="n", worker_index=0,
-                                      num_workers=1, endpoints={0: endpoint}, checkpoint_dir="/tmp"))
+        rank = RankContext(experiment_id="bench", experiment=exp, node_id="n", worker_index=0, num_workers=1,
+                           endpoints={0: endpoint}, checkpoint_dir="/tmp")
         t0 = time.perf_counter()
-        trainer.run()
+        if exp.train:
+            def nothing(*_: object) -> None:
+                return None
+
+            trainer: ParameterServerTrainer = run_train_function(
+                rank, on_metrics=nothing, updates=lambda: None, should_stop=lambda: False, on_saved=nothing,
+                report_final=nothing)
+        else:
+            trainer = ParameterServerTrainer(rank)
+            trainer.run()
         per_step = (time.perf_counter() - t0) / exp.total_steps
         return per_step, trainer.client.bytes_up + trainer.client.bytes_down
     finally:
@@ -155,7 +180,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
-    for mode in ("async", "async+overlap", "sync"):
+    for mode in ("async", "async+overlap", "sync", "train:async", "train:diloco"):
         exp = _exp(args.steps, args.batch, mode)
         plain = [plain_loop(exp) for _ in range(args.repeats)]
         ours = [gossamer_loop(exp) for _ in range(args.repeats)]

@@ -99,12 +99,29 @@ class GossamerOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
+        self._stepping = False
+        self._shapes = [(p, p.shape) for g in optimizer.param_groups for p in g["params"]]
+        # Stepping the user's own optimizer would change this worker's model and exchange nothing.
+        optimizer.register_step_pre_hook(self._only_through_gossamer)
+
+    def _only_through_gossamer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._stepping:
+            raise ConfigError("train", "the optimizer passed to ctx.prepare was stepped directly; call step() on the "
+                                       "one ctx.prepare returned (model, optimizer = ctx.prepare(model, optimizer))")
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         if closure is not None:
             raise ConfigError("train", "a closure in optimizer.step(closure) is not supported by gossamer's "
                                        "exchange; compute the loss and call step()")
-        self._runtime.step(self.optimizer)
+        changed = [tuple(p.shape) for p, shape in self._shapes if p.shape != shape]
+        if changed:
+            raise ConfigError("train", f"a parameter changed shape after ctx.prepare (now {changed[0]}); the run's "
+                                       "parameters keep the shapes the model had when it was prepared")
+        self._stepping = True
+        try:
+            self._runtime.step(self.optimizer)
+        finally:
+            self._stepping = False
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -43,3 +43,21 @@ def raises(ctx) -> None:  # type: ignore[no-untyped-def]
         if step == 3:
             raise ValueError("the user's loop broke at step 3")
         optimizer.step()
+
+
+def steps_its_own_optimizer(ctx) -> None:  # type: ignore[no-untyped-def]
+    model = mlp(hidden=8)
+    mine = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, _ = ctx.prepare(model, mine)
+    for x, y in ctx.data(data()[0], batch_size=8):
+        F.cross_entropy(model(x), y).backward()
+        mine.step()  # the optimizer it built, not the one ctx.prepare returned
+
+
+def reshapes(ctx) -> None:  # type: ignore[no-untyped-def]
+    model = mlp(hidden=8)
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    first = next(model.parameters())
+    first.data = torch.zeros(3, 3)
+    for x, y in ctx.data(data()[0], batch_size=8):
+        optimizer.step()

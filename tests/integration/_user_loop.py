@@ -59,5 +59,5 @@ def reshapes(ctx) -> None:  # type: ignore[no-untyped-def]
     model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     first = next(model.parameters())
     first.data = torch.zeros(3, 3)
-    for x, y in ctx.data(data()[0], batch_size=8):
+    for _ in ctx.data(data()[0], batch_size=8):
         optimizer.step()

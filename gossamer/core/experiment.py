@@ -26,6 +26,10 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 OPTIMIZERS = ("sgd", "adamw")
+#: torch's class names for them, accepted in `optimizer`.
+OPTIMIZER_CLASSES = {"torch.optim.SGD": "sgd", "torch.optim.AdamW": "adamw"}
+#: What `optimizer_args` may set for each (the rest are fields: lr, momentum, nesterov, weight_decay).
+OPTIMIZER_ARGS: dict[str, tuple[str, ...]] = {"sgd": (), "adamw": ("betas", "eps")}
 ERROR_FEEDBACK = ("auto", "on", "off")
 ROUND_STARTS = ("memory", "shards")
 #: Optimizers with a `momentum` (and `nesterov`); the others refuse it (paramserver/optimizer.py).
@@ -82,6 +86,7 @@ class Experiment:
     error_feedback: str = "auto"
     adaptive_target_share: float = 0.2
     optimizer: str = "auto"
+    optimizer_args: dict[str, Any] = field(default_factory=dict)
     lr: float = 0.05
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -206,6 +211,13 @@ class Experiment:
         return cls.from_dict(data)
 
     # --- derived values ----------------------------------------------------------------
+    def optimizer_settings(self) -> dict[str, Any]:
+        """`optimizer_args` as OptimizerConfig takes them (betas as a tuple)."""
+        out = dict(self.optimizer_args)
+        if "betas" in out:
+            out["betas"] = tuple(float(b) for b in out["betas"])
+        return out
+
     def linear_lr_factor(self, num_workers: int = 1) -> float:
         """The linear scaling rule's lr multiplier: samples per update / `base_batch_size` (1 when off).
 
@@ -331,8 +343,16 @@ def _check_codecs(exp: Experiment, row: Mode) -> None:
 
 def _check_optimizer(exp: Experiment) -> None:
     """`optimizer` and its settings, refusing what the roles' OptimizerConfig would refuse."""
+    if isinstance(exp.optimizer, str) and exp.optimizer in OPTIMIZER_CLASSES:
+        object.__setattr__(exp, "optimizer", OPTIMIZER_CLASSES[exp.optimizer])
     if exp.optimizer not in OPTIMIZERS:
-        raise ConfigError("optimizer", f"unknown optimizer {exp.optimizer!r}; choose {', '.join(OPTIMIZERS)}")
+        if isinstance(exp.optimizer, str) and ("." in exp.optimizer or ":" in exp.optimizer):
+            raise ConfigError("optimizer", f"gossamer's own loop runs {' or '.join(sorted(OPTIMIZER_CLASSES))} on its "
+                                           f"shards, not {exp.optimizer!r}; to train with any optimizer, write your "
+                                           "loop as a train function (Experiment(train='package.module:fn'))")
+        raise ConfigError("optimizer", f"unknown optimizer {exp.optimizer!r}; choose {', '.join(OPTIMIZERS)} "
+                                       f"(or {', '.join(sorted(OPTIMIZER_CLASSES))})")
+    _check_optimizer_args(exp)
     for f in ("lr", "outer_lr"):
         v = getattr(exp, f)
         if _not_number(v) or not math.isfinite(v) or v <= 0:
@@ -351,6 +371,28 @@ def _check_optimizer(exp: Experiment) -> None:
         if exp.momentum:
             raise ConfigError("momentum", f"only applies to optimizer='sgd' ({exp.optimizer} has its own betas); "
                                           "leave momentum at 0")
+
+
+def _check_optimizer_args(exp: Experiment) -> None:
+    """`optimizer_args`: the optimizer's own arguments beyond the fields (AdamW's betas and eps)."""
+    args = exp.optimizer_args
+    if not isinstance(args, dict):
+        raise ConfigError("optimizer_args", "must be a table/dict, e.g. {betas = [0.9, 0.95]}")
+    allowed = OPTIMIZER_ARGS[exp.optimizer]
+    for key, value in args.items():
+        if key in ("lr", "momentum", "weight_decay", "nesterov"):
+            raise ConfigError("optimizer_args", f"{key!r} is a field of its own: set {key} = {value!r}")
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f" ({', '.join(allowed) or 'none'} are)"
+            raise ConfigError("optimizer_args", f"{key!r} is not an argument of {exp.optimizer} here{hint}")
+    betas = args.get("betas", (0.9, 0.999))
+    if (not isinstance(betas, tuple | list) or len(betas) != 2
+            or any(_not_number(b) or not 0 <= b < 1 for b in betas)):
+        raise ConfigError("optimizer_args", f"betas must be two numbers in [0, 1), got {betas!r}")
+    eps = args.get("eps", 1e-8)
+    if _not_number(eps) or not math.isfinite(eps) or eps <= 0:
+        raise ConfigError("optimizer_args", f"eps must be a finite number > 0, got {eps!r}")
 
 
 def _check_counts(exp: Experiment, row: Mode) -> None:

@@ -63,8 +63,10 @@ SECTIONS: tuple[Section, ...] = (
                                       "(unset: batch_size each)", modes="allows_global_batch"),
     )),
     Section("optimizer", "the optimizer a step applies and its learning rate", (
-        FieldDoc("optimizer", "sgd | adamw | auto: the mode's default (adamw for diloco's inner steps, sgd "
-                              "otherwise)"),
+        FieldDoc("optimizer", "sgd | adamw (or torch.optim.SGD | torch.optim.AdamW) | auto: the mode's default "
+                              "(adamw for diloco's inner steps, sgd otherwise)"),
+        FieldDoc("optimizer_args", "the optimizer's own arguments beyond the fields: AdamW's betas and eps, "
+                                   "e.g. {betas = [0.9, 0.95]}"),
         FieldDoc("lr", "learning rate (diloco: of the inner steps)"),
         FieldDoc("lr_schedule", "constant | linear | cosine (decay to 0 at total_steps)"),
         FieldDoc("warmup_steps", "steps of linear warm-up to lr"),

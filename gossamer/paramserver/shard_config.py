@@ -116,10 +116,12 @@ class ShardConfig:
             # shard adds each change as it comes (SGD, lr 1), so any optimizer keeps its meaning.
             optimizer = OptimizerConfig(name="sgd", lr=1.0)
         elif momentum_on_worker(exp):  # sign, topk, randk: the workers run it before compressing
-            optimizer = OptimizerConfig(name=exp.optimizer, lr=exp.lr, weight_decay=exp.weight_decay)
+            optimizer = OptimizerConfig(name=exp.optimizer, lr=exp.lr, weight_decay=exp.weight_decay,
+                                        **exp.optimizer_settings())
         else:
             optimizer = OptimizerConfig(name=exp.optimizer, lr=exp.lr, momentum=exp.momentum,
-                                        nesterov=exp.nesterov, weight_decay=exp.weight_decay)
+                                        nesterov=exp.nesterov, weight_decay=exp.weight_decay,
+                                        **exp.optimizer_settings())
         return cls(
             experiment=experiment_id, shard=shard, mode=row.shard_consistency,
             staleness=exp.staleness if row.staleness_applies else None, optimizer=optimizer,

@@ -24,6 +24,6 @@ def inner_optimizer(exp: Experiment, params: Iterable[Any]) -> torch.optim.Optim
     """The worker's own optimizer for the inner steps (`optimizer`, `lr`, ... of the experiment)."""
     return build_optimizer(
         OptimizerConfig(name=exp.optimizer, lr=exp.lr, momentum=exp.momentum, nesterov=exp.nesterov,
-                        weight_decay=exp.weight_decay),
+                        weight_decay=exp.weight_decay, **exp.optimizer_settings()),
         list(params),
     )

@@ -23,7 +23,8 @@ def reference_sync(exp: Experiment, global_batch: int) -> torch.Tensor:
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=exp.lr, momentum=exp.momentum,
                                                      nesterov=exp.nesterov, weight_decay=exp.weight_decay)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=exp.lr, weight_decay=exp.weight_decay)
+        opt = torch.optim.AdamW(model.parameters(), lr=exp.lr, weight_decay=exp.weight_decay,
+                                **exp.optimizer_settings())
     for step in range(exp.total_steps):
         idx = sampler.sync_global_batch(len(train), global_batch, step, exp.seed)
         opt.zero_grad()

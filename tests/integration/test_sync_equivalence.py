@@ -56,6 +56,21 @@ def test_sync_global_batch_gives_same_parameters_for_1_2_3_workers(tmp_path: Pat
         assert (got - want).abs().max().item() <= 1e-5
 
 
+def test_sync_adamw_with_an_llm_recipes_betas_equals_one_process_for_1_and_2_workers(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    exp = experiment(SYNC, optimizer="torch.optim.AdamW", momentum=0.0, lr=3e-3, weight_decay=0.01,
+                     optimizer_args={"betas": [0.9, 0.95], "eps": 1e-8}, global_batch_size=32, total_steps=40)
+    want = reference_sync(exp, global_batch=32)
+    for workers in (1, 2):
+        shards = Shards(exp)
+        try:
+            _run_workers(exp, shards, workers=workers, ckpt=tmp_path)
+            got = shards.flat()
+        finally:
+            shards.close()
+        assert (got - want).abs().max().item() <= 1e-5, workers
+
+
 def _rank_main(rank: int, world: int, port: int, exp_json: str, endpoints: dict[int, str], ckpt: str,
                backend: str = "gloo") -> None:
     import torch.distributed as dist

@@ -3,6 +3,7 @@ push+pull against raw ZMQ, and serving while a checkpoint is taken.
 
     python -m bench.scale_model [--label LABEL] [--modes async,sync,diloco] [--steps N]
                                 [--set FIELD=VALUE ...]
+    python -m bench.scale_model --render [--label LABEL]   # the markdown again, from the JSON
 
 `--set` overrides an experiment field in every mode's spec (VALUE read as JSON, else as a string),
 e.g. `--modes diloco --set round_start=shards --set error_feedback=off --label shards-ef-off`.
@@ -500,7 +501,12 @@ def main() -> None:
     ap.add_argument("--skip-push-pull", action="store_true")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="an experiment field for every mode's spec (VALUE as JSON, else a string)")
+    ap.add_argument("--render", action="store_true",
+                    help="run nothing: rewrite the markdown from the JSON (results/, or out/ with --label)")
     args = ap.parse_args()
+    if args.render:
+        say(f"wrote {render(report_path('scale_model', args.label))}")
+        return
     fields = dict(_field(item) for item in args.set)
     with torch.device("meta"):
         model = mlp()
@@ -553,15 +559,25 @@ def save(label: str | None, part: dict[str, Any], mode: str) -> None:
         keep = [r for r in old.get(key, []) if r.get("label") == row_label and r.get("mode", "push_pull") != mode]
         merged[key] = keep + part[key]
     merged["baselines_by_label"] = {row_label: part["baselines_mb"]}
-    notes = NOTES.format(model=part["model_mb"])
-    js, md = write_report("scale_model", [merged], notes, label=label)
-    md.write_text(_markdown(merged, notes, record_line(json.loads(js.read_text()))))
-    say(f"wrote {js} and {md}")
+    js, _ = write_report("scale_model", [merged], NOTES.format(model=part["model_mb"]), label=label)
+    say(f"wrote {js} and {render(js)}")
 
 
 NOTES = ("A {model:.0f} MB (fp32) MLP trained through real processes: 2 shards with backups on 2 on-demand nodes, "
-         "2 spot workers; a label naming fields ran with those experiment fields set (`--set`). The columns: "
-         "bench/README.md.")
+         "2 spot workers. Memory: `peak_mb` a process's peak resident set (VmHWM); `above_torch_mb` that less the peak "
+         "of the fork server every role is forked from (torch and the role code imported, nothing built: Baselines); "
+         "`held_mb` what the role holds (a worker: the model; a shard: its parameters; a host: the shards and backups "
+         "on it); `x_held` above_torch_mb over held_mb; `x_state` over a shard's whole state (parameters and momentum, "
+         "2x its parameters); `sampled_anon_mb` / `sampled_file_mb` the largest RssAnon / RssFile the 0.2 s sampler "
+         "saw. Step time, per update: a worker's compute, encode, transfer (the exchange less encode and decode), "
+         "decode and assemble; a shard's apply, `cow_copies` (writes out of place for a send still reading the "
+         "values), `unreplicated` (updates acknowledged while its backup was detached), checkpoints saved, "
+         "serve-thread ms per snapshot and write seconds; a backup's `steps` are the updates it replayed before a "
+         "detach (more than 3 s behind its primary). Serving: STATS round trips to shard 0's primary every 50 ms "
+         "while checkpoints run; `updates_per_s` versions over the time from the first update seen. Push+pull: one "
+         "shard's push and pull against a raw ZMQ echo of the same frames, medians; `ratio` raw over gossamer. On a "
+         "shared 2-core machine: compare timings within one run. A label naming fields ran with those experiment "
+         "fields set (`--set`).")
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
@@ -577,8 +593,18 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _markdown(m: dict[str, Any], notes: str, record: str) -> str:
-    lines = ["# scale_model", "", f"_{time.strftime('%Y-%m-%dT%H:%M:%S%z')}._", record, "", notes, "",
+def render(js: Path) -> Path:
+    """Write the markdown of a results JSON beside it (`--render`: again, from the JSON alone); returns its path."""
+    d = json.loads(js.read_text())
+    record = (record_line(d) if "commit" in d
+              else f"_Host {d['host']}, {d['cpus']} CPUs; the commit and the load were not recorded._")
+    md = js.with_suffix(".md")
+    md.write_text(_markdown(d["rows"][0], d["notes"], f"_{d['time']}, Python {d['python']}._", record))
+    return md
+
+
+def _markdown(m: dict[str, Any], notes: str, stamp: str, record: str) -> str:
+    lines = ["# scale_model", "", stamp, record, "", notes, "",
              f"Baselines (peak RSS, MB): {json.dumps(m['baselines_by_label'])}", "",
              "## Memory per role", ""]
     lines += _table([r for r in m["memory"] if "x_held" in r])

@@ -30,6 +30,12 @@ def report_path(name: str, label: str | None = None, out_dir: pathlib.Path | Non
     return pathlib.Path(folder) / f"{stem}.json"
 
 
+def plot_path(name: str) -> pathlib.Path:
+    """Where a script draws its plot: out/<name>.png (git-ignored: results/ holds only the JSON and markdown)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    return OUT / f"{name}.png"
+
+
 def _git_commit() -> str:
     """HEAD of the tree the bench runs from, with `+dirty` where tracked files differ from it."""
     try:

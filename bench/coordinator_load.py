@@ -17,7 +17,8 @@ top of N nodes); 100 concurrent experiments (1 shard + backup + 2 workers each, 
 reporting roles and metrics); and a kill -9 of the coordinator mid-storm, restarted on the same
 port and state: every node and experiment the killed one had acknowledged must be there.
 
-Writes bench/results/coordinator_load.{json,md,png}.
+Writes bench/results/coordinator_load.{json,md} and draws bench/out/coordinator_load.png (git-ignored; `--plot`
+draws it again from the results alone).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 import grpc
 
 from bench._load_nodes import LoaderConfig, loader_main
-from bench._report import RESULTS, write_report
+from bench._report import RESULTS, plot_path, write_report
 from gossamer.core.experiment import Experiment
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -380,7 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", default="",
                     help="earlier coordinator_load.json files (comma-separated) whose rows are kept after the new ones, "
                          "tagged with their time")
+    ap.add_argument("--plot", action="store_true", help="run nothing: draw bench/out/coordinator_load.png from the "
+                                                        "coordinator_load.json in --out")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(json.loads((Path(args.out) / "coordinator_load.json").read_text())["rows"], plot_path("coordinator_load"))
+        return 0
     counts = [int(x) for x in args.nodes.split(",") if x] or (
         [100, 500, 1000] if args.quick else [100, 500, 1000, 2000, 5000, 10000])
     measure_s = args.measure or (10.0 if args.quick else 30.0)
@@ -441,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += [{**r, "beats": r.get("beats", "grpc"),
                   "run": earlier["time"] if r.get("run", "this") == "this" else r["run"]} for r in earlier["rows"]]
     write_report("coordinator_load", rows, notes, out)
-    plot(rows, out / "coordinator_load.png")
+    plot(rows, plot_path("coordinator_load"))
     return 0
 
 

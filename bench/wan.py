@@ -5,6 +5,7 @@
                                        [--quick] [--target 0.95] [--steps 160] [--log-dir DIR]
                                        [--set MODE.FIELD=VALUE ...] [--delay 10ms] [--shards 4]
     sudo .venv/bin/python -m bench.wan --merge-file LOG_DIR/runs.json   # a piece's runs into wan.json
+    .venv/bin/python -m bench.wan --plot   # bench/out/wan.png (git-ignored) from bench/results/wan.json
 
 Each (rate, mode) runs --repeats times (runs FIRST..FIRST+N-1, repeat by repeat so a load drift
 spreads over the modes); the table shows per cell the median [min-max] over the completed runs
@@ -81,7 +82,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._netns import Topology, cleanup_stale, parse_rate, require_netns_or_exit
-from bench._report import RESULTS, write_report
+from bench._report import RESULTS, plot_path, write_report
 from bench._straggler import ENV as STRAGGLER_ENV
 from bench._wan_stats import cell_of, fmt_cell, merge_runs, summarise
 
@@ -631,7 +632,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--log-dir", default=None, help="process logs, one subdirectory per run (replaced if it "
                                                     "exists); default a new temporary directory")
     ap.add_argument("--no-write", action="store_true", help="do not write bench/results/wan.*")
-    ap.add_argument("--replot", action="store_true", help="only redraw wan.png (and wan.md) from bench/results/wan.json")
+    ap.add_argument("--replot", action="store_true",
+                    help="only rewrite wan.md (and draw bench/out/wan.png) from bench/results/wan.json")
+    ap.add_argument("--plot", action="store_true", help="run nothing: draw bench/out/wan.png from bench/results/wan.json")
     ap.add_argument("--merge-file", default=None, metavar="RUNS_JSON",
                     help="run nothing: merge the runs a piece saved (LOG_DIR/runs.json) into bench/results/wan.json")
     return ap.parse_args()
@@ -761,7 +764,7 @@ def notes_for(data: dict[str, Any], summary: dict[str, Any]) -> tuple[str, list[
 
 
 def write(data: dict[str, Any]) -> None:
-    """wan.json (every run), wan.md (a row per cell) and wan.png from `data` (bench data with `runs`)."""
+    """wan.json (every run), wan.md (a row per cell) and bench/out/wan.png from `data` (bench data with `runs`)."""
     rows, summary = build_rows(data["runs"], data["target"])
     notes, goals = notes_for(data, summary)
     js, md = write_report("wan", rows, notes)
@@ -771,9 +774,10 @@ def write(data: dict[str, Any]) -> None:
     tmp = js.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(stored, indent=1, default=str) + "\n")
     os.replace(tmp, js)
-    plot(data["runs"], data["target"], RESULTS / "wan.png")
+    png = plot_path("wan")
+    plot(data["runs"], data["target"], png)
     print(md.read_text())
-    say(f"wrote {js}, {md} and {RESULTS / 'wan.png'}")
+    say(f"wrote {js}, {md} and {png}")
     for what, ok, figs in goals:
         say(f"{'MET' if ok else ('NOT MEASURED' if ok is None else 'MISSED')}: {what}: {figs}")
 
@@ -813,6 +817,10 @@ def main() -> int:
 
     args = parse_args()
     stored_path = RESULTS / "wan.json"
+    if args.plot:
+        stored = json.loads(stored_path.read_text())
+        plot(stored["runs"], stored["target"], plot_path("wan"))
+        return 0
     if args.replot:
         write(json.loads(stored_path.read_text()))
         return 0

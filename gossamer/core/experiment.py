@@ -42,7 +42,7 @@ LOSSES = ("cross_entropy", "mse", "model")
 #: The fields that name user code, checked by importing them at submit (gossamer/core/import_check.py).
 CODE_FIELDS = ("train", "model", "dataset", "loss", "collate", "metrics")
 #: The modes a train function runs in (its optimizer steps on the worker; see training/train_function.py).
-TRAIN_FUNCTION_MODES = ("async", "diloco")
+TRAIN_FUNCTION_MODES = ("async", "diloco", "gossip")
 LR_SCALINGS = ("none", "linear")
 _CALLABLE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 #: Integers travel through TOML, SQLite and msgpack: all three stop at 64 bits.

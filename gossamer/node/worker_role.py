@@ -152,10 +152,15 @@ class WorkerRankRole:
                                        "(join it with --nproc-per-node 1)")
         if self.rank == 0:
             self._record_environment()
-            self.reporter.role(self.spec.node_id, pb.ROLE_WORKER, self.index, pb.ROLE_STATE_SERVING)
+
+        def serving(endpoint: str) -> None:
+            if self.rank == 0:  # a gossip worker's endpoint reaches its peers through the coordinator
+                self.reporter.role(self.spec.node_id, pb.ROLE_WORKER, self.index, pb.ROLE_STATE_SERVING,
+                                   endpoint=endpoint)
+
         trainer = run_train_function(ctx, on_metrics=self.feed.tee(self.reporter.metric), updates=self._updates,
                                      should_stop=self.stop.is_set, on_saved=self.reporter.checkpoint,
-                                     report_final=self._report_final)
+                                     report_final=self._report_final, serving=serving)
         self.reporter.flush()
         if trainer is not None and trainer.final_path:
             self.reporter.complete(self.spec.node_id, trainer.final_metrics, trainer.final_path)

@@ -46,6 +46,9 @@ class GossipTrainer(RankTrainer):
     evaluates (and finally saves) their push-sum average.
     """
 
+    #: Whether the worker's own loss goes into its reports (a train function reports its own).
+    reports_loss = True
+
     def __init__(self, ctx: RankContext, *, on_metrics: Hook | None = None,
                  updates: Callable[[], AssignmentUpdate | None] | None = None,
                  should_stop: Callable[[], bool] | None = None, on_saved: OnSaved | None = None) -> None:
@@ -359,8 +362,9 @@ class GossipTrainer(RankTrainer):
                 values["outer_rounds"] = float(self.rounds)
             # Refused mass goes back to its sender (NACK): nothing is lost, so not "discarded_".
             values.update({f"gossip_refused_{k}": float(v) for k, v in self.peer.rejected.items()})
-            values.update(loss=self.stats.loss, samples=float(self.stats.samples), samples_per_s=rate,
-                          updates=float(self.stats.steps))
+            values.update(samples=float(self.stats.samples), samples_per_s=rate, updates=float(self.stats.steps))
+            if self.reports_loss:
+                values["loss"] = self.stats.loss
         self.on_metrics(self.clock, values)
 
 

@@ -16,9 +16,11 @@ from torch.utils.data import IterableDataset, default_collate
 from gossamer.core.errors import ConfigError, GossamerError, ShardError
 from gossamer.core.experiment import Experiment
 from gossamer.core.import_check import resolve
+from gossamer.core.modes import mode_of
 from gossamer.core.protocol import AssignmentUpdate
 from gossamer.engine import sampler
 from gossamer.engine.rank import Hook, RankContext, StepAbandoned
+from gossamer.training.gossip_loop import GossipTrainer
 from gossamer.training.ps_trainer import ParameterServerTrainer
 from gossamer.training.rank_trainer import OnSaved
 from gossamer.transport.router import REFORM
@@ -297,7 +299,7 @@ class _WorkerRuntime(_Runtime):
     def __init__(self, ctx: RankContext, hooks: dict[str, Any]) -> None:
         super().__init__(ctx.experiment)
         self.ctx, self.hooks = ctx, hooks
-        self.trainer: TrainFunctionTrainer | None = None
+        self.trainer: TrainFunctionTrainer | GossipFunctionTrainer | None = None
 
     @property
     def rank(self) -> int:
@@ -316,9 +318,11 @@ class _WorkerRuntime(_Runtime):
         return self.ctx.lead
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        hooks = {k: v for k, v in self.hooks.items() if k != "report_final"}
-        self.trainer = TrainFunctionTrainer(self.ctx, model, **hooks)
+        hooks = {k: v for k, v in self.hooks.items() if k not in ("report_final", "serving")}
+        servers = mode_of(self.exp).servers
+        self.trainer = (TrainFunctionTrainer if servers else GossipFunctionTrainer)(self.ctx, model, **hooks)
         self.trainer.report_final = self.hooks["report_final"]
+        self.hooks["serving"](self.trainer.endpoint)  # a gossip worker's peers reach it there
         self.trainer.start()
         self.steps = self.trainer.progress
 
@@ -338,7 +342,74 @@ class _WorkerRuntime(_Runtime):
         self.hooks["on_metrics"](self.steps, values)
 
 
-class TrainFunctionTrainer(ParameterServerTrainer):
+class _UserModel:
+    """What a trainer of a train function shares: the user's model, and no evaluation of gossamer's own."""
+
+    _user_model: nn.Module
+    ctx: RankContext
+    reports_loss = False  # the train function reports its own loss
+
+    def _build(self) -> tuple[nn.Module, Any, Any]:
+        return self._user_model.to(self.ctx.device), [], []
+
+    def _evaluates(self) -> bool:
+        return False  # the train function evaluates and reports its own eval_* figures
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        return {}
+
+
+class GossipFunctionTrainer(_UserModel, GossipTrainer):
+    """A train function's gossip: after each user step the parameters mix with what peers sent, and a share
+    of them goes to this step's peer; `total_steps` counts each worker's steps, as in gossamer's gossip."""
+
+    def __init__(self, ctx: RankContext, model: nn.Module, **hooks: Any) -> None:
+        self._user_model = model
+        super().__init__(ctx, **hooks)
+        self.done = False
+        self._t_report = time.monotonic()
+
+    def start(self) -> None:
+        """Take the most advanced peer's parameters and step (a worker joining mid-run)."""
+        self._apply_updates()
+        self._join()
+        self.done = self.clock >= self.exp.total_steps
+
+    def user_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.done:
+            return
+        self._apply_updates()
+        optimizer.step()
+        self.clock += 1
+        self.stats.steps += 1
+        if self.peer is not None and self.outer is None:
+            self._bound_lag()
+            self.peer.mix(self.flat)
+        if self.peer is not None:
+            self.peer.serve(self.flat, self.clock)
+        self._node_sync()
+        if self.outer is None or self.clock % self.exp.inner_steps == 0 or self.clock >= self.exp.total_steps:
+            self._exchange()
+        self.done = self.clock >= self.exp.total_steps
+        now = time.monotonic()
+        if now - self._t_report >= 1.0 or self.done:
+            self._t_report = now
+            self._report(0.0)
+
+    @property
+    def progress(self) -> int:
+        return self.clock
+
+    def end(self) -> None:
+        """The lead averages the peers' parameters and saves them; the others serve until the run completes."""
+        if self.done:
+            self._finish_or_serve()
+        elif self.peer is not None:
+            self.peer.close()
+        self.finished = self.done
+
+
+class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
     """The exchange of a train function's worker: the user's optimizer steps here, the change goes to the shards.
 
     async: after each user step the change since the last pull is pushed (the shard adds it) and the
@@ -355,17 +426,6 @@ class TrainFunctionTrainer(ParameterServerTrainer):
         self._basis: dict[int, torch.Tensor] = {}
         self._inner = 0
         self._t_report = time.monotonic()
-
-    def _build(self) -> tuple[nn.Module, Any, Any]:
-        return self._user_model.to(self.ctx.device), [], []
-
-    reports_loss = False  # the train function reports its own loss
-
-    def _evaluates(self) -> bool:
-        return False  # the train function evaluates and reports its own eval_* figures
-
-    def _evaluate(self, step: int) -> dict[str, float]:
-        return {}
 
     def start(self) -> None:
         """Register with the shards and take the run's current values."""
@@ -421,17 +481,20 @@ class TrainFunctionTrainer(ParameterServerTrainer):
         self.finished = self.done
 
 
-def run_train_function(ctx: RankContext, **hooks: Any) -> TrainFunctionTrainer:
+def run_train_function(ctx: RankContext, **hooks: Any) -> TrainFunctionTrainer | GossipFunctionTrainer:
     """Call the experiment's train function on this worker rank; the trainer that ran its exchange.
 
-    `hooks`: on_metrics, updates, should_stop, on_saved and report_final, as the role process wires a trainer.
+    `hooks`: on_metrics, updates, should_stop, on_saved and report_final, as the role process wires a trainer,
+    and serving(endpoint), told where this worker serves once its model is prepared.
     """
+    hooks.setdefault("serving", lambda endpoint: None)
     runtime = _WorkerRuntime(ctx, hooks)
     try:
         _call(ctx.experiment, runtime)
     except StepAbandoned:  # told to leave while exchanging: give the step up, as gossamer's loop does
-        if runtime.trainer is not None:
+        if isinstance(runtime.trainer, TrainFunctionTrainer):
             runtime.trainer.client.abandon()
+        if runtime.trainer is not None:
             runtime.trainer.end()
         return runtime.trainer  # type: ignore[return-value]
     trainer = runtime.trainer

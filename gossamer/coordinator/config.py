@@ -57,6 +57,10 @@ class CoordinatorConfig:
     import_check_concurrency: int = 2
     #: A check still running after this is killed and the submit queued unchecked (an event says so).
     import_check_timeout_s: float = 120.0
+    #: Largest packed code directory (`submit --workdir`) an upload may be; a bigger one is refused naming its size.
+    workdir_max_bytes: int = 64 << 20
+    #: All stored code directories together at most (those of ended experiments dropped first).
+    workdir_store_bytes: int = 1 << 30
     #: Metric points older than this are downsampled to one per source per `metrics_bucket_s`.
     metrics_retention_s: float = 6 * 3600.0
     metrics_bucket_s: float = 60.0
@@ -103,6 +107,9 @@ class CoordinatorConfig:
             raise ConfigError("import_check_concurrency", f"must be >= 1, got {self.import_check_concurrency}")
         if not 0 < self.import_check_timeout_s < float("inf"):
             raise ConfigError("import_check_timeout_s", f"must be a number of seconds > 0, got {self.import_check_timeout_s}")
+        if not 0 < self.workdir_max_bytes <= self.workdir_store_bytes:
+            raise ConfigError("workdir_max_bytes", f"must be > 0 and at most workdir_store_bytes "
+                                                   f"({self.workdir_store_bytes}), got {self.workdir_max_bytes}")
         if not self.metrics_bucket_s > 0:
             raise ConfigError("metrics_bucket_s", f"must be > 0, got {self.metrics_bucket_s}")
         for name in ("metrics_retention_s", "event_retention_s", "finished_retention_s", "lost_node_retention_s"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 from gossamer.coordinator.config import CoordinatorConfig
@@ -98,6 +99,12 @@ class Coordinator:
     # --- experiments -----------------------------------------------------------------------
     async def submit(self, experiment_json: str) -> str:
         return await self.experiments.submit(experiment_json)
+
+    async def upload_workdir(self, pieces: AsyncIterator[pb.WorkdirChunk]) -> pb.UploadWorkdirResponse:
+        return await self.experiments.workdirs.receive(pieces)
+
+    def workdir_pieces(self, req: pb.FetchWorkdirRequest) -> AsyncIterator[pb.WorkdirChunk]:
+        return self.experiments.workdir_pieces(req)
 
     def get(self, exp_id: str) -> ExpRec:
         return self.experiments.get(exp_id)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 from gossamer.coordinator import failover, final_reports, placement, views
 from gossamer.coordinator.import_checks import ImportChecker
@@ -13,6 +15,7 @@ from gossamer.coordinator.recovery import Recovery
 from gossamer.coordinator.scheduling import Scheduler
 from gossamer.coordinator.state import CoordinatorState
 from gossamer.coordinator.stragglers import StepRates, worker_speeds
+from gossamer.coordinator.workdirs import WorkdirStore
 from gossamer.core.errors import ConfigError, NotFoundError
 from gossamer.core.experiment import Experiment
 from gossamer.v1 import coordinator_pb2 as pb
@@ -28,6 +31,8 @@ class Experiments:
         self.scheduler = scheduler
         config = state.config
         self.import_checker = ImportChecker(config.import_check_concurrency, timeout_s=config.import_check_timeout_s)
+        self.workdirs = WorkdirStore(Path(config.state_dir) / "workdirs", max_bytes=config.workdir_max_bytes,
+                                     total_bytes=config.workdir_store_bytes, in_use=self._workdirs_in_use)
         self._source_steps: dict[tuple[str, str], int] = {}  # (experiment, metric source) -> last step reported
         self.step_rates = StepRates()  # per-node step rates from workers' reports (stragglers)
         state.on_forget(self._forget)
@@ -36,9 +41,18 @@ class Experiments:
         self.step_rates.forget(exp_id)
         self._source_steps = {k: v for k, v in self._source_steps.items() if k[0] != exp_id}
 
+    def _workdirs_in_use(self) -> set[str]:
+        return {w for e in self.state.exps.values() if e.active and (w := e.spec.get("workdir", ""))}
+
     async def submit(self, experiment_json: str) -> str:
         exp = Experiment.from_json(experiment_json)
-        checked = await self.import_checker.check(exp) if self.state.config.check_imports else True
+        if exp.workdir and not self.workdirs.has(exp.workdir):
+            raise ConfigError("workdir", f"{exp.workdir} is not stored on this coordinator: submit with --workdir DIR")
+        checked = True
+        if self.state.config.check_imports:
+            # Imported with the shipped files first on the path, as every role will.
+            code = str(await self.workdirs.unpacked(exp.workdir)) if exp.workdir else ""
+            checked = await self.import_checker.check(exp, code)
         self.state.seq += 1
         rec = ExpRec(id=f"{_slug(exp.name)}-{uuid.uuid4().hex[:6]}", seq=self.state.seq, name=exp.name,
                      spec_json=exp.to_json(), created_unix=time.time())
@@ -49,6 +63,19 @@ class Experiments:
             await self.store.add_event("import_check", self.import_checker.unchecked_note(), experiment_id=rec.id)
         await self.scheduler.reconcile()
         return rec.id
+
+    def workdir_pieces(self, req: pb.FetchWorkdirRequest) -> AsyncIterator[pb.WorkdirChunk]:
+        """The code directory of `req.experiment_id` for a node that runs (or is given) one of its roles.
+
+        Raises:
+            NotFoundError: unknown node, or an experiment not on that node or shipping no such digest.
+        """
+        node = self.state.nodes.get(req.node_id)
+        exp = self.state.exps.get(req.experiment_id)
+        if node is None or exp is None or node.experiment_id != exp.id or exp.spec.get("workdir") != req.digest:
+            raise NotFoundError(f"node {req.node_id!r} runs no role of an experiment {req.experiment_id!r} "
+                                f"shipping workdir {req.digest!r}")
+        return self.workdirs.pieces(req.digest)
 
     def get(self, exp_id: str) -> ExpRec:
         exp = self.state.exps.get(exp_id)

@@ -51,14 +51,16 @@ class ImportChecker:
         self._inflight: dict[Key, asyncio.Future[bool]] = {}
         self.spawned = 0  # child processes started (for tests and /metrics)
 
-    async def check(self, exp: Experiment) -> bool:
-        """True if every import path of `exp` imports; ConfigError naming the field if one does
-        not; False if the check took over `timeout_s` (nothing known, nothing cached).
+    async def check(self, exp: Experiment, code_dir: str = "") -> bool:
+        """True if every import path of `exp` imports (with `code_dir`, its shipped workdir unpacked,
+        first on the path); ConfigError naming the field if one does not; False if the check took
+        over `timeout_s` (nothing known, nothing cached).
 
         A check that times out says nothing about the user's code: on a loaded host a valid
         submit's check took over 120 s and the submit was refused as if the code were wrong.
         """
-        key = import_paths(exp)
+        # The workdir's digest is part of the key: other shipped files are another verdict.
+        key = import_paths(exp) + ((("workdir", exp.workdir),) if exp.workdir else ())
         if key in self._ok:
             return True
         failed = self._failed.get(key)
@@ -68,7 +70,7 @@ class ImportChecker:
         if pending is None:
             if len(self._inflight) >= self.concurrency + self.max_waiting:
                 raise TooManyChecks(f"{len(self._inflight)} import checks are queued; submit again later")
-            pending = asyncio.ensure_future(self._run(key))
+            pending = asyncio.ensure_future(self._run(key, code_dir))
             self._inflight[key] = pending
             pending.add_done_callback(lambda _f, k=key: self._inflight.pop(k, None))  # type: ignore[misc]
         return await asyncio.shield(pending)
@@ -78,14 +80,18 @@ class ImportChecker:
         return (f"importing its code took over {self.timeout_s:g} s here: queued unchecked; a worker that "
                 "cannot import it fails the run saying why")
 
-    async def _run(self, key: Key) -> bool:
-        args = [f"{field}={path}" for field, path in key]
+    async def _run(self, key: Key, code_dir: str) -> bool:
+        args = [f"{field}={path}" for field, path in key if field != "workdir"]
+        env = dict(os.environ)
+        if code_dir:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (code_dir, env.get("PYTHONPATH", ""))))
         async with self._slots:
             self.spawned += 1
             if _warm():
-                verdict = await asyncio.get_running_loop().run_in_executor(None, _warm_verdict, args, self.timeout_s)
+                verdict = await asyncio.get_running_loop().run_in_executor(None, _warm_verdict, args, env,
+                                                                           self.timeout_s)
             else:
-                verdict = await _cold_verdict(args, self.timeout_s)
+                verdict = await _cold_verdict(args, env, self.timeout_s)
         if verdict is None:
             log.warning("import check of %s took over %g s: not judged", ", ".join(p for _, p in key), self.timeout_s)
             return False
@@ -93,7 +99,7 @@ class ImportChecker:
             self._ok.add(key)
             return True
         field, _, msg = verdict.partition(": ")
-        fields = [f for f, _ in key]
+        fields = [f for f, _ in key if f != "workdir"]
         return self._fail(key, ConfigError(field if field in fields else fields[0], msg or verdict))
 
     def _fail(self, key: Key, error: ConfigError) -> NoReturn:
@@ -104,9 +110,9 @@ class ImportChecker:
         raise error
 
 
-async def _cold_verdict(args: list[str], timeout_s: float) -> str | None:
+async def _cold_verdict(args: list[str], env: dict[str, str], timeout_s: float) -> str | None:
     """The verdict of a fresh interpreter (None: it took over `timeout_s` and was killed)."""
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gossamer.core.import_check", *args,
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gossamer.core.import_check", *args, env=env,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
@@ -129,11 +135,11 @@ def _warm() -> bool:
     return _adopted
 
 
-def _warm_verdict(args: list[str], timeout_s: float) -> str | None:
+def _warm_verdict(args: list[str], env: dict[str, str], timeout_s: float) -> str | None:
     """The verdict of a process forked from the zygote; blocks (run it in an executor)."""
     ctx = mp.get_context("forkserver")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=send_verdict, args=(args, send, dict(os.environ)), name="gossamer-import-check", daemon=True)
+    proc = ctx.Process(target=send_verdict, args=(args, send, env), name="gossamer-import-check", daemon=True)
     proc.start()
     send.close()
     try:

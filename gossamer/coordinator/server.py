@@ -92,6 +92,10 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         nodes = sorted(self.c.nodes.values(), key=lambda n: n.joined_unix)
         return pb.ListNodesResponse(nodes=[views.node_info(n, self.c.exps.get(n.experiment_id), time.time()) for n in nodes])
 
+    async def FetchWorkdir(self, request, context) -> AsyncIterator[pb.WorkdirChunk]:  # type: ignore[no-untyped-def,override]
+        async for piece in self.c.workdir_pieces(request):
+            yield piece
+
 
 class ExperimentServicer(pb_grpc.ExperimentServiceServicer):
     def __init__(self, server: CoordinatorServer) -> None:
@@ -103,6 +107,9 @@ class ExperimentServicer(pb_grpc.ExperimentServiceServicer):
 
     async def Submit(self, request, context):  # type: ignore[no-untyped-def]
         return pb.SubmitResponse(experiment_id=await self.c.submit(request.experiment_json))
+
+    async def UploadWorkdir(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        return await self.c.upload_workdir(request_iterator)
 
     async def Get(self, request, context):  # type: ignore[no-untyped-def]
         return self.c.status(self.c.get(request.experiment_id))

@@ -19,6 +19,7 @@ from gossamer.core.errors import ConfigError
 from gossamer.core.experiment_sections import flatten
 from gossamer.core.lr_schedule import LR_SCHEDULES
 from gossamer.core.modes import MODES, OUTER_STEPS, TOPOLOGIES, Mode, mode_of, resolve
+from gossamer.core.workdir import is_digest
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,6 +69,7 @@ class Experiment:
     # Each field's section, meaning and modes: `experiment_sections.SECTIONS`, one entry per field
     # (docs/experiment.md is generated from it; a file may group the fields in section tables).
     name: str
+    workdir: str = ""
     train: str = ""
     model: str = ""
     dataset: str = ""
@@ -269,6 +271,9 @@ def _check_identity(exp: Experiment) -> None:
     """`name`, and what to train: `model`, `dataset` and their arguments."""
     if not isinstance(exp.name, str) or not exp.name.strip():
         raise ConfigError("name", "must be a non-empty string")
+    if not isinstance(exp.workdir, str) or (exp.workdir and not is_digest(exp.workdir)):
+        raise ConfigError("workdir", f"must be the 'sha256:<64 hex>' of code shipped with `submit --workdir DIR` "
+                                     f"(or empty), got {exp.workdir!r}")
     if not isinstance(exp.train, str):
         raise ConfigError("train", f"must be a string 'package.module:fn' (or empty), got {type(exp.train).__name__}")
     if exp.train:

@@ -44,6 +44,8 @@ SECTIONS: tuple[Section, ...] = (
         FieldDoc("max_workers", "most workers the run takes"),
     )),
     Section("data", "what to train: the model, the data, the loss and the batch", (
+        FieldDoc("workdir", '"sha256:<hex>" of the code directory `submit --workdir DIR` shipped (set by the '
+                            "client): first on every role's sys.path (docs/experiments.md)"),
         FieldDoc("train", '"package.module:fn": your own loop, fn(ctx) on every worker rank; replaces '
                           "model, dataset, loss, collate and metrics"),
         FieldDoc("model", '"package.module:callable" returning the nn.Module, called with model_args'),

@@ -164,6 +164,8 @@ class RoleSpec:
     #: The file this process logs to besides stderr, its last traceback beside it ("": none), which the
     #: node's agent serves to `gossamer logs`.
     log_file: str = ""
+    #: The experiment's shipped code directory as unpacked on this node ("": none), first on `sys.path`.
+    workdir: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -27,6 +28,9 @@ def setup(spec: RoleSpec) -> None:
     from gossamer.node import late_imports
 
     late_imports.forget()  # forked from the fork server with its handler
+    if spec.workdir:  # the user's shipped code before anything else, and for the role's own children too
+        sys.path.insert(0, spec.workdir)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (spec.workdir, os.environ.get("PYTHONPATH"))))
     name_process(f"gossamer-{spec.label}")
     configure(spec.log_level, spec.log_format, role=spec.label, node=spec.node_name, experiment=spec.experiment_id)
     if spec.log_file:

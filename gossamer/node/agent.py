@@ -41,6 +41,7 @@ from gossamer.node.warm import (
     wait_for_fork_server,
     warm_up_in_background,
 )
+from gossamer.node.workdir_cache import WorkdirCache, workdir_of
 from gossamer.security.channel import (
     ChannelSecurity,
     coordinator_addresses,
@@ -207,6 +208,7 @@ class NodeAgent:
         self._roles = role_context(warm=False)  # until the fork server is warm (`_warm_up`)
         self._warm: asyncio.Task[None] | None = None
         self._late_asked = False  # the fork server was told to import LATE_MODULES (`_import_late`, `_late_before`)
+        self.workdirs = WorkdirCache(os.path.join(config.run_dir or default_run_dir(), "workdirs"))
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
@@ -483,7 +485,7 @@ class NodeAgent:
                             # drop is how the coordinator sees this node die (kill -9) within 2 heartbeats.
                             await self._warm
                         await self._late_before(list(aset.assignments))
-                        self._apply(list(aset.assignments))
+                        self._apply(await self.workdirs.ready(self._stub, self.node_id, list(aset.assignments)))
             except grpc.RpcError as e:
                 log.debug("assignment stream ended (%s); reconnecting", e.code())
             await asyncio.sleep(1.0)
@@ -541,7 +543,7 @@ class NodeAgent:
             log_level=self.config.log_level, log_format=self.config.log_format,
             security=self.config.security.spec() if self.config.security else None,
             curve_public=keys.public if keys else "", curve_secret=keys.secret if keys else "",
-            assignment=self._update_of(a), lease_until=self.lease_until,
+            assignment=self._update_of(a), lease_until=self.lease_until, workdir=self.workdirs.path(workdir_of(a)),
         )
 
     def _checkpoint_dir(self, a: pb.Assignment) -> str:

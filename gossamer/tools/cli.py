@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -78,7 +79,9 @@ def _retention_config(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {field: getattr(args, flag.removeprefix("--").replace("-", "_"))
                            for flag, field, _, _ in RETENTION_FLAGS}
     return {**out, "import_check_concurrency": args.import_check_concurrency,
-            "import_check_timeout_s": args.import_check_timeout}
+            "import_check_timeout_s": args.import_check_timeout,
+            "workdir_max_bytes": int(args.workdir_max_mib * (1 << 20)),
+            "workdir_store_bytes": int(args.workdir_store_mib * (1 << 20))}
 
 
 def _curve_flag(args: argparse.Namespace) -> bool | None:
@@ -211,6 +214,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     exp = Experiment.from_toml(args.file, overrides=_parse_set(args.set))
     client = _client(args)
+    if args.workdir:
+        shipped = client.upload_workdir(args.workdir)
+        print(f"gossamer: shipped {args.workdir}: {shipped}", file=sys.stderr)
+        exp = dataclasses.replace(exp, workdir=shipped.digest)
     job = client.submit(exp)
     print(job.id, flush=True)
     st = job.status()

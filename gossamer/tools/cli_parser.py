@@ -285,6 +285,12 @@ def _add_retention_flags(p: argparse.ArgumentParser) -> None:
     _add(g, "--import-check-timeout", type=float, default=120.0,
             help="seconds one import check may run; a slower one is killed and the experiment queued "
                  "unchecked, with an event saying so (env GOSSAMER_IMPORT_CHECK_TIMEOUT)")
+    _add(g, "--workdir-max-mib", type=float, default=64.0,
+            help="largest packed code directory `submit --workdir` may ship; a bigger one is refused naming "
+                 "its size (env GOSSAMER_WORKDIR_MAX_MIB)")
+    _add(g, "--workdir-store-mib", type=float, default=1024.0,
+            help="all stored code directories together at most; those no active experiment names are "
+                 "dropped first (env GOSSAMER_WORKDIR_STORE_MIB)")
 
 
 def _coordinator_parser(sub: Any) -> None:
@@ -411,6 +417,9 @@ def _client_parsers(sub: Any) -> None:
     _add(s, "--quiet", "-q", action="store_true", help="no progress bar")
     s.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a field (from the environment: GOSSAMER_EXP_<FIELD>=VALUE, which --set beats)")
+    _add(s, "--workdir", default=None, metavar="DIR",
+         help="ship DIR's files with the experiment: packed, stored by the coordinator, fetched by each node "
+              "and put first on its roles' sys.path (docs/experiments.md) (env GOSSAMER_WORKDIR)")
     _add_client_flags(s)
     s.set_defaults(fn="submit")
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -12,6 +14,7 @@ import grpc
 
 from gossamer.core.errors import AuthError, ConfigError, GossamerError, UnavailableError
 from gossamer.core.experiment import Experiment
+from gossamer.core.workdir import pack
 from gossamer.security.channel import (
     ChannelSecurity,
     coordinator_addresses,
@@ -78,6 +81,20 @@ def parse_role(role: str) -> tuple[pb.Role.ValueType, int]:
     if kind not in roles or not index.isdigit():
         raise ConfigError("role", f"expected worker/N or ps/N, got {role!r}")
     return roles[kind], int(index)
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """A code directory stored on the coordinator (`Client.upload_workdir`)."""
+
+    digest: str
+    size: int
+    files: int
+    already_stored: bool
+
+    def __str__(self) -> str:
+        again = ", stored before" if self.already_stored else ""
+        return f"{self.files} files, {self.size / 1024:.1f} KiB packed, {self.digest[:19]}{again}"
 
 
 @dataclass(frozen=True)
@@ -301,9 +318,35 @@ class Client:
                     raise UnavailableError(f"coordinator at {self.address} is unreachable") from None
             time.sleep(0.2)
 
-    def submit(self, experiment: Experiment | dict[str, Any]) -> Job:
-        """Queue an experiment. ConfigError (naming the field) when the coordinator refuses it."""
+    def upload_workdir(self, directory: str | os.PathLike[str]) -> Shipped:
+        """Pack `directory` (skipping caches and version control: `gossamer.core.workdir.SKIPPED`) and
+        store it on the coordinator, once per content; an Experiment's `workdir` then names it.
+
+        Raises:
+            ConfigError: not a directory, or (field workdir) over the coordinator's cap, naming the size.
+        """
+        packed = pack(directory)
+
+        def pieces() -> Iterator[pb.WorkdirChunk]:
+            for i, data in enumerate(packed.chunks()):
+                yield pb.WorkdirChunk(digest=packed.digest, size=packed.size, data=data) if i == 0 \
+                    else pb.WorkdirChunk(data=data)
+
+        with packed.data:
+            resp = self._call(self._exp.UploadWorkdir, pieces(), retry=False,
+                              timeout=max(self.timeout, _SUBMIT_TIMEOUT_S))
+        return Shipped(digest=resp.digest, size=resp.size, files=packed.files, already_stored=resp.already_stored)
+
+    def submit(self, experiment: Experiment | dict[str, Any], *, workdir: str | os.PathLike[str] | None = None) -> Job:
+        """Queue an experiment. ConfigError (naming the field) when the coordinator refuses it.
+
+        `workdir`: a directory shipped with it (`upload_workdir`), first on the path of every role
+        process and of the submit-time import check, so `model = "mymod:model"` may name a module
+        that exists only there.
+        """
         exp = experiment if isinstance(experiment, Experiment) else Experiment.from_dict(experiment)
+        if workdir is not None:
+            exp = dataclasses.replace(exp, workdir=self.upload_workdir(workdir).digest)
         # The coordinator imports the model and dataset in a child interpreter before it
         # accepts (up to 120 s); on a loaded machine that alone can outlast the RPC timeout.
         # Not called again on UNAVAILABLE: a leader lost after it queued the run would queue it twice.
@@ -331,4 +374,4 @@ class Client:
         ]
 
 
-__all__ = ["Client", "GossamerError", "Job", "Result"]
+__all__ = ["Client", "GossamerError", "Job", "Result", "Shipped"]

@@ -1744,6 +1744,96 @@ class RoleLog(_message.Message):
 Global___RoleLog: _TypeAlias = RoleLog  # noqa: Y015
 
 @_typing.final
+class WorkdirChunk(_message.Message):
+    """One piece of a packed code directory (a tar.gz of the user's files; gossamer.core.workdir)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIGEST_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    digest: _builtins.str
+    """"sha256:<hex>" of the whole archive; set on the first piece of an upload and of a fetch."""
+    size: _builtins.int
+    """The whole archive's size in bytes; set on the first piece."""
+    data: _builtins.bytes
+    """The next bytes of the archive (at most 1 MiB a piece)."""
+    def __init__(
+        self,
+        *,
+        digest: _builtins.str = ...,
+        size: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "digest", b"digest", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkdirChunk: _TypeAlias = WorkdirChunk  # noqa: Y015
+
+@_typing.final
+class UploadWorkdirResponse(_message.Message):
+    """Answer to UploadWorkdir."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIGEST_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    ALREADY_STORED_FIELD_NUMBER: _builtins.int
+    digest: _builtins.str
+    """"sha256:<hex>" of what is stored: the value of the Experiment's `workdir`."""
+    size: _builtins.int
+    """Its size in bytes."""
+    already_stored: _builtins.bool
+    """The same content was stored already (kept once)."""
+    def __init__(
+        self,
+        *,
+        digest: _builtins.str = ...,
+        size: _builtins.int = ...,
+        already_stored: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_stored", b"already_stored", "digest", b"digest", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadWorkdirResponse: _TypeAlias = UploadWorkdirResponse  # noqa: Y015
+
+@_typing.final
+class FetchWorkdirRequest(_message.Message):
+    """Fetch an experiment's code directory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    EXPERIMENT_ID_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node asking: it must run (or be assigned) a role of the experiment."""
+    experiment_id: _builtins.str
+    """The experiment whose `workdir` it is."""
+    digest: _builtins.str
+    """The digest the node's assignment names ("sha256:<hex>")."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        experiment_id: _builtins.str = ...,
+        digest: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "experiment_id", b"experiment_id", "node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchWorkdirRequest: _TypeAlias = FetchWorkdirRequest  # noqa: Y015
+
+@_typing.final
 class CheckpointInfo(_message.Message):
     """A saved checkpoint."""
 

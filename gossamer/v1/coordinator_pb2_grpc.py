@@ -65,6 +65,11 @@ class NodeServiceStub:
                 request_serializer=gossamer_dot_v1_dot_coordinator__pb2.ListNodesRequest.SerializeToString,
                 response_deserializer=gossamer_dot_v1_dot_coordinator__pb2.ListNodesResponse.FromString,
                 _registered_method=True)
+        self.FetchWorkdir = channel.unary_stream(
+                '/gossamer.v1.NodeService/FetchWorkdir',
+                request_serializer=gossamer_dot_v1_dot_coordinator__pb2.FetchWorkdirRequest.SerializeToString,
+                response_deserializer=gossamer_dot_v1_dot_coordinator__pb2.WorkdirChunk.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -113,6 +118,13 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchWorkdir(self, request, context):
+        """The code directory of an experiment this node runs a role of, in pieces (NOT_FOUND: not stored).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +157,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=gossamer_dot_v1_dot_coordinator__pb2.ListNodesRequest.FromString,
                     response_serializer=gossamer_dot_v1_dot_coordinator__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'FetchWorkdir': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchWorkdir,
+                    request_deserializer=gossamer_dot_v1_dot_coordinator__pb2.FetchWorkdirRequest.FromString,
+                    response_serializer=gossamer_dot_v1_dot_coordinator__pb2.WorkdirChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -320,6 +337,33 @@ class NodeService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def FetchWorkdir(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gossamer.v1.NodeService/FetchWorkdir',
+            gossamer_dot_v1_dot_coordinator__pb2.FetchWorkdirRequest.SerializeToString,
+            gossamer_dot_v1_dot_coordinator__pb2.WorkdirChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ExperimentServiceStub:
     """Experiments: queue, status, metrics.
@@ -380,6 +424,11 @@ class ExperimentServiceStub:
                 '/gossamer.v1.ExperimentService/GetRoleLog',
                 request_serializer=gossamer_dot_v1_dot_coordinator__pb2.GetRoleLogRequest.SerializeToString,
                 response_deserializer=gossamer_dot_v1_dot_coordinator__pb2.RoleLog.FromString,
+                _registered_method=True)
+        self.UploadWorkdir = channel.stream_unary(
+                '/gossamer.v1.ExperimentService/UploadWorkdir',
+                request_serializer=gossamer_dot_v1_dot_coordinator__pb2.WorkdirChunk.SerializeToString,
+                response_deserializer=gossamer_dot_v1_dot_coordinator__pb2.UploadWorkdirResponse.FromString,
                 _registered_method=True)
 
 
@@ -457,6 +506,15 @@ class ExperimentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadWorkdir(self, request_iterator, context):
+        """Store a packed code directory (the first piece names its digest and size); an Experiment's
+        `workdir` then names it. INVALID_ARGUMENT (field workdir) when over the coordinator's cap or
+        when the bytes do not match the digest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExperimentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -509,6 +567,11 @@ def add_ExperimentServiceServicer_to_server(servicer, server):
                     servicer.GetRoleLog,
                     request_deserializer=gossamer_dot_v1_dot_coordinator__pb2.GetRoleLogRequest.FromString,
                     response_serializer=gossamer_dot_v1_dot_coordinator__pb2.RoleLog.SerializeToString,
+            ),
+            'UploadWorkdir': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadWorkdir,
+                    request_deserializer=gossamer_dot_v1_dot_coordinator__pb2.WorkdirChunk.FromString,
+                    response_serializer=gossamer_dot_v1_dot_coordinator__pb2.UploadWorkdirResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -782,6 +845,33 @@ class ExperimentService:
             '/gossamer.v1.ExperimentService/GetRoleLog',
             gossamer_dot_v1_dot_coordinator__pb2.GetRoleLogRequest.SerializeToString,
             gossamer_dot_v1_dot_coordinator__pb2.RoleLog.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadWorkdir(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/gossamer.v1.ExperimentService/UploadWorkdir',
+            gossamer_dot_v1_dot_coordinator__pb2.WorkdirChunk.SerializeToString,
+            gossamer_dot_v1_dot_coordinator__pb2.UploadWorkdirResponse.FromString,
             options,
             channel_credentials,
             insecure,

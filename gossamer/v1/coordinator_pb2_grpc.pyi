@@ -51,6 +51,8 @@ class NodeServiceStub:
     """A role's process reports progress."""
     ListNodes: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListNodesRequest, _coordinator_pb2.ListNodesResponse]
     """All known nodes."""
+    FetchWorkdir: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.FetchWorkdirRequest, _coordinator_pb2.WorkdirChunk]
+    """The code directory of an experiment this node runs a role of, in pieces (NOT_FOUND: not stored)."""
 
 @_typing.type_check_only
 class NodeServiceAsyncStub(NodeServiceStub):
@@ -69,6 +71,8 @@ class NodeServiceAsyncStub(NodeServiceStub):
     """A role's process reports progress."""
     ListNodes: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListNodesRequest, _coordinator_pb2.ListNodesResponse]  # type: ignore[assignment]
     """All known nodes."""
+    FetchWorkdir: _aio.UnaryStreamMultiCallable[_coordinator_pb2.FetchWorkdirRequest, _coordinator_pb2.WorkdirChunk]  # type: ignore[assignment]
+    """The code directory of an experiment this node runs a role of, in pieces (NOT_FOUND: not stored)."""
 
 class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
     """Membership and roles."""
@@ -121,6 +125,14 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.ListNodesResponse, _abc.Awaitable[_coordinator_pb2.ListNodesResponse]]:
         """All known nodes."""
 
+    @_abc_1.abstractmethod
+    def FetchWorkdir(
+        self,
+        request: _coordinator_pb2.FetchWorkdirRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.WorkdirChunk], _abc.AsyncIterator[_coordinator_pb2.WorkdirChunk]]:
+        """The code directory of an experiment this node runs a role of, in pieces (NOT_FOUND: not stored)."""
+
 def add_NodeServiceServicer_to_server(servicer: NodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class ExperimentServiceStub:
@@ -150,6 +162,11 @@ class ExperimentServiceStub:
     """The event log (failures, detections, reassignments, discarded updates)."""
     GetRoleLog: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetRoleLogRequest, _coordinator_pb2.RoleLog]
     """A role's log and last traceback from the node that ran it; NOT_FOUND when no live node holds one."""
+    UploadWorkdir: _grpc.StreamUnaryMultiCallable[_coordinator_pb2.WorkdirChunk, _coordinator_pb2.UploadWorkdirResponse]
+    """Store a packed code directory (the first piece names its digest and size); an Experiment's
+    `workdir` then names it. INVALID_ARGUMENT (field workdir) when over the coordinator's cap or
+    when the bytes do not match the digest.
+    """
 
 @_typing.type_check_only
 class ExperimentServiceAsyncStub(ExperimentServiceStub):
@@ -176,6 +193,11 @@ class ExperimentServiceAsyncStub(ExperimentServiceStub):
     """The event log (failures, detections, reassignments, discarded updates)."""
     GetRoleLog: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetRoleLogRequest, _coordinator_pb2.RoleLog]  # type: ignore[assignment]
     """A role's log and last traceback from the node that ran it; NOT_FOUND when no live node holds one."""
+    UploadWorkdir: _aio.StreamUnaryMultiCallable[_coordinator_pb2.WorkdirChunk, _coordinator_pb2.UploadWorkdirResponse]  # type: ignore[assignment]
+    """Store a packed code directory (the first piece names its digest and size); an Experiment's
+    `workdir` then names it. INVALID_ARGUMENT (field workdir) when over the coordinator's cap or
+    when the bytes do not match the digest.
+    """
 
 class ExperimentServiceServicer(metaclass=_abc_1.ABCMeta):
     """Experiments: queue, status, metrics."""
@@ -259,6 +281,17 @@ class ExperimentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.RoleLog, _abc.Awaitable[_coordinator_pb2.RoleLog]]:
         """A role's log and last traceback from the node that ran it; NOT_FOUND when no live node holds one."""
+
+    @_abc_1.abstractmethod
+    def UploadWorkdir(
+        self,
+        request_iterator: _MaybeAsyncIterator[_coordinator_pb2.WorkdirChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.UploadWorkdirResponse, _abc.Awaitable[_coordinator_pb2.UploadWorkdirResponse]]:
+        """Store a packed code directory (the first piece names its digest and size); an Experiment's
+        `workdir` then names it. INVALID_ARGUMENT (field workdir) when over the coordinator's cap or
+        when the bytes do not match the digest.
+        """
 
 def add_ExperimentServiceServicer_to_server(servicer: ExperimentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

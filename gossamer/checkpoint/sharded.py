@@ -532,8 +532,8 @@ class AsyncCheckpointer:
         if thread is not None:
             thread.join(timeout)
 
-    def close(self) -> None:
-        """Refuse further snapshots and wait for the running save."""
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse further snapshots and wait for the running save (at most `timeout` seconds)."""
         with self._lock:
             self._closed = True
-        self.wait()
+        self.wait(timeout)

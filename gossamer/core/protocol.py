@@ -126,6 +126,20 @@ class LeaseRenewal:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ShardStop:
+    """Node agent -> shard process: stop (a SIGTERM follows). A SIGTERM without it came from outside
+    (the machine or the batch job stopping, which reaches the agent too): the shard serves on until this.
+
+    `checkpoint_s` > 0: the node leaves gracefully and no backup of this shard is assigned. The
+    shard stops acknowledging, writes its state as the newest checkpoint and registers it within
+    that many seconds, then exits; only then does the agent leave, so the restore the coordinator
+    places elsewhere takes that checkpoint and loses nothing acknowledged.
+    """
+
+    checkpoint_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class RoleSpec:
     """Everything a role process (a shard, or one local rank of a worker) is started with."""
 

@@ -12,7 +12,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from gossamer.core.errors import ProtocolError
-from gossamer.core.protocol import AssignmentUpdate, LeaseRenewal, RoleSpec
+from gossamer.core.protocol import AssignmentUpdate, LeaseRenewal, RoleSpec, ShardStop
 from gossamer.security.curve import CurveKeyPair, CurveKeyring
 
 log = logging.getLogger(__name__)
@@ -112,11 +112,13 @@ def fault_delay(worker_index: int) -> float:
     return 0.0
 
 
-def drain(conn: Connection | None, on_lease: Callable[[LeaseRenewal], None] | None = None) -> AssignmentUpdate | None:
+def drain(conn: Connection | None, on_lease: Callable[[LeaseRenewal], None] | None = None,
+          on_stop: Callable[[ShardStop], None] | None = None) -> AssignmentUpdate | None:
     """The newest assignment update waiting on the agent's pipe (None if none).
 
     `on_lease` gets each lease renewal (a shard), and a revoked one (`until` 0) when the agent
-    is gone (the pipe closed): nobody renews the lease any more.
+    is gone (the pipe closed): nobody renews the lease any more. `on_stop` gets the agent's word
+    that a shard stops (`ShardStop`).
     """
     latest = None
     try:
@@ -125,6 +127,10 @@ def drain(conn: Connection | None, on_lease: Callable[[LeaseRenewal], None] | No
             if isinstance(msg, LeaseRenewal):
                 if on_lease is not None:
                     on_lease(msg)
+                continue
+            if isinstance(msg, ShardStop):
+                if on_stop is not None:
+                    on_stop(msg)
                 continue
             if not isinstance(msg, AssignmentUpdate):
                 raise ProtocolError(f"update: expected an AssignmentUpdate, got {type(msg).__name__}")

@@ -21,7 +21,13 @@ import grpc
 from gossamer.checkpoint.file_server import CheckpointFileServer
 from gossamer.core.errors import AuthError, ConfigError, UnavailableError
 from gossamer.core.modes import resolve
-from gossamer.core.protocol import AssignmentUpdate, LeaseRenewal, RoleSpec, shard_lease_s
+from gossamer.core.protocol import (
+    AssignmentUpdate,
+    LeaseRenewal,
+    RoleSpec,
+    ShardStop,
+    shard_lease_s,
+)
 from gossamer.core.role_log_names import log_stem
 from gossamer.node._role_process import EXIT_REPORTED
 from gossamer.node.attach import AttachedRanks, RolePipe, RoleProcess
@@ -355,9 +361,12 @@ class NodeAgent:
 
         1. Workers finish (or abandon) their step, LEAVE the shards and exit: an update is
            applied whole or not at all.
-        2. Leave the coordinator: it promotes the backups of shards hosted here and points
+        2. A primary shard with no backup stops acknowledging, writes its state as the newest
+           checkpoint and registers it, then exits (`ShardStop`): the restore the Leave brings
+           about takes that checkpoint and loses nothing acknowledged.
+        3. Leave the coordinator: it promotes the backups of shards hosted here and points
            the workers at them.
-        3. Shard processes stop. Their backups already hold every acknowledged update, and a
+        4. Shard processes stop. Their backups already hold every acknowledged update, and a
            push caught in between is re-sent by its worker and applied once.
         """
         t0 = time.monotonic()
@@ -365,9 +374,11 @@ class NodeAgent:
         workers = {k: r for k, r in self.running.items() if k[1] != pb.ROLE_PARAMETER_SERVER}
         await self._stop_runs(workers, max(0.0, (deadline - time.monotonic()) * 0.6))
         assert self._stub is not None
-        self._leaving = True
         # Keep a quarter of the grace (at most 5 s) to stop the shards once the Leave is answered.
         reserve = min(5.0, 0.25 * self.config.grace_s)
+        # And as much again for the Leave itself after the shards' final checkpoints.
+        await self._final_checkpoints(max(0.0, deadline - time.monotonic() - 2 * reserve))
+        self._leaving = True
         failed = await deliver_leave(self._stub, pb.LeaveRequest(node_id=self.node_id, reason=reason),
                                      until=max(time.monotonic() + 1.0, deadline - reserve))
         if failed is not None:
@@ -380,6 +391,25 @@ class NodeAgent:
         if self.metrics is not None:
             await self.metrics.stop()
         log.info("left the cluster in %.1f s", time.monotonic() - t0)
+
+    async def _final_checkpoints(self, seconds: float) -> None:
+        """Every primary shard here with no backup assigned writes its final checkpoint within `seconds` and exits.
+
+        Before the Leave: once the coordinator hears of it, it restores those shards elsewhere from
+        the newest checkpoint it can find, and the coordinator may be gone by then (a batch job's end).
+        A shard still running after `seconds` (and a second for its exit) is stopped.
+        """
+        alone = {k: r for k, r in self.running.items()
+                 if k[1] == pb.ROLE_PARAMETER_SERVER and r.assignment.replica == 0 and not r.assignment.backup_endpoint}
+        if not alone:
+            return
+        for run in alone.values():
+            run.stopping = True  # its exit is no failure
+            self._tell(run, ShardStop(checkpoint_s=seconds))
+        until = time.monotonic() + seconds + 1.0
+        while time.monotonic() < until and any(_alive(p) for r in alone.values() for p in r.procs):
+            await asyncio.sleep(0.05)
+        await self._stop_runs(alone, 0.0)
 
     async def _leave_unanswered_join(self) -> None:
         """A Join that timed out may still be served once the coordinator catches up (it names the node by
@@ -499,13 +529,8 @@ class NodeAgent:
 
     def _tell_shards(self, lease: LeaseRenewal) -> None:
         for run in self.running.values():
-            if run.assignment.role != pb.ROLE_PARAMETER_SERVER:
-                continue
-            for pipe in run.pipes:
-                try:
-                    pipe.send(lease)
-                except (BrokenPipeError, OSError):
-                    pass
+            if run.assignment.role == pb.ROLE_PARAMETER_SERVER:
+                self._tell(run, lease)
 
     # --- roles -------------------------------------------------------------------------
     @property
@@ -613,14 +638,21 @@ class NodeAgent:
         if a.SerializeToString(deterministic=True) == run.assignment.SerializeToString(deterministic=True):
             return
         run.assignment = a
+        self._tell(run, self._update_of(a))
+
+    @staticmethod
+    def _tell(run: _Running, msg: AssignmentUpdate | LeaseRenewal | ShardStop) -> None:
+        """Send `msg` to each of `run`'s processes (one that is gone is past hearing it)."""
         for pipe in run.pipes:
             try:
-                pipe.send(self._update_of(a))
+                pipe.send(msg)
             except (BrokenPipeError, OSError):
                 pass
 
     def _terminate(self, run: _Running) -> None:
         run.stopping = True
+        if run.assignment.role == pb.ROLE_PARAMETER_SERVER:
+            self._tell(run, ShardStop())  # the SIGTERM is the agent's: a shard heeds it
         for p in run.procs:
             if p.is_alive():
                 p.terminate()  # SIGTERM; an attached rank passes it on to its child
@@ -687,6 +719,26 @@ class NodeAgent:
             )
         except grpc.RpcError:
             pass
+
+
+def _alive(p: RoleProcess) -> bool:
+    """Whether `p` runs, asked of the process itself where `is_alive` may not know.
+
+    A role forked by the fork server looks gone to `is_alive` once that server has exited, and a
+    batch job's end signals the fork server along with everything else.
+    """
+    if p.is_alive():
+        return True
+    pid = getattr(p, "pid", None)
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _curve_keypair() -> CurveKeyPair | None:

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import msgpack
 
 from gossamer.core.errors import ConfigError, ProtocolError, UnavailableError
-from gossamer.core.protocol import AssignmentUpdate, LeaseRenewal, RoleSpec
+from gossamer.core.protocol import AssignmentUpdate, LeaseRenewal, RoleSpec, ShardStop
 from gossamer.node.launcher import Launch
 
 log = logging.getLogger(__name__)
@@ -62,9 +62,10 @@ class RoleProcess(Protocol):
 
 
 class RolePipe(Protocol):
-    """Where the agent sends a running role its assignment updates (and a shard its lease renewals)."""
+    """Where the agent sends a running role its assignment updates (and a shard its lease renewals and the
+    node's leaving)."""
 
-    def send(self, obj: AssignmentUpdate | LeaseRenewal) -> None: ...
+    def send(self, obj: AssignmentUpdate | LeaseRenewal | ShardStop) -> None: ...
 
     def close(self) -> None: ...
 
@@ -143,9 +144,9 @@ class RemotePipe:
     def __init__(self, peer: _Rank, seq: int) -> None:
         self._peer, self._seq = peer, seq
 
-    def send(self, obj: AssignmentUpdate | LeaseRenewal) -> None:
-        if isinstance(obj, LeaseRenewal):
-            return  # only shards keep a lease, and a shard never runs attached
+    def send(self, obj: AssignmentUpdate | LeaseRenewal | ShardStop) -> None:
+        if isinstance(obj, LeaseRenewal | ShardStop):
+            return  # only shards keep a lease or are told to stop, and a shard never runs attached
         self._peer.send({"op": "update", "seq": self._seq, "update": obj.to_dict()})
 
     def close(self) -> None:

@@ -118,20 +118,25 @@ class Reporter:
 
     def checkpoint(self, step: int, path: str, kind: str, node_id: str = "") -> None:
         """Register a checkpoint written on node `node_id`'s disk ("": not said)."""
-        info = pb.CheckpointInfo(experiment_id=self.experiment_id, step=step, path=path, kind=kind, node_id=node_id)
-        self._retry(lambda: self._ckpt.Register(pb.RegisterCheckpointRequest(checkpoint=info), timeout=5.0), 30.0)
+        self.register(step, path, kind, node_id)
 
-    def _retry(self, call, retry_s: float) -> None:  # type: ignore[no-untyped-def]
+    def register(self, step: int, path: str, kind: str, node_id: str = "", retry_s: float = 30.0) -> bool:
+        """`checkpoint`, retried for `retry_s` at most; whether the coordinator took it."""
+        info = pb.CheckpointInfo(experiment_id=self.experiment_id, step=step, path=path, kind=kind, node_id=node_id)
+        return self._retry(lambda: self._ckpt.Register(pb.RegisterCheckpointRequest(checkpoint=info),
+                                                       timeout=max(0.1, min(5.0, retry_s))), retry_s)
+
+    def _retry(self, call, retry_s: float) -> bool:  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + retry_s
         while True:
             try:
                 call()
-                return
+                return True
             except grpc.RpcError as e:
                 retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 if not retryable or time.monotonic() > deadline:
                     log.error("coordinator call failed: %s %s", e.code(), e.details())
-                    return
+                    return False
                 time.sleep(0.5)
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from gossamer.core.protocol import (
     AssignmentUpdate,
     LeaseRenewal,
     RoleSpec,
+    ShardStop,
 )
 from gossamer.engine.model import build
 from gossamer.node._role_process import EXIT_REPORTED, drain, keyring_of, refresh_keyring
@@ -74,6 +75,15 @@ class ServerRole:
         self.endpoint = ""
         self._sent: tuple[bool | None, bool | None] = (None, None)  # (replicated, primary) the coordinator knows
         self._ckpt_failures_sent = 0  # checkpoint write failures the coordinator was told of
+        self._saved_step = -1  # of the newest checkpoint written
+        self._registered = False  # the coordinator took it
+        #: time.monotonic() by which the final checkpoint must be written and registered (None: not leaving).
+        self.leaving_until: float | None = None
+        self.agent_stop = False  # the agent said stop: a SIGTERM is its (else from outside: serve on until it says)
+        self._serve_stop = threading.Event()  # the serve thread's, set once this role stops
+        self._outside_signal = False
+        self._revoked = False  # the agent revoked the lease for good, or is gone (its pipe closed)
+        self._abandoned = False  # a final checkpoint still writing when the node's grace ran out
         self.server: ShardServer
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -89,8 +99,8 @@ class ServerRole:
             raise SystemExit(EXIT_REPORTED) from None
         finally:
             if self.checkpointer is not None:
-                self.checkpointer.close()
-        self.reporter.flush()
+                self.checkpointer.close(timeout=0.0 if self._abandoned else None)
+        self.reporter.flush(10.0 if self.leaving_until is None else max(0.0, self.leaving_until - time.monotonic()))
         self.reporter.close()
 
     def _start(self) -> None:
@@ -132,18 +142,23 @@ class ServerRole:
         self._report()
 
     def _serve(self) -> None:
-        thread = threading.Thread(target=self.server.serve, args=(self.stop,), name=f"serve-shard-{self.shard}",
+        thread = threading.Thread(target=self.server.serve, args=(self._serve_stop,), name=f"serve-shard-{self.shard}",
                                   daemon=True)
         thread.start()
         next_metrics = time.monotonic()
-        while not self.stop.wait(0.1):
+        while not self._stopping():
             if not thread.is_alive():
                 # Never stay alive and heartbeating without serving: fail the process, so the
                 # coordinator fails the shard over (promotes its backup, or restores it).
                 why = self.server.serve_failure
                 raise RuntimeError(f"the serve thread of shard {self.shard} died: "
                                    f"{type(why).__name__ if why else 'exited'}: {why}")
-            update = drain(self.conn, self._lease)
+            update = drain(self.conn, self._lease, self._agent_stop)
+            if self.leaving_until is not None:
+                self._final_checkpoint(self.leaving_until)
+                break
+            if self.agent_stop:
+                break
             if update is not None:
                 refresh_keyring(self.keyring, update)  # members and server keys: read by the ZAP thread as well
                 self.server.post(lambda u=update: self._apply(u))  # type: ignore[misc]
@@ -153,8 +168,28 @@ class ServerRole:
             if time.monotonic() >= next_metrics:
                 next_metrics += 1.0
                 self._metrics()
+        self._serve_stop.set()
         thread.join(timeout=5)
         self.server.close()
+
+    def _stopping(self) -> bool:
+        """Whether to stop now: the agent said so, or a signal came and no agent waits on this process.
+
+        A SIGTERM from outside (a batch job's end, systemd, ^C) reaches the agent as well: the shard serves on
+        until the agent's word, which keeps the handover to a backup and a final checkpoint in the agent's order.
+        """
+        if not self.stop.wait(0.1):
+            return False
+        if self.agent_stop or self.conn is None or self._revoked:
+            return True
+        if self._waiting():
+            return False  # the agent's word may be waiting: read it first
+        if not self._outside_signal:
+            self._outside_signal = True
+            log.warning("shard %d: signalled from outside the node agent: serving until the agent says stop",
+                        self.shard)
+        self.stop.clear()
+        return False
 
     # --- assignment ------------------------------------------------------------------------
     def _apply(self, update: AssignmentUpdate) -> None:
@@ -169,9 +204,21 @@ class ServerRole:
         if self.server.is_primary:
             self.server.set_backup(update.backup_endpoint)
 
+    def _waiting(self) -> bool:
+        try:
+            return self.conn is not None and self.conn.poll()
+        except (EOFError, OSError):
+            return True  # the next drain says the agent is gone
+
+    def _agent_stop(self, msg: ShardStop) -> None:
+        self.agent_stop = True
+        if msg.checkpoint_s > 0:
+            self.leaving_until = time.monotonic() + msg.checkpoint_s
+
     def _lease(self, lease: LeaseRenewal) -> None:
         """The agent renewed (or, `until` 0, revoked for good) this node's lease."""
         self.server.renew_lease(lease.until)
+        self._revoked = self._revoked or lease.until == 0.0
 
     def _restore(self, update: AssignmentUpdate) -> None:
         """Load the newest good checkpoint (a corrupt one is refused, the previous used).
@@ -218,7 +265,8 @@ class ServerRole:
         self._ckpt_failures_sent = ck.failed
         self._report(message=f"checkpoint write failed ({ck.failed} so far): {ck.last_error}")
 
-    def _report(self, state: pb.RoleState.ValueType = pb.ROLE_STATE_SERVING, message: str = "") -> None:
+    def _report(self, state: pb.RoleState.ValueType = pb.ROLE_STATE_SERVING, message: str = "",
+                retry_s: float = 60.0) -> None:
         replicated, primary = self.server.replicated, self.server.is_primary
         if self.server.serve_failure is not None:
             # A dying serve thread keeps its failure, then closes its link to the backup: that
@@ -231,7 +279,7 @@ class ServerRole:
                            message=message,
                            replica=0 if primary else 1, replicated=replicated,
                            version=self.server.version, restored_from=self.restored_path,
-                           versions_lost=lost, versions_lost_unknown=unknown)
+                           versions_lost=lost, versions_lost_unknown=unknown, retry_s=retry_s)
         self._sent = (replicated, primary)
         self.restored_path = ""
 
@@ -256,7 +304,59 @@ class ServerRole:
         self._snapshot_open_s += time.perf_counter() - t0
 
     def _saved(self, path: Path, snap: Any, seconds: float) -> None:
-        self.reporter.checkpoint(snap.step, str(path), "shard", node_id=self.spec.node_id)
+        self._saved_step = snap.step
+        # Leaving: registered within the node's grace, or not at all (the coordinator may be gone; a
+        # restore then finds the checkpoint by its manifest, the newest step under the root).
+        until = self.leaving_until
+        self._registered = self.reporter.register(
+            snap.step, str(path), "shard", node_id=self.spec.node_id,
+            retry_s=30.0 if until is None else max(0.0, until - time.monotonic()))
+
+    def _final_checkpoint(self, until: float) -> None:
+        """The node leaves and no backup holds this shard: stop acknowledging, then write the state (values,
+        optimizer, version, the workers' clocks) as the newest checkpoint and register it, before `until`.
+
+        Fenced first, so every update acknowledged is in the state written; the serve thread opens
+        the snapshot, so an update being applied is whole in it. The periodic checkpoint's path writes
+        it (a save still running is waited for first). One that cannot be written in time says so.
+        """
+        server = self.server
+        if not server.is_primary or server.replicated or server.seeding:
+            log.info("shard %d leaves without a final checkpoint: %s", self.shard,
+                     "a backup" if not server.is_primary else "its backup holds it" if server.replicated
+                     else "it waits for the workers' copies")
+            return
+        t0 = time.monotonic()
+        server.renew_lease(0.0)  # for good: no push is acknowledged from here on
+        if self.checkpointer is None:
+            self.checkpointer = AsyncCheckpointer(self.root, on_saved=self._saved, keep=3)
+        ck = self.checkpointer
+        ck.wait(max(0.0, until - time.monotonic()))  # a periodic save still writing
+        opened = threading.Event()
+        taken: list[int] = []
+
+        def take() -> None:  # on the serve thread: after any update in progress
+            taken.append(server.version)
+            if server.version != self._saved_step and not ck.busy:
+                server.snapshot_later(server.version, ck.submit)
+            opened.set()
+
+        server.post(take)
+        opened.wait(max(0.0, until - time.monotonic()))
+        ck.wait(max(0.0, until - time.monotonic()))
+        version = taken[0] if taken else server.version
+        if self._saved_step == version:
+            log.warning("shard %d: final checkpoint at version %d written in %.2f s, %s; acknowledging nothing "
+                        "since", self.shard, version, ck.last_seconds,
+                        "registered" if self._registered else "not registered (a restore finds it by its manifest)")
+            return
+        self._abandoned = ck.busy
+        how = (f"not written within the node's grace ({time.monotonic() - t0:.1f} s of it, "
+               f"{server.plan.shard_numel(self.shard) * 4 / 2**20:.0f} MiB of values)" if ck.busy
+               else f"not written ({ck.last_error or 'no save could start'})")
+        why = f"final checkpoint at version {version} {how}: a restore takes the newest periodic checkpoint"
+        log.error("shard %d: %s", self.shard, why)
+        self._report(message=why, retry_s=max(0.0, until - time.monotonic()))
 
     def _metrics(self) -> None:
         if self.server.seeding:

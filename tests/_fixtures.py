@@ -63,6 +63,15 @@ def experiment(*bases: Mapping[str, Any], **overrides: Any) -> Experiment:
     return Experiment(**fields)
 
 
+def write_toml(path: Path, **fields: object) -> Path:
+    """An experiment file at `path` holding `fields` (strings, numbers, booleans) under [experiment]."""
+    lines = ["[experiment]"]
+    for k, v in fields.items():
+        lines.append(f"{k} = {v!r}".replace("'", '"') if not isinstance(v, bool) else f"{k} = {str(v).lower()}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 class InProcessCoordinator:
     """A real grpc.aio coordinator on its own event loop thread, bound to a free port.
 

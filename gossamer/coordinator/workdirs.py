@@ -49,7 +49,7 @@ class WorkdirStore:
 
     def _refuse_size(self, size: int) -> None:
         if size > self.max_bytes:
-            raise ConfigError("workdir", f"packed it is {_mib(size)}, over this coordinator's cap of "
+            raise ConfigError("workdir", f"the packed directory is {_mib(size)}, over this coordinator's cap of "
                                          f"{_mib(self.max_bytes)} (coordinator serve --workdir-max-mib); ship "
                                          "the code only (data belongs to the dataset), or an image with it "
                                          "(docs/deploy.md)")

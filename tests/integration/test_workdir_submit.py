@@ -14,6 +14,7 @@ import pytest
 from gossamer import Client, Experiment
 from gossamer.core.errors import ConfigError
 from gossamer.tools.local_cluster import LocalCluster
+from tests._fixtures import write_toml
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -67,14 +68,6 @@ def _code(root: Path, module: str = MYMOD) -> Path:
     return root
 
 
-def _toml(path: Path, **fields: object) -> Path:
-    lines = ["[experiment]"]
-    for k, v in fields.items():
-        lines.append(f"{k} = {v!r}".replace("'", '"') if not isinstance(v, bool) else f"{k} = {str(v).lower()}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def _cli(*args: str, cwd: Path, timeout: float = 360) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gossamer.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, env={**os.environ, "COLUMNS": "400"})
@@ -114,7 +107,7 @@ def test_a_module_only_in_the_shipped_directory_trains_on_nodes_that_cannot_impo
         cluster: LocalCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: dict[str, object]) -> None:
     code = _code(tmp_path / "code")
     client = _cluster_elsewhere(cluster, tmp_path / "elsewhere", monkeypatch, workers=2)
-    spec = _toml(tmp_path / "exp.toml", name="shipped", mode="async", num_ps_shards=1, ps_backup=False,
+    spec = write_toml(tmp_path / "exp.toml", name="shipped", mode="async", num_ps_shards=1, ps_backup=False,
                  min_workers=2, max_workers=2, total_steps=300, **fields)
     t0 = time.monotonic()
     out = _cli("submit", str(spec), "--workdir", str(code), "--coordinator", client.address, "--wait", "--quiet",
@@ -146,7 +139,7 @@ def test_a_directory_over_the_coordinators_cap_is_refused_at_submit_naming_its_s
         cluster: LocalCluster, tmp_path: Path) -> None:
     code = _code(tmp_path / "code")
     (code / "weights.bin").write_bytes(os.urandom(3 << 19))  # 1.5 MiB that gzip cannot shrink
-    spec = _toml(tmp_path / "exp.toml", name="too-big", model="mymod:model", dataset="mymod:data", total_steps=10)
+    spec = write_toml(tmp_path / "exp.toml", name="too-big", model="mymod:model", dataset="mymod:data", total_steps=10)
     address = cluster.start_coordinator(port=0)
     out = _cli("submit", str(spec), "--workdir", str(code), "--coordinator", address, cwd=tmp_path)
     assert out.returncode == 2, out
@@ -160,7 +153,7 @@ def test_a_directory_over_the_coordinators_cap_is_refused_at_submit_naming_its_s
 
 def test_an_import_error_in_the_shipped_module_is_refused_at_submit(cluster: LocalCluster, tmp_path: Path) -> None:
     code = _code(tmp_path / "code", module="import not_a_module_anywhere\n\ndef model():\n    pass\n")
-    spec = _toml(tmp_path / "exp.toml", name="broken", model="mymod:model", dataset="mymod:data", total_steps=10)
+    spec = write_toml(tmp_path / "exp.toml", name="broken", model="mymod:model", dataset="mymod:data", total_steps=10)
     address = cluster.start_coordinator(port=0)
     out = _cli("submit", str(spec), "--workdir", str(code), "--coordinator", address, cwd=tmp_path)
     assert out.returncode == 2, out

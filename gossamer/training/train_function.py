@@ -19,7 +19,7 @@ from gossamer.core.import_check import resolve
 from gossamer.core.modes import mode_of
 from gossamer.core.protocol import AssignmentUpdate
 from gossamer.engine import sampler
-from gossamer.engine.rank import Hook, RankContext, StepAbandoned
+from gossamer.engine.rank import Hook, RankContext, StepAbandoned, StepStats
 from gossamer.training.gossip_loop import GossipTrainer
 from gossamer.training.ps_trainer import ParameterServerTrainer
 from gossamer.training.rank_trainer import OnSaved
@@ -347,6 +347,8 @@ class _UserModel:
 
     _user_model: nn.Module
     ctx: RankContext
+    clock: int
+    stats: StepStats
     reports_loss = False  # the train function reports its own loss
 
     def _build(self) -> tuple[nn.Module, Any, Any]:
@@ -358,6 +360,22 @@ class _UserModel:
     def _evaluate(self, step: int) -> dict[str, float]:
         return {}
 
+    _t_report = 0.0
+    done = False
+
+    def _user_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """The user's step, counted."""
+        optimizer.step()
+        self.clock += 1
+        self.stats.steps += 1
+
+    def _report_now_and_then(self) -> None:
+        """The trainer's counters (bytes, updates, ...) once a second and at the end."""
+        now = time.monotonic()
+        if now - self._t_report >= 1.0 or self.done:
+            self._t_report = now
+            self._report(0.0)  # type: ignore[attr-defined]  # the trainer's own: bytes, updates, ...
+
 
 class GossipFunctionTrainer(_UserModel, GossipTrainer):
     """A train function's gossip: after each user step the parameters mix with what peers sent, and a share
@@ -367,7 +385,6 @@ class GossipFunctionTrainer(_UserModel, GossipTrainer):
         self._user_model = model
         super().__init__(ctx, **hooks)
         self.done = False
-        self._t_report = time.monotonic()
 
     def start(self) -> None:
         """Take the most advanced peer's parameters and step (a worker joining mid-run)."""
@@ -379,9 +396,7 @@ class GossipFunctionTrainer(_UserModel, GossipTrainer):
         if self.done:
             return
         self._apply_updates()
-        optimizer.step()
-        self.clock += 1
-        self.stats.steps += 1
+        self._user_stepped(optimizer)
         if self.peer is not None and self.outer is None:
             self._bound_lag()
             self.peer.mix(self.flat)
@@ -391,10 +406,7 @@ class GossipFunctionTrainer(_UserModel, GossipTrainer):
         if self.outer is None or self.clock % self.exp.inner_steps == 0 or self.clock >= self.exp.total_steps:
             self._exchange()
         self.done = self.clock >= self.exp.total_steps
-        now = time.monotonic()
-        if now - self._t_report >= 1.0 or self.done:
-            self._t_report = now
-            self._report(0.0)
+        self._report_now_and_then()
 
     @property
     def progress(self) -> int:
@@ -425,7 +437,6 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         self.done = False
         self._basis: dict[int, torch.Tensor] = {}
         self._inner = 0
-        self._t_report = time.monotonic()
 
     def start(self) -> None:
         """Register with the shards and take the run's current values."""
@@ -439,9 +450,7 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         if self.done:
             return
         self._apply_updates()
-        optimizer.step()
-        self.clock += 1
-        self.stats.steps += 1
+        self._user_stepped(optimizer)
         if self.mode.rounds:
             self._inner += 1
             if self._inner < self.exp.inner_steps:
@@ -458,10 +467,7 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
                     raise
                 self._await_generation(generation)
         self._basis = self.layout.chunk_values()
-        now = time.monotonic()
-        if now - self._t_report >= 1.0 or self.done:
-            self._t_report = now
-            self._report(0.0)
+        self._report_now_and_then()
 
     @property
     def progress(self) -> int:

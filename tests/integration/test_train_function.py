@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,40 +12,20 @@ import gossamer
 from gossamer import Client
 from gossamer.examples.digits import mlp
 from gossamer.tools.local_cluster import LocalCluster
+from tests._fixtures import write_toml
+from tests.integration._cli_cluster import cli, spot_cluster
 
 pytestmark = pytest.mark.timeout(420)
 
 U = "tests.integration._user_loop"
 
 
-def _wait_ready(client: Client, n: int, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while sum(x["state"] == "ready" for x in client.nodes()) < n:
-        assert time.monotonic() < deadline, client.nodes()
-        time.sleep(0.2)
 
 
-def _toml(path: Path, **fields: object) -> Path:
-    lines = ["[experiment]"]
-    for k, v in fields.items():
-        lines.append(f"{k} = {v!r}".replace("'", '"') if not isinstance(v, bool) else f"{k} = {str(v).lower()}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
-def _cli(*args: str, timeout: float = 360) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gossamer.tools.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "COLUMNS": "400"})
 
 
-def _cluster(cluster: LocalCluster, workers: int, env: dict[str, str] | None = None) -> tuple[str, Client]:
-    address = cluster.start_coordinator(port=0)
-    cluster.add_node("od0", env=env)
-    for i in range(workers):
-        cluster.add_node(f"spot{i}", spot=True, env=env)
-    client = Client(address)
-    _wait_ready(client, 1 + workers)
-    return address, client
 
 
 def _evals(client: Client, exp_id: str) -> list[float]:
@@ -65,10 +42,10 @@ MODE_FIELDS: dict[str, dict[str, object]] = {
 @pytest.mark.parametrize("mode", ["async", "diloco", "gossip"])
 def test_a_users_adamw_loop_learns_digits_and_checkpoints_its_own_model(cluster: LocalCluster, tmp_path: Path,
                                                                          mode: str) -> None:
-    address, client = _cluster(cluster, workers=2)
-    spec = _toml(tmp_path / "loop.toml", name=f"loop-{mode}", train=f"{U}:train", mode=mode, total_steps=300,
+    address, client = spot_cluster(cluster, workers=2)
+    spec = write_toml(tmp_path / "loop.toml", name=f"loop-{mode}", train=f"{U}:train", mode=mode, total_steps=300,
                  min_workers=2, max_workers=2, **MODE_FIELDS[mode])
-    out = _cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
+    out = cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
     assert out.returncode == 0, out.stdout + out.stderr
     exp_id = out.stdout.splitlines()[0].strip()
     result = client.job(exp_id).wait(timeout=30)
@@ -86,13 +63,13 @@ def test_a_users_adamw_loop_learns_digits_and_checkpoints_its_own_model(cluster:
 
 def test_a_train_function_that_raises_fails_the_run_naming_train_and_the_users_line(cluster: LocalCluster,
                                                                                      tmp_path: Path) -> None:
-    address, client = _cluster(cluster, workers=1)
-    spec = _toml(tmp_path / "raises.toml", name="raises", train=f"{U}:raises", mode="async", num_ps_shards=1,
+    address, client = spot_cluster(cluster, workers=1)
+    spec = write_toml(tmp_path / "raises.toml", name="raises", train=f"{U}:raises", mode="async", num_ps_shards=1,
                  total_steps=300, ps_backup=False)
-    out = _cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
+    out = cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
     assert out.returncode != 0
     exp_id = out.stdout.splitlines()[0].strip()
-    status = _cli("status", exp_id, "-c", address, timeout=60)
+    status = cli("status", exp_id, "-c", address, timeout=60)
     text = status.stdout + status.stderr
     assert "failed" in text and "train" in text, text
     assert "the user's loop broke at step 3" in text and "_user_loop.py" in text, text
@@ -100,10 +77,10 @@ def test_a_train_function_that_raises_fails_the_run_naming_train_and_the_users_l
 
 
 def test_an_import_error_in_train_is_refused_at_submit(cluster: LocalCluster, tmp_path: Path) -> None:
-    address, client = _cluster(cluster, workers=0)
-    spec = _toml(tmp_path / "missing.toml", name="missing", train="tests.integration._no_such_module:train",
+    address, client = spot_cluster(cluster, workers=0)
+    spec = write_toml(tmp_path / "missing.toml", name="missing", train="tests.integration._no_such_module:train",
                  mode="async", num_ps_shards=1, total_steps=10)
-    out = _cli("submit", str(spec), "--coordinator", address, "--quiet")
+    out = cli("submit", str(spec), "--coordinator", address, "--quiet")
     assert out.returncode == 2, out  # an invalid experiment, refused before anything ran
     assert "train" in out.stderr and "_no_such_module" in out.stderr, out.stderr
     client.close()
@@ -128,10 +105,10 @@ def test_a_killed_worker_costs_the_run_nothing_and_a_joining_one_starts_from_the
     total = 4000
     # A worker alone past half the run waits for another: the joiner trains before the end, however fast the run.
     hold = {"USER_LOOP_HOLD_ALONE_FROM": str(total // 2)}
-    address, client = _cluster(cluster, workers=2, env=hold)
-    spec = _toml(tmp_path / "loop.toml", name=f"elastic-{mode}", train=f"{U}:train", mode=mode, total_steps=total,
+    address, client = spot_cluster(cluster, workers=2, env=hold)
+    spec = write_toml(tmp_path / "loop.toml", name=f"elastic-{mode}", train=f"{U}:train", mode=mode, total_steps=total,
                  min_workers=1, max_workers=2, **MODE_FIELDS[mode])
-    out = _cli("submit", str(spec), "--coordinator", address, "--quiet")
+    out = cli("submit", str(spec), "--coordinator", address, "--quiet")
     assert out.returncode == 0, out.stdout + out.stderr
     exp_id = out.stdout.splitlines()[0].strip()
     cluster.add_node("spot2", spot=True, env=hold)  # a free node for the lost worker's place
@@ -166,11 +143,11 @@ def test_a_hugging_face_trainer_trains_a_gpt2_from_a_config_inside_a_train_funct
         cluster: LocalCluster, tmp_path: Path, mode: str) -> None:
     pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
     pytest.importorskip("accelerate", reason="the [hf] extra (accelerate, for transformers.Trainer) is not installed")
-    address, client = _cluster(cluster, workers=2)
+    address, client = spot_cluster(cluster, workers=2)
     extra = {"inner_steps": 10} if mode == "diloco" else {}
-    spec = _toml(tmp_path / "hf.toml", name=f"hf-{mode}", train="gossamer.examples.hf_trainer:train", mode=mode,
+    spec = write_toml(tmp_path / "hf.toml", name=f"hf-{mode}", train="gossamer.examples.hf_trainer:train", mode=mode,
                  num_ps_shards=1, total_steps=100, ps_backup=False, min_workers=2, **extra)
-    out = _cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
+    out = cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
     assert out.returncode == 0, out.stdout + out.stderr
     exp_id = out.stdout.splitlines()[0].strip()
     result = client.job(exp_id).wait(timeout=30)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from gossamer import Client
 from gossamer.tools.local_cluster import LocalCluster
+from tests._fixtures import write_toml
+from tests.integration._cli_cluster import cli, spot_cluster
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -20,44 +18,22 @@ U = "tests.integration._user_regression"
 NOISE = 0.1  # the stream's noise std: the user's loss (half the squared error) floors at NOISE**2 / 2
 
 
-def _wait_ready(client: Client, n: int, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while sum(x["state"] == "ready" for x in client.nodes()) < n:
-        assert time.monotonic() < deadline, client.nodes()
-        time.sleep(0.2)
 
 
-def _toml(path: Path, **fields: object) -> Path:
-    lines = ["[experiment]"]
-    for k, v in fields.items():
-        lines.append(f"{k} = {v!r}".replace("'", '"') if not isinstance(v, bool) else f"{k} = {str(v).lower()}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
-def _cli(*args: str, timeout: float = 360) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gossamer.tools.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "COLUMNS": "400"})  # rich wraps at the width
 
 
-def _cluster(cluster: LocalCluster, workers: int) -> tuple[str, Client]:
-    address = cluster.start_coordinator(port=0)
-    cluster.add_node("od0")
-    for i in range(workers):
-        cluster.add_node(f"spot{i}", spot=True)
-    client = Client(address)
-    _wait_ready(client, 1 + workers)
-    return address, client
 
 
 def test_user_regression_with_own_loss_on_endless_stream_trains_to_noise_floor(cluster: LocalCluster,
                                                                                 tmp_path: Path) -> None:
-    address, client = _cluster(cluster, workers=2)
-    spec = _toml(tmp_path / "regression.toml", name="regression", mode="async", model=f"{U}:linear",
+    address, client = spot_cluster(cluster, workers=2)
+    spec = write_toml(tmp_path / "regression.toml", name="regression", mode="async", model=f"{U}:linear",
                  dataset=f"{U}:stream_data", loss=f"{U}:half_squared_error", metrics=f"{U}:regression_metrics",
                  optimizer="sgd", lr=0.05, batch_size=32, num_ps_shards=1, total_steps=400, eval_every=100,
                  ps_backup=False, min_workers=2, num_workers=1, prefetch=2)  # a DataLoader process per worker
-    out = _cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
+    out = cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
     assert out.returncode == 0, out.stdout + out.stderr
     exp_id = out.stdout.splitlines()[0].strip()
     result = client.job(exp_id).wait(timeout=30)
@@ -72,7 +48,7 @@ def test_user_regression_with_own_loss_on_endless_stream_trains_to_noise_floor(c
     # Both workers read the stream (disjoint pieces of it) and every eval reached the time series.
     evals = [p for p in client.job(exp_id).metrics() if "eval_r2" in p]
     assert len(evals) >= 3 and evals[-1]["eval_loss"] == pytest.approx(m["eval_loss"], rel=1e-6)
-    status = _cli("status", exp_id, "-c", address, timeout=60)
+    status = cli("status", exp_id, "-c", address, timeout=60)
     assert "eval_r2" in status.stdout and "eval_mae" in status.stdout, status.stdout
     client.close()
 
@@ -80,11 +56,11 @@ def test_user_regression_with_own_loss_on_endless_stream_trains_to_noise_floor(c
 def test_map_style_set_read_by_loader_processes_in_a_role_trains(cluster: LocalCluster, tmp_path: Path) -> None:
     """Role processes are forked by their node's fork server, so multiprocessing's default there is "forkserver":
     the loader's processes must still start (its collate is a closure, which that default cannot pickle)."""
-    address, client = _cluster(cluster, workers=1)
-    spec = _toml(tmp_path / "mapped.toml", name="mapped", mode="async", model=f"{U}:linear",
+    address, client = spot_cluster(cluster, workers=1)
+    spec = write_toml(tmp_path / "mapped.toml", name="mapped", mode="async", model=f"{U}:linear",
                  dataset=f"{U}:tensor_data", loss="mse", optimizer="sgd", lr=0.05, batch_size=32,
                  num_ps_shards=1, total_steps=300, eval_every=0, ps_backup=False, num_workers=2, prefetch=2)
-    out = _cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
+    out = cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
     assert out.returncode == 0, out.stdout + out.stderr
     result = client.job(out.stdout.splitlines()[0].strip()).wait(timeout=30)
     assert result.status == "completed", result
@@ -96,21 +72,21 @@ def test_bad_user_code_is_refused_at_submit_or_named_in_status(cluster: LocalClu
     """A loss that does not import: refused at submit. A loss returning per-sample values: the worker fails
     at its first step and `gossamer status` shows why, naming the `loss` field; its replacement fails
     alike, and the experiment fails."""
-    address, client = _cluster(cluster, workers=1)
+    address, client = spot_cluster(cluster, workers=1)
     base = dict(mode="async", model=f"{U}:linear", dataset=f"{U}:stream_data", optimizer="sgd", lr=0.05,
                 num_ps_shards=1, total_steps=50, eval_every=0, ps_backup=False)
-    missing = _toml(tmp_path / "missing.toml", name="missing", **base, loss=f"{U}:no_such_loss")
-    out = _cli("submit", str(missing), "--coordinator", address, "--quiet", timeout=120)
+    missing = write_toml(tmp_path / "missing.toml", name="missing", **base, loss=f"{U}:no_such_loss")
+    out = cli("submit", str(missing), "--coordinator", address, "--quiet", timeout=120)
     assert out.returncode != 0 and "loss" in out.stderr + out.stdout and "no_such_loss" in out.stderr + out.stdout
 
-    bad = _toml(tmp_path / "bad.toml", name="bad", **base, loss=f"{U}:per_sample_error")
-    out = _cli("submit", str(bad), "--coordinator", address, "--quiet", timeout=120)
+    bad = write_toml(tmp_path / "bad.toml", name="bad", **base, loss=f"{U}:per_sample_error")
+    out = cli("submit", str(bad), "--coordinator", address, "--quiet", timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     exp_id = out.stdout.splitlines()[0].strip()
     deadline, shown = time.monotonic() + 120, ""
     while "loss:" not in shown:
         assert time.monotonic() < deadline, shown
-        shown = _cli("status", exp_id, "-c", address, timeout=60).stdout
+        shown = cli("status", exp_id, "-c", address, timeout=60).stdout
         time.sleep(0.5)
     assert "per_sample_error" in shown and "scalar" in shown, shown
     # Every worker would fail alike: the second such failure ends the run instead of restarting workers.

@@ -30,6 +30,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -132,6 +133,9 @@ class SlurmCluster:
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory).resolve()
+        # Unix sockets (munged's; slurmstepd's, in the spool directory) live in a short directory of
+        # their own: a socket path has at most 108 bytes, and pytest's tmp_path under xdist passes it.
+        self.sockets = Path(tempfile.mkdtemp(prefix="gsl-", dir="/tmp"))
         self.node_names = [f"node{i}" for i in range(1, self.config.nodes + 1)]
         self.conf = self.directory / "slurm.conf"
         self.net = Topology(self.config.nodes + 1)
@@ -139,7 +143,7 @@ class SlurmCluster:
     # --- paths and environment ----------------------------------------------------------
     @property
     def munge_socket(self) -> Path:
-        return self.directory / "munge" / "munge.sock"
+        return self.sockets / "munge.sock"
 
     @property
     def logs(self) -> Path:
@@ -159,8 +163,10 @@ class SlurmCluster:
         why = unavailable_reason()
         if why:
             raise SlurmUnavailable(why)
-        for d in ("munge", "log", "run", "ctld", "spool"):
+        for d in ("munge", "log", "run", "ctld"):
             (self.directory / d).mkdir(parents=True, exist_ok=True)
+        self.sockets.chmod(0o755)
+        (self.sockets / "spool").mkdir(exist_ok=True)
         self.net.open()
         try:
             self._write_hosts()
@@ -169,7 +175,7 @@ class SlurmCluster:
             self._daemon(CONTROLLER, ["slurmctld", "-D", "-i", "-f", str(self.conf)])
             self._wait_controller()
             for name in self.node_names:
-                (self.directory / "spool" / name).mkdir(exist_ok=True)
+                (self.sockets / "spool" / name).mkdir(exist_ok=True)
                 self._daemon(name, ["slurmd", "-D", "-N", name, "-f", str(self.conf)])
             self._wait_idle()
         except BaseException:
@@ -195,7 +201,7 @@ class SlurmCluster:
         (self.directory / "hosts").write_text("\n".join(lines) + "\n")
 
     def _start_munged(self) -> None:
-        d = self.munge_socket.parent
+        d = self.directory / "munge"
         key = d / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
@@ -224,7 +230,7 @@ class SlurmCluster:
             "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket}",
             "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={d / 'ctld'}",
-            f"SlurmdSpoolDir={d / 'spool' / '%n'}",
+            f"SlurmdSpoolDir={self.sockets / 'spool' / '%n'}",
             f"SlurmctldPidFile={d / 'run' / 'slurmctld.pid'}",
             f"SlurmdPidFile={d / 'run' / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={self.logs / 'slurmctld.log'}",
@@ -334,6 +340,7 @@ class SlurmCluster:
         finally:
             if self._munged is not None:
                 Topology.stop(self._munged, signal.SIGTERM, timeout=5.0)
+            shutil.rmtree(self.sockets, ignore_errors=True)
 
     def __enter__(self) -> SlurmCluster:
         return self.start()

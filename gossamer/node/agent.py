@@ -535,8 +535,10 @@ class NodeAgent:
     # --- roles -------------------------------------------------------------------------
     @property
     def role_logs(self) -> RoleLogs:
-        """This node's role logs (under its node id: agents of one host share the log directory)."""
-        base = self.config.log_dir or os.path.join(self.config.run_dir or default_run_dir(), "logs")
+        """This node's role logs (under its node id: agents of one host share the log directory).
+
+        Not in an explicit `run_dir`: that holds the agent's sockets only and is left empty when it exits."""
+        base = self.config.log_dir or os.path.join(default_run_dir(), "logs")
         return RoleLogs(os.path.join(base, self.node_id or "unjoined"))
 
     @staticmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +16,19 @@ from gossamer.paramserver._pull_side import PullResult, PullSide
 from gossamer.paramserver._shard_link import ShardLink
 from gossamer.paramserver.push_parts import push_rounds
 from gossamer.transport.frames import Message
+
+
+@dataclass(frozen=True)
+class PushRound:
+    """What a push says of itself: the sender's clock, the shard versions it was computed on (by shard),
+    and under a barrier its step, the membership size and generation; `values` False asks for an ack only."""
+
+    clock: int
+    basis: dict[int, int]
+    step: int | None = None
+    num_workers: int | None = None
+    generation: int | None = None
+    values: bool = True
 
 
 class PushSide:
@@ -33,17 +47,7 @@ class PushSide:
         """Whether pushes carry plain values: no codec on the way up, none asked for the way down."""
         return self.compressor is None and self.pulls.pull_codec == "none"
 
-    def requests(
-        self,
-        grads: dict[int, torch.Tensor],
-        *,
-        clock: int,
-        basis: dict[int, int],
-        step: int | None = None,
-        num_workers: int | None = None,
-        generation: int | None = None,
-        values: bool = True,
-    ) -> dict[int, Message]:
+    def requests(self, grads: dict[int, torch.Tensor], push: PushRound) -> dict[int, Message]:
         """One PUSH per shard of `grads` (by chunk index), encoded by the compressor if there is one."""
         link = self.link
         per_shard: dict[int, dict[str, torch.Tensor]] = {}
@@ -57,8 +61,9 @@ class PushSide:
         for s, tensors in per_shard.items():
             if s not in link.socks:
                 raise ConfigError("grads", f"chunks of shard {s} are not this client's")
-            meta = PushMeta(clock=clock, basis=basis.get(s, 0), pull_codec=self.pulls.pull_codec, step=step,
-                            num_workers=num_workers, generation=generation, values=values).to_meta()
+            meta = PushMeta(clock=push.clock, basis=push.basis.get(s, 0), pull_codec=self.pulls.pull_codec,
+                            step=push.step, num_workers=push.num_workers, generation=push.generation,
+                            values=push.values).to_meta()
             link.raw_bytes_up += sum(4 * t.numel() for t in tensors.values())
             if self.compressor is not None:
                 wire: dict[str, torch.Tensor] = {}
@@ -73,28 +78,16 @@ class PushSide:
             reqs[s] = link.msg("PUSH", s, meta, tensors)
         return reqs
 
-    def push_pull(
-        self,
-        grads: dict[int, torch.Tensor],
-        *,
-        clock: int,
-        basis: dict[int, int],
-        step: int | None = None,
-        num_workers: int | None = None,
-        generation: int | None = None,
-        consume: bool = False,
-        values: bool = True,
-    ) -> PullResult:
+    def push_pull(self, grads: dict[int, torch.Tensor], push: PushRound, *, consume: bool = False) -> PullResult:
         """Push gradients and return the new values of those chunks (`ShardClient.push_pull` says more)."""
         link = self.link
         t0 = time.perf_counter()
-        reqs = self.requests(grads, clock=clock, basis=basis, step=step, num_workers=num_workers,
-                             generation=generation, values=values)
+        reqs = self.requests(grads, push)
         if consume and self.compressor is not None:
             grads.clear()  # encoded: a resend sends the payload, so the caller's buffers can go now
         link.encode_s += time.perf_counter() - t0
         parted: dict[int, list[int]] = {}
-        if step is not None and self.dense():
+        if push.step is not None and self.dense():
             rounds, parted = push_rounds(reqs, lambda s, meta, tensors: link.msg("PUSH", s, meta, tensors))
             for batch in rounds[:-1]:  # each answered once in the step's sum
                 link.collect(link.send(batch))
@@ -102,7 +95,7 @@ class PushSide:
         sent = link.send(reqs)
         die_at("mid-pull", step=self.fault_step, **self.fault_ctx)  # pushed, reply not read yet
         res = self.pulls.result(link.collect(sent))
-        if values and parted:
+        if push.values and parted:
             pulled = self.pulls.pull(list(parted), chunks=[i for chunks in parted.values() for i in chunks])
             res.values.update(pulled.values)
             res.versions.update(pulled.versions)
@@ -117,7 +110,7 @@ class PushSide:
         link = self.link
         t0 = time.perf_counter()
         snap = {i: g.detach().clone() for i, g in grads.items()}
-        reqs = self.requests(snap, clock=clock, basis=basis)
+        reqs = self.requests(snap, PushRound(clock=clock, basis=basis))
         link.encode_s += time.perf_counter() - t0
         link.pending_push = link.send(reqs)
         asked = {s: m for s, m in reqs.items() if link.credits.asking(s)}

@@ -15,7 +15,7 @@ from gossamer.core.errors import UnavailableError
 from gossamer.core.protocol import HelloMeta
 from gossamer.engine.shard_plan import ShardPlan
 from gossamer.paramserver._pull_side import PullResult, PullSide
-from gossamer.paramserver._push_side import PushSide
+from gossamer.paramserver._push_side import PushRound, PushSide
 from gossamer.paramserver._shard_link import ShardLink, logger, poll_ms
 from gossamer.paramserver.push_credits import CreditAsker
 from gossamer.paramserver.push_parts import FRAGMENT_BYTES, FragmentedPushes
@@ -189,8 +189,9 @@ class ShardClient:
             ShardError: a shard rejected the push (nothing of it was applied there).
             UnavailableError: a shard did not answer within `timeout_s`.
         """
-        return self.pushes.push_pull(grads, clock=clock, basis=basis, step=step, num_workers=num_workers,
-                                     generation=generation, consume=consume, values=values)
+        push = PushRound(clock=clock, basis=basis, step=step, num_workers=num_workers, generation=generation,
+                         values=values)
+        return self.pushes.push_pull(grads, push, consume=consume)
 
     def push_async(self, grads: dict[int, torch.Tensor], *, clock: int, basis: dict[int, int]) -> None:
         """Send a push and return at once; `wait()` collects its reply (one in flight at most).

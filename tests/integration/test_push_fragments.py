@@ -12,6 +12,7 @@ import torch
 from gossamer.core.protocol import PushMeta
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
 from gossamer.paramserver import _state as state_module
+from gossamer.paramserver._push_side import PushRound
 from gossamer.paramserver.push_parts import fragments, most_fragments
 from gossamer.transport.frames import Message, encode
 
@@ -114,7 +115,7 @@ def test_fragments_sent_again_after_some_arrived_are_gathered_afresh_and_applied
     try:
         grads = _grads(plan, 11)
         # The first four fragments of the push its next request will be, as if the rest had been refused.
-        reqs = client.pushes.requests(grads, clock=0, basis={0: 0})
+        reqs = client.pushes.requests(grads, PushRound(clock=0, basis={0: 0}))
         rid = reqs[0].meta["rid"]
         for piece in fragments(reqs[0], FRAGMENT)[:4]:
             client.link.socks[0].send_multipart(encode(piece))
@@ -171,7 +172,7 @@ def test_only_a_push_s_last_fragment_waits_for_a_reply_still_sending_the_values(
         reader = _Reader()
         with server._lock:
             server._state.lend(reader)  # as a reply to another worker still on its way would
-        sent = client.link.send(client.pushes.requests(_grads(plan, 2), clock=0, basis={0: 0}))
+        sent = client.link.send(client.pushes.requests(_grads(plan, 2), PushRound(clock=0, basis={0: 0})))
         deadline = time.monotonic() + 60
         while server.stats()["push_deferrals"] == 0:
             assert time.monotonic() < deadline, "the push's last fragment never came"

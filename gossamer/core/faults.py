@@ -18,6 +18,10 @@ Syntax: comma-separated faults, each ``kind[:key=value...]``. Kinds:
   ``serve-exit``: a shard's serve thread that died, its link to the backup closed, before it
   ends (``shard=S`` matches). ``join``: the coordinator, on a Join it has received, before it
   registers the node (its whole event loop stalls, as an overloaded one would).
+- ``gate:at=POINT:step=N:until=PATH[:seconds=MAX][:worker=I]``: the thread at POINT, once step N is
+  reached, waits until PATH exists (at most MAX s, default 600), so a test holds the run where its
+  fault must land and lets it go on after (``push``: a worker about to push its step N): the fault
+  lands mid-run by construction, however fast the run.
 - ``slow-start:seconds=S``: a shard role of this node sleeps S s before it builds and serves (a
   slow host), so a test can start workers while a restored shard is not serving yet.
 - ``fail:at=POINT[:step=N][:shard=S][:once=PATH]``: the thread at POINT raises `InjectedFault`
@@ -33,7 +37,7 @@ import signal
 import time
 from functools import lru_cache
 
-__all__ = ["InjectedFault", "die_at", "fail_at", "fault", "hold_at", "parse_faults"]
+__all__ = ["InjectedFault", "die_at", "fail_at", "fault", "gate_at", "hold_at", "parse_faults"]
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +113,19 @@ def hold_at(point: str, **match: int) -> None:
             log.warning("fault injection: holding %s s at %s", args.get("seconds", "0"), point)
             time.sleep(float(args.get("seconds", "0")))
             return
+
+
+def gate_at(point: str, *, step: int, **match: int) -> None:
+    """Wait for the ``until`` file of a ``gate:at=point`` fault that matches once `step` reached its ``step``."""
+    if not os.environ.get("GOSSAMER_FAULT"):
+        return
+    for k, args in parse_faults():
+        if k != "gate" or args.get("at") != point or step < int(args.get("step", 0)) or any(
+                key in args and int(args[key]) != value for key, value in match.items()):
+            continue
+        until, deadline = args["until"], time.monotonic() + float(args.get("seconds", "600"))
+        if not os.path.exists(until):
+            log.warning("fault injection: gated at %s (step %d) until %s exists", point, step, until)
+        while not os.path.exists(until) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return

@@ -15,7 +15,7 @@ from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.compression.momentum_placement import density_warmup_steps, momentum_on_worker
 from gossamer.compression.worker_momentum import WorkerMomentum
 from gossamer.core.errors import ShardError
-from gossamer.core.faults import die_at, hold_at
+from gossamer.core.faults import die_at, gate_at, hold_at
 from gossamer.core.protocol import AssignmentUpdate
 from gossamer.engine import sampler
 from gossamer.engine.loader import Want, index_tuple
@@ -258,6 +258,7 @@ class ParameterServerTrainer(RankTrainer):
         left in `unpulled`, for the caller to pull a group of chunks at a time (`_pull_by_group`) once the
         push is gone (a shard that predates the ack sends the values: it is not left there).
         """
+        gate_at("push", step=self.clock, **self.client.fault_ctx)
         die_at("mid-push", step=self.clock, **self.client.fault_ctx)
         self.client.fault_step = self.clock
         barrier = self.barrier

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gossamer.core.faults import InjectedFault, fail_at, fault, parse_faults
+from gossamer.core.faults import InjectedFault, fail_at, fault, gate_at, parse_faults
 
 
 def test_parsed_faults_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,3 +42,20 @@ def test_a_fault_with_after_waits_for_its_file(monkeypatch: pytest.MonkeyPatch, 
     flag.touch()
     with pytest.raises(InjectedFault):
         fail_at("serve-loop", step=10)
+
+
+def test_a_gate_holds_its_thread_from_its_step_until_its_file_exists(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    gate = tmp_path / "open"
+    monkeypatch.setenv("GOSSAMER_FAULT", f"gate:at=push:step=5:until={gate}:worker=1")
+    gate_at("push", step=4, worker=1)  # before its step: passes
+    gate_at("push", step=9, worker=0)  # another worker: passes
+    passed = threading.Event()
+    held = threading.Thread(target=lambda: (gate_at("push", step=5, worker=1), passed.set()))
+    held.start()
+    assert not passed.wait(0.5)  # held while the file is missing
+    gate.touch()
+    assert passed.wait(30)
+    held.join()

@@ -5,17 +5,19 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+
+from gossamer.core.rpc_errors import HandlerWrapper
 
 log = logging.getLogger(__name__)
 
 _MALFORMED = object()
 
 
-class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+class MalformedRequestInterceptor(HandlerWrapper):
     """Wraps each unary-request handler so an unparsable body is refused with a clear status.
 
     Without it grpc.aio treats the deserializer's DecodeError as a servicer crash: status
@@ -25,30 +27,15 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """
 
     def __init__(self, log_every_s: float = 5.0) -> None:
+        super().__init__()
         self.refused = 0
         self._log_every_s = log_every_s
         self._logged = 0.0
-        # method -> (the handler it was given, the wrapped one): the same handler is wrapped once,
-        # not at every call (a heartbeat per node per second made the wrapping a cost of its own).
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
-            return handler
-        method = handler_call_details.method
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(handler, method)
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
+    def applies(self, handler: grpc.RpcMethodHandler, method: str) -> bool:
+        return not handler.request_streaming and handler.request_deserializer is not None
 
-    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         parse = handler.request_deserializer
 
         def tolerant(raw: bytes) -> Any:

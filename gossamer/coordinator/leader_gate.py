@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import grpc
 
 from gossamer.core.errors import NotLeaderError
-from gossamer.core.rpc_errors import replace_behavior
+from gossamer.core.rpc_errors import HandlerWrapper, replace_behavior
 
 #: Trailing metadata key holding the leading coordinator's HOST:PORT (empty: none leads yet).
 LEADER_KEY = "gossamer-leader"
@@ -24,7 +24,7 @@ class Leading(Protocol):
     def leader_address(self) -> str: ...
 
 
-class LeaderGate(grpc.aio.ServerInterceptor):
+class LeaderGate(HandlerWrapper):
     """Passes calls through while the server leads; otherwise ends them with UNAVAILABLE at once.
 
     Clients given every coordinator address route by the health service (a standby reports
@@ -32,17 +32,14 @@ class LeaderGate(grpc.aio.ServerInterceptor):
     """
 
     def __init__(self, server: Leading, prefix: str = "/gossamer.") -> None:
+        super().__init__()
         self.server = server
         self.prefix = prefix
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or self.server.leading or not handler_call_details.method.startswith(self.prefix):
-            return handler
+    def applies(self, handler: grpc.RpcMethodHandler, method: str) -> bool:
+        return not self.server.leading and method.startswith(self.prefix)
+
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         return replace_behavior(handler, lambda _, gen: self._refuse_stream if gen else self._refuse)
 
     async def _abort(self, context: grpc.aio.ServicerContext) -> None:

@@ -44,7 +44,43 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: Exception, method: s
     raise AssertionError("context.abort returned")  # it always raises
 
 
-class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
+class HandlerWrapper(grpc.aio.ServerInterceptor):
+    """A server interceptor that hands the handlers it `applies` to over to `wrap`, each wrapped once.
+
+    The wrapped handler is kept per method, not made at every call: a heartbeat per node per
+    second made the wrapping a cost of its own. `applies` is asked at every call.
+    """
+
+    def __init__(self) -> None:
+        # method -> (the handler it was given, the wrapped one)
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def applies(self, handler: grpc.RpcMethodHandler, method: str) -> bool:
+        """Whether this call's handler is wrapped (the others pass through as they are)."""
+        raise NotImplementedError
+
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """`handler` of `method`, wrapped."""
+        raise NotImplementedError
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not self.applies(handler, method):
+            return handler
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self.wrap(handler, method)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+
+class ErrorStatusInterceptor(HandlerWrapper):
     """Wraps every handler of the services under `prefix` so what it raises becomes a status.
 
     A GossamerError gets its code (`code_for`) and message; anything else INTERNAL with the
@@ -54,25 +90,14 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
     """
 
     def __init__(self, prefix: str = "/gossamer.") -> None:
+        super().__init__()
         self.prefix = prefix
-        # method -> (the handler it was given, the wrapped one): wrapped once, not at every call
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or not method.startswith(self.prefix):
-            return handler
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = replace_behavior(handler, lambda inner, gen: (_guard_stream if gen else _guard_call)(inner, method))
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
+    def applies(self, handler: grpc.RpcMethodHandler, method: str) -> bool:
+        return method.startswith(self.prefix)
+
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        return replace_behavior(handler, lambda inner, gen: (_guard_stream if gen else _guard_call)(inner, method))
 
 
 def replace_behavior(handler: grpc.RpcMethodHandler,

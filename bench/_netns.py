@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gossamer.core.pids import pid_alive
+
 BASE_PREFIX = "gsm-"
 SUBNET = "10.77.0"  # host i: 10.77.0.<i+1>/24; private, and only ever inside our namespaces
 HOST_IF = "eth0"
@@ -106,23 +108,13 @@ def list_namespaces() -> list[str]:
     return [n["name"] for n in json.loads(p.stdout)]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale(base: str = BASE_PREFIX) -> list[str]:
     """Delete namespaces named `<base><pid>-...` whose creating process is gone; returns them."""
     removed = []
     pat = re.compile(rf"^{re.escape(base)}(\d+)-")
     for ns in list_namespaces():
         m = pat.match(ns)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             _kill_ns_pids(ns)
             _run(["ip", "netns", "del", ns], check=False)
             removed.append(ns)

@@ -21,6 +21,7 @@ import grpc
 from gossamer.checkpoint.file_server import CheckpointFileServer
 from gossamer.core.errors import AuthError, ConfigError, UnavailableError
 from gossamer.core.modes import resolve
+from gossamer.core.pids import pid_alive
 from gossamer.core.protocol import (
     AssignmentUpdate,
     LeaseRenewal,
@@ -732,15 +733,7 @@ def _alive(p: RoleProcess) -> bool:
     if p.is_alive():
         return True
     pid = getattr(p, "pid", None)
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid is not None and pid != 0 and pid_alive(pid)
 
 
 def _curve_keypair() -> CurveKeyPair | None:

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from bench import _netns
+from gossamer.core.pids import pid_alive
 
 WHY = _netns.unavailable_reason()
 pytestmark = pytest.mark.timeout(60)
@@ -116,7 +117,7 @@ def test_teardown_on_exception_and_netem_probe() -> None:
 @needs_netns
 def test_stale_namespaces_of_dead_runs_are_removed() -> None:
     dead = 2**22 + 12345  # above pid_max's default: no such process
-    while _netns._pid_alive(dead):
+    while pid_alive(dead):
         dead += 1
     name = f"{_netns.BASE_PREFIX}{dead}-h0"
     subprocess.run(["ip", "netns", "add", name], check=True)

@@ -8,7 +8,7 @@ import hashlib
 import heapq
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,23 @@ class Chunk:
     flat_offset: int
     numel: int
     shard: int
+
+
+def chunk_groups(indices: Iterable[int], chunks: Sequence[Chunk] | Mapping[int, Chunk], budget: int) -> list[list[int]]:
+    """`indices` in order, cut into groups of at most `budget` bytes of fp32 values (at least one chunk each).
+
+    A shard steps, and a worker pulls, a large model a group at a time: one group's temporaries at once.
+    """
+    groups: list[list[int]] = []
+    size = budget
+    for i in indices:
+        nbytes = 4 * chunks[i].numel
+        if size + nbytes > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
 
 
 def _greedy(chunks: Iterable[Chunk], bins: int) -> dict[int, int]:

@@ -15,7 +15,7 @@ from gossamer.core.envinfo import fingerprint
 from gossamer.core.errors import ConfigError, ProtocolError
 from gossamer.core.lr_schedule import lr_multiplier
 from gossamer.core.protocol import SyncMeta, chunk_key, parse_chunk_key
-from gossamer.engine.shard_plan import Chunk, ShardPlan
+from gossamer.engine.shard_plan import Chunk, ShardPlan, chunk_groups
 from gossamer.paramserver._copy_on_write import WritesAside, storage_of
 from gossamer.paramserver._reject import Reject
 from gossamer.paramserver._snapshot import PendingSnapshot
@@ -33,20 +33,6 @@ STEP_GROUP_BYTES = 16 << 20
 #: backup's SYNC): applied then, an update writes those values out of place, a copy of the shard beside
 #: the one on its way out. Past it (a slow link, or a reader that never reads) updates go on, writing aside.
 LENT_HOLD_S = 1.0
-
-
-def _groups(indices: list[int], chunks: dict[int, Chunk], budget: int) -> list[list[int]]:
-    """`indices` in order, cut into groups of at most `budget` bytes of fp32 values (at least one chunk each)."""
-    groups: list[list[int]] = []
-    size = budget
-    for i in indices:
-        nbytes = 4 * chunks[i].numel
-        if size + nbytes > budget:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += nbytes
-    return groups
 
 
 def _environment() -> dict[str, Any]:
@@ -144,7 +130,7 @@ class ShardState:
             if sorted(i for group in groups for i in group) != sorted(self.params):
                 raise ValueError("step groups must hold every chunk of the shard once")
         elif callable(grads):
-            groups = _groups(sorted(self.params), self.chunks, STEP_GROUP_BYTES)
+            groups = chunk_groups(sorted(self.params), self.chunks, STEP_GROUP_BYTES)
         else:
             groups = [sorted(self.params)]
         with self.writes():

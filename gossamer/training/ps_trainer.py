@@ -20,7 +20,8 @@ from gossamer.core.protocol import AssignmentUpdate
 from gossamer.engine import sampler
 from gossamer.engine.loader import Want, index_tuple
 from gossamer.engine.rank import Hook, RankContext, StepAbandoned
-from gossamer.paramserver import ShardClient, ShardPlan
+from gossamer.engine.shard_plan import chunk_groups
+from gossamer.paramserver import ShardClient
 from gossamer.training.adaptive_link import AdaptiveLink
 from gossamer.training.density_warmup import DensityWarmup
 from gossamer.training.rank_trainer import OnSaved, RankTrainer
@@ -28,24 +29,10 @@ from gossamer.transport.router import FAILED_PRECONDITION, REFORM
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PULL_GROUP_BYTES", "ParameterServerTrainer", "chunk_groups"]
+__all__ = ["PULL_GROUP_BYTES", "ParameterServerTrainer"]
 
 #: What one pull of `ParameterServerTrainer._pull_by_group` asks for at most (a larger chunk goes alone).
 PULL_GROUP_BYTES = 16 << 20
-
-
-def chunk_groups(chunks: list[int], plan: ShardPlan, budget: int) -> list[list[int]]:
-    """`chunks` in order, cut into groups of at most `budget` bytes of fp32 values (at least one chunk each)."""
-    groups: list[list[int]] = []
-    size = budget
-    for i in chunks:
-        nbytes = 4 * plan.chunks[i].numel
-        if size + nbytes > budget:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += nbytes
-    return groups
 
 
 class ParameterServerTrainer(RankTrainer):
@@ -286,7 +273,7 @@ class ParameterServerTrainer(RankTrainer):
         in before the next is asked for; True at the end. All groups are of one version: where the shard
         moved on between two of them (async, or a barrier re-formed without this worker) they are pulled
         again from the first, and after three tries in one reply."""
-        groups = chunk_groups(self.client.chunks_of_shard(shard), self.client.plan, PULL_GROUP_BYTES)
+        groups = chunk_groups(self.client.chunks_of_shard(shard), self.client.plan.chunks, PULL_GROUP_BYTES)
         for _ in range(3):
             version, done = self.versions.get(shard), False
             for group in groups:

@@ -15,8 +15,8 @@ from bench._replicated_pair import EXPERIMENT, NUMEL, plan, replica
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.core.errors import ProtocolError
 from gossamer.core.protocol import PushMeta
+from gossamer.engine.shard_plan import chunk_groups
 from gossamer.paramserver import ShardClient
-from gossamer.training.ps_trainer import chunk_groups
 
 pytestmark = pytest.mark.timeout(300)
 _SPAWN = mp.get_context("spawn")
@@ -61,7 +61,7 @@ def test_an_acked_push_carries_no_values_and_group_pulls_give_the_step_s_values(
             assert workers[0].bytes_down - down < 4096, workers[0].bytes_down - down
             assert full.versions == {0: step + 1} and sorted(full.values) == [c.index for c in p.chunks]
             budget = 3 * 4 * p.chunks[0].numel
-            groups = chunk_groups(workers[0].chunks_of_shard(0), p, budget)
+            groups = chunk_groups(workers[0].chunks_of_shard(0), p.chunks, budget)
             assert len(groups) > 1 and all(sum(4 * p.chunks[i].numel for i in gr) <= budget for gr in groups)
             pulled: dict[int, torch.Tensor] = {}
             for group in groups:

@@ -37,11 +37,16 @@ def plot_path(name: str) -> pathlib.Path:
 
 
 def _git_commit() -> str:
-    """HEAD of the tree the bench runs from, with `+dirty` where tracked files differ from it."""
+    """HEAD of the tree the bench runs from, with `+dirty` where tracked files other than results/ differ from it.
+
+    results/ is left out: a script that writes its result after each part would otherwise call its own
+    earlier writes a change to the code it measures.
+    """
     try:
         head = subprocess.run(["git", "-C", str(BENCH), "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(BENCH), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(BENCH.parent), "status", "--porcelain", "--untracked-files=no",
+                                "--", ".", f":(exclude){RESULTS.relative_to(BENCH.parent)}"],
                                capture_output=True, text=True, check=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"

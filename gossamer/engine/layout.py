@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gossamer.core.errors import ConfigError
+from gossamer.core.errors import ConfigError, GossamerError
 from gossamer.core.experiment import Experiment
 from gossamer.engine.allocator import mmap_large_allocations
 from gossamer.engine.batches import Data, Selection, batch_samples, stack_batch, to_device
@@ -327,7 +327,8 @@ class NodeLayout:
 
     def restore(self, snapshot: Any) -> None:
         """Go back to a `snapshot` (a round given up); only a rank holding the whole model does so alone."""
-        raise NotImplementedError(f"{self.kind} ranks never give a round up alone")
+        raise GossamerError(f"a rank of the {self.kind} layout holds part of the model and cannot give a DiLoCo "
+                            "round up alone: its ranks give it up together")
 
     def chunk_delta(self, snapshot: Any) -> dict[int, torch.Tensor]:
         """`snapshot` minus the current values, by chunk index (DiLoCo's pseudo-gradient), in `snapshot`'s

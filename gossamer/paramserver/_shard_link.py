@@ -6,7 +6,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import torch
 import zmq
@@ -15,7 +15,7 @@ from gossamer.core.errors import ConfigError, ProtocolError, ShardError, Unavail
 from gossamer.core.protocol import chunk_key
 from gossamer.engine.shard_plan import ShardPlan
 from gossamer.paramserver.push_credits import CreditAsker
-from gossamer.paramserver.push_parts import FragmentedPushes
+from gossamer.paramserver.push_parts import FRAGMENT_BYTES, FragmentedPushes
 from gossamer.security import curve as curve_keys
 from gossamer.security.curve import CurveKeyring, HandshakeMonitor
 from gossamer.transport.frames import FrameLimits, Message, decode, encode, frames_nbytes
@@ -47,6 +47,33 @@ def _poller_of(socks: Iterable[zmq.Socket]) -> zmq.Poller:
     return poller
 
 
+class LinkOptions(TypedDict, total=False):
+    """A shard client's link settings (`ShardClient`'s keyword arguments but its codecs'); unset ones take the default.
+
+    `endpoints`: each shard's address; `chunks`: this client's chunks (default: all); `timeout_s`: how
+    long a request waits for its replies (60); `context`: the ZMQ context (default: the link's own);
+    `limits`: frame limits (default: sized for the largest shard's reply); `throttle`: a bandwidth cap;
+    `curve`: connect with CurveZMQ (default: the keyring installed in this process, if any); `token`:
+    the proof of `sender` the coordinator handed this worker; `epochs`: each shard's fencing epoch as
+    the coordinator last said (replies from older epochs are ignored); `fragment_bytes`: an async dense
+    push to a shard goes as fragments under this size (`push_parts.fragments`).
+    """
+
+    experiment: Required[str]
+    sender: Required[str]
+    plan: Required[ShardPlan]
+    endpoints: Required[dict[int, str]]
+    chunks: list[int] | None
+    timeout_s: float
+    context: zmq.Context | None
+    limits: FrameLimits | None
+    throttle: TokenBucket | None
+    curve: CurveKeyring | None
+    token: str
+    epochs: dict[int, int] | None
+    fragment_bytes: int
+
+
 class ShardLink:
     """One sender's sockets to the shards owning its chunks, and the request/reply loop over them.
 
@@ -56,31 +83,19 @@ class ShardLink:
     fragmented push's answers, and counts what went over the wire.
     """
 
-    def __init__(
-        self,
-        *,
-        experiment: str,
-        sender: str,
-        plan: ShardPlan,
-        endpoints: dict[int, str],
-        chunks: list[int] | None,
-        timeout_s: float,
-        context: zmq.Context | None,
-        limits: FrameLimits | None,
-        throttle: TokenBucket | None,
-        curve: CurveKeyring | None,
-        token: str,
-        epochs: dict[int, int] | None,
-        fragment_bytes: int,
-    ) -> None:
+    def __init__(self, **options: Unpack[LinkOptions]) -> None:
+        experiment, sender, plan, endpoints = (options["experiment"], options["sender"], options["plan"],
+                                               options["endpoints"])
+        chunks, limits, context = options.get("chunks"), options.get("limits"), options.get("context")
+        timeout_s = options.get("timeout_s", 60.0)
         if not sender:
             raise ConfigError("sender", "must be a non-empty string")
         if timeout_s <= 0:
             raise ConfigError("timeout_s", f"must be > 0, got {timeout_s!r}")
         self.experiment = experiment
         self.sender = sender
-        self.token = token
-        self._epochs: dict[int, int] = dict(epochs or {})
+        self.token = options.get("token", "")
+        self._epochs: dict[int, int] = dict(options.get("epochs") or {})
         self.stale_replies = 0  # replies from an older fencing epoch than this client knew, ignored
         self.retried = 0  # requests asked again after a NOT_PRIMARY or FENCED refusal
         #: (shard, epoch) -> the endpoint that answered for it: one primary per epoch, or `split_acks` counts it.
@@ -111,10 +126,11 @@ class ShardLink:
         if missing := sorted(set(self.by_shard) - set(endpoints)):
             raise ConfigError("endpoints", f"no endpoint for shards {missing}")
         self._endpoints = {s: endpoints[s] for s in self.by_shard}
-        self.fragments = FragmentedPushes(fragment_bytes)
+        self.fragments = FragmentedPushes(options.get("fragment_bytes", FRAGMENT_BYTES))
         self._send_depth = queue_depth(self.limits) + self.fragments.most(4 * largest)
         self._own_context = context is None
         self._ctx = context if context is not None else zmq.Context()
+        curve = options.get("curve")
         self.curve = curve if curve is not None else curve_keys.installed()
         self._watch: dict[int, HandshakeMonitor] = {}
         self._refused: dict[int, str] = {}  # why a shard refused our last socket (kept across retries)
@@ -124,7 +140,7 @@ class ShardLink:
         self.socks: dict[int, zmq.Socket] = {s: self.connect(s) for s in self._endpoints}
         self._rid = 0
         self.credits = CreditAsker()  # a large push waits for its shard's GRANT
-        self.throttle = throttle
+        self.throttle = options.get("throttle")
         #: Whether a PUSH now carries plain values (no codec either way): only those go as fragments.
         self.dense_pushes: Callable[[], bool] = lambda: True
         #: The requests of a push sent and not collected yet: nothing else may go before it is.

@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Generic, TypeVar, Unpack
 
 import torch
-import zmq
 
 from gossamer.compression.chunk_codec import ChunkCompressor
 from gossamer.core.errors import UnavailableError
 from gossamer.core.protocol import HelloMeta
-from gossamer.engine.shard_plan import ShardPlan
 from gossamer.paramserver._pull_side import PullResult, PullSide
 from gossamer.paramserver._push_side import PushRound, PushSide
-from gossamer.paramserver._shard_link import ShardLink, logger, poll_ms
-from gossamer.paramserver.push_credits import CreditAsker
-from gossamer.paramserver.push_parts import FRAGMENT_BYTES, FragmentedPushes
-from gossamer.security.curve import CurveKeyring
-from gossamer.transport.frames import FrameLimits
-from gossamer.transport.throttle import TokenBucket
+from gossamer.paramserver._shard_link import LinkOptions, ShardLink, logger, poll_ms
 
 __all__ = ["PullResult", "ShardClient", "poll_ms"]
 
@@ -46,7 +39,7 @@ class _Of(Generic[T]):
         setattr(getattr(client, self.part), self.name, value)
 
 
-class ShardClient:
+class ShardClient(ShardLink):
     """Talks to the shards owning `chunks` (default: all chunks) for one sender id.
 
     Several local ranks of one worker use the same `sender` with disjoint `chunks`; a shard
@@ -54,37 +47,12 @@ class ShardClient:
     sent first and collected after, so shards work in parallel. Gradient tensors handed to
     `push_pull` are sent zero-copy; they are not read any more once it returns.
 
-    A facade over three parts: `link` (the sockets, the request/reply loop and the traffic
-    counters), `pulls` (`pull`, and the values in every reply read out) and `pushes` (gradients
+    A link (`ShardLink`: the sockets, the request/reply loop and the traffic counters) with two
+    parts: `pulls` (`pull`, and the values in every reply read out) and `pushes` (gradients
     encoded and sent: `push_pull`, or `push_async` then `wait` or `abandon`).
     """
 
     # What the trainers and tests read or set on the client, kept by the part that uses it.
-    experiment = _Of[str]("link")
-    sender = _Of[str]("link")
-    token = _Of[str]("link")
-    plan = _Of[ShardPlan]("link")
-    timeout_s = _Of[float]("link")
-    limits = _Of[FrameLimits]("link")
-    curve = _Of[CurveKeyring | None]("link")
-    throttle = _Of[TokenBucket | None]("link")
-    credits = _Of[CreditAsker]("link")
-    fragments = _Of[FragmentedPushes]("link")
-    on_wait = _Of[Callable[[], None] | None]("link")
-    seed_source = _Of[Callable[[int], tuple[int, dict[int, torch.Tensor]]] | None]("link")
-    stale_replies = _Of[int]("link")
-    retried = _Of[int]("link")
-    split_acks = _Of[int]("link")
-    handshake_retries = _Of[int]("link")
-    busy_retries = _Of[int]("link")
-    resent = _Of[int]("link")
-    bytes_up = _Of[int]("link")
-    bytes_down = _Of[int]("link")
-    raw_bytes_up = _Of[int]("link")
-    raw_bytes_down = _Of[int]("link")
-    messages = _Of[int]("link")
-    encode_s = _Of[float]("link")
-    decode_s = _Of[float]("link")
     pull_codec = _Of[str]("pulls")
     pull_decoder = _Of[ChunkCompressor | None]("pulls")
     compressor = _Of[ChunkCompressor | None]("pushes")
@@ -94,60 +62,26 @@ class ShardClient:
     def __init__(
         self,
         *,
-        experiment: str,
-        sender: str,
-        plan: ShardPlan,
-        endpoints: dict[int, str],
-        chunks: list[int] | None = None,
-        timeout_s: float = 60.0,
-        context: zmq.Context | None = None,
-        limits: FrameLimits | None = None,
-        throttle: TokenBucket | None = None,
         compressor: ChunkCompressor | None = None,
         pull_codec: str = "none",
-        curve: CurveKeyring | None = None,
-        token: str = "",
-        epochs: dict[int, int] | None = None,
         shapes: Mapping[str, Sequence[int]] | None = None,
-        fragment_bytes: int = FRAGMENT_BYTES,
+        **link: Unpack[LinkOptions],
     ) -> None:
-        """`compressor` encodes pushed gradients; `pull_codec` asks shards for compressed parameter differences
-        instead of full values (see ShardServer); `fragment_bytes`: an async dense push to a shard goes as fragments
-        under this size (`push_parts.fragments`); `curve`: connect
-        with CurveZMQ (default: the keyring installed in this process, if any); `token`: the
-        proof of `sender` the coordinator handed this worker; `epochs`: each shard's fencing
-        epoch as the coordinator last said (replies from older epochs are ignored); `shapes`: the
-        parameters' shapes, for the pull decoder (default: the compressor's), as the shards know them."""
-        self.link = ShardLink(experiment=experiment, sender=sender, plan=plan, endpoints=endpoints, chunks=chunks,
-                              timeout_s=timeout_s, context=context, limits=limits, throttle=throttle, curve=curve,
-                              token=token, epochs=epochs, fragment_bytes=fragment_bytes)
+        """`link`: the link's settings (`LinkOptions`: experiment, sender, plan and endpoints at least);
+        `compressor` encodes pushed gradients; `pull_codec` asks shards for compressed parameter differences
+        instead of full values (see ShardServer); `shapes`: the parameters' shapes, for the pull decoder
+        (default: the compressor's), as the shards know them."""
+        super().__init__(**link)
         pull_decoder = None
         if pull_codec != "none":
-            pull_decoder = ChunkCompressor(pull_codec, plan, error_feedback=False, shapes=shapes if shapes is not None
-                                           else compressor.shapes if compressor is not None else None)
-        self.pulls = PullSide(self.link, pull_codec=pull_codec, pull_decoder=pull_decoder)
-        self.pushes = PushSide(self.link, self.pulls, compressor)
-
-    @property
-    def shards(self) -> list[int]:
-        """The shards this client talks to."""
-        return self.link.shards
+            pull_decoder = ChunkCompressor(pull_codec, self.plan, error_feedback=False, shapes=shapes
+                                           if shapes is not None else compressor.shapes if compressor is not None
+                                           else None)
+        self.pulls = PullSide(self, pull_codec=pull_codec, pull_decoder=pull_decoder)
+        self.pushes = PushSide(self, self.pulls, compressor)
 
     def chunks_of_shard(self, shard: int) -> list[int]:
-        return list(self.link.by_shard.get(shard, []))
-
-    @property
-    def endpoints(self) -> dict[int, str]:
-        return self.link.endpoints
-
-    def set_endpoints(self, endpoints: dict[int, str], epochs: dict[int, int] | None = None) -> list[int]:
-        """Point shards at new endpoints (a promoted backup, a restored shard) of fencing `epochs`.
-
-        A request waiting on a moved shard is sent again to the new endpoint; shards
-        recognise a repeated push by its clock and do not apply it twice. Returns the
-        shards that moved.
-        """
-        return self.link.set_endpoints(endpoints, epochs)
+        return list(self.by_shard.get(shard, []))
 
     # -- API --------------------------------------------------------------------------
     def hello(self, fresh: bool = False) -> None:
@@ -155,8 +89,7 @@ class ShardClient:
 
         `fresh`: this is a new process under this sender id (its clocks start over).
         """
-        link = self.link
-        link.request({s: link.msg("HELLO", s, HelloMeta(fresh=fresh).to_meta()) for s in self.shards})
+        self.request({s: self.msg("HELLO", s, HelloMeta(fresh=fresh).to_meta()) for s in self.shards})
 
     def pull(self, shards: Iterable[int] | None = None, timeout_s: float | None = None,
              chunks: Iterable[int] | None = None) -> PullResult:
@@ -214,10 +147,9 @@ class ShardClient:
 
     def stats(self, shard: int) -> dict[str, Any]:
         """The STATS reply of `shard` (histogram keys as ints)."""
-        link = self.link
-        if shard not in link.socks:
-            link.socks[shard] = link.connect(shard)
-        meta = dict(link.request({shard: link.msg("STATS", shard)})[shard].meta)
+        if shard not in self.socks:
+            self.socks[shard] = self.connect(shard)
+        meta = dict(self.request({shard: self.msg("STATS", shard)})[shard].meta)
         meta.pop("rid", None)
         for key in ("staleness", "version_staleness"):
             meta[key] = {int(k): v for k, v in meta.get(key, {}).items()}
@@ -231,15 +163,14 @@ class ShardClient:
         either process only ever lengthens a trip). What the bytes cost is the padded trip
         minus the link's latency (`compression.adaptive.BaseLatency` keeps it from bare trips).
         """
-        link = self.link
         shard = self.shards[0]
         pad = torch.zeros(nbytes, dtype=torch.uint8)
         bare = padded = math.inf
         for _ in range(max(1, repeats)):
             t0 = time.perf_counter()
-            link.request({shard: link.msg("STATS", shard)})
+            self.request({shard: self.msg("STATS", shard)})
             t1 = time.perf_counter()
-            link.request({shard: link.msg("STATS", shard, tensors={"probe": pad})})
+            self.request({shard: self.msg("STATS", shard, tensors={"probe": pad})})
             bare, padded = min(bare, t1 - t0), min(padded, time.perf_counter() - t1)
         return bare, padded
 
@@ -249,14 +180,10 @@ class ShardClient:
         Best effort: a shard already gone (the job ended, its node left) is not waited on
         for longer than `timeout_s`.
         """
-        link = self.link
         try:
-            link.collect(link.send({s: link.msg("LEAVE", s) for s in self.shards}), timeout_s)
+            self.collect(self.send({s: self.msg("LEAVE", s) for s in self.shards}), timeout_s)
         except UnavailableError as e:
             logger.info("LEAVE not answered (%s); the shards will drop us by membership", e)
-
-    def close(self) -> None:
-        self.link.close()
 
     def __enter__(self) -> ShardClient:
         return self

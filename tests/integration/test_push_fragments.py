@@ -118,10 +118,10 @@ def test_fragments_sent_again_after_some_arrived_are_gathered_afresh_and_applied
         reqs = client.pushes.requests(grads, PushRound(clock=0, basis={0: 0}))
         rid = reqs[0].meta["rid"]
         for piece in fragments(reqs[0], FRAGMENT)[:4]:
-            client.link.socks[0].send_multipart(encode(piece))
+            client.socks[0].send_multipart(encode(piece))
         # The whole push sent again under the same request id (a resend does that), and answered.
-        sent = client.link.send(reqs)
-        res = client.pulls.result(client.link.collect(sent))
+        sent = client.send(reqs)
+        res = client.pulls.result(client.collect(sent))
         assert res.versions == {0: 1}
         assert servers[0].stats()["regathered"] == 1
         # Applied once: the same values as the same gradient pushed whole to the twin shard.
@@ -172,7 +172,7 @@ def test_only_a_push_s_last_fragment_waits_for_a_reply_still_sending_the_values(
         reader = _Reader()
         with server._lock:
             server._state.lend(reader)  # as a reply to another worker still on its way would
-        sent = client.link.send(client.pushes.requests(_grads(plan, 2), PushRound(clock=0, basis={0: 0})))
+        sent = client.send(client.pushes.requests(_grads(plan, 2), PushRound(clock=0, basis={0: 0})))
         deadline = time.monotonic() + 60
         while server.stats()["push_deferrals"] == 0:
             assert time.monotonic() < deadline, "the push's last fragment never came"
@@ -181,9 +181,9 @@ def test_only_a_push_s_last_fragment_waits_for_a_reply_still_sending_the_values(
         # the last one, which steps the state, is kept back while the values are lent.
         stats = server.stats()
         assert stats["push_deferrals"] == 1 and stats["version"] == 0 and server._updates.gathering == 1
-        assert client.link.socks[0].poll(0) == 0  # not answered yet
+        assert client.socks[0].poll(0) == 0  # not answered yet
         reader.done = True
-        res = client.pulls.result(client.link.collect(sent))
+        res = client.pulls.result(client.collect(sent))
         assert res.versions == {0: 1} and server.stats()["cow_copies"] == 0
     finally:
         client.close()

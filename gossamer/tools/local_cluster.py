@@ -140,18 +140,22 @@ class LocalCluster:
         self.nodes[name] = proc
         return proc
 
-    def wait_joined(self, *names: str, timeout: float = 60.0) -> None:
-        """Wait until the coordinator lists a node by each of `names` (UnavailableError after `timeout` s)."""
+    def wait_joined(self, *names: str, timeout: float = 60.0, ready: bool = False) -> None:
+        """Wait until the coordinator lists a node by each of `names` (UnavailableError after `timeout` s).
+
+        `ready`: listed as ready (a state dir of an earlier cluster may still list its nodes by those names).
+        """
         client = self.client()
         try:
             deadline = time.monotonic() + timeout
-            while not set(names) <= {n["name"] for n in client.nodes()}:
+            while not set(names) <= {n["name"] for n in client.nodes() if not ready or n["state"] == "ready"}:
                 for name in names:
                     proc = self.nodes.get(name)
                     if proc is not None and proc.poll() is not None:
                         raise UnavailableError(f"node {name} exited ({proc.returncode}); see {self.log_dir / name}.log")
                 if time.monotonic() > deadline:
-                    raise UnavailableError(f"nodes {sorted(names)} did not join within {timeout} s")
+                    raise UnavailableError(f"nodes {sorted(names)} did not join within {timeout:g} s; "
+                                           f"see the logs in {self.log_dir}")
                 time.sleep(0.05)
         finally:
             client.close()

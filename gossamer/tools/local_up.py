@@ -77,7 +77,7 @@ def up(directory: str | os.PathLike[str], *, nodes: int, spot: int, gpus_per_nod
             if gpus_per_node:
                 env = {"CUDA_VISIBLE_DEVICES": ",".join(str(i * gpus_per_node + g) for g in range(gpus_per_node))}
             cluster.add_node(name, spot=name.startswith("spot"), nproc_per_node=max(1, gpus_per_node), env=env)
-        _wait_ready(cluster, names, timeout_s)
+        cluster.wait_joined(*names, timeout=timeout_s, ready=True)
         port = (cluster.state_dir / "http.port").read_text().strip()
         assert cluster.coordinator is not None
         info = LocalInfo(address=address, status_page=f"http://127.0.0.1:{port}/", state_dir=str(cluster.state_dir),
@@ -89,22 +89,6 @@ def up(directory: str | os.PathLike[str], *, nodes: int, spot: int, gpus_per_nod
         cluster.close()
         raise
     return info
-
-
-def _wait_ready(cluster: LocalCluster, names: list[str], timeout_s: float) -> None:
-    """Wait until a node of each name is ready (records of an earlier `local up` on this state dir have left)."""
-    client = cluster.client()
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not set(names) <= {n["name"] for n in client.nodes() if n["state"] == "ready"}:
-            for name, proc in cluster.nodes.items():
-                if proc.poll() is not None:
-                    raise UnavailableError(f"node {name} exited ({proc.returncode}); see {cluster.log_dir / name}.log")
-            if time.monotonic() > deadline:
-                raise UnavailableError(f"the nodes did not join within {timeout_s:g} s; see the logs in {cluster.log_dir}")
-            time.sleep(0.1)
-    finally:
-        client.close()
 
 
 def _ours(pid: int) -> bool:

@@ -10,12 +10,12 @@ from typing import Any
 from gossamer.checkpoint.fetch import FetchError, Source, ask
 from gossamer.coordinator.records import NodeRec
 from gossamer.coordinator.state import CoordinatorState
-from gossamer.core.errors import NotFoundError
+from gossamer.core.errors import NotFoundError, UnavailableError
 from gossamer.core.role_log_names import LOG_TAIL, MAX_LISTED, Stem, parse_stem
 from gossamer.security.sender_tokens import log_token
 from gossamer.v1 import coordinator_pb2 as pb
 
-__all__ = ["get_role_log"]
+__all__ = ["RoleLogReads", "get_role_log"]
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,29 @@ log = logging.getLogger(__name__)
 NODE_TIMEOUT_S = 5.0
 #: Nodes asked at once: a large cluster is asked in waves, not all in one burst of threads.
 PARALLEL = 16
+#: Role-log reads the coordinator serves at once; each may ask every live node and holds threads
+#: of the pool the rest of the coordinator uses too. A read over this is refused at once.
+MAX_READS = 4
+
+
+class RoleLogReads:
+    """The role-log reads in progress on one coordinator: at most `MAX_READS`, the next refused (UNAVAILABLE)."""
+
+    def __init__(self, limit: int = MAX_READS) -> None:
+        self.limit = limit
+        self.active = 0
+        self.refused = 0
+
+    async def read(self, state: CoordinatorState, req: pb.GetRoleLogRequest) -> pb.RoleLog:
+        if self.active >= self.limit:
+            self.refused += 1
+            raise UnavailableError(f"{self.active} role-log reads are in progress on this coordinator "
+                                   f"(at most {self.limit} at once); ask again in a moment")
+        self.active += 1
+        try:
+            return await get_role_log(state, req)
+        finally:
+            self.active -= 1
 
 
 @dataclass(frozen=True)

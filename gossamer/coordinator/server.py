@@ -25,7 +25,7 @@ from gossamer.coordinator.http import VIEWER_TOKEN_FILE, HttpConfig, StatusHttp
 from gossamer.coordinator.leader_gate import LeaderGate
 from gossamer.coordinator.pg_store import PgStore
 from gossamer.coordinator.retention import keep_bounded
-from gossamer.coordinator.role_logs import get_role_log
+from gossamer.coordinator.role_logs import RoleLogReads
 from gossamer.coordinator.serving import describe_security, server_interceptors, warn_if_open
 from gossamer.coordinator.udp_beats import UdpBeats
 from gossamer.core.errors import ConfigError, NotFoundError
@@ -100,6 +100,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
 class ExperimentServicer(pb_grpc.ExperimentServiceServicer):
     def __init__(self, server: CoordinatorServer) -> None:
         self._server = server
+        self._role_logs = RoleLogReads()
 
     @property
     def c(self) -> Coordinator:
@@ -162,7 +163,7 @@ class ExperimentServicer(pb_grpc.ExperimentServiceServicer):
 
 
     async def GetRoleLog(self, request, context):  # type: ignore[no-untyped-def]
-        return await get_role_log(self.c.state, request)
+        return await self._role_logs.read(self.c.state, request)
 
 
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):

@@ -18,6 +18,10 @@ from gossamer.v1 import coordinator_pb2 as pb
 log = logging.getLogger(__name__)
 
 _MIB = float(1 << 20)
+#: Uploads received at once: each holds a temporary file of up to `max_bytes` until it ends.
+MAX_UPLOADS = 4
+#: The longest wait for an upload's next piece: a client that stops sending gives its slot back.
+PIECE_TIMEOUT_S = 60.0
 
 
 def _mib(n: int) -> str:
@@ -28,18 +32,24 @@ class WorkdirStore:
     """Archives under `root/<hex>.tar.gz`, each checked against its digest as it arrives.
 
     One archive is at most `max_bytes` (refused at upload, naming its size); all of them at most
-    `total_bytes`: an upload past that first drops archives no active experiment names (oldest
-    first), and is refused if that is not enough. `in_use` says which digests the active
-    experiments name.
+    `total_bytes`, the uploads in progress counted at their stated size: an upload past that first
+    drops archives no active experiment names (oldest first), and is refused if that is not enough.
+    At most `max_uploads` are received at once (the next is refused, UNAVAILABLE), and one whose
+    next piece takes longer than `piece_timeout_s` is dropped. `in_use` says which digests the
+    active experiments name.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, max_bytes: int, total_bytes: int,
-                 in_use: Callable[[], set[str]]) -> None:
+                 in_use: Callable[[], set[str]], max_uploads: int = MAX_UPLOADS,
+                 piece_timeout_s: float = PIECE_TIMEOUT_S) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.total_bytes = total_bytes
+        self.max_uploads = max_uploads
+        self.piece_timeout_s = piece_timeout_s
         self._in_use = in_use
         self._unpacking: dict[str, asyncio.Future[Path]] = {}
+        self._receiving: dict[object, int] = {}  # an upload in progress -> its stated size
 
     def path(self, digest: str) -> Path:
         return self.root / f"{digest.removeprefix('sha256:')}.tar.gz"
@@ -55,16 +65,44 @@ class WorkdirStore:
                                          "(docs/deploy.md)")
 
     async def receive(self, pieces: AsyncIterator[pb.WorkdirChunk]) -> pb.UploadWorkdirResponse:
-        """Store an upload. Raises ConfigError (field workdir): over the cap, or bytes not matching the digest."""
-        first = await anext(aiter(pieces), None)
+        """Store an upload.
+
+        Raises:
+            ConfigError: (field workdir) over the cap, or bytes not matching the digest.
+            UnavailableError: `max_uploads` in progress, the store full of active experiments' archives,
+                or the client stopped sending.
+        """
+        stream = aiter(pieces)
+        first = await self._next(stream)
         if first is None or not is_digest(first.digest):
             raise ConfigError("workdir", "an upload starts with the archive's digest ('sha256:<hex>')")
         self._refuse_size(first.size)
         digest, size = first.digest, first.size
         if self.has(digest):
             return pb.UploadWorkdirResponse(digest=digest, size=size, already_stored=True)
-        await asyncio.to_thread(self._make_room, size)
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if len(self._receiving) >= self.max_uploads:
+            raise UnavailableError(f"{len(self._receiving)} uploads are in progress on this coordinator (at most "
+                                   f"{self.max_uploads} at once); submit again in a moment")
+        upload = object()
+        self._receiving[upload] = size
+        try:
+            await asyncio.to_thread(self._make_room, size, sum(self._receiving.values()) - size)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            await self._write(first, stream, digest, size)
+        finally:
+            del self._receiving[upload]
+        log.info("stored workdir %s (%s)", digest, _mib(size))
+        return pb.UploadWorkdirResponse(digest=digest, size=size, already_stored=False)
+
+    async def _next(self, stream: AsyncIterator[pb.WorkdirChunk]) -> pb.WorkdirChunk | None:
+        try:
+            return await asyncio.wait_for(anext(stream, None), self.piece_timeout_s)
+        except asyncio.TimeoutError:  # noqa: UP041 - TimeoutError's alias on 3.11, not on 3.10
+            raise UnavailableError(f"the upload sent no piece for {self.piece_timeout_s:g} s; dropped") from None
+
+    async def _write(self, first: pb.WorkdirChunk, stream: AsyncIterator[pb.WorkdirChunk], digest: str,
+                     size: int) -> None:
+        """The pieces into a temporary file, checked, then renamed to the archive's place (removed on any failure)."""
         fd, tmp = tempfile.mkstemp(prefix=".upload-", dir=self.root)
         h, got = hashlib.sha256(), 0
         try:
@@ -75,20 +113,19 @@ class WorkdirStore:
                     self._refuse_size(got)  # a client that understated the size
                     h.update(piece.data)
                     out.write(piece.data)
-                    piece = await anext(aiter(pieces), None)
+                    piece = await self._next(stream)
             if f"sha256:{h.hexdigest()}" != digest or got != size:
                 raise ConfigError("workdir", f"the upload's {got} bytes do not match its digest {digest} and size {size}")
             os.replace(tmp, self.path(digest))
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        log.info("stored workdir %s (%s)", digest, _mib(size))
-        return pb.UploadWorkdirResponse(digest=digest, size=size, already_stored=False)
 
-    def _make_room(self, size: int) -> None:
-        """Drop archives no active experiment names, oldest first, until `size` more fits in `total_bytes`."""
+    def _make_room(self, size: int, receiving: int = 0) -> None:
+        """Drop archives no active experiment names, oldest first, until `size` more fits in `total_bytes`
+        beside the stored ones and the `receiving` bytes of the other uploads in progress."""
         stored = sorted(self.root.glob("*.tar.gz"), key=lambda p: p.stat().st_mtime) if self.root.is_dir() else []
-        used = sum(p.stat().st_size for p in stored)
+        used = receiving + sum(p.stat().st_size for p in stored)
         keep = {d.removeprefix("sha256:") for d in self._in_use()}
         for p in stored:
             if used + size <= self.total_bytes:

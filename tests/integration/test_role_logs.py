@@ -61,3 +61,49 @@ def test_logs_shows_the_users_traceback_from_the_node_that_ran_the_role(cluster:
         bad = _cli("logs", job.id, "--role", "trainer/1", "-c", address)
         assert bad.returncode != 0 and "worker/N or ps/N" in bad.stderr, bad.stderr
         job.cancel()
+
+
+def test_a_flood_of_log_reads_is_bounded_and_the_coordinator_keeps_serving(cluster: LocalCluster) -> None:
+    """Reads past the coordinator's bound are refused at once (UNAVAILABLE, saying why) while a slow node holds
+    the others, and the coordinator answers everything else meanwhile."""
+    import threading
+
+    from gossamer.coordinator.role_logs import MAX_READS
+    from gossamer.core.errors import UnavailableError
+
+    address = cluster.start_coordinator(port=0)
+    slow = {"GOSSAMER_FAULT": "hold:at=logs:seconds=2"}  # the agents answer a log read slowly
+    cluster.add_node("a", env=slow)
+    cluster.add_node("b", env=slow)
+    cluster.wait_joined("a", "b")
+    with Client(address) as client:
+        job = client.submit(experiment(num_ps_shards=1, ps_backup=False, min_workers=1, max_workers=1,
+                                       total_steps=1_000_000))
+        wait_for(lambda: job.status()["state"] == "running", 120, "the run to start")
+        readers = 3 * MAX_READS
+        start = threading.Barrier(readers + 1)
+        answers: list[str] = []
+
+        def read() -> None:
+            start.wait()
+            try:
+                job.logs("ps/0")
+                answers.append("log")
+            except UnavailableError as e:
+                answers.append(f"refused: {e}")
+            except NotFoundError as e:  # the slow node timed out on a read let through: still an answer
+                answers.append(f"not found: {e}")
+
+        threads = [threading.Thread(target=read, daemon=True) for _ in range(readers)]
+        for t in threads:
+            t.start()
+        start.wait()
+        served_meanwhile = len(client.nodes())  # while the first reads wait on the slow node
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a log read hung"
+        refused = [a for a in answers if a.startswith("refused")]
+        assert len(answers) == readers and refused, answers
+        assert all("role-log reads are in progress" in a for a in refused), refused
+        assert len(refused) <= readers - 1 and served_meanwhile == 2
+        job.cancel()

@@ -43,7 +43,7 @@ LOSSES = ("cross_entropy", "mse", "model")
 #: The fields that name user code, checked by importing them at submit (gossamer/core/import_check.py).
 CODE_FIELDS = ("train", "model", "dataset", "loss", "collate", "metrics")
 #: The modes a train function runs in (its optimizer steps on the worker; see training/train_function.py).
-TRAIN_FUNCTION_MODES = ("async", "diloco", "gossip")
+TRAIN_FUNCTION_MODES = ("sync", "async", "diloco", "gossip")
 LR_SCALINGS = ("none", "linear")
 _CALLABLE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 #: Integers travel through TOML, SQLite and msgpack: all three stop at 64 bits.
@@ -260,8 +260,13 @@ def _check_train_function(exp: Experiment) -> None:
         raise ConfigError(given[0], f"the train function {exp.train!r} builds its own model, data, loss and "
                                     f"metrics; leave out {', '.join(given)}")
     if exp.mode not in TRAIN_FUNCTION_MODES:
-        raise ConfigError("mode", f"a train function runs in {' or '.join(TRAIN_FUNCTION_MODES)}; "
-                                  f"mode {exp.mode!r} is not supported with 'train' yet")
+        raise ConfigError("mode", f"a train function runs in {', '.join(TRAIN_FUNCTION_MODES)}; "
+                                  f"mode {exp.mode!r} is not one of them")
+    if exp.mode == "sync":
+        # Every worker steps its optimizer on the round's mean gradient: exact, or the workers drift apart.
+        for f in ("compression", "pull_compression"):
+            if getattr(exp, f) not in ("auto", "none"):
+                raise ConfigError(f, f"a train function's sync exchanges exact gradients; got {getattr(exp, f)!r}")
     if exp.parallelism != "ddp":
         raise ConfigError("parallelism", "a train function runs with parallelism='ddp' (one rank per node holds "
                                          "the whole model)")

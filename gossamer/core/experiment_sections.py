@@ -62,7 +62,8 @@ SECTIONS: tuple[Section, ...] = (
         FieldDoc("prefetch", "batches read ahead of the step (0: none); with num_workers, per worker"),
         FieldDoc("batch_size", "samples per step on each worker node"),
         FieldDoc("global_batch_size", "samples per step over all workers, split over the current ones "
-                                      "(unset: batch_size each)", modes="allows_global_batch"),
+                                      "(unset: batch_size each); a train function's: per batch of ctx.data",
+                 modes="allows_global_batch"),
     )),
     Section("optimizer", "the optimizer a step applies and its learning rate", (
         FieldDoc("optimizer", "sgd | adamw (or torch.optim.SGD | torch.optim.AdamW) | auto: the mode's default "

@@ -64,8 +64,8 @@ class PushDecoders:
         """Time spent decompressing (all codecs)."""
         return sum(d.decode_seconds for d in self._decoders.values())
 
-    def dense(self, tensors: Mapping[str, torch.Tensor], op: str) -> dict[int, torch.Tensor]:
-        """Uncompressed chunk gradients ("c3": fp32 of the chunk's size) by chunk index."""
+    def dense(self, tensors: Mapping[str, torch.Tensor], op: str, per_chunk: int = 1) -> dict[int, torch.Tensor]:
+        """Uncompressed chunk gradients ("c3": fp32 of `per_chunk` times the chunk's size) by chunk index."""
         grads: dict[int, torch.Tensor] = {}
         for name, t in tensors.items():
             idx = parse_chunk_key(name)
@@ -74,8 +74,8 @@ class PushDecoders:
                 raise Reject(f"chunk {idx} is not on shard {self.state.config.shard}", NOT_FOUND)
             if t.dtype != torch.float32:
                 raise Reject(f"{op} gradient {name!r} must be float32, got {t.dtype}")
-            if tuple(t.shape) != (c.numel,):
-                raise Reject(f"{op} gradient {name!r} must have shape [{c.numel}], got {list(t.shape)}")
+            if tuple(t.shape) != (per_chunk * c.numel,):
+                raise Reject(f"{op} gradient {name!r} must have shape [{per_chunk * c.numel}], got {list(t.shape)}")
             grads[idx] = t
         return grads
 

@@ -89,11 +89,13 @@ class Replies:
         self.router.send_tracked(identity, frames, tracker, nbytes, shared=shared, counted=counted)
 
     def params(self, identity: bytes, rid: Any, chunks: list[int], *, staleness: int | None = None,
-               lead: int | None = None, version: int | None = None, counted: bool = True) -> None:
+               lead: int | None = None, version: int | None = None, counted: bool = True,
+               values: dict[int, torch.Tensor] | None = None) -> None:
         """PARAMS: the current values of `chunks` (compressed differences for a pull codec); `version`,
-        `counted` as `send`'s."""
-        meta, tensors, live = self.views.reply(identity, chunks, self.state.params, done=self.state.done,
-                                               staleness=staleness, lead=lead)
+        `counted` as `send`'s. `values`: these instead of the state's (a round's mean gradient, `ShardConfig.reduce`)."""
+        meta, tensors, live = self.views.reply(identity, chunks, self.state.params if values is None else values,
+                                               done=self.state.done, staleness=staleness, lead=lead)
+        live = live and values is None
         if not self.state.config.barrier:  # what the worker's copy of these values holds (`ParamsMeta.applied`)
             meta = dataclasses.replace(meta, applied=dict(self.state.applied))
         self.raw_bytes_out += sum(4 * self.state.chunks[idx].numel for idx in chunks)

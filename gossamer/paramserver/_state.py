@@ -149,6 +149,17 @@ class ShardState:
         self.apply_s += time.perf_counter() - t0
         return lr_factor
 
+    def assign(self, values: dict[int, torch.Tensor]) -> None:
+        """Take `values` (every chunk) as the next version's: a train function's sync, whose workers step their
+        own optimizer (`ShardConfig.reduce`)."""
+        t0 = time.perf_counter()
+        with self.writes():
+            for idx, value in values.items():
+                self.params[idx].copy_(value)
+        self.version += 1
+        self.updates += 1
+        self.apply_s += time.perf_counter() - t0
+
     # -- readers of the live values -----------------------------------------------------
     def lend(self, reader: Any, tensors: Iterable[torch.Tensor] = (), *, values: bool = True) -> None:
         """A send reads the live chunk values (and `tensors`, e.g. the optimizer's state) until `reader.done`

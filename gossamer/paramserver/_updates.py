@@ -146,6 +146,8 @@ class Updates:
         self.on_snapshot: Callable[[int], None] | None = None  # called at checkpoint boundaries
         #: The coordinator's current workers (`set_members`); None: never told (a shard run alone).
         self.members: frozenset[str] | None = None
+        #: `ShardConfig.reduce`: the last round (its version before) and its mean, for a push of it sent again.
+        self._last_mean: tuple[int, dict[int, torch.Tensor]] | None = None
 
     @property
     def decode_seconds(self) -> float:
@@ -178,6 +180,10 @@ class Updates:
             factor = self.state.step(grads, lr_factor, schedule=True, groups=groups, after_group=after_group)
             self.state.remember(applied, latest=False)
             self.replication.replicate(grads, factor, applied, delay=delay, encoded=encoded)
+        self._applied()
+
+    def _applied(self) -> None:
+        """A version was made: the fault point after it, and the checkpoint if one is due."""
         version = self.state.version
         die_at("after-apply", step=version, shard=self.config.shard)
         every = self.config.checkpoint_every
@@ -251,6 +257,9 @@ class Updates:
             # A retry (after a failover) of an update this shard already applied.
             self.discarded["duplicate"] += 1
             part.take()  # nothing of it is applied: only its reply waits
+            if self.config.reduce:
+                self._answer_round_again(part, key[1])
+                return
             self._reply_later(part, counted=not meta.more)  # a fragment's: one reply held for all of them
             return
         if self.state.done:
@@ -262,6 +271,14 @@ class Updates:
                 raise Reject(f"sync push for step {step} but the shard is at step {self.state.version}",
                              FAILED_PRECONDITION, cause="wrong_step")
         self._gather(key, part, meta, now)
+
+    def _answer_round_again(self, part: _Part, step: int) -> None:
+        """A train function's sync push to a round this shard made already (its reply lost): that round's mean,
+        if it was the last one; an older round's is gone, and the worker is told to give its exchange up."""
+        if self._last_mean is None or self._last_mean[0] != step:
+            raise Reject(f"round {step}'s mean is no longer held (the shard is at {self.state.version})",
+                         FAILED_PRECONDITION, cause="wrong_step")
+        self._answer_mean([part], [part])
 
     def _note_restore_loss(self, sender: str, clock: int) -> None:
         if self._restored_applied is None or sender in self._seen_since_restore:
@@ -349,7 +366,7 @@ class Updates:
         matter: ReLU training is chaotic enough that one can flip a unit and move the run 1e-3 from
         single-process training (test_sync_elastic failed 1 run in 15-45 with digits summed in arrival order).
         The backup gets the sum itself, so it holds the same bits either way."""
-        if part.grads and (meta.part is not None or self._sum_whole_on_arrival):
+        if part.grads and not self.config.reduce and (meta.part is not None or self._sum_whole_on_arrival):
             accumulate(self._step_sum, part.take())
             update.summed = True
         if meta.part is not None:
@@ -366,9 +383,11 @@ class Updates:
             raise Reject("PUSH carries no gradients")
         compression = PushCompression.from_meta(msg.meta)
         if compression is None:
-            grads = self.decoders.dense(msg.tensors, "PUSH")
+            grads = self.decoders.dense(msg.tensors, "PUSH", per_chunk=2 if self.config.reduce else 1)
             check_finite(msg)
             return grads, None, []
+        if self.config.reduce:
+            raise Reject("a train function's sync push carries plain gradients and values, never compressed ones")
         part = EncodedPart(compression, msg.tensors)
         if self.config.barrier:
             chunks = self.decoders.decode_into(None, part)
@@ -430,6 +449,9 @@ class Updates:
         dense_sum, self._step_sum = self._step_sum, {}
         self._sync_step = {}
         self._sync_num_workers = None
+        if self.config.reduce:
+            self._reduce(contributions, now)
+            return
         encoded = _encoded(contributions)  # their payloads: the sum below writes decoded buffers only
         summed: dict[int, torch.Tensor] | None = None  # all held encoded: summed a group of chunks at a time
         if encoded is None:  # some push dense: add those held (small dense, encoded) in sender order
@@ -444,6 +466,52 @@ class Updates:
         for contrib in contributions:
             for part in contrib.unanswered():
                 self._reply_later(part)
+
+    def _reduce(self, contributions: list[_Update], now: float) -> None:
+        """A train function's sync round (`ShardConfig.reduce`): answer each worker with the mean of the round's
+        gradients and hold the values the pushes carry as the next version.
+
+        Summed in sender order, whatever order the pushes came in, so a round has the same bits every run and
+        one worker's mean is its own gradient exactly. The values are the first sender's: every worker took the
+        same optimizer steps on the same means, so theirs are the same (a worker that joined takes the run's
+        values from the shard). The backup is sent the change of values, applied with SGD at lr 1 (the
+        parameters to rounding; a round lost with its primary is redone by the workers)."""
+        total: dict[int, torch.Tensor] = {}
+        values: dict[int, torch.Tensor] = {}
+        for contrib in contributions:
+            for part in contrib.parts:
+                for idx, pushed in part.take().items():
+                    n = self.state.chunks[idx].numel
+                    if idx in total:
+                        total[idx].add_(pushed[:n])
+                    else:
+                        total[idx] = pushed[:n].clone()
+                    values.setdefault(idx, pushed[n:])
+        mean = {idx: t.div_(len(contributions)) for idx, t in total.items()}
+        for contrib in contributions:
+            self.gate.on_apply(contrib.sender, version=self.state.version, basis=self.state.version, now=now)
+        change = ({idx: self.state.params[idx] - v for idx, v in values.items()}
+                  if self.replication.socket is not None else {})
+        applied = [(c.sender, c.key) for c in contributions]
+        self.state.assign(values)
+        self.state.remember(applied, latest=False)
+        self.replication.replicate(change, 1.0, applied)
+        self._last_mean = (self.state.version - 1, mean)
+        self._applied()
+        for contrib in contributions:
+            self._answer_mean(contrib.parts, contrib.unanswered())
+
+    def _answer_mean(self, parts: list[_Part], unanswered: list[_Part]) -> None:
+        """Answer a worker's round with the round's mean, each connection with every chunk it pushed (its parts
+        before the last were acknowledged only)."""
+        assert self._last_mean is not None
+        mean = self._last_mean[1]
+        pushed: dict[bytes, list[int]] = {}
+        for part in parts:
+            pushed.setdefault(part.identity, []).extend(part.chunks)
+        for part in unanswered:
+            self.replication.after_backup(functools.partial(
+                self.replies.params, part.identity, part.rid, sorted(pushed[part.identity]), staleness=0, values=mean))
 
     def _check_generation(self, gen: int) -> None:
         """Sync barrier membership: a newer generation re-forms it, an older one must redo."""

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ShardConfig"]
 
+#: The versions of a shard whose rounds are not counted against `total_steps` (`ShardConfig.reduce`).
+_UNBOUNDED = 1 << 62
+
 
 @dataclass(frozen=True, kw_only=True)
 class ShardConfig:
@@ -47,6 +50,10 @@ class ShardConfig:
     #: Linear lr scaling (the experiment's `linear_lr_factor`, by the number of workers of
     #: an update); None: off.
     lr_linear: Callable[[int], float] | None = None
+    #: A train function's sync (`gossamer.training.train_function`): each barrier round answers every worker with
+    #: the mean of the round's gradients and holds the parameters the pushes carry beside them (each push is a
+    #: chunk's gradient then its values, 2 x its size); the workers' own optimizer steps, the shard applies none.
+    reduce: bool = False
     #: Size limits of everything received (ZMQ MAXMSGSIZE and decoding); None: derived from
     #: the shard's size (`FrameLimits.for_values`).
     limits: FrameLimits | None = None
@@ -82,6 +89,8 @@ class ShardConfig:
             raise ConfigError("rate_limit", "must be a RateLimit or None")
         if not isinstance(self.reply_budget, ReplyBudget):
             raise ConfigError("reply_budget", "must be a ReplyBudget")
+        if self.reduce and not self.barrier:
+            raise ConfigError("reduce", "the mean of a round's gradients needs mode='sync' (a barrier)")
 
     @property
     def barrier(self) -> bool:
@@ -102,6 +111,9 @@ class ShardConfig:
         """
         row = mode_of(exp)
         per_version = exp.inner_steps if row.rounds else 1
+        # A train function's sync: a version is a round of gradients, one per backward pass the user makes (not
+        # known here); the workers count the optimizer steps and end the run.
+        reduce = bool(exp.train) and row.barrier and not row.rounds
         outer = row.outer_optimizer
         if outer:
             # Nesterov applied per arrival carries stale pseudo-gradients past the optimum
@@ -125,7 +137,7 @@ class ShardConfig:
         return cls(
             experiment=experiment_id, shard=shard, mode=row.shard_consistency,
             staleness=exp.staleness if row.staleness_applies else None, optimizer=optimizer,
-            total_steps=-(-exp.total_steps // per_version),
+            total_steps=_UNBOUNDED if reduce else -(-exp.total_steps // per_version), reduce=reduce,
             # Rounds: tau is the staleness in rounds (versions since the basis / workers).
             lr_staleness_scaling=row.rounds or (exp.lr_staleness_scaling and not exp.train),
             staleness_in_rounds=row.rounds,

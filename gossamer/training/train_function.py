@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from gossamer.engine.rank import Hook, RankContext, StepAbandoned, StepStats
 from gossamer.training.gossip_loop import GossipTrainer
 from gossamer.training.ps_trainer import ParameterServerTrainer
 from gossamer.training.rank_trainer import OnSaved
-from gossamer.transport.router import REFORM
+from gossamer.transport.router import FAILED_PRECONDITION, REFORM
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class _Runtime:
     def __init__(self, exp: Experiment) -> None:
         self.exp = exp
         self.steps = 0
+        #: sync: backward exchanges the gradients (False inside `TrainContext.no_sync`).
+        self.sync_grads = True
 
     @property
     def rank(self) -> int:
@@ -179,6 +182,21 @@ class TrainContext:
         """The run is over, cancelled, or this node was told to leave: end the loop."""
         return self._runtime.done() or self._runtime.stopping()
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """sync: the backward passes inside keep their gradients to this worker (torch DDP's `no_sync`).
+
+        In sync mode every `backward()` exchanges the gradients accumulated so far and leaves the workers' mean
+        in each `.grad`; with gradient accumulation, put the backward passes of all micro-batches but the last
+        inside `no_sync()`: one exchange per optimizer step, with the same result. Other modes exchange in
+        `optimizer.step()`, and this does nothing.
+        """
+        before, self._runtime.sync_grads = self._runtime.sync_grads, False
+        try:
+            yield
+        finally:
+            self._runtime.sync_grads = before
+
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, GossamerOptimizer]:
         """Load the run's current state into `model`; the returned optimizer's `step()` exchanges."""
         if self._optimizer is not None:
@@ -201,20 +219,31 @@ class TrainContext:
         A map-style set is sampled deterministically from the experiment's seed, an independent
         stream per worker; an iterable one is dealt out by the current rank. Ends when the run is done,
         cancelled, or this node leaves.
+
+        sync with `global_batch_size` G: the run's i-th batch is the same G samples whatever the number of
+        workers (drawn from the seed, or the stream's next G), and each worker gets its rank's share of them
+        (G / workers, the first ones one more where G does not divide): N workers' mean gradient is one
+        process's over G samples. `batch_size`, if given, must then be G.
         """
         size = batch_size or self.experiment.batch_size
         if size < 1:
             raise ConfigError("batch_size", f"must be >= 1, got {size}")
+        split = self._global_batch(batch_size)
+        size = split or size
         collate = collate_fn or default_collate
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
-            yield from self._stream(dataset, size, collate)
+            yield from self._stream(dataset, size, collate, split=bool(split))
             return
         n = len(dataset)
         if n == 0:
             raise ConfigError("dataset", "the dataset passed to ctx.data is empty")
         batch = self.step  # a worker joining mid-run does not replay its predecessor's batches
         while not self.should_stop():
-            if shuffle:
+            if split:
+                picked = (sampler.sync_global_batch(n, size, batch, self.experiment.seed) if shuffle
+                          else torch.tensor([(batch * size + i) % n for i in range(size)]))
+                idx = sampler.even_split(picked, self.world_size, self.rank).tolist()
+            elif shuffle:
                 idx = sampler.async_batch(n, size, batch, self.experiment.seed, self._runtime.worker_index).tolist()
             else:
                 start = (batch * self.world_size + self.rank) * size
@@ -222,16 +251,29 @@ class TrainContext:
             yield collate([dataset[i] for i in idx])
             batch += 1
 
-    def _stream(self, dataset: Any, size: int, collate: Callable[[list[Any]], Any]) -> Iterator[Any]:
+    def _global_batch(self, batch_size: int | None) -> int:
+        """The samples of one batch over all workers (sync with `global_batch_size`), else 0."""
+        exp = self.experiment
+        if exp.mode != "sync" or not exp.global_batch_size:
+            return 0
+        if batch_size is not None and batch_size != exp.global_batch_size:
+            raise ConfigError("batch_size", f"ctx.data(batch_size={batch_size}) with global_batch_size "
+                                            f"{exp.global_batch_size}: in sync each batch is this worker's share of "
+                                            "the global batch; leave batch_size out or pass global_batch_size")
+        return exp.global_batch_size
+
+    def _stream(self, dataset: Any, size: int, collate: Callable[[list[Any]], Any], *,
+                split: bool = False) -> Iterator[Any]:
+        """Dealt out by position; `split`: each `size` items in a row are a global batch, cut among the workers."""
         items: list[Any] = []
         for position, item in enumerate(dataset):
             if self.should_stop():
                 return
-            if position % self.world_size != self.rank:
+            if not split and position % self.world_size != self.rank:
                 continue
             items.append(item)
             if len(items) == size:
-                yield collate(items)
+                yield collate(sampler.even_split(items, self.world_size, self.rank) if split else items)
                 items = []
 
     def report(self, **values: float) -> None:
@@ -299,7 +341,7 @@ class _WorkerRuntime(_Runtime):
     def __init__(self, ctx: RankContext, hooks: dict[str, Any]) -> None:
         super().__init__(ctx.experiment)
         self.ctx, self.hooks = ctx, hooks
-        self.trainer: TrainFunctionTrainer | GossipFunctionTrainer | None = None
+        self.trainer: TrainFunctionTrainer | SyncFunctionTrainer | GossipFunctionTrainer | None = None
 
     @property
     def rank(self) -> int:
@@ -319,8 +361,11 @@ class _WorkerRuntime(_Runtime):
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         hooks = {k: v for k, v in self.hooks.items() if k not in ("report_final", "serving")}
-        servers = mode_of(self.exp).servers
-        self.trainer = (TrainFunctionTrainer if servers else GossipFunctionTrainer)(self.ctx, model, **hooks)
+        mode = mode_of(self.exp)
+        if mode.barrier and not mode.rounds:
+            self.trainer = SyncFunctionTrainer(self.ctx, model, wants_exchange=lambda: self.sync_grads, **hooks)
+        else:
+            self.trainer = (TrainFunctionTrainer if mode.servers else GossipFunctionTrainer)(self.ctx, model, **hooks)
         self.trainer.report_final = self.hooks["report_final"]
         self.hooks["serving"](self.trainer.endpoint)  # a gossip worker's peers reach it there
         self.trainer.start()
@@ -485,6 +530,114 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         self.client.leave()
         self.client.close()
         self.finished = self.done
+
+
+class SyncFunctionTrainer(TrainFunctionTrainer):
+    """A train function's sync, as torch DDP: every backward pass ends with the workers' mean gradient in `.grad`.
+
+    Each parameter's post-accumulate-grad hook queues one callback at the end of the backward pass, which pushes
+    this worker's accumulated gradients to the shards under the barrier and writes the round's mean back into
+    every `.grad` before `backward()` returns; the user's clipping and optimizer then see the mean, as one process
+    would over all the workers' samples, and every worker takes the same step. Each push carries the parameters
+    too, which the shards hold as the run's (for checkpoints and workers that join). `total_steps` counts the
+    user's `optimizer.step()` calls; a shard version is one exchange.
+    """
+
+    def __init__(self, ctx: RankContext, model: nn.Module, *, wants_exchange: Callable[[], bool] = lambda: True,
+                 **hooks: Any) -> None:
+        super().__init__(ctx, model, **hooks)
+        if ctx.local_world > 1:
+            raise ConfigError("train", "a train function's sync runs one rank per node")
+        self.wants_exchange = wants_exchange
+        self._queued = False
+        self._params = list(self.layout.module.parameters())
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params if p.requires_grad]
+
+    def start(self) -> None:
+        """Register with the shards and take the run's parameters (the values its last exchange carried)."""
+        self.client.hello(fresh=True)
+        self.pull()
+        self.done = self.clock >= self.exp.total_steps
+        self._exchanging = True
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._queued and not self.done and self.wants_exchange():
+            self._queued = True  # once per backward pass, whichever parameter's gradient is first
+            torch.autograd.Variable._execution_engine.queue_callback(self._exchange_grads)  # type: ignore[attr-defined]
+
+    def _exchange_grads(self) -> None:
+        """End of a backward pass: the round's mean gradient into every `.grad` (the same bits on every worker)."""
+        self._queued = False
+        self._apply_updates()
+        grads = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params])
+        values = _flat(self._params)
+        push = {c.index: torch.cat([grads[c.flat_offset:c.flat_offset + c.numel],
+                                    values[c.flat_offset:c.flat_offset + c.numel]]) for c in self.mine}
+        t0 = time.perf_counter()
+        for attempt in range(100):
+            generation = self.ctx.generation
+            try:
+                res = self.client.push_pull(push, clock=self.clock, basis=self.versions, step=self.version,
+                                            num_workers=self.ctx.num_workers, generation=generation, values=False)
+                break
+            except ShardError as e:  # the barrier re-formed, or the shards moved on: the same gradient goes again
+                if attempt == 99 or not ({REFORM, FAILED_PRECONDITION} & set(e.codes)):
+                    raise
+                if REFORM in e.codes:
+                    self._await_generation(generation)
+                else:
+                    time.sleep(0.05 * min(attempt, 10))
+                    self._note_versions(self.client.pull().versions)
+                self.redone += 1
+        self.exchange_s += time.perf_counter() - t0
+        self._note_versions(res.versions)
+        mean = torch.zeros_like(grads)
+        for idx, v in res.values.items():
+            c = self.plan.chunks[idx]
+            mean[c.flat_offset:c.flat_offset + c.numel] = v.reshape(-1)
+        offset = 0
+        with torch.no_grad():
+            for p in self._params:
+                piece = mean[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype)
+                offset += p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(piece)
+                elif bool(piece.any()):  # another worker's gradient reached it; none of the workers': left None
+                    p.grad = piece.clone()
+
+    def user_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The user's step on the mean gradient its backward left; counted."""
+        if self.done:
+            return
+        self._apply_updates()
+        self._user_stepped(optimizer)
+        self.done = self.clock >= self.exp.total_steps
+        self._report_now_and_then()
+
+    @property
+    def progress(self) -> int:
+        """The user's optimizer steps (every worker takes each one)."""
+        return self.clock
+
+    def end(self) -> None:
+        """The lead writes its own parameters (the shards hold those of the last exchange, a step before)."""
+        self._exchanging = False
+        for h in self._hooks:
+            h.remove()
+        if self.done:
+            self._await_lead()
+            if self.ctx.lead and not self._stopping():
+                self.finish()
+        self.client.leave()
+        self.client.close()
+        self.finished = self.done
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`tensors` end to end, as fp32 on the CPU (the plan's flat order, for the model's parameters)."""
+    if not tensors:
+        return torch.zeros(0)
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
 
 
 def run_train_function(ctx: RankContext, **hooks: Any) -> TrainFunctionTrainer | GossipFunctionTrainer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -15,6 +16,15 @@ ACCUMULATE = 2
 
 
 def train(ctx) -> None:  # type: ignore[no-untyped-def]
+    _loop(ctx, no_sync=False)
+
+
+def train_no_sync(ctx) -> None:  # type: ignore[no-untyped-def]
+    """`train`, with the backward passes before the last of each step inside `ctx.no_sync()` (as with torch DDP)."""
+    _loop(ctx, no_sync=True)
+
+
+def _loop(ctx, *, no_sync: bool) -> None:  # type: ignore[no-untyped-def]
     model = mlp(hidden=64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     warmup = LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
@@ -30,8 +40,10 @@ def train(ctx) -> None:  # type: ignore[no-untyped-def]
             held_since += 0.05
             continue
         loss = F.cross_entropy(model(x), y) / ACCUMULATE
-        loss.backward()
-        if i % ACCUMULATE == ACCUMULATE - 1:
+        last = i % ACCUMULATE == ACCUMULATE - 1
+        with contextlib.nullcontext() if last or not no_sync else ctx.no_sync():
+            loss.backward()
+        if last:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             warmup.step()

@@ -10,6 +10,7 @@ import torch
 
 import gossamer
 from gossamer import Client
+from gossamer.core.experiment import Experiment
 from gossamer.examples.digits import mlp
 from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import write_toml
@@ -84,6 +85,37 @@ def test_an_import_error_in_train_is_refused_at_submit(cluster: LocalCluster, tm
     assert out.returncode == 2, out  # an invalid experiment, refused before anything ran
     assert "train" in out.stderr and "_no_such_module" in out.stderr, out.stderr
     client.close()
+
+
+#: A user's loop in sync at one global batch (`ctx.data` gives each worker its share of these 16 samples).
+SYNC_FIELDS: dict[str, object] = {"num_ps_shards": 1, "ps_backup": False, "global_batch_size": 16}
+
+
+@pytest.mark.parametrize("fn", ["train", "train_no_sync"])
+def test_sync_users_loop_with_1_and_2_workers_at_one_global_batch_ends_with_one_plain_process_parameters(
+        cluster: LocalCluster, tmp_path: Path, fn: str) -> None:
+    # AdamW (0.9, 0.95), a LambdaLR warm-up, accumulation 2 (every backward exchanged, or the first in no_sync)
+    # and clip_grad_norm_: all see the workers' mean gradient, as one process sees its batch's.
+    total = 40
+    address, client = spot_cluster(cluster, workers=2)
+    states = []
+    for workers in (1, 2):
+        spec = write_toml(tmp_path / f"sync{workers}.toml", name=f"sync-{workers}", train=f"{U}:{fn}", mode="sync",
+                          total_steps=total, min_workers=workers, max_workers=workers, **SYNC_FIELDS)
+        out = cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
+        assert out.returncode == 0, out.stdout + out.stderr
+        result = client.job(out.stdout.splitlines()[0].strip()).wait(timeout=30)
+        assert result.status == "completed", result
+        states.append(gossamer.load_checkpoint(result.checkpoint))
+    client.close()
+    plain = gossamer.run_local(Experiment(name="plain", train=f"{U}:{fn}", mode="sync", total_steps=total,
+                                          **SYNC_FIELDS))  # type: ignore[arg-type]
+    one, two = states
+    assert set(one) == set(two) == set(plain)
+    assert max((one[k] - plain[k]).abs().max().item() for k in plain) <= 1e-5
+    assert max((two[k] - plain[k]).abs().max().item() for k in plain) <= 1e-5
+    assert max((two[k] - one[k]).abs().max().item() for k in plain) <= 1e-5
+    assert max((plain[k] - mlp(hidden=64).state_dict()[k]).abs().max().item() for k in plain) > 1e-2  # it trained
 
 
 def _progress(client: Client, exp_id: str) -> int:

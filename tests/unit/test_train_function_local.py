@@ -34,12 +34,20 @@ def test_misuse_fails_naming_train_and_what_went_wrong(fn: str, says: str) -> No
     assert e.value.field == "train" and says in str(e.value), str(e.value)
 
 
-def test_a_train_function_with_model_or_an_unsupported_mode_is_refused_naming_the_field() -> None:
+def test_a_train_function_with_model_or_a_lossy_sync_is_refused_naming_the_field() -> None:
     with pytest.raises(ConfigError, match="^model: "):
         Experiment(name="x", train=f"{U}:train", model="gossamer.examples.digits:mlp")
-    with pytest.raises(ConfigError, match="^mode: .*sync"):
-        Experiment(name="x", train=f"{U}:train", mode="sync")
+    with pytest.raises(ConfigError, match="^compression: .*exact gradients"):
+        Experiment(name="x", train=f"{U}:train", mode="sync", compression="int8")
     with pytest.raises(ConfigError, match="^train: must look like"):
         Experiment(name="x", train="not a path")
     with pytest.raises(ConfigError, match="^model: is required"):
         Experiment.from_dict({"name": "x", "dataset": "a:b"})
+
+
+def test_sync_data_gives_each_batch_the_global_batch_and_refuses_another_batch_size() -> None:
+    state = gossamer.run_local(_exp("train", mode="sync", global_batch_size=16))
+    assert all(torch.isfinite(v).all() for v in state.values())
+    with pytest.raises(ConfigError) as e:
+        gossamer.run_local(_exp("train", mode="sync", global_batch_size=32))  # the loop asks for batch_size=16
+    assert e.value.field == "batch_size" and "global_batch_size 32" in str(e.value), str(e.value)

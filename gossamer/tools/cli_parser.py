@@ -75,6 +75,11 @@ def _add(p: Any, *names: str, env: str = "", **kw: Any) -> argparse.Action:
     return action
 
 
+def _verbs(sub: Any, name: str, help: str) -> Any:
+    """The actions of `gossamer NAME ACTION ...`: add each with `.add_parser` (the action is `args.action`)."""
+    return sub.add_parser(name, help=help).add_subparsers(dest="action", required=True)
+
+
 class _AppendOverDefault(argparse._AppendAction):
     """A repeatable flag whose values replace its default (its variable's list) instead of adding to it."""
 
@@ -294,8 +299,7 @@ def _add_retention_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _coordinator_parser(sub: Any) -> None:
-    co = sub.add_parser("coordinator", help="run the coordinator (`gossamer coordinator` = `coordinator serve`)")
-    cosub = co.add_subparsers(dest="action", required=True)
+    cosub = _verbs(sub, "coordinator", "run the coordinator (`gossamer coordinator` = `coordinator serve`)")
     s = cosub.add_parser("serve", help="serve the control plane (gRPC)")
     _add(s, "--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     _add(s, "--port", type=int, default=7070, help="port (0 picks a free one)")
@@ -336,8 +340,7 @@ def _coordinator_parser(sub: Any) -> None:
 
 
 def _worker_parser(sub: Any) -> None:
-    wo = sub.add_parser("worker", help="run a node agent (`gossamer worker ADDR` = `worker join ADDR`)")
-    wosub = wo.add_subparsers(dest="action", required=True)
+    wosub = _verbs(sub, "worker", "run a node agent (`gossamer worker ADDR` = `worker join ADDR`)")
     j = wosub.add_parser("join", help="join a coordinator and run the roles it assigns")
     _add(j, "coordinator", nargs="?", default=DEFAULT_COORDINATOR,
             help="HOST:PORT, or every coordinator's, comma-separated: the node follows the leader "
@@ -386,8 +389,7 @@ def _worker_parser(sub: Any) -> None:
 
 
 def _local_parser(sub: Any) -> None:
-    lo = sub.add_parser("local", help="a whole cluster on this machine, in the background (up, down, status)")
-    losub = lo.add_subparsers(dest="action", required=True)
+    losub = _verbs(sub, "local", "a whole cluster on this machine, in the background (up, down, status)")
     up = losub.add_parser("up", help="start a coordinator and node agents here; print the address")
     _add(up, "--nodes", type=int, default=5, help="node agents to start (enough for examples/digits.toml)")
     _add(up, "--spot", env="LOCAL_SPOT", type=int, default=3, help="how many of them are spot (the rest on-demand: shards)")
@@ -493,8 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     _client_parsers(sub)
     _local_parser(sub)
 
-    se = sub.add_parser("security", help="secure set-up (docs/security.md)")
-    sesub = se.add_subparsers(dest="action", required=True)
+    sesub = _verbs(sub, "security", "secure set-up (docs/security.md)")
     si = sesub.add_parser("init", help="create a CA, coordinator and client certificates and a token in DIR")
     si.add_argument("dir", help="where to write them")
     _add(si, "--san", action="append", default=[], metavar="HOST",

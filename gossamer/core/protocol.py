@@ -436,11 +436,16 @@ class ParamsMeta:
     #: Async: every worker's last applied clock in the state these values are of. A worker offers it with
     #: its copy (SEED), so a shard rebuilt from that copy counts exactly the updates it lacks.
     applied: dict[str, int] | None = None
+    #: A train function's sync: the optimizer steps the workers had taken when they pushed the values these are
+    #: (a worker that joins counts on from there).
+    steps: int | None = None
 
     def to_meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"done": self.done}
         if self.applied is not None:
             meta["applied"] = self.applied
+        if self.steps is not None:
+            meta["steps"] = self.steps
         if self.staleness is not None:
             meta["staleness"] = self.staleness
         if self.lead is not None:
@@ -462,8 +467,12 @@ class ParamsMeta:
         if compressed is not None and not isinstance(compressed, dict):
             raise ProtocolError("PARAMS meta 'pull_compression' must map chunk index -> chunk meta")
         codec = meta.get("codec")
+        steps = meta.get("steps")
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 0):
+            raise ProtocolError(f"PARAMS meta 'steps' must be an int >= 0, got {steps!r}")
         return cls(done=done, staleness=staleness, pull_compression=compressed,
-                   codec=codec if isinstance(codec, str) else None, applied=clocks_of(meta, "PARAMS", "applied"))
+                   codec=codec if isinstance(codec, str) else None, applied=clocks_of(meta, "PARAMS", "applied"),
+                   steps=steps)
 
 
 def clocks_of(meta: Mapping[str, Any], op: str, name: str) -> dict[str, int] | None:

@@ -389,5 +389,6 @@ class ServerRole:
             ck = self.checkpointer
             values.update(ckpt_saved=float(ck.saved), ckpt_skipped=float(ck.skipped),
                           ckpt_failed=float(ck.failed), ckpt_write_s=ck.last_seconds)
-        self.reporter.metric(int(st.get("version", 0)), values)
-        self.feed.send(int(st.get("version", 0)), {**values, "primary": float(self.server.is_primary)})
+        step = int(st.get("steps", st.get("version", 0)))  # a train function's sync: its optimizer steps
+        self.reporter.metric(step, values)
+        self.feed.send(step, {**values, "primary": float(self.server.is_primary)})

@@ -71,6 +71,8 @@ class PullSide:
             versions[s] = reply.version
             if meta.applied is not None:
                 self.link.applied[s] = meta.applied
+            if meta.steps is not None:
+                self.link.steps[s] = meta.steps
             done = done or meta.done
             if meta.staleness is not None:
                 staleness[s] = meta.staleness

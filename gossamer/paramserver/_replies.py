@@ -98,6 +98,8 @@ class Replies:
         live = live and values is None
         if not self.state.config.barrier:  # what the worker's copy of these values holds (`ParamsMeta.applied`)
             meta = dataclasses.replace(meta, applied=dict(self.state.applied))
+        elif self.state.config.reduce:
+            meta = dataclasses.replace(meta, steps=self.state.steps)
         self.raw_bytes_out += sum(4 * self.state.chunks[idx].numel for idx in chunks)
         self.send(identity, "PARAMS", {"rid": rid, **meta.to_meta()}, tensors, live=live, version=version,
                   counted=counted)

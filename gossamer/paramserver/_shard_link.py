@@ -107,6 +107,8 @@ class ShardLink:
         self._seeded: set[tuple[int, int]] = set()  # (shard, epoch) this client sent its copy to
         #: Shard -> every worker's applied clock in the values of its last answer (`ParamsMeta.applied`).
         self.applied: dict[int, dict[str, int]] = {}
+        #: Shard -> the workers' optimizer steps at its last round (`ParamsMeta.steps`: a train function's sync).
+        self.steps: dict[int, int] = {}
         self.plan = plan
         self.timeout_s = timeout_s
         indices = sorted(c.index for c in plan.chunks) if chunks is None else sorted(chunks)

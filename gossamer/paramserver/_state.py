@@ -98,6 +98,8 @@ class ShardState:
         self.cow_copies = 0  # writes that ran out of place for a send still reading the values
         self.cow_s = 0.0  # the time of those writes (the update's own arithmetic included)
         self.applied: dict[str, int] = {}  # sender -> last applied clock (async) / step (sync)
+        #: `ShardConfig.reduce`: the optimizer steps the workers had taken when they pushed the values held.
+        self.steps = 0
 
     @property
     def done(self) -> bool:
@@ -149,10 +151,11 @@ class ShardState:
         self.apply_s += time.perf_counter() - t0
         return lr_factor
 
-    def assign(self, values: dict[int, torch.Tensor]) -> None:
-        """Take `values` (every chunk) as the next version's: a train function's sync, whose workers step their
-        own optimizer (`ShardConfig.reduce`)."""
+    def assign(self, values: dict[int, torch.Tensor], steps: int) -> None:
+        """Take `values` (every chunk), pushed by workers `steps` optimizer steps in, as the next version's: a
+        train function's sync, whose workers step their own optimizer (`ShardConfig.reduce`)."""
         t0 = time.perf_counter()
+        self.steps = steps
         with self.writes():
             for idx, value in values.items():
                 self.params[idx].copy_(value)

@@ -97,6 +97,8 @@ class _Update:
     summed: bool = False
     #: Sync parts in order (PUSH meta "part"): the part each connection sends next.
     next_part: dict[bytes, int] = field(default_factory=dict)
+    #: The sender's clock its pushes said (a train function's sync: its optimizer steps).
+    clock: int = 0
 
     def unanswered(self) -> list[_Part]:
         """Its parts still waiting for an answer."""
@@ -317,6 +319,7 @@ class Updates:
             raise Reject("PUSH meta 'more': this part covers the rest of the update, so none may follow")
         update.parts.append(part)
         update.covered.update(part.chunks)
+        update.clock = meta.clock
         if sync:
             self._sum_on_arrival(update, part, meta)
         if len(update.covered) < len(self.state.chunks):
@@ -469,7 +472,7 @@ class Updates:
 
     def _reduce(self, contributions: list[_Update], now: float) -> None:
         """A train function's sync round (`ShardConfig.reduce`): answer each worker with the mean of the round's
-        gradients and hold the values the pushes carry as the next version.
+        gradients and hold the values the pushes carry as the next version (with the optimizer steps they are of).
 
         Summed in sender order, whatever order the pushes came in, so a round has the same bits every run and
         one worker's mean is its own gradient exactly. The values are the first sender's: every worker took the
@@ -493,7 +496,7 @@ class Updates:
         change = ({idx: self.state.params[idx] - v for idx, v in values.items()}
                   if self.replication.socket is not None else {})
         applied = [(c.sender, c.key) for c in contributions]
-        self.state.assign(values)
+        self.state.assign(values, contributions[0].clock)
         self.state.remember(applied, latest=False)
         self.replication.replicate(change, 1.0, applied)
         self._last_mean = (self.state.version - 1, mean)

@@ -378,6 +378,8 @@ class ShardServer:
             "shard": self.config.shard,
             "mode": self.config.mode,
             "version": self.version,
+            # A train function's sync: a version is an exchange, the run's progress is its optimizer steps.
+            **({"steps": self._state.steps} if self.config.reduce else {}),
             "done": self.done,
             "updates": self.updates,
             "apply_s": self._state.apply_s,

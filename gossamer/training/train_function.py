@@ -554,9 +554,10 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params if p.requires_grad]
 
     def start(self) -> None:
-        """Register with the shards and take the run's parameters (the values its last exchange carried)."""
+        """Register with the shards and take the run's parameters and step count (those of its last exchange)."""
         self.client.hello(fresh=True)
         self.pull()
+        self.clock = max(self.client.steps.values(), default=0)  # a worker joining mid-run counts on from there
         self.done = self.clock >= self.exp.total_steps
         self._exchanging = True
 

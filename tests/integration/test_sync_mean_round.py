@@ -12,6 +12,8 @@ from gossamer.paramserver._pull_side import PullResult
 from gossamer.paramserver.push_parts import SYNC_PUSH_PART_BYTES
 
 EXP = "mean"
+#: The optimizer steps the workers had taken when they pushed.
+STEPS = 7
 
 
 def _server(plan: ShardPlan) -> tuple[ShardServer, str]:
@@ -35,7 +37,7 @@ def _round(plan: ShardPlan, endpoint: str, pushes: list[tuple[torch.Tensor, torc
         grad, values = pushes[i]
         chunks = {c.index: torch.cat([grad[c.flat_offset:c.flat_offset + c.numel],
                                       values[c.flat_offset:c.flat_offset + c.numel]]) for c in plan.chunks}
-        results[i] = clients[i].push_pull(chunks, clock=0, basis={0: 0}, step=0, num_workers=len(pushes),
+        results[i] = clients[i].push_pull(chunks, clock=STEPS, basis={0: 0}, step=0, num_workers=len(pushes),
                                           values=False)
 
     threads = [threading.Thread(target=push, args=(i,)) for i in order]
@@ -69,7 +71,8 @@ def test_every_worker_gets_the_rounds_mean_summed_in_sender_order_and_the_shard_
         for res in results.values():
             assert torch.equal(_flat(plan, res.values), want) and res.versions == {0: 1}
         assert server.version == 1
-        assert torch.equal(_flat(plan, clients[0].pull().values), values)  # the run's parameters, for a joiner
+        # A worker that joins now starts from the run's parameters and counts on from the steps they are of.
+        assert torch.equal(_flat(plan, clients[0].pull().values), values) and clients[0].steps == {0: STEPS}
     finally:
         for c in clients:
             c.close()

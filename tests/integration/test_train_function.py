@@ -34,13 +34,15 @@ def _evals(client: Client, exp_id: str) -> list[float]:
 
 
 MODE_FIELDS: dict[str, dict[str, object]] = {
+    # The user's loop asks ctx.data for batches of 16: in sync each of the workers gets its share of those 16.
+    "sync": {"num_ps_shards": 1, "ps_backup": False, "global_batch_size": 16},
     "async": {"num_ps_shards": 1, "ps_backup": False},
     "diloco": {"num_ps_shards": 1, "ps_backup": False, "inner_steps": 10},
     "gossip": {"num_ps_shards": 0},
 }
 
 
-@pytest.mark.parametrize("mode", ["async", "diloco", "gossip"])
+@pytest.mark.parametrize("mode", ["sync", "async", "diloco", "gossip"])
 def test_a_users_adamw_loop_learns_digits_and_checkpoints_its_own_model(cluster: LocalCluster, tmp_path: Path,
                                                                          mode: str) -> None:
     address, client = spot_cluster(cluster, workers=2)
@@ -87,10 +89,6 @@ def test_an_import_error_in_train_is_refused_at_submit(cluster: LocalCluster, tm
     client.close()
 
 
-#: A user's loop in sync at one global batch (`ctx.data` gives each worker its share of these 16 samples).
-SYNC_FIELDS: dict[str, object] = {"num_ps_shards": 1, "ps_backup": False, "global_batch_size": 16}
-
-
 @pytest.mark.parametrize("fn", ["train", "train_no_sync"])
 def test_sync_users_loop_with_1_and_2_workers_at_one_global_batch_ends_with_one_plain_process_parameters(
         cluster: LocalCluster, tmp_path: Path, fn: str) -> None:
@@ -101,7 +99,7 @@ def test_sync_users_loop_with_1_and_2_workers_at_one_global_batch_ends_with_one_
     states = []
     for workers in (1, 2):
         spec = write_toml(tmp_path / f"sync{workers}.toml", name=f"sync-{workers}", train=f"{U}:{fn}", mode="sync",
-                          total_steps=total, min_workers=workers, max_workers=workers, **SYNC_FIELDS)
+                          total_steps=total, min_workers=workers, max_workers=workers, **MODE_FIELDS["sync"])
         out = cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
         assert out.returncode == 0, out.stdout + out.stderr
         result = client.job(out.stdout.splitlines()[0].strip()).wait(timeout=30)
@@ -109,7 +107,7 @@ def test_sync_users_loop_with_1_and_2_workers_at_one_global_batch_ends_with_one_
         states.append(gossamer.load_checkpoint(result.checkpoint))
     client.close()
     plain = gossamer.run_local(Experiment(name="plain", train=f"{U}:{fn}", mode="sync", total_steps=total,
-                                          **SYNC_FIELDS))  # type: ignore[arg-type]
+                                          **MODE_FIELDS["sync"]))  # type: ignore[arg-type]
     one, two = states
     assert set(one) == set(two) == set(plain)
     gaps = {name: max((a[k] - b[k]).abs().max().item() for k in plain)
@@ -131,7 +129,7 @@ def _await_progress(client: Client, exp_id: str, step: int, timeout: float = 180
     return now
 
 
-@pytest.mark.parametrize("mode", ["async", "diloco", "gossip"])
+@pytest.mark.parametrize("mode", ["sync", "async", "diloco", "gossip"])
 def test_a_killed_worker_costs_the_run_nothing_and_a_joining_one_starts_from_the_runs_state(
         cluster: LocalCluster, tmp_path: Path, mode: str) -> None:
     total = 4000

@@ -34,11 +34,7 @@ def _round(plan: ShardPlan, endpoint: str, pushes: list[tuple[torch.Tensor, torc
     results: dict[int, PullResult] = {}
 
     def push(i: int) -> None:
-        grad, values = pushes[i]
-        chunks = {c.index: torch.cat([grad[c.flat_offset:c.flat_offset + c.numel],
-                                      values[c.flat_offset:c.flat_offset + c.numel]]) for c in plan.chunks}
-        results[i] = clients[i].push_pull(chunks, clock=STEPS, basis={0: 0}, step=0, num_workers=len(pushes),
-                                          values=False)
+        results[i] = _push(clients[i], plan, *pushes[i], step=0, num_workers=len(pushes))
 
     threads = [threading.Thread(target=push, args=(i,)) for i in order]
     for t in threads:
@@ -47,6 +43,14 @@ def _round(plan: ShardPlan, endpoint: str, pushes: list[tuple[torch.Tensor, torc
         t.join(timeout=60)
     assert sorted(results) == list(range(len(pushes)))
     return results, clients
+
+
+def _push(client: ShardClient, plan: ShardPlan, grad: torch.Tensor, values: torch.Tensor, *, step: int,
+          num_workers: int) -> PullResult:
+    """A worker's exchange: each chunk's gradient then its values, under the barrier of `step`."""
+    chunks = {c.index: torch.cat([grad[c.flat_offset:c.flat_offset + c.numel],
+                                  values[c.flat_offset:c.flat_offset + c.numel]]) for c in plan.chunks}
+    return client.push_pull(chunks, clock=STEPS, basis={0: step}, step=step, num_workers=num_workers, values=False)
 
 
 def _flat(plan: ShardPlan, values: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -73,6 +77,9 @@ def test_every_worker_gets_the_rounds_mean_summed_in_sender_order_and_the_shard_
         assert server.version == 1
         # A worker that joins now starts from the run's parameters and counts on from the steps they are of.
         assert torch.equal(_flat(plan, clients[0].pull().values), values) and clients[0].steps == {0: STEPS}
+        # The round's push sent again (its reply lost) is answered with that round's mean; an older round's is gone.
+        again = _push(clients[1], plan, *pushes[1], step=0, num_workers=3)
+        assert torch.equal(_flat(plan, again.values), want) and server.version == 1
     finally:
         for c in clients:
             c.close()

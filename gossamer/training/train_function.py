@@ -1,4 +1,4 @@
-"""`Experiment(train="pkg.mod:fn")`: the user's own loop, with gossamer's exchange inside the optimizer's step."""
+"""`Experiment(train="pkg.mod:fn")`: the user's own loop, gossamer's exchange in its optimizer step (sync: backward)."""
 
 from __future__ import annotations
 
@@ -146,8 +146,9 @@ class TrainContext:
     """What a train function gets: its worker's place in the run, the run's state and its share of the data.
 
     `model, optimizer = ctx.prepare(model, optimizer)` starts the model from where the run is and
-    returns the optimizer whose `step()` exchanges; `ctx.data(dataset, batch_size=B)` yields this
-    worker's batches until the run ends; `ctx.report(loss=...)` feeds status, watch and plot.
+    returns the optimizer whose `step()` exchanges (in sync `backward()` does, `ctx.no_sync()` skips it);
+    `ctx.data(dataset, batch_size=B)` yields this worker's batches until the run ends; `ctx.report(loss=...)`
+    feeds status, watch and plot.
     """
 
     def __init__(self, runtime: _Runtime) -> None:  # noqa: D107

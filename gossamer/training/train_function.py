@@ -551,6 +551,7 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
             raise ConfigError("train", "a train function's sync runs one rank per node")
         self.wants_exchange = wants_exchange
         self._queued = False
+        self._exchanged = False  # a backward pass since the last step ended with the workers' mean
         self._params = list(self.layout.module.parameters())
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params if p.requires_grad]
 
@@ -570,6 +571,7 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
     def _exchange_grads(self) -> None:
         """End of a backward pass: the round's mean gradient into every `.grad` (the same bits on every worker)."""
         self._queued = False
+        self._exchanged = True
         self._apply_updates()
         grads = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params])
         values = _flat(self._params)
@@ -611,6 +613,11 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         """The user's step on the mean gradient its backward left; counted."""
         if self.done:
             return
+        if not self._exchanged:
+            raise ConfigError("train", "in sync optimizer.step() steps on the workers' mean gradient, which the last "
+                                       "backward() before it leaves in .grad: none since the previous step ran "
+                                       "outside ctx.no_sync()")
+        self._exchanged = False
         self._apply_updates()
         self._user_stepped(optimizer)
         self.done = self.clock >= self.exp.total_steps

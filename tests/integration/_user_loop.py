@@ -68,6 +68,16 @@ def raises(ctx) -> None:  # type: ignore[no-untyped-def]
         optimizer.step()
 
 
+def steps_inside_no_sync(ctx) -> None:  # type: ignore[no-untyped-def]
+    model = mlp(hidden=8)
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for x, y in ctx.data(data()[0], batch_size=8):
+        with ctx.no_sync():
+            F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def steps_its_own_optimizer(ctx) -> None:  # type: ignore[no-untyped-def]
     model = mlp(hidden=8)
     mine = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -64,19 +64,32 @@ def test_a_users_adamw_loop_learns_digits_and_checkpoints_its_own_model(cluster:
     client.close()
 
 
-def test_a_train_function_that_raises_fails_the_run_naming_train_and_the_users_line(cluster: LocalCluster,
-                                                                                     tmp_path: Path) -> None:
+def _failed_run_status(cluster: LocalCluster, tmp_path: Path, fn: str, mode: str) -> str:
+    """`gossamer status` of a run of `fn` on one worker, which must have failed."""
     address, client = spot_cluster(cluster, workers=1)
-    spec = write_toml(tmp_path / "raises.toml", name="raises", train=f"{U}:raises", mode="async", num_ps_shards=1,
-                 total_steps=300, ps_backup=False)
+    spec = write_toml(tmp_path / f"{fn}.toml", name=fn.replace("_", "-"), train=f"{U}:{fn}", mode=mode,
+                      num_ps_shards=1, total_steps=300, ps_backup=False)
     out = cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
     assert out.returncode != 0
     exp_id = out.stdout.splitlines()[0].strip()
     status = cli("status", exp_id, "-c", address, timeout=60)
+    client.close()
     text = status.stdout + status.stderr
     assert "failed" in text and "train" in text, text
+    return text
+
+
+def test_a_train_function_that_raises_fails_the_run_naming_train_and_the_users_line(cluster: LocalCluster,
+                                                                                     tmp_path: Path) -> None:
+    text = _failed_run_status(cluster, tmp_path, "raises", "async")
     assert "the user's loop broke at step 3" in text and "_user_loop.py" in text, text
-    client.close()
+
+
+def test_a_sync_step_with_every_backward_inside_no_sync_fails_the_run_naming_no_sync(cluster: LocalCluster,
+                                                                                      tmp_path: Path) -> None:
+    # Its .grad would hold this worker's own gradient: stepping on it would take the workers apart.
+    text = _failed_run_status(cluster, tmp_path, "steps_inside_no_sync", "sync")
+    assert "ctx.no_sync()" in text, text
 
 
 def test_an_import_error_in_train_is_refused_at_submit(cluster: LocalCluster, tmp_path: Path) -> None:

@@ -324,6 +324,10 @@ class PushMeta:
     values: bool = True
     part: int | None = None
     more: bool = False
+    #: A barrier only: the sender is done (a train function's sync, `ShardConfig.reduce`): it holds the barrier's
+    #: place for the workers still stepping, its gradient left out of the mean. A round of idle pushes alone makes
+    #: no version: every worker is done.
+    idle: bool = False
 
     def to_meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"clock": self.clock, "basis": self.basis}
@@ -341,6 +345,8 @@ class PushMeta:
                 meta["part"] = self.part
                 if self.more:
                     meta["more"] = True
+            if self.idle:
+                meta["idle"] = True
         return meta
 
     @classmethod
@@ -364,10 +370,13 @@ class PushMeta:
         more = meta.get("more", False)
         if not isinstance(more, bool) or (more and part is None):
             raise ProtocolError(f"PUSH meta 'more' must be a bool, and true only with 'part'; got {more!r}")
+        idle = meta.get("idle", False)
+        if not isinstance(idle, bool):
+            raise ProtocolError(f"PUSH meta 'idle' must be a bool, got {idle!r}")
         return cls(clock=clock, basis=basis, pull_codec=pull_codec, step=_int("PUSH", meta, "step"),
                    num_workers=_int("PUSH", meta, "num_workers", 1), generation=_int("PUSH", meta, "generation",
                                                                                      default=0), values=values,
-                   part=part, more=more)
+                   part=part, more=more, idle=idle)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,6 +29,7 @@ class PushRound:
     num_workers: int | None = None
     generation: int | None = None
     values: bool = True
+    idle: bool = False
 
 
 class PushSide:
@@ -63,7 +64,7 @@ class PushSide:
                 raise ConfigError("grads", f"chunks of shard {s} are not this client's")
             meta = PushMeta(clock=push.clock, basis=push.basis.get(s, 0), pull_codec=self.pulls.pull_codec,
                             step=push.step, num_workers=push.num_workers, generation=push.generation,
-                            values=push.values).to_meta()
+                            values=push.values, idle=push.idle).to_meta()
             link.raw_bytes_up += sum(4 * t.numel() for t in tensors.values())
             if self.compressor is not None:
                 wire: dict[str, torch.Tensor] = {}

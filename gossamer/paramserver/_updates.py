@@ -99,6 +99,8 @@ class _Update:
     next_part: dict[bytes, int] = field(default_factory=dict)
     #: The sender's clock its pushes said (a train function's sync: its optimizer steps).
     clock: int = 0
+    #: Its pushes said the sender is done (`PushMeta.idle`): it holds its place, its gradient is left out.
+    idle: bool = False
 
     def unanswered(self) -> list[_Part]:
         """Its parts still waiting for an answer."""
@@ -320,6 +322,7 @@ class Updates:
         update.parts.append(part)
         update.covered.update(part.chunks)
         update.clock = meta.clock
+        update.idle = meta.idle
         if sync:
             self._sum_on_arrival(update, part, meta)
         if len(update.covered) < len(self.state.chunks):
@@ -478,10 +481,24 @@ class Updates:
         one worker's mean is its own gradient exactly. The values are the first sender's: every worker took the
         same optimizer steps on the same means, so theirs are the same (a worker that joined takes the run's
         values from the shard). The backup is sent the change of values, applied with SGD at lr 1 (the
-        parameters to rounding; a round lost with its primary is redone by the workers)."""
+        parameters to rounding; a round lost with its primary is redone by the workers).
+
+        Workers that are done push idle (`PushMeta.idle`) for those still stepping (one that joined may be a step
+        behind): the mean is of the others'. A round of idle pushes alone makes no version, which tells them all
+        that every worker is done."""
+        stepping = [c for c in contributions if not c.idle]
+        if not stepping:
+            self._last_mean = None
+            for contrib in contributions:
+                for part in contrib.parts:
+                    part.take()
+                for part in contrib.unanswered():
+                    self.replication.after_backup(functools.partial(
+                        self.replies.params, part.identity, part.rid, [], staleness=0))
+            return
         total: dict[int, torch.Tensor] = {}
         values: dict[int, torch.Tensor] = {}
-        for contrib in contributions:
+        for contrib in stepping:
             for part in contrib.parts:
                 for idx, pushed in part.take().items():
                     n = self.state.chunks[idx].numel
@@ -490,13 +507,13 @@ class Updates:
                     else:
                         total[idx] = pushed[:n].clone()
                     values.setdefault(idx, pushed[n:])
-        mean = {idx: t.div_(len(contributions)) for idx, t in total.items()}
+        mean = {idx: t.div_(len(stepping)) for idx, t in total.items()}
         for contrib in contributions:
             self.gate.on_apply(contrib.sender, version=self.state.version, basis=self.state.version, now=now)
         change = ({idx: self.state.params[idx] - v for idx, v in values.items()}
                   if self.replication.socket is not None else {})
         applied = [(c.sender, c.key) for c in contributions]
-        self.state.assign(values, contributions[0].clock)
+        self.state.assign(values, stepping[0].clock)
         self.state.remember(applied, latest=False)
         self.replication.replicate(change, 1.0, applied)
         self._last_mean = (self.state.version - 1, mean)

@@ -108,6 +108,7 @@ class ShardClient(ShardLink):
         generation: int | None = None,
         consume: bool = False,
         values: bool = True,
+        idle: bool = False,
     ) -> PullResult:
         """Push gradients (by chunk index) and return the new values of those chunks.
 
@@ -116,14 +117,15 @@ class ShardClient(ShardLink):
         `values` False: the shards answer with their versions and the end flag only (an ack), and
         the caller pulls the values (`pull` with `chunks`); a shard that predates the ack sends them.
         A large dense push under a barrier goes in parts, one at a time per shard (`push_parts`), and
-        the values of those shards are pulled after the step.
+        the values of those shards are pulled after the step. `idle`: a done worker's place in a barrier round
+        (`PushMeta.idle`).
 
         Raises:
             ShardError: a shard rejected the push (nothing of it was applied there).
             UnavailableError: a shard did not answer within `timeout_s`.
         """
         push = PushRound(clock=clock, basis=basis, step=step, num_workers=num_workers, generation=generation,
-                         values=values)
+                         values=values, idle=idle)
         return self.pushes.push_pull(grads, push, consume=consume)
 
     def push_async(self, grads: dict[int, torch.Tensor], *, clock: int, basis: dict[int, int]) -> None:

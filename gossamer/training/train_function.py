@@ -21,6 +21,7 @@ from gossamer.core.modes import mode_of
 from gossamer.core.protocol import AssignmentUpdate
 from gossamer.engine import sampler
 from gossamer.engine.rank import Hook, RankContext, StepAbandoned, StepStats
+from gossamer.paramserver import PullResult
 from gossamer.training.gossip_loop import GossipTrainer
 from gossamer.training.ps_trainer import ParameterServerTrainer
 from gossamer.training.rank_trainer import OnSaved
@@ -572,29 +573,8 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         """End of a backward pass: the round's mean gradient into every `.grad` (the same bits on every worker)."""
         self._queued = False
         self._exchanged = True
-        self._apply_updates()
         grads = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params])
-        values = _flat(self._params)
-        push = {c.index: torch.cat([grads[c.flat_offset:c.flat_offset + c.numel],
-                                    values[c.flat_offset:c.flat_offset + c.numel]]) for c in self.mine}
-        t0 = time.perf_counter()
-        for attempt in range(100):
-            generation = self.ctx.generation
-            try:
-                res = self.client.push_pull(push, clock=self.clock, basis=self.versions, step=self.version,
-                                            num_workers=self.ctx.num_workers, generation=generation, values=False)
-                break
-            except ShardError as e:  # the barrier re-formed, or the shards moved on: the same gradient goes again
-                if attempt == 99 or not ({REFORM, FAILED_PRECONDITION} & set(e.codes)):
-                    raise
-                if REFORM in e.codes:
-                    self._await_generation(generation)
-                else:
-                    time.sleep(0.05 * min(attempt, 10))
-                    self._note_versions(self.client.pull().versions)
-                self.redone += 1
-        self.exchange_s += time.perf_counter() - t0
-        self._note_versions(res.versions)
+        res = self._round(grads)
         mean = torch.zeros_like(grads)
         for idx, v in res.values.items():
             c = self.plan.chunks[idx]
@@ -608,6 +588,45 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
                     p.grad.copy_(piece)
                 elif bool(piece.any()):  # another worker's gradient reached it; none of the workers': left None
                     p.grad = piece.clone()
+
+    def _round(self, grads: torch.Tensor, *, idle: bool = False) -> PullResult:
+        """One exchange under the barrier: `grads` (flat) and the parameters pushed, the shards' answer."""
+        self._apply_updates()
+        values = _flat(self._params)
+        push = {c.index: torch.cat([grads[c.flat_offset:c.flat_offset + c.numel],
+                                    values[c.flat_offset:c.flat_offset + c.numel]]) for c in self.mine}
+        t0 = time.perf_counter()
+        for attempt in range(100):
+            generation = self.ctx.generation
+            try:
+                res = self.client.push_pull(push, clock=self.clock, basis=self.versions, step=self.version,
+                                            num_workers=self.ctx.num_workers, generation=generation, values=False,
+                                            idle=idle)
+                break
+            except ShardError as e:  # the barrier re-formed, or the shards moved on: the same gradient goes again
+                if attempt == 99 or not ({REFORM, FAILED_PRECONDITION} & set(e.codes)):
+                    raise
+                if REFORM in e.codes:
+                    self._await_generation(generation)
+                else:
+                    time.sleep(0.05 * min(attempt, 10))
+                    self._note_versions(self.client.pull().versions)
+                self.redone += 1
+        self.exchange_s += time.perf_counter() - t0
+        self._note_versions(res.versions)
+        return res
+
+    def _hold_place(self) -> None:
+        """Done: push idle (the barrier's place, no gradient) for the workers still stepping (one that joined may
+        be a backward or a step behind) until a round of idle pushes alone says every worker is done."""
+        zeros = torch.zeros(self.plan.total_numel)
+        try:
+            while not self._stopping():
+                step = self.version
+                if max(self._round(zeros, idle=True).versions.values(), default=step) <= step:
+                    return  # no version made: every worker is done
+        except StepAbandoned:
+            self.client.abandon()
 
     def user_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The user's step on the mean gradient its backward left; counted."""
@@ -630,9 +649,11 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
 
     def end(self) -> None:
         """The lead writes its own parameters (the shards hold those of the last exchange, a step before)."""
-        self._exchanging = False
         for h in self._hooks:
             h.remove()
+        if self.done:
+            self._hold_place()
+        self._exchanging = False
         if self.done:
             self._await_lead()
             if self.ctx.lead and not self._stopping():

@@ -7,8 +7,14 @@ import threading
 
 import torch
 
-from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
-from gossamer.paramserver._pull_side import PullResult
+from gossamer.paramserver import (
+    OptimizerConfig,
+    PullResult,
+    ShardClient,
+    ShardConfig,
+    ShardPlan,
+    ShardServer,
+)
 from gossamer.paramserver.push_parts import SYNC_PUSH_PART_BYTES
 
 EXP = "mean"
@@ -26,15 +32,16 @@ def _server(plan: ShardPlan) -> tuple[ShardServer, str]:
 
 
 def _round(plan: ShardPlan, endpoint: str, pushes: list[tuple[torch.Tensor, torch.Tensor]],
-           order: list[int]) -> tuple[dict[int, PullResult], list[ShardClient]]:
+           order: list[int], *, clients: list[ShardClient] | None = None, step: int = 0,
+           idle: tuple[int, ...] = ()) -> tuple[dict[int, PullResult], list[ShardClient]]:
     """Worker i pushes (gradient, values) of `pushes[i]` (their flat vectors) as one round, threads started in
-    `order`; each worker's reply."""
-    clients = [ShardClient(experiment=EXP, sender=f"w{i}", plan=plan, endpoints={0: endpoint}, timeout_s=60)
-               for i in range(len(pushes))]
+    `order`, those in `idle` done; each worker's reply."""
+    clients = clients or [ShardClient(experiment=EXP, sender=f"w{i}", plan=plan, endpoints={0: endpoint},
+                                      timeout_s=60) for i in range(len(pushes))]
     results: dict[int, PullResult] = {}
 
     def push(i: int) -> None:
-        results[i] = _push(clients[i], plan, *pushes[i], step=0, num_workers=len(pushes))
+        results[i] = _push(clients[i], plan, *pushes[i], step=step, num_workers=len(pushes), idle=i in idle)
 
     threads = [threading.Thread(target=push, args=(i,)) for i in order]
     for t in threads:
@@ -46,11 +53,12 @@ def _round(plan: ShardPlan, endpoint: str, pushes: list[tuple[torch.Tensor, torc
 
 
 def _push(client: ShardClient, plan: ShardPlan, grad: torch.Tensor, values: torch.Tensor, *, step: int,
-          num_workers: int) -> PullResult:
+          num_workers: int, idle: bool = False) -> PullResult:
     """A worker's exchange: each chunk's gradient then its values, under the barrier of `step`."""
     chunks = {c.index: torch.cat([grad[c.flat_offset:c.flat_offset + c.numel],
                                   values[c.flat_offset:c.flat_offset + c.numel]]) for c in plan.chunks}
-    return client.push_pull(chunks, clock=STEPS, basis={0: step}, step=step, num_workers=num_workers, values=False)
+    return client.push_pull(chunks, clock=STEPS, basis={0: step}, step=step, num_workers=num_workers, values=False,
+                            idle=idle)
 
 
 def _flat(plan: ShardPlan, values: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -104,6 +112,28 @@ def test_a_large_round_goes_in_parts_and_each_worker_gets_the_whole_mean_in_the_
         for res in results.values():
             assert torch.equal(_flat(plan, res.values), want)
         assert torch.equal(_flat(plan, clients[0].pull().values), values)
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+
+
+def test_a_done_workers_idle_push_holds_its_place_and_idle_pushes_alone_make_no_version() -> None:
+    """A worker that joined may be a step behind the others: they push idle for it, and its mean is its own
+    gradient; once it is done too, a round of idle pushes alone leaves the version as it was (all are done)."""
+    plan = ShardPlan.build([("w", 64)], 1, chunk_numel=16)
+    server, endpoint = _server(plan)
+    g = torch.Generator().manual_seed(0)
+    pushes = [(torch.randn(64, generator=g), torch.randn(64, generator=g)) for _ in range(2)]
+    clients: list[ShardClient] = []
+    try:
+        results, clients = _round(plan, endpoint, pushes, order=[0, 1], idle=(0,))
+        for res in results.values():
+            assert torch.equal(_flat(plan, res.values), pushes[1][0]) and res.versions == {0: 1}
+        assert torch.equal(_flat(plan, clients[0].pull().values), pushes[1][1])  # the stepping worker's values
+        results, _ = _round(plan, endpoint, pushes, order=[1, 0], clients=clients, step=1, idle=(0, 1))
+        assert all(res.versions == {0: 1} and not res.values for res in results.values())
+        assert server.version == 1
     finally:
         for c in clients:
             c.close()

@@ -199,7 +199,10 @@ class SSPGate(Generic[T]):
         floor = self.min_clock() or 0
         clock = max(self._departed.pop(worker, 0), floor)
         self._workers[worker] = _Worker(clock=clock, last_seen=now)
-        logger.debug("worker %s joined at clock %d", worker, clock)
+        # Back after timing out of the active set: level with the slowest clock the bound counts, not with a
+        # straggler's or a suspect's (below it, the others' next updates would count leads past the bound).
+        self._level(worker, now)
+        logger.debug("worker %s joined at clock %d", worker, self._workers[worker].clock)
 
     def touch(self, worker: str, now: float) -> None:
         w = self._workers.get(worker)
@@ -284,6 +287,10 @@ class SSPGate(Generic[T]):
             return False
         w = self._workers.get(worker)
         slowest = self.min_clock(now)
+        if slowest is None and now is not None and self._exempt(worker):
+            # A straggler with every other worker suspected: it does not run ahead of them while they stall
+            # (once back, they would count its lead past the bound); a suspect gone for good expires.
+            slowest = self.min_clock(exclude=worker)
         if w is None or slowest is None:
             return False
         return w.clock - slowest > self.staleness

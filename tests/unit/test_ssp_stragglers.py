@@ -185,3 +185,62 @@ def test_a_worker_back_when_everyone_else_was_quiet_is_levelled_with_the_others_
     gate.on_apply("b", version=0, basis=0, now=1.0)
     rec = gate.on_apply("a", version=0, basis=0, now=1.01)
     assert rec.lead <= 2, (rec, gate.stats()["clocks"])
+
+
+def test_a_worker_back_after_timing_out_joins_level_with_the_counted_slowest_not_the_straggler() -> None:
+    gate: SSPGate[str] = SSPGate(2, worker_timeout_s=1.0)
+    run(gate, {"a": 0.01, "b": 0.01, "c": 0.04}, until=2.0)
+    assert gate.stragglers == ["c"]
+    gate.leave("b", 2.0)  # b timed out of the active set; a goes on alone (c does not hold it)
+    for i in range(30):
+        gate.on_apply("a", version=0, basis=0, now=2.0 + i * 0.01)
+    a = gate.clock("a")
+    gate.on_apply("b", version=0, basis=0, now=2.5)  # back: not at c's clock, far below a's
+    assert gate.clock("b") == a + 1 and gate.clock("a") == a
+    assert gate.on_apply("a", version=0, basis=0, now=2.51).lead <= 2
+
+
+def test_a_straggler_with_every_other_worker_suspected_does_not_run_past_the_bound() -> None:
+    gate: SSPGate[str] = SSPGate(2)
+    run(gate, {"a": 0.01, "b": 0.01, "c": 0.04}, until=2.0)
+    assert gate.stragglers == ["c"]
+    slowest = min(gate.clock("a") or 0, gate.clock("b") or 0)
+    now = 2.0
+    for _ in range(10):  # a and b stall (suspected): c keeps stepping
+        now += 0.04
+        gate.on_apply("c", version=0, basis=0, now=now)
+        if gate.must_wait("c", now):
+            break
+    assert gate.must_wait("c", now) and (gate.clock("c") or 0) - slowest <= 3
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_no_update_of_a_counted_worker_leads_past_the_bound_whatever_stalls_timeouts_and_returns(seed: int) -> None:
+    """Random schedules of two fast workers and a slow one, with stalls of 0.1-3 s (suspicion, straggler
+    verdicts, time-outs and returns): every update the bound counts is within it."""
+    import random
+
+    rng = random.Random(seed)
+    gate: SSPGate[str] = SSPGate(2, worker_timeout_s=rng.choice([0.5, 2.0, 30.0]))
+    base = {"fast0": 0.01, "fast1": 0.01, "slow": 0.08}
+    due = [(rng.random() * 0.05, w) for w in base]
+    heapq.heapify(due)
+    version = 0
+    while due:
+        now, w = heapq.heappop(due)
+        if now > 15.0:
+            break
+        exempt_updates = gate.straggler_updates
+        record = gate.on_apply(w, version=version, basis=version, now=now)
+        version += 1
+        counted = gate.straggler_updates == exempt_updates
+        assert not counted or record.lead <= 2, (seed, now, w, record.lead, gate.stats()["clocks"])
+        going = [] if gate.must_wait(w, now) else [w]
+        if not going:
+            gate.hold(w, w, now)
+        going += [name for name, _ in gate.release(now)]
+        if rng.random() < 0.1:
+            going += [name for name, _ in gate.expire(now)[1]]
+        for name in going:
+            stall = rng.uniform(0.1, 3.0) if rng.random() < 0.02 else 0.0
+            heapq.heappush(due, (now + base[name] * rng.uniform(0.5, 1.5) + stall, name))

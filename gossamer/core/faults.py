@@ -20,8 +20,9 @@ Syntax: comma-separated faults, each ``kind[:key=value...]``. Kinds:
   registers the node (its whole event loop stalls, as an overloaded one would).
 - ``gate:at=POINT:step=N:until=PATH[:seconds=MAX][:worker=I]``: the thread at POINT, once step N is
   reached, waits until PATH exists (at most MAX s, default 600), so a test holds the run where its
-  fault must land and lets it go on after (``push``: a worker about to push its step N): the fault
-  lands mid-run by construction, however fast the run.
+  fault must land and lets it go on after: the fault lands mid-run by construction, however fast
+  the run. ``push``: a worker about to push once the run has made N steps (as the worker knows
+  them: the shards' version, times `inner_steps` for DiLoCo).
 - ``slow-start:seconds=S``: a shard role of this node sleeps S s before it builds and serves (a
   slow host), so a test can start workers while a restored shard is not serving yet.
 - ``fail:at=POINT[:step=N][:shard=S][:once=PATH]``: the thread at POINT raises `InjectedFault`

@@ -95,13 +95,13 @@ class LocalCluster:
         self._started.append(proc)
         return proc
 
-    def start_coordinator(self, port: int | None = None, timeout: float = 30.0) -> str:
+    def start_coordinator(self, port: int | None = None, timeout: float = 120.0) -> str:
         """Start (or restart, on the same state dir and port) the coordinator; returns HOST:PORT."""
         port = self.port if port is None else port
         self.coordinator, self.port = self._serve("coordinator", self.state_dir, port, [], timeout)
         return self.address
 
-    def start_replicas(self, state: str, count: int = 2, timeout: float = 30.0) -> str:
+    def start_replicas(self, state: str, count: int = 2, timeout: float = 120.0) -> str:
         """Start `count` coordinators on one PostgreSQL `state` (docs/ha.md), each on its own port,
         state dir (`STATE_DIR/cN`) and log (`cN.log`); the first to take the lock leads. Returns
         every address, comma-separated (`address`), as nodes and clients are given it."""

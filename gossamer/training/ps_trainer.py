@@ -245,7 +245,7 @@ class ParameterServerTrainer(RankTrainer):
         left in `unpulled`, for the caller to pull a group of chunks at a time (`_pull_by_group`) once the
         push is gone (a shard that predates the ack sends the values: it is not left there).
         """
-        gate_at("push", step=self.clock, **self.client.fault_ctx)
+        gate_at("push", step=self.progress, **self.client.fault_ctx)
         die_at("mid-push", step=self.clock, **self.client.fault_ctx)
         self.client.fault_step = self.clock
         barrier = self.barrier

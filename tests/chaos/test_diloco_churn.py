@@ -13,7 +13,7 @@ import pytest
 
 from gossamer import Client
 from tests._fixtures import MakeCluster
-from tests.chaos._wait import assert_running, wait_for, wait_steps
+from tests.chaos._wait import assert_running, wait_event, wait_for, wait_steps
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -32,17 +32,24 @@ def test_diloco_completes_with_workers_killed_and_restarted(tmp_path: Path, oute
         cluster.add_node("ps")
         wait_for(lambda: len(client.nodes()) == 1, 60, "ps")
         slow = {"GOSSAMER_FAULT": "delay:seconds=0.01"}  # lets the churn land mid-run
+        # The first workers wait before their push of 60% of the run until the returning machine is a worker
+        # again: it joins mid-run by construction, however slowly its node starts.
+        gate = tmp_path / "rejoined"
+        quarter = spec["total_steps"] // 4  # type: ignore[operator]
+        gated = {"GOSSAMER_FAULT": f"delay:seconds=0.01,gate:at=push:step={int(2.4 * quarter)}:until={gate}"}
         for name in ("w0", "w1", "w2"):
-            cluster.add_node(name, spot=True, env=slow)
+            cluster.add_node(name, spot=True, env=gated)
         wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 4, 60, "nodes")
         job = client.submit(spec)
-        quarter = spec["total_steps"] // 4  # type: ignore[operator]
         wait_steps(job, quarter, 120, "a quarter of the run")
         cluster.kill_node("w1")
         assert_running(job, "the kill of w1")
         wait_steps(job, 2 * quarter, 120, "steps after the kill")
         cluster.add_node("w1-again", spot=True, env=slow)  # the machine comes back
+        wait_event(job, lambda e: e["kind"] == "reassign" and "node w1-again joins as worker" in e["message"], 180,
+                   "w1-again to join as a worker")
         assert_running(job, "the join of w1-again")
+        gate.touch()
         result = job.wait(timeout=240)
         events = job.events()
     text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)

@@ -44,11 +44,11 @@ def _kill_the_only_shard_host(make_cluster: MakeCluster, state: Path, at: float 
     """Async digits, 3 spot workers, momentum 0.5, one shard, no backup, no checkpoint; its host killed -9 once
     the run has made `at` of its steps.
 
-    Each worker waits before its push of step `at` x STEPS / 3 until the kill is done (a gate file), so the
+    Each worker waits before its first push past `at` x STEPS until the kill is done (a gate file), so the
     kill lands mid-run however fast the run goes on a quiet machine.
     """
     gate = state.parent / "killed"
-    gated = {"GOSSAMER_FAULT": f"gate:at=push:step={int(STEPS * at) // 3}:until={gate}"}
+    gated = {"GOSSAMER_FAULT": f"gate:at=push:step={int(STEPS * at)}:until={gate}"}
     with make_cluster(state_dir=state) as cluster:
         client = Client(cluster.start_coordinator(port=0))
         cluster.add_node("ps")

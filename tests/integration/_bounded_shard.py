@@ -59,8 +59,12 @@ def serve(endpoint_file: str, members_file: str) -> None:
         except FileNotFoundError:
             mtime = 0
         if mtime and mtime != seen:
+            try:
+                members = json.loads(Path(members_file).read_text())
+            except ValueError:  # caught between the writer's truncate and its write: read it again next time
+                time.sleep(0.01)
+                continue
             seen = mtime
-            members = json.loads(Path(members_file).read_text())
             server.post(lambda m=members: server.set_members(m))  # type: ignore[misc]
         time.sleep(0.05)
 

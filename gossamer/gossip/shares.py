@@ -36,15 +36,16 @@ class ShareWait:
         self._silent: set[str] = set()
 
     def wait(self, peer: PushSumPeer, expected: set[str], step: int, *, serve: Callable[[], None],
-             should_stop: Callable[[], bool]) -> set[str]:
-        """Wait until every sender in `expected` has a share of `step` (or later) in; returns the missing ones."""
+             should_stop: Callable[[], bool], limit_s: float | None = None) -> set[str]:
+        """Wait until every sender in `expected` has a share of `step` (or later) in; returns the missing ones.
+        `limit_s`: this wait's bound instead of `self.limit_s`."""
         arrived = peer.arrived_from(step)
         self._silent -= arrived
         missing = expected - arrived - self._silent
         if not missing:
             return set()
         self.late += 1
-        deadline = time.monotonic() + self.limit_s
+        deadline = time.monotonic() + (self.limit_s if limit_s is None else limit_s)
         while missing and time.monotonic() < deadline and not should_stop():
             serve()
             missing -= peer.arrived_from(step, timeout=0.02)

@@ -57,6 +57,8 @@ class GossipTrainer(RankTrainer):
         self.outer: torch.optim.Optimizer | None = None
         self.theta0: torch.Tensor | None = None
         self.rounds = 0
+        self._round_t = time.monotonic()  # when the last round's shares were mixed in
+        self._round_s = 0.0  # how long the last round took here
         self.skipped_sends = 0
         self.sends = 0  # steps whose share left for a peer
         self.lone_steps = 0  # steps with no peer known (a share has nowhere to go)
@@ -264,8 +266,12 @@ class GossipTrainer(RankTrainer):
             return
         peer = self.peer
         expected = senders_to(self.exp.topology, self.me, list(self.members), self.clock, self.exp.seed)
+        now = time.monotonic()
+        self._round_s, self._round_t = now - self._round_t, now
+        # A neighbour is late when it lags by more than half a round: on a loaded host a round of many steps
+        # takes seconds, and mixed without a share on time the nodes drift apart by that round's updates.
         self.shares.wait(peer, expected, self.clock, serve=lambda: peer.serve(self.flat, self.clock),
-                         should_stop=self.should_stop)
+                         should_stop=self.should_stop, limit_s=max(self.shares.limit_s, 0.5 * self._round_s))
 
     def _wait_settled(self, limit_s: float) -> None:
         """Wait for the peer's answer, at most `limit_s`: a silent peer delays one step, not the run."""

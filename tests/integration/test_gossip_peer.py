@@ -582,8 +582,8 @@ def test_share_wait_mixes_a_share_sent_late_in_this_step_and_waits_once_for_a_si
     za, zb = torch.ones(DIM), torch.zeros(DIM)
     sender = threading.Timer(0.3, lambda: a.send(za, "1", step=5))
     sender.start()
-    wait = ShareWait(limit_s=20.0)
-    missing = wait.wait(b, {"0"}, 5, serve=lambda: None, should_stop=lambda: False)
+    wait = ShareWait(limit_s=0.01)  # this wait's own bound (a DiLoCo round's half) goes before the default
+    missing = wait.wait(b, {"0"}, 5, serve=lambda: None, should_stop=lambda: False, limit_s=20.0)
     sender.join()
     assert missing == set() and wait.late == 1 and wait.timeouts == 0
     stats = b.mix(zb)  # the share taken off the inbox while waiting is folded now, its weight with it

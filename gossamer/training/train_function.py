@@ -504,6 +504,10 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
                 return
             self._inner = 0
         change = {i: self._basis[i] - v for i, v in self.layout.chunk_values().items()}
+        if self.exp.overlap:
+            self._exchange_overlapped_change(change)
+            self._report_now_and_then()
+            return
         for attempt in range(100):
             generation = self.ctx.generation
             try:
@@ -516,6 +520,23 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         self._basis = self.layout.chunk_values()
         self._report_now_and_then()
 
+    def _exchange_overlapped_change(self, change: dict[int, torch.Tensor]) -> None:
+        """async with `overlap`: this step's change leaves while the user's next step is computed.
+
+        The reply to the previous push becomes the parameters less the change made since (it is on its
+        way to the shards, not in the reply yet), so nothing of this worker's is lost or counted twice;
+        each change is applied on values one step older than without overlap.
+        """
+        if self.client.in_flight:
+            with self.profiler.region("communication"):
+                res = self.client.wait()
+            self._note_versions(res.versions)
+            self.done = self._assemble({i: v - change[i] for i, v in res.values.items()}, res.done)
+        if not self.done:
+            with self.profiler.region("communication"):
+                self.client.push_async(change, clock=self.clock, basis=dict(self.versions))
+        self._basis = self.layout.chunk_values()
+
     @property
     def progress(self) -> int:
         """Optimizer steps of the run: shard versions, times `inner_steps` for diloco's rounds."""
@@ -524,6 +545,12 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
     def end(self) -> None:
         """The train function returned: finish the run as gossamer's own loop does."""
         self._exchanging = False
+        if self.client.in_flight and self._stopping():  # told to leave mid-overlap: the change goes or not, whole
+            self.client.abandon()
+        elif self.client.in_flight:  # overlap: the last change's reply (no step since: nothing to keep back)
+            res = self.client.wait()
+            self._note_versions(res.versions)
+            self.done = self._assemble(res.values, res.done) or self.done
         if self.done:
             self._await_lead()
             if self.ctx.lead and not self._stopping():

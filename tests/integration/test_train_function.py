@@ -37,17 +37,19 @@ MODE_FIELDS: dict[str, dict[str, object]] = {
     # The user's loop asks ctx.data for batches of 16: in sync each of the workers gets its share of those 16.
     "sync": {"num_ps_shards": 1, "ps_backup": False, "global_batch_size": 16},
     "async": {"num_ps_shards": 1, "ps_backup": False},
+    # async with overlap: each change leaves while the next step is computed
+    "async-overlap": {"num_ps_shards": 1, "ps_backup": False, "overlap": True},
     "diloco": {"num_ps_shards": 1, "ps_backup": False, "inner_steps": 10},
     "gossip": {"num_ps_shards": 0},
 }
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "diloco", "gossip"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async-overlap", "diloco", "gossip"])
 def test_a_users_adamw_loop_learns_digits_and_checkpoints_its_own_model(cluster: LocalCluster, tmp_path: Path,
                                                                          mode: str) -> None:
     address, client = spot_cluster(cluster, workers=2)
-    spec = write_toml(tmp_path / "loop.toml", name=f"loop-{mode}", train=f"{U}:train", mode=mode, total_steps=300,
-                 min_workers=2, max_workers=2, **MODE_FIELDS[mode])
+    spec = write_toml(tmp_path / "loop.toml", name=f"loop-{mode}", train=f"{U}:train", mode=mode.split("-")[0],
+                      total_steps=300, min_workers=2, max_workers=2, **MODE_FIELDS[mode])
     out = cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
     assert out.returncode == 0, out.stdout + out.stderr
     exp_id = out.stdout.splitlines()[0].strip()
@@ -126,6 +128,27 @@ def test_sync_users_loop_with_1_and_2_workers_at_one_global_batch_ends_with_one_
     gaps = {name: max((a[k] - b[k]).abs().max().item() for k in plain)
             for name, a, b in (("1-plain", one, plain), ("2-plain", two, plain), ("2-1", two, one))}
     assert all(gap <= 1e-5 for gap in gaps.values()), gaps
+    assert max((plain[k] - mlp(hidden=64).state_dict()[k]).abs().max().item() for k in plain) > 1e-2  # it trained
+
+
+@pytest.mark.parametrize("mode", ["async", "async-overlap"])
+def test_async_with_one_worker_ends_with_one_plain_process_parameters(cluster: LocalCluster, tmp_path: Path,
+                                                                     mode: str) -> None:
+    # The shards add each change the user's optimizer made; with overlap the reply to the previous push, less
+    # the change made since, becomes the parameters: alone, a worker's run is the plain one, change for change.
+    total = 60
+    address, client = spot_cluster(cluster, workers=1)
+    spec = write_toml(tmp_path / "one.toml", name=f"one-{mode}", train=f"{U}:train", mode="async", total_steps=total,
+                      min_workers=1, max_workers=1, **MODE_FIELDS[mode])
+    out = cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = client.job(out.stdout.splitlines()[0].strip()).wait(timeout=30)
+    client.close()
+    assert result.status == "completed", result
+    state = gossamer.load_checkpoint(result.checkpoint)
+    plain = gossamer.run_local(Experiment(name="plain", train=f"{U}:train", mode="async", total_steps=total))
+    gap = max((state[k] - plain[k]).abs().max().item() for k in plain)
+    assert gap <= 1e-5, gap
     assert max((plain[k] - mlp(hidden=64).state_dict()[k]).abs().max().item() for k in plain) > 1e-2  # it trained
 
 

@@ -10,13 +10,15 @@ import pytest
 from gossamer.tools.local_cluster import LocalCluster
 from tests.chaos._wait import wait_for_line
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_a_leave_sent_while_the_coordinator_restarts_is_delivered(tmp_path: Path) -> None:
     with LocalCluster(tmp_path / "state") as cluster:
         cluster.start_coordinator(port=0)
-        node = cluster.add_node("leaver")
+        # A grace longer than any coordinator restart here (one took over 25 s on a loaded host): what is tested
+        # is that the Leave gets through the restart, not how long a restart takes.
+        node = cluster.add_node("leaver", env={"GOSSAMER_GRACE": "180"})
         log = cluster.log_dir / "leaver.log"
         wait_for_line(log, "joined 127.0.0.1", 60)  # its Join answered (listed is not enough: the reply may be in flight)
         cluster.kill_coordinator()
@@ -24,7 +26,7 @@ def test_a_leave_sent_while_the_coordinator_restarts_is_delivered(tmp_path: Path
         wait_for_line(log, "Leave not delivered yet", 60)  # tried, and refused, before the restart
         assert node.poll() is None  # still trying, within its grace
         cluster.start_coordinator()  # same port and state
-        assert node.wait(timeout=60) == 0
+        assert node.wait(timeout=200) == 0
         with cluster.client() as client:
             states = {n["name"]: n["state"] for n in client.nodes()}
         assert states["leaver"] == "left", states  # answered before the node exited: not left for its lease

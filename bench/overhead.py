@@ -3,7 +3,8 @@
     python -m bench.overhead [--steps 2000] [--batch 32] [--repeats 3]
 
 Rows `train:MODE` time a train function (bench/_train_loop.py: the user's own AdamW loop) through
-`TrainFunctionTrainer` against the same function run in one plain process (`gossamer.run_local`).
+`TrainFunctionTrainer` against the same function run in one plain process (`gossamer.run_local`): every
+mode with parameter-server shards (gossip has none: bench/modes.py measures it against sync).
 
 Writes bench/results/overhead.{json,md}. Target: gossamer / plain <= 1.5.
 
@@ -35,10 +36,11 @@ from gossamer.training.train_function import run_local, run_train_function
 
 
 def _exp(steps: int, batch: int, mode: str) -> Experiment:
+    overlap = mode.endswith("async+overlap")
     if mode.startswith("train:"):
-        return Experiment(name="overhead", train="bench._train_loop:train", mode=mode.removeprefix("train:"),
+        return Experiment(name="overhead", train="bench._train_loop:train",
+                          mode="async" if overlap else mode.removeprefix("train:"), overlap=overlap,
                           batch_size=batch, num_ps_shards=1, total_steps=steps)
-    overlap = mode == "async+overlap"
     return Experiment(name="overhead", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
                       mode="async" if overlap else mode, overlap=overlap, lr=0.05, momentum=0.9,
                       batch_size=batch, num_ps_shards=1, total_steps=steps, eval_every=0)
@@ -180,7 +182,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
-    for mode in ("async", "async+overlap", "sync", "train:async", "train:diloco"):
+    for mode in ("async", "async+overlap", "sync", "train:async", "train:async+overlap", "train:sync", "train:diloco"):
         exp = _exp(args.steps, args.batch, mode)
         plain = [plain_loop(exp) for _ in range(args.repeats)]
         ours = [gossamer_loop(exp) for _ in range(args.repeats)]

@@ -416,6 +416,16 @@ class _UserModel:
         self.clock += 1
         self.stats.steps += 1
 
+    def _counted_to_clock(self) -> None:
+        """Done once this worker's own steps reach `total_steps` (gossip, sync: each worker takes every step)."""
+        self.done = self.clock >= self.exp.total_steps  # type: ignore[attr-defined]
+        self._report_now_and_then()
+
+    @property
+    def progress(self) -> int:
+        """This worker's own steps (the trainer whose steps are the shards' versions says otherwise)."""
+        return self.clock  # type: ignore[attr-defined,no-any-return]
+
     def _report_now_and_then(self) -> None:
         """The trainer's counters (bytes, updates, ...) once a second and at the end."""
         now = time.monotonic()
@@ -452,12 +462,7 @@ class GossipFunctionTrainer(_UserModel, GossipTrainer):
         self._node_sync()
         if self.outer is None or self.clock % self.exp.inner_steps == 0 or self.clock >= self.exp.total_steps:
             self._exchange()
-        self.done = self.clock >= self.exp.total_steps
-        self._report_now_and_then()
-
-    @property
-    def progress(self) -> int:
-        return self.clock
+        self._counted_to_clock()
 
     def end(self) -> None:
         """The lead averages the peers' parameters and saves them; the others serve until the run completes."""
@@ -666,8 +671,7 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         self._exchanged = False
         self._apply_updates()
         self._user_stepped(optimizer)
-        self.done = self.clock >= self.exp.total_steps
-        self._report_now_and_then()
+        self._counted_to_clock()
 
     @property
     def progress(self) -> int:

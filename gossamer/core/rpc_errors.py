@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import inspect
 import logging
@@ -55,13 +56,13 @@ class HandlerWrapper(grpc.aio.ServerInterceptor):
         # method -> (the handler it was given, the wrapped one)
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
+    @abc.abstractmethod
     def applies(self, handler: grpc.RpcMethodHandler, method: str) -> bool:
         """Whether this call's handler is wrapped (the others pass through as they are)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         """`handler` of `method`, wrapped."""
-        raise NotImplementedError
 
     async def intercept_service(
         self,

@@ -511,19 +511,22 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         change = {i: self._basis[i] - v for i, v in self.layout.chunk_values().items()}
         if self.exp.overlap:
             self._exchange_overlapped_change(change)
-            self._report_now_and_then()
-            return
+        else:
+            self._exchange_change(change)
+        self._basis = self.layout.chunk_values()
+        self._report_now_and_then()
+
+    def _exchange_change(self, change: dict[int, torch.Tensor]) -> None:
+        """Push this step's change and take the shards' values; under a re-formed barrier, to the new round."""
         for attempt in range(100):
             generation = self.ctx.generation
             try:
                 self.done = self._push_pull(change, step=self.version)
-                break
+                return
             except ShardError as e:  # a re-formed barrier: the same change goes again to the new round
                 if not self.barrier or REFORM not in e.codes or attempt == 99:
                     raise
                 self._await_generation(generation)
-        self._basis = self.layout.chunk_values()
-        self._report_now_and_then()
 
     def _exchange_overlapped_change(self, change: dict[int, torch.Tensor]) -> None:
         """async with `overlap`: this step's change leaves while the user's next step is computed.
@@ -540,7 +543,6 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         if not self.done:
             with self.profiler.region("communication"):
                 self.client.push_async(change, clock=self.clock, basis=dict(self.versions))
-        self._basis = self.layout.chunk_values()
 
     @property
     def progress(self) -> int:

@@ -177,10 +177,14 @@ def coordinator_addresses(address: str | Sequence[str]) -> list[str]:
 
 
 #: Several coordinators (one leads, docs/ha.md): route every call to the one whose health service
-#: says SERVING (the leader; standbys say NOT_SERVING), and look again soon after a connection drops.
+#: says SERVING (the leader; standbys say NOT_SERVING).
 _FOLLOW_LEADER = json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}})
-_LEADER_OPTIONS = (("grpc.service_config", _FOLLOW_LEADER), ("grpc.initial_reconnect_backoff_ms", 200),
-                   ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000))
+_LEADER_OPTIONS = (("grpc.service_config", _FOLLOW_LEADER),)
+#: How soon a channel dials a coordinator that went away again: gRPC's default backoff grows to 120 s, so
+#: a node whose coordinator was down for 25 s dialled next up to 17 s after it was back, past the one lease
+#: a restarted coordinator gives every node to re-attach (5 s in tests), and was counted lost.
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 2000))
 
 
 def _target(address: str | Sequence[str], security: ChannelSecurity | None) -> tuple[str, list[tuple[str, Any]]]:
@@ -188,7 +192,7 @@ def _target(address: str | Sequence[str], security: ChannelSecurity | None) -> t
     one channel over their resolved IPs that follows the leader."""
     addresses = coordinator_addresses(address)
     if len(addresses) == 1:
-        return addresses[0], []
+        return addresses[0], list(RECONNECT_OPTIONS)
     resolved = []
     for a in addresses:
         host, sep, port = a.rpartition(":")
@@ -199,7 +203,7 @@ def _target(address: str | Sequence[str], security: ChannelSecurity | None) -> t
         except (OSError, IndexError):
             raise ConfigError("coordinator", f"cannot resolve {host!r} of {a!r}") from None
         resolved.append(f"{ip}:{port}")
-    options: list[tuple[str, Any]] = list(_LEADER_OPTIONS)
+    options: list[tuple[str, Any]] = [*_LEADER_OPTIONS, *RECONNECT_OPTIONS]
     if security is not None and security.tls is not None and not security.tls.server_name:
         # The certificates must name the first host (docs/ha.md): TLS checks the channel's authority.
         options.append(("grpc.default_authority", addresses[0].rpartition(":")[0].strip("[]")))

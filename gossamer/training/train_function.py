@@ -517,11 +517,19 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         self._report_now_and_then()
 
     def _exchange_change(self, change: dict[int, torch.Tensor]) -> None:
-        """Push this step's change and take the shards' values; under a re-formed barrier, to the new round."""
+        """Push this step's change and take the shards' values; under a re-formed barrier, to the new round.
+
+        A DiLoCo round's shards add up the workers' pushes and take the outer step on the sum, so each
+        worker pushes its change over the workers in the round (the outer gradient is their mean), as
+        gossamer's own round does; a round redone after the barrier re-formed is scaled to its new count.
+        """
         for attempt in range(100):
             generation = self.ctx.generation
+            push = change
+            if self.mode.rounds and self.ctx.num_workers > 1:
+                push = {i: c / self.ctx.num_workers for i, c in change.items()}
             try:
-                self.done = self._push_pull(change, step=self.version)
+                self.done = self._push_pull(push, step=self.version)
                 return
             except ShardError as e:  # a re-formed barrier: the same change goes again to the new round
                 if not self.barrier or REFORM not in e.codes or attempt == 99:

@@ -94,3 +94,27 @@ def reshapes(ctx) -> None:  # type: ignore[no-untyped-def]
     first.data = torch.zeros(3, 3)
     for _ in ctx.data(data()[0], batch_size=8):
         optimizer.step()
+
+
+class Drift(torch.optim.Optimizer):
+    """An optimizer a user wrote: every step moves every parameter by -`by`, whatever its gradient."""
+
+    def __init__(self, params, by: float) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(params, {"by": by})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.sub_(group["by"])
+
+
+def drift(ctx) -> None:  # type: ignore[no-untyped-def]
+    """Each worker's change over a DiLoCo round is known exactly: `inner_steps` x 0.01 on every value."""
+    model = mlp(hidden=64)
+    model, optimizer = ctx.prepare(model, Drift(model.parameters(), by=0.01))
+    train_set, _ = data()
+    for x, y in ctx.data(train_set, batch_size=16):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()

@@ -523,13 +523,16 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         worker pushes its change over the workers in the round (the outer gradient is their mean), as
         gossamer's own round does; a round redone after the barrier re-formed is scaled to its new count.
         """
+        scaled = 1.0  # what `change` is already multiplied by: scaled in place (the caller's own copy)
         for attempt in range(100):
             generation = self.ctx.generation
-            push = change
-            if self.mode.rounds and self.ctx.num_workers > 1:
-                push = {i: c / self.ctx.num_workers for i, c in change.items()}
+            if self.mode.rounds:
+                want = 1.0 / self.ctx.num_workers
+                for c in change.values():
+                    c.mul_(want / scaled)
+                scaled = want
             try:
-                self.done = self._push_pull(push, step=self.version)
+                self.done = self._push_pull(change, step=self.version)
                 return
             except ShardError as e:  # a re-formed barrier: the same change goes again to the new round
                 if not self.barrier or REFORM not in e.codes or attempt == 99:

@@ -93,14 +93,9 @@ def client_files(directory: str | os.PathLike[str]) -> dict[str, str]:
 
 
 # --- attaching the token ----------------------------------------------------------------------
-class _TokenPlugin(grpc.AuthMetadataPlugin):
-    def __init__(self, token: str) -> None:
-        self._metadata = (bearer(token),)
-
-    def __call__(self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback) -> None:
-        callback(self._metadata, None)
-
-
+# The token rides on interceptors over TLS too, never on a `grpc.metadata_call_credentials` plugin: gRPC calls
+# and destroys such a plugin on its own threads, taking the GIL, and a server being destroyed in the same
+# process holds the GIL while it waits for those threads (an AB-BA deadlock that froze a whole process).
 class _CallDetails(collections.namedtuple(
         "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
         grpc.ClientCallDetails):
@@ -109,7 +104,7 @@ class _CallDetails(collections.namedtuple(
 
 class _BearerInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                          grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds the token to every call of a plaintext synchronous channel."""
+    """Adds the token to every call of a synchronous channel."""
 
     def __init__(self, token: str) -> None:
         self._pair = bearer(token)
@@ -157,14 +152,6 @@ def _warn_plaintext_token(address: str) -> None:
         _warned_plaintext.add(address)
         log.warning("sending the token to %s without TLS: anyone on the network path can read it "
                     "(use --tls-ca, or --secure DIR)", address)
-
-
-def _credentials(security: ChannelSecurity) -> grpc.ChannelCredentials:
-    assert security.tls is not None
-    creds = security.tls.channel_credentials()
-    if security.token:
-        creds = grpc.composite_channel_credentials(creds, grpc.metadata_call_credentials(_TokenPlugin(security.token)))
-    return creds
 
 
 def coordinator_addresses(address: str | Sequence[str]) -> list[str]:
@@ -216,10 +203,13 @@ def open_channel(address: str | Sequence[str], security: ChannelSecurity | None 
     target, extra = _target(address, security)
     options = [*extra, *options]
     if security is not None and security.tls is not None:
-        return grpc.secure_channel(target, _credentials(security), options=[*options, *security.tls.channel_options()])
-    channel = grpc.insecure_channel(target, options=list(options))
+        channel = grpc.secure_channel(target, security.tls.channel_credentials(),
+                                      options=[*options, *security.tls.channel_options()])
+    else:
+        channel = grpc.insecure_channel(target, options=list(options))
     if security is not None and security.token:
-        _warn_plaintext_token(target)
+        if security.tls is None:
+            _warn_plaintext_token(target)
         channel = grpc.intercept_channel(channel, _BearerInterceptor(security.token))
     return channel
 
@@ -229,13 +219,15 @@ def open_aio_channel(address: str | Sequence[str], security: ChannelSecurity | N
     """An asyncio channel to the coordinator (the leader of several) with TLS and the token as configured."""
     target, extra = _target(address, security)
     options = [*extra, *options]
-    if security is not None and security.tls is not None:
-        return grpc.aio.secure_channel(target, _credentials(security),
-                                       options=[*options, *security.tls.channel_options()])
     interceptors: list[Any] = []
     if security is not None and security.token:
-        _warn_plaintext_token(target)
+        if security.tls is None:
+            _warn_plaintext_token(target)
         interceptors = [_AioBearerUnaryUnary(security.token), _AioBearerUnaryStream(security.token)]
+    if security is not None and security.tls is not None:
+        return grpc.aio.secure_channel(target, security.tls.channel_credentials(),
+                                       options=[*options, *security.tls.channel_options()],
+                                       interceptors=interceptors or None)
     return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors or None)
 
 

@@ -195,8 +195,10 @@ def _await_progress(client: Client, exp_id: str, step: int, timeout: float = 180
 def test_a_killed_worker_costs_the_run_nothing_and_a_joining_one_starts_from_the_runs_state(
         cluster: LocalCluster, tmp_path: Path, mode: str) -> None:
     total = 4000
-    # A worker alone past half the run waits for another: the joiner trains before the end, however fast the run.
-    hold = {"USER_LOOP_HOLD_ALONE_FROM": str(total // 2)}
+    # The workers that started the run wait at half of it until the test has seen the joiner train: the joiner
+    # trains before the end, however fast the run.
+    release = tmp_path / "joiner-trained"
+    hold = {"USER_LOOP_HOLD_FROM": str(total // 2), "USER_LOOP_RELEASE_FILE": str(release)}
     address, client = spot_cluster(cluster, workers=2, env=hold)
     spec = write_toml(tmp_path / "loop.toml", name=f"elastic-{mode}", train=f"{U}:train", mode=mode, total_steps=total,
                  min_workers=1, max_workers=2, **MODE_FIELDS[mode])
@@ -221,6 +223,7 @@ def test_a_killed_worker_costs_the_run_nothing_and_a_joining_one_starts_from_the
         assert client.job(exp_id).status()["state"] == "running", "the run ended before a joining worker trained"
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    release.touch()
     result = client.job(exp_id).wait(timeout=300)
     assert result.status == "completed", result
     first = sorted(first_loss_by_source().values())[0]

@@ -232,9 +232,10 @@ def open_aio_channel(address: str | Sequence[str], security: ChannelSecurity | N
 
 
 # --- clear errors -----------------------------------------------------------------------------
-def probe(address: str, timeout: float = 2.0) -> str:
+def probe(address: str, timeout: float = 2.0, tls: TLSConfig | None = None) -> str:
     """What speaks at `address`: "plaintext", "tls", "mtls" (TLS that drops a client without a
-    certificate), or "unknown" (unreachable, or not a plain HOST:PORT)."""
+    certificate), or "unknown" (unreachable, or not a plain HOST:PORT). With `tls` holding a client
+    certificate, the probe presents it: "tls" then says the coordinator accepted it."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or "/" in host:
         return "unknown"
@@ -244,16 +245,18 @@ def probe(address: str, timeout: float = 2.0) -> str:
     ctx.verify_mode = ssl.CERT_NONE  # only asks which protocol is spoken; nothing is trusted
     ctx.set_alpn_protocols(["h2"])
     try:
+        if tls is not None and tls.cert and tls.key:
+            ctx.load_cert_chain(tls.cert, tls.key)
         with socket.create_connection((host, int(port)), timeout=timeout) as raw:
             try:
-                tls = ctx.wrap_socket(raw, server_hostname=None)
+                conn = ctx.wrap_socket(raw, server_hostname=None)
             except ssl.SSLError:
                 return "plaintext"
-            with tls:
+            with conn:
                 # An HTTP/2 server answers the preface with SETTINGS; an mTLS server hangs up.
-                tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
                 try:
-                    return "tls" if tls.recv(9) else "mtls"
+                    return "tls" if conn.recv(9) else "mtls"
                 except (ssl.SSLError, ConnectionError):
                     return "mtls"
     except (OSError, ValueError):
@@ -296,6 +299,10 @@ def explain_rpc_error(err: grpc.RpcError, address: str, security: ChannelSecurit
             if not tls.cert:
                 return AuthError(f"coordinator at {address} requires a client certificate (mutual TLS): "
                                  "pass --tls-cert and --tls-key (or --secure DIR)")
+            if probe(address, probe_timeout, tls) == "tls":
+                # It takes this certificate: the call lost its connection some other way (a slow handshake,
+                # a closed socket), which a retry can get past.
+                return UnavailableError(f"coordinator at {address} is unreachable ({detail})")
             return AuthError(f"coordinator at {address} refused the client certificate {tls.cert!r} (mutual TLS): "
                              "it must be signed by the CA the coordinator trusts (--tls-ca on the coordinator)")
     return UnavailableError(f"coordinator at {address} is unreachable ({detail})")

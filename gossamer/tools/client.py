@@ -226,6 +226,15 @@ class Job:
 
 
 _SUBMIT_TIMEOUT_S = 150.0
+#: What gRPC says of a coordinator it reached that then dropped or stalled the connection (a slow handshake
+#: on a loaded host, a closed socket): worth calling again within the timeout. A refused connection or an
+#: unknown host is not, so a wrong address still fails at once.
+_DROPPED = ("socket closed", "settings frame", "connection reset", "handshake", "ssl")
+
+
+def _reached_but_dropped(e: grpc.RpcError, explained: GossamerError) -> bool:
+    details = ((e.details() if hasattr(e, "details") else "") or "").lower()
+    return isinstance(explained, UnavailableError) and any(m in details for m in _DROPPED)
 
 
 class Client:
@@ -279,12 +288,16 @@ class Client:
     def _call(self, method: Any, request: Any, timeout: float | None = None, retry: bool = True) -> Any:
         """`method(request)`; with several coordinators, waiting for a leader and (`retry`) calling
         again when the leader was lost mid-call, within the timeout."""
-        if not self._follow:
-            try:
-                return method(request, timeout=timeout or self.timeout)
-            except grpc.RpcError as e:
-                raise self._error(e) from None
         deadline = time.monotonic() + (timeout or self.timeout)
+        if not self._follow:
+            while True:
+                try:
+                    return method(request, timeout=max(0.1, deadline - time.monotonic()))
+                except grpc.RpcError as e:
+                    err = self._error(e)
+                    if not retry or not _reached_but_dropped(e, err) or time.monotonic() >= deadline:
+                        raise err from None
+                time.sleep(0.2)
         while True:
             try:
                 return method(request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True)

@@ -18,13 +18,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gossamer import Client
-from gossamer.core.errors import AuthError
+from gossamer.core.errors import AuthError, UnavailableError
 from gossamer.security import certs
-from gossamer.security.channel import ChannelSecurity, open_channel
+from gossamer.security.channel import ChannelSecurity, explain_rpc_error, open_channel
 from gossamer.security.tls import TLSConfig
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
 from tests._fixtures import InProcessCoordinator, MakeCluster, StartCoordinator
+from tests._relay import TcpRelay
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
@@ -186,6 +187,34 @@ def test_mtls_with_a_stranger_certificate_refused(start: Start, pki: PKI) -> Non
     tls = TLSConfig(ca=pki.ca, cert=pki.stranger_cert, key=pki.stranger_key)
     with Client(c.address, tls=tls) as client, pytest.raises(AuthError, match="refused the client certificate"):
         client.nodes()
+
+
+def test_mtls_connections_dropped_mid_handshake_are_called_again_not_blamed_on_the_certificate(
+        start: Start, pki: PKI) -> None:
+    # A loaded coordinator host can drop or stall a handshake; the certificate it accepts is not the cause.
+    c = start(tls_cert=pki.server_cert, tls_key=pki.server_key, tls_ca=pki.ca, token_file=pki.token_file)
+    tls = TLSConfig(ca=pki.ca, cert=pki.client_cert, key=pki.client_key)
+    relay = TcpRelay("127.0.0.1", c.port, drop_first=1)
+    try:
+        dropped = grpc.secure_channel(relay.address, tls.channel_credentials())
+        with pytest.raises(grpc.RpcError) as lost:
+            pb_grpc.NodeServiceStub(dropped).ListNodes(pb.ListNodesRequest(), timeout=10)
+        dropped.close()
+        assert relay.dropped == 1 and lost.value.code() == grpc.StatusCode.UNAVAILABLE, lost.value
+        explained = explain_rpc_error(lost.value, relay.address, ChannelSecurity(tls=tls, token=TOKEN))
+        assert isinstance(explained, UnavailableError), explained
+    finally:
+        relay.close()
+    relay = TcpRelay("127.0.0.1", c.port, drop_first=2)
+    try:
+        with Client(relay.address, tls=tls, token=TOKEN) as client:
+            assert client.nodes() == []  # called again past the dropped connections, within the timeout
+        assert relay.dropped == 2
+    finally:
+        relay.close()
+    stranger = TLSConfig(ca=pki.ca, cert=pki.stranger_cert, key=pki.stranger_key)
+    with Client(c.address, tls=stranger, token=TOKEN) as client, pytest.raises(AuthError, match="refused the client"):
+        client.nodes()  # a certificate it refuses is still named at once
 
 
 def test_plaintext_client_against_mtls_coordinator_refused(start: Start, pki: PKI) -> None:

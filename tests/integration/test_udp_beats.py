@@ -21,6 +21,7 @@ from gossamer.node.heartbeat import HeartbeatThread
 from gossamer.transport.beat_wire import Signer
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
+from tests._relay import TcpRelay
 
 pytestmark = pytest.mark.timeout(120)
 BEAT_S, LEASE_S = 0.2, 1.5
@@ -119,55 +120,6 @@ def test_udp_beats_alone_hold_a_lease_and_forged_ones_renew_nothing(start_coordi
         channel.close()
 
 
-class _Forwarder:
-    """A TCP relay on `host` to 127.0.0.1:`target`: gRPC goes through it, datagrams to `host` do not."""
-
-    def __init__(self, host: str, target: int) -> None:
-        self.target = target
-        self._listener = socket.create_server((host, 0))
-        self.address = f"{host}:{self._listener.getsockname()[1]}"
-        self._open: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                down, _ = self._listener.accept()
-            except OSError:  # closed
-                return
-            try:
-                up = socket.create_connection(("127.0.0.1", self.target), timeout=10)
-            except OSError:  # the coordinator is down: the client connects again
-                down.close()
-                continue
-            up.settimeout(None)
-            self._open += [down, up]
-            for a, b in ((down, up), (up, down)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def drop_connections(self) -> None:
-        for s in self._open:
-            s.close()
-        self._open.clear()
-
-    def close(self) -> None:
-        self._listener.close()
-        self.drop_connections()
-
-
 class _Node:
     """The node agent's heartbeat thread with its UDP beats, keyed by a Join through `address`."""
 
@@ -201,7 +153,7 @@ def _grpc_beats(c) -> int:  # type: ignore[no-untyped-def]
 
 def test_a_node_whose_udp_is_blocked_heartbeats_over_grpc_and_is_not_lost(start_coordinator) -> None:  # type: ignore[no-untyped-def]
     c = start_coordinator(heartbeat_interval_s=BEAT_S, lease_timeout_s=LEASE_S)
-    relay = _Forwarder("127.0.0.2", c.port)  # the node dials 127.0.0.2; the beat port listens on 127.0.0.1 only
+    relay = TcpRelay("127.0.0.2", c.port)  # the node dials 127.0.0.2; the beat port listens on 127.0.0.1 only
     node = _Node(relay.address)
     stub = pb_grpc.NodeServiceStub(node.channel)
     try:
@@ -220,7 +172,7 @@ def test_a_node_whose_udp_is_blocked_heartbeats_over_grpc_and_is_not_lost(start_
 def test_udp_takes_over_and_a_restarted_coordinator_rekeys_the_node_over_grpc(start_coordinator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     lease = 3.0  # room for the gRPC channel to reconnect through the relay to the restarted coordinator
     first = start_coordinator(tmp_path / "state", heartbeat_interval_s=BEAT_S, lease_timeout_s=lease)
-    relay = _Forwarder("127.0.0.1", first.port)  # same host: the beats go straight to the beat port
+    relay = TcpRelay("127.0.0.1", first.port)  # same host: the beats go straight to the beat port
     node = _Node(relay.address)
     try:
         _wait("UDP beats", lambda: first.server.beats.served >= 5)

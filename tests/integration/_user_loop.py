@@ -33,17 +33,20 @@ def _loop(ctx, *, no_sync: bool) -> None:  # type: ignore[no-untyped-def]
     hold = int(os.environ.get("USER_LOOP_HOLD_FROM", "0"))
     release = os.environ.get("USER_LOOP_RELEASE_FILE", "")
     started_at = ctx.step
-    lockstep = ctx.experiment.mode == "sync"
+    mode = ctx.experiment.mode
     held_since = 0.0
     for i, (x, y) in enumerate(ctx.data(train_set, batch_size=16)):
-        waiting = ctx.world_size < 2 if lockstep else not os.path.exists(release)
+        # A test's worker that started before `hold` is held there until the test releases it (120 s at most), so a
+        # worker joining mid-run trains before the run ends however fast the run is; one that joins past `hold` is
+        # never held. In sync a joiner steps with the others: they wait only for it to come. In diloco a joiner is
+        # let into the round only when a round ends: held workers go on stepping, slowly.
+        waiting = ctx.world_size < 2 if mode == "sync" else not os.path.exists(release)
         if hold and started_at < hold <= ctx.step and waiting and held_since < 120:
-            # A test's worker that started before `hold` waits there until the test releases it (at most 120 s),
-            # so a worker joining mid-run trains before the run ends however fast the run is; one that joins past
-            # `hold` is never held. In sync mode a joiner steps with the others, so they wait only for it to come.
-            time.sleep(0.05)
-            held_since += 0.05
-            continue
+            pause = 0.2 if mode == "diloco" else 0.05
+            time.sleep(pause)
+            held_since += pause
+            if mode != "diloco":
+                continue
         loss = F.cross_entropy(model(x), y) / ACCUMULATE
         last = i % ACCUMULATE == ACCUMULATE - 1
         with contextlib.nullcontext() if last or not no_sync else ctx.no_sync():

@@ -372,6 +372,7 @@ class NodeAgent:
         """
         t0 = time.monotonic()
         deadline = t0 + self.config.grace_s
+        log.info("leaving (%s): stopping %d role(s) within %.0f s", reason, len(self.running), self.config.grace_s)
         workers = {k: r for k, r in self.running.items() if k[1] != pb.ROLE_PARAMETER_SERVER}
         await self._stop_runs(workers, max(0.0, (deadline - time.monotonic()) * 0.6))
         assert self._stub is not None

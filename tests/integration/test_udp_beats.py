@@ -129,7 +129,7 @@ class _Node:
             pb.JoinRequest(name="n", address="127.0.0.1", cpus=1), timeout=10)
         self.id = joined.node_id
         self.udp = UdpBeats(address)
-        self.udp.rekey(joined.beat_port, joined.beat_key)
+        self.udp.rekey(joined.beat_port, joined.beat_key, lease_s=joined.lease_timeout_s)  # as the agent does
         self.answers: list[bool | grpc.RpcError] = []
         self.loop = asyncio.new_event_loop()
         self._runner = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -147,8 +147,12 @@ class _Node:
 
 
 def _grpc_beats(c) -> int:  # type: ignore[no-untyped-def]
-    """Heartbeats `c` served over gRPC: every one served (beat_rate) less those over UDP."""
-    return int(c.server.coord.beat_rate.served - c.server.beats.served)
+    """Heartbeats `c` served over gRPC: every one served (beat_rate) less those over UDP, both read on the
+    coordinator's loop (read from here, a beat served between the two reads counts in one and not the other)."""
+    async def read() -> int:
+        return int(c.server.coord.beat_rate.served - c.server.beats.served)
+
+    return int(c.call(read()))
 
 
 def test_a_node_whose_udp_is_blocked_heartbeats_over_grpc_and_is_not_lost(start_coordinator) -> None:  # type: ignore[no-untyped-def]

@@ -488,6 +488,7 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         super().__init__(ctx, on_metrics=on_metrics, updates=updates, should_stop=should_stop, on_saved=on_saved)
         self.done = False
         self._basis: dict[int, torch.Tensor] = {}
+        self._written: dict[int, torch.Tensor] | None = None  # the values the step's exchange wrote in, if any
         self._inner = 0
 
     def start(self) -> None:
@@ -508,13 +509,26 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
             if self._inner < self.exp.inner_steps:
                 return
             self._inner = 0
-        change = {i: self._basis[i] - v for i, v in self.layout.chunk_values().items()}
+        change = self.layout.chunk_delta(self._basis)  # in the basis's buffers: it is taken anew below
+        self._written = None
         if self.exp.overlap:
             self._exchange_overlapped_change(change)
         else:
             self._exchange_change(change)
-        self._basis = self.layout.chunk_values()
+        self._basis = self._next_basis(self._written)
         self._report_now_and_then()
+
+    def _assemble(self, values: dict[int, torch.Tensor], done: bool) -> bool:
+        self._written = values
+        return super()._assemble(values, done)
+
+    def _next_basis(self, written: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
+        """What the next change is taken against: the values just written into the parameters (the reply's
+        own buffers, equal to them, so no copy of the model a step), or a copy of the parameters where the
+        exchange wrote none or not all of this rank's chunks, or the pull decoder keeps the reply's buffers."""
+        if written is None or written.keys() != self._basis.keys() or self.client.pull_decoder is not None:
+            return self.layout.chunk_values()
+        return {i: v.detach().reshape(-1) for i, v in written.items()}
 
     def _exchange_change(self, change: dict[int, torch.Tensor]) -> None:
         """Push this step's change and take the shards' values; under a re-formed barrier, to the new round.

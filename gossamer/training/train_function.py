@@ -565,10 +565,14 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
             with self.profiler.region("communication"):
                 res = self.client.wait()
             self._note_versions(res.versions)
-            self.done = self._assemble({i: v - change[i] for i, v in res.values.items()}, res.done)
+            # The reply's buffers are this worker's to write, unless the pull decoder keeps them.
+            mine = self.client.pull_decoder is None
+            self.done = self._assemble({i: v.reshape(-1).sub_(change[i]) if mine else v.reshape(-1) - change[i]
+                                        for i, v in res.values.items()}, res.done)
         if not self.done:
             with self.profiler.region("communication"):
-                self.client.push_async(change, clock=self.clock, basis=dict(self.versions))
+                # `change` is the old basis's buffers, never written again (`user_step` takes a new basis).
+                self.client.push_async(change, clock=self.clock, basis=dict(self.versions), owned=True)
 
     @property
     def progress(self) -> int:

@@ -1,31 +1,18 @@
-"""Step time of 1 worker + 1 parameter-server shard vs a plain PyTorch loop, same run.
+"""Step time of 1 worker + 1 parameter-server shard on the digits MLP vs a plain PyTorch loop, same run.
 
-    python -m bench.overhead [--steps 2000] [--batch 32] [--repeats 3] [--modes train:async,...] [--label LABEL]
-    python -m bench.overhead --model 100m [--steps 6] [--repeats 1]
+    python -m bench.overhead [--steps 2000] [--batch 32] [--repeats 3]
 
 Rows `train:MODE` time a train function (bench/_train_loop.py: the user's own AdamW loop) through
 `TrainFunctionTrainer` against the same function run in one plain process (`gossamer.run_local`): every
 mode with parameter-server shards (gossip has none: bench/modes.py measures it against sync).
 
-`--model digits` (default): the digits MLP (26k parameters), every row. `--model 100m`: an MLP of 104.9M
-parameters on random data (`bench._train_loop:train_100m`), train-function rows but diloco; each step is timed
-on its own and the median taken over all but the first (the model's construction, the first pull and
-the optimizer's first step left out).
-
-Writes bench/results/overhead.{json,md} (`--model 100m`: overhead_100m; a --label run: bench/out/).
-Targets: gossamer / plain <= 1.5 at the digits model, <= 1.1 at 100M.
+Writes bench/results/overhead.{json,md}. Target: gossamer / plain <= 1.5.
 
 The same run also measures the floor any exchange over ZMQ has here: a raw DEALER/ROUTER round trip
 between two processes on loopback, carrying a step's bytes each way (the push up, the values down) and
 nothing else (no framing, no apply), once per step. `floor_ratio` = (plain + raw round trip) / plain is
 the best ratio a step that waits for its exchange can reach on this machine; `over_floor` = gossamer /
 (plain + raw round trip) is what gossamer adds beyond it.
-
-Where the time goes, per step over the whole run: CPU ms of the plain process, of the worker process (its
-threads, ZMQ's I/O thread among them) and of the shard process (on a loaded machine the wall times measure
-the scheduler as much as the step, the CPU seconds the work each side does); the worker's wait for its
-exchanges (`exchange_ms`: push sent to reply read, the shard's work in it) and its encoding and decoding
-(`codec_ms`).
 """
 
 from __future__ import annotations
@@ -39,7 +26,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench import _train_loop
 from bench._report import write_report
 from gossamer.core.experiment import Experiment
 from gossamer.engine import sampler
@@ -48,20 +34,11 @@ from gossamer.engine.rank import RankContext
 from gossamer.training.ps_trainer import ParameterServerTrainer
 from gossamer.training.train_function import run_local, run_train_function
 
-#: The rows of each model: the built-in loop's modes, then the train function's.
-MODES = {
-    "digits": ("async", "async+overlap", "sync", "train:async", "train:async+overlap", "train:sync", "train:diloco"),
-    # diloco exchanges once every `inner_steps` (20) steps: a few steps time no round, and a round costs what an
-    # async exchange does
-    "100m": ("train:async", "train:async+overlap", "train:sync"),
-}
 
-
-def _exp(steps: int, batch: int, mode: str, model: str = "digits") -> Experiment:
+def _exp(steps: int, batch: int, mode: str) -> Experiment:
     overlap = mode.endswith("async+overlap")
     if mode.startswith("train:"):
-        fn = "bench._train_loop:train_100m" if model == "100m" else "bench._train_loop:train"
-        return Experiment(name="overhead", train=fn,
+        return Experiment(name="overhead", train="bench._train_loop:train",
                           mode="async" if overlap else mode.removeprefix("train:"), overlap=overlap,
                           batch_size=batch, num_ps_shards=1, total_steps=steps)
     return Experiment(name="overhead", model="gossamer.examples.digits:mlp", dataset="gossamer.examples.digits:data",
@@ -96,11 +73,9 @@ def _serve(exp_json: str, q: mp.Queue, stop: mp.Event) -> None:  # type: ignore[
     srv = ShardServer(config, plan, {c.index: flat[c.flat_offset : c.flat_offset + c.numel].clone()
                                      for c in plan.chunks})
     q.put(srv.bind())
-    cpu0 = time.process_time()
     ev = threading.Event()
     threading.Thread(target=lambda: (stop.wait(), ev.set()), daemon=True).start()
     srv.serve(ev)  # in the main thread, as the parameter-server role runs it
-    q.put(time.process_time() - cpu0)  # the shard's CPU seconds while it served
     srv.close()
 
 
@@ -120,7 +95,7 @@ def _raw_echo(q: mp.Queue, down_bytes: int) -> None:  # type: ignore[type-arg]
     ctx.term()
 
 
-def raw_round_trip(steps: int, up_bytes: int, down_bytes: int, warmup: int = 20) -> float:
+def raw_round_trip(steps: int, up_bytes: int, down_bytes: int) -> float:
     """Seconds per raw ZMQ round trip of `up_bytes` out and `down_bytes` back, to another process on loopback."""
     import zmq
 
@@ -133,7 +108,7 @@ def raw_round_trip(steps: int, up_bytes: int, down_bytes: int, warmup: int = 20)
     try:
         sock.connect(f"tcp://127.0.0.1:{q.get(timeout=60)}")
         push = bytes(up_bytes)
-        for _ in range(warmup):  # connection and first allocations
+        for _ in range(20):  # connection and first allocations
             sock.send(push)
             sock.recv(copy=False)
         t0 = time.perf_counter()
@@ -150,57 +125,36 @@ def raw_round_trip(steps: int, up_bytes: int, down_bytes: int, warmup: int = 20)
             proc.kill()
 
 
-def _per_step(exp: Experiment, total_s: float) -> float:
-    """Seconds per step: of the whole run, or (`train_100m`) the median step but the first."""
-    if exp.train.endswith(":train_100m"):
-        stamps = _train_loop.STEP_TIMES
-        return statistics.median(b - a for a, b in zip(stamps[1:-1], stamps[2:], strict=True))
-    return total_s / exp.total_steps
-
-
 def plain_loop(exp: Experiment) -> float:
     """Seconds per step of the same model, data order and optimizer, in one process."""
-    return plain_with_cpu(exp)[0]
-
-
-def plain_with_cpu(exp: Experiment) -> tuple[float, float]:
-    """`plain_loop`'s seconds per step, and its CPU seconds per step over the whole run."""
     if exp.train:
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        t0 = time.perf_counter()
         run_local(exp)
-        return _per_step(exp, time.perf_counter() - t0), (time.process_time() - cpu0) / exp.total_steps
+        return (time.perf_counter() - t0) / exp.total_steps
     model, train, _ = build(exp, torch.device("cpu"))
     x_all, y_all = train.tensors
     opt = torch.optim.SGD(model.parameters(), lr=exp.lr, momentum=exp.momentum)
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    t0 = time.perf_counter()
     for step in range(exp.total_steps):
         idx = sampler.async_batch(len(train), exp.batch_size, step, exp.seed, 0)
         opt.zero_grad()
         F.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
         opt.step()
-    return (time.perf_counter() - t0) / exp.total_steps, (time.process_time() - cpu0) / exp.total_steps
+    return (time.perf_counter() - t0) / exp.total_steps
 
 
 def gossamer_loop(exp: Experiment) -> tuple[float, int]:
     """Seconds per step of one worker pushing to / pulling from one shard in another process."""
-    run = gossamer_with_cpu(exp)
-    return run["per_step"], int(run["bytes"])
-
-
-def gossamer_with_cpu(exp: Experiment) -> dict[str, float]:
-    """`gossamer_loop`'s seconds per step (`per_step`) and `bytes`, and per step over the whole run: CPU seconds
-    of the worker and of the shard process, and the worker's seconds waiting for its exchanges (`exchange`: sent
-    to answered, the shard's work in it) and encoding and decoding them (`codec`)."""
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
     stop = ctx.Event()
     proc = ctx.Process(target=_serve, args=(exp.to_json(), q, stop))
     proc.start()
     try:
-        endpoint = q.get(timeout=600)  # a 100M model is built there first
+        endpoint = q.get(timeout=60)
         rank = RankContext(experiment_id="bench", experiment=exp, node_id="n", worker_index=0, num_workers=1,
                            endpoints={0: endpoint}, checkpoint_dir="/tmp")
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        t0 = time.perf_counter()
         if exp.train:
             def nothing(*_: object) -> None:
                 return None
@@ -211,13 +165,8 @@ def gossamer_with_cpu(exp: Experiment) -> dict[str, float]:
         else:
             trainer = ParameterServerTrainer(rank)
             trainer.run()
-        n = exp.total_steps
-        run = {"per_step": _per_step(exp, time.perf_counter() - t0), "worker_cpu": (time.process_time() - cpu0) / n,
-               "bytes": float(trainer.client.bytes_up + trainer.client.bytes_down),
-               "exchange": trainer.exchange_s / n, "codec": (trainer.client.encode_s + trainer.client.decode_s) / n}
-        stop.set()
-        run["shard_cpu"] = q.get(timeout=60) / n
-        return run
+        per_step = (time.perf_counter() - t0) / exp.total_steps
+        return per_step, trainer.client.bytes_up + trainer.client.bytes_down
     finally:
         stop.set()
         proc.join(10)
@@ -227,53 +176,33 @@ def gossamer_with_cpu(exp: Experiment) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", choices=sorted(MODES), default="digits")
-    ap.add_argument("--steps", type=int, default=None, help="default: 2000 (digits), 6 (100m)")
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=None, help="default: 3 (digits), 1 (100m)")
-    ap.add_argument("--modes", default=None, help="comma-separated rows (default: all of the model's)")
-    ap.add_argument("--label", default=None, help="a labelled run: written to bench/out/overhead_<label>")
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    big = args.model == "100m"
-    steps = args.steps or (6 if big else 2000)
-    repeats = args.repeats or (1 if big else 3)
-    modes = args.modes.split(",") if args.modes else MODES[args.model]
     torch.set_num_threads(1)
     rows = []
-    for mode in modes:
-        exp = _exp(steps, args.batch, mode, args.model)
-        plain, ours = [], []
-        for _ in range(repeats):  # in turn: a load that comes and goes weighs on both alike
-            plain.append(plain_with_cpu(exp))
-            ours.append(gossamer_with_cpu(exp))
-        per_way = int(ours[0]["bytes"]) // steps // 2  # a step's bytes, about half each way
-        raw = [raw_round_trip(steps if not big else 2, per_way, per_way, warmup=1 if big else 20)
-               for _ in range(repeats)]
-        p, g, r = statistics.median(t for t, _ in plain), statistics.median(o["per_step"] for o in ours), statistics.median(raw)
+    for mode in ("async", "async+overlap", "sync", "train:async", "train:async+overlap", "train:sync", "train:diloco"):
+        exp = _exp(args.steps, args.batch, mode)
+        plain = [plain_loop(exp) for _ in range(args.repeats)]
+        ours = [gossamer_loop(exp) for _ in range(args.repeats)]
+        per_way = ours[0][1] // args.steps // 2  # a step's bytes, about half each way
+        raw = [raw_round_trip(args.steps, per_way, per_way) for _ in range(args.repeats)]
+        p, g, r = statistics.median(plain), statistics.median(t for t, _ in ours), statistics.median(raw)
         rows.append({
-            "mode": mode, "model": args.model, "batch": args.batch, "steps": steps,
+            "mode": mode, "batch": args.batch, "steps": args.steps,
             "plain_ms_per_step": round(p * 1e3, 4), "gossamer_ms_per_step": round(g * 1e3, 4),
-            "ratio": round(g / p, 3), "target": "<= 1.1" if big else "<= 1.5",
+            "ratio": round(g / p, 3), "target": "<= 1.5",
             "raw_zmq_rtt_ms": round(r * 1e3, 4), "floor_ratio": round((p + r) / p, 3),
             "over_floor": round(g / (p + r), 3),
-            "plain_cpu_ms": round(statistics.median(c for _, c in plain) * 1e3, 4),
-            **{f"{k}_ms": round(statistics.median(o[k] for o in ours) * 1e3, 4)
-               for k in ("worker_cpu", "shard_cpu", "exchange", "codec")},
-            "bytes_per_step": int(ours[0]["bytes"]) // steps,
+            "bytes_per_step": ours[0][1] // args.steps,
             "load_1min": round(os.getloadavg()[0], 2),
         })
         print(rows[-1], flush=True)
-    what = ("MLP 1024-4096x7-10 (104.9M params) on random data, each step timed, median of all but the first; "
-            "CPU columns over the whole run (the model's construction and first pull included)") if big else \
-        "digits MLP (64-128-128-10, 26k params)"
-    write_report("overhead_100m" if big else "overhead", rows,
-                 f"{what}, 1 worker + 1 shard process, median of {repeats}, torch threads = 1, loopback ZMQ; "
-                 "raw_zmq_rtt_ms: a DEALER/ROUTER round trip of the step's bytes between two processes, no framing "
-                 "or apply (the floor of a step that waits for its exchange: floor_ratio = (plain + rtt) / plain; "
-                 "async+overlap hides it); *_cpu_ms: CPU ms per step of the plain process, the worker and the shard; "
-                 "exchange_ms: the worker's wait for its exchanges (sent to answered), codec_ms: their encoding and "
-                 "decoding, per step",
-                 label=args.label)
+    write_report("overhead", rows, "digits MLP (64-128-128-10, 26k params), 1 worker + 1 shard process, "
+                 f"median of {args.repeats}, torch threads = 1, loopback ZMQ; raw_zmq_rtt_ms: a DEALER/ROUTER "
+                 "round trip of the step's bytes between two processes, no framing or apply (the floor of a "
+                 "step that waits for its exchange: floor_ratio = (plain + rtt) / plain; async+overlap hides it)")
 
 
 if __name__ == "__main__":

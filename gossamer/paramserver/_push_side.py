@@ -103,16 +103,14 @@ class PushSide:
             res.done = res.done or pulled.done
         return res
 
-    def push_async(self, grads: dict[int, torch.Tensor], *, clock: int, basis: dict[int, int],
-                   owned: bool = False) -> None:
+    def push_async(self, grads: dict[int, torch.Tensor], *, clock: int, basis: dict[int, int]) -> None:
         """Send a push and return at once; `wait()` collects its reply (one in flight at most).
 
-        The gradients are snapshotted, so the caller may overwrite its buffers right away; `owned`: the caller
-        hands them over (it never writes them again), and they are sent as they are.
+        The gradients are snapshotted, so the caller may overwrite its buffers right away.
         """
         link = self.link
         t0 = time.perf_counter()
-        snap = grads if owned else {i: g.detach().clone() for i, g in grads.items()}
+        snap = {i: g.detach().clone() for i, g in grads.items()}
         reqs = self.requests(snap, PushRound(clock=clock, basis=basis))
         link.encode_s += time.perf_counter() - t0
         link.pending_push = link.send(reqs)

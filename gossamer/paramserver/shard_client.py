@@ -128,14 +128,12 @@ class ShardClient(ShardLink):
                          values=values, idle=idle)
         return self.pushes.push_pull(grads, push, consume=consume)
 
-    def push_async(self, grads: dict[int, torch.Tensor], *, clock: int, basis: dict[int, int],
-                   owned: bool = False) -> None:
+    def push_async(self, grads: dict[int, torch.Tensor], *, clock: int, basis: dict[int, int]) -> None:
         """Send a push and return at once; `wait()` collects its reply (one in flight at most).
 
-        The gradients are snapshotted, so the caller may overwrite its buffers right away; `owned`: the caller
-        hands them over (it never writes them again), and they are sent without a copy.
+        The gradients are snapshotted, so the caller may overwrite its buffers right away.
         """
-        self.pushes.push_async(grads, clock=clock, basis=basis, owned=owned)
+        self.pushes.push_async(grads, clock=clock, basis=basis)
 
     def wait(self) -> PullResult:
         """The reply to the push sent by `push_async`."""

@@ -21,7 +21,6 @@ from gossamer.core.modes import mode_of
 from gossamer.core.protocol import AssignmentUpdate
 from gossamer.engine import sampler
 from gossamer.engine.rank import Hook, RankContext, StepAbandoned, StepStats
-from gossamer.engine.shard_plan import Chunk
 from gossamer.paramserver import PullResult
 from gossamer.training.gossip_loop import GossipTrainer
 from gossamer.training.ps_trainer import ParameterServerTrainer
@@ -489,7 +488,6 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         super().__init__(ctx, on_metrics=on_metrics, updates=updates, should_stop=should_stop, on_saved=on_saved)
         self.done = False
         self._basis: dict[int, torch.Tensor] = {}
-        self._written: dict[int, torch.Tensor] | None = None  # the values the step's exchange wrote in, if any
         self._inner = 0
 
     def start(self) -> None:
@@ -510,26 +508,13 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
             if self._inner < self.exp.inner_steps:
                 return
             self._inner = 0
-        change = self.layout.chunk_delta(self._basis)  # in the basis's buffers: it is taken anew below
-        self._written = None
+        change = {i: self._basis[i] - v for i, v in self.layout.chunk_values().items()}
         if self.exp.overlap:
             self._exchange_overlapped_change(change)
         else:
             self._exchange_change(change)
-        self._basis = self._next_basis(self._written)
+        self._basis = self.layout.chunk_values()
         self._report_now_and_then()
-
-    def _assemble(self, values: dict[int, torch.Tensor], done: bool) -> bool:
-        self._written = values
-        return super()._assemble(values, done)
-
-    def _next_basis(self, written: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
-        """What the next change is taken against: the values just written into the parameters (the reply's
-        own buffers, equal to them, so no copy of the model a step), or a copy of the parameters where the
-        exchange wrote none or not all of this rank's chunks, or the pull decoder keeps the reply's buffers."""
-        if written is None or written.keys() != self._basis.keys() or self.client.pull_decoder is not None:
-            return self.layout.chunk_values()
-        return {i: v.detach().reshape(-1) for i, v in written.items()}
 
     def _exchange_change(self, change: dict[int, torch.Tensor]) -> None:
         """Push this step's change and take the shards' values; under a re-formed barrier, to the new round.
@@ -565,14 +550,10 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
             with self.profiler.region("communication"):
                 res = self.client.wait()
             self._note_versions(res.versions)
-            # The reply's buffers are this worker's to write, unless the pull decoder keeps them.
-            mine = self.client.pull_decoder is None
-            self.done = self._assemble({i: v.reshape(-1).sub_(change[i]) if mine else v.reshape(-1) - change[i]
-                                        for i, v in res.values.items()}, res.done)
+            self.done = self._assemble({i: v - change[i] for i, v in res.values.items()}, res.done)
         if not self.done:
             with self.profiler.region("communication"):
-                # `change` is the old basis's buffers, never written again (`user_step` takes a new basis).
-                self.client.push_async(change, clock=self.clock, basis=dict(self.versions), owned=True)
+                self.client.push_async(change, clock=self.clock, basis=dict(self.versions))
 
     @property
     def progress(self) -> int:
@@ -618,7 +599,6 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         self._queued = False
         self._exchanged = False  # a backward pass since the last step ended with the workers' mean
         self._params = list(self.layout.module.parameters())
-        self._segments = _segments(self._params, self.mine)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params if p.requires_grad]
 
     def start(self) -> None:
@@ -638,31 +618,28 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         """End of a backward pass: the round's mean gradient into every `.grad` (the same bits on every worker)."""
         self._queued = False
         self._exchanged = True
-        res = self._round(self._push([p.grad for p in self._params]))
+        grads = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params])
+        res = self._round(grads)
+        mean = torch.zeros_like(grads)
+        for idx, v in res.values.items():
+            c = self.plan.chunks[idx]
+            mean[c.flat_offset:c.flat_offset + c.numel] = v.reshape(-1)
+        offset = 0
         with torch.no_grad():
-            for p, pieces in zip(self._params, self._segments, strict=True):
-                g = p.grad
-                if g is not None and g.is_contiguous():
-                    _from_chunks(res.values, pieces, g.view(-1))
-                    continue
-                mean = torch.zeros(p.numel())
-                _from_chunks(res.values, pieces, mean)
-                mean = mean.view_as(p).to(p.device, p.dtype)
-                if g is not None:
-                    g.copy_(mean)
-                elif bool(mean.any()):  # another worker's gradient reached it; none of the workers': left None
-                    p.grad = mean
+            for p in self._params:
+                piece = mean[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype)
+                offset += p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(piece)
+                elif bool(piece.any()):  # another worker's gradient reached it; none of the workers': left None
+                    p.grad = piece.clone()
 
-    def _push(self, grads: Sequence[torch.Tensor | None]) -> dict[int, torch.Tensor]:
-        """This worker's chunks as pushed: each its gradient (zero where `grads` has None), then the parameters'
-        values, as fp32 on the CPU; written straight from the tensors, one copy of each."""
-        push = {c.index: torch.empty(2 * c.numel) for c in self.mine}
-        _into_chunks([grads, self._params], self._segments, push)
-        return push
-
-    def _round(self, push: dict[int, torch.Tensor], *, idle: bool = False) -> PullResult:
-        """One exchange under the barrier: `push` (`_push`: gradients and parameters by chunk), the shards' answer."""
+    def _round(self, grads: torch.Tensor, *, idle: bool = False) -> PullResult:
+        """One exchange under the barrier: `grads` (flat) and the parameters pushed, the shards' answer."""
         self._apply_updates()
+        values = _flat(self._params)
+        push = {c.index: torch.cat([grads[c.flat_offset:c.flat_offset + c.numel],
+                                    values[c.flat_offset:c.flat_offset + c.numel]]) for c in self.mine}
         t0 = time.perf_counter()
         for attempt in range(100):
             generation = self.ctx.generation
@@ -687,11 +664,11 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
     def _hold_place(self) -> None:
         """Done: push idle (the barrier's place, no gradient) for the workers still stepping (one that joined may
         be a backward or a step behind) until a round of idle pushes alone says every worker is done."""
+        zeros = torch.zeros(self.plan.total_numel)
         try:
             while not self._stopping():
                 step = self.version
-                idle = self._push([None] * len(self._params))
-                if max(self._round(idle, idle=True).versions.values(), default=step) <= step:
+                if max(self._round(zeros, idle=True).versions.values(), default=step) <= step:
                     return  # no version made: every worker is done
         except StepAbandoned:
             self.client.abandon()
@@ -730,51 +707,11 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         self.finished = self.done
 
 
-def _segments(params: Sequence[torch.Tensor], chunks: Sequence[Chunk]) -> list[list[tuple[int, int, int, int]]]:
-    """Where each parameter lies in `chunks` (the plan's flat order): per parameter, its pieces as (chunk index,
-    offset in the chunk, offset in the parameter, length)."""
-    out: list[list[tuple[int, int, int, int]]] = []
-    offset = 0
-    for p in params:
-        n = p.numel()
-        pieces = []
-        for c in chunks:
-            lo, hi = max(offset, c.flat_offset), min(offset + n, c.flat_offset + c.numel)
-            if lo < hi:
-                pieces.append((c.index, lo - c.flat_offset, lo - offset, hi - lo))
-        out.append(pieces)
-        offset += n
-    return out
-
-
-def _into_chunks(groups: Sequence[Sequence[torch.Tensor | None]], segments: list[list[tuple[int, int, int, int]]],
-                 chunks: dict[int, torch.Tensor]) -> None:
-    """Each group of tensors (one per parameter; zero for None) end to end in its part of the flat fp32 CPU `chunks`
-    (by index): a chunk holds its pieces of the first group, then of the next, ...; one `cat` a chunk."""
-    pieces: dict[int, list[torch.Tensor]] = {i: [] for i in chunks}
-    for tensors in groups:
-        for t, segs in zip(tensors, segments, strict=True):
-            if t is None:
-                for idx, _, _, n in segs:
-                    pieces[idx].append(torch.zeros(n))
-                continue
-            flat = t.detach().reshape(-1)
-            if flat.dtype != torch.float32 or flat.device.type != "cpu":
-                flat = flat.float().cpu()
-            for idx, _, start, n in segs:  # in flat order: a chunk's pieces come in its own order
-                pieces[idx].append(flat if n == len(flat) else flat[start:start + n])
-    for idx, parts in pieces.items():
-        torch.cat(parts, out=chunks[idx])
-
-
-def _from_chunks(chunks: dict[int, torch.Tensor], pieces: list[tuple[int, int, int, int]], out: torch.Tensor) -> None:
-    """One tensor's `pieces` of `chunks` (by index; zero where a chunk is missing) into `out` (flat)."""
-    for idx, at, start, n in pieces:
-        v = chunks.get(idx)
-        if v is None:
-            out[start:start + n].zero_()
-        else:
-            out[start:start + n].copy_(v.reshape(-1)[at:at + n])
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`tensors` end to end, as fp32 on the CPU (the plan's flat order, for the model's parameters)."""
+    if not tensors:
+        return torch.zeros(0)
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
 
 
 def run_train_function(ctx: RankContext, **hooks: Any) -> TrainFunctionTrainer | GossipFunctionTrainer:

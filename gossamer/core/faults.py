@@ -23,8 +23,9 @@ Syntax: comma-separated faults, each ``kind[:key=value...]``. Kinds:
   fault must land and lets it go on after: the fault lands mid-run by construction, however fast
   the run. ``push``: a worker about to push once the run has made N steps (as the worker knows
   them: the shards' version, times `inner_steps` for DiLoCo).
-- ``slow-start:seconds=S``: a shard role of this node sleeps S s before it builds and serves (a
-  slow host), so a test can start workers while a restored shard is not serving yet.
+- ``slow-start:seconds=S`` or ``slow-start:until=PATH[:seconds=MAX]``: a shard role of this node waits S s,
+  or until PATH exists (at most MAX s, default 600), before it builds and serves (a slow host), so a test
+  can start workers while a restored shard is not serving yet, and let it serve once they wait for it.
 - ``fail:at=POINT[:step=N][:shard=S][:once=PATH]``: the thread at POINT raises `InjectedFault`
   instead (``serve-loop``: a shard's serve thread, outside any request's handling), so a test
   can check that a role whose serving thread dies fails its process.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import replace
@@ -107,7 +108,10 @@ class ServerRole:
         """Build the shard from the seeded model, restore it if asked, bind, report SERVING."""
         kernels_unless_asked()  # a shard only decodes: numba's memory buys it little (`kernels_unless_asked`)
         if (slow := fault("slow-start")) is not None:
-            time.sleep(float(slow.get("seconds", "0")))
+            until = slow.get("until", "")
+            deadline = time.monotonic() + float(slow.get("seconds", "600" if until else "0"))
+            while not (until and os.path.exists(until)) and time.monotonic() < deadline:
+                time.sleep(0.05)
         model = capture_model(self.exp) if self.exp.train else build(self.exp, torch.device("cpu"))[0]
         plan = ShardPlan.for_experiment(model, self.exp)
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}

@@ -46,13 +46,15 @@ def test_all_nodes_killed_the_run_waits_then_resumes_from_its_newest_checkpoint_
         newest = complete_steps(root)[0]
         # The returning shard host is slow to serve: the worker starts first and must wait for the
         # restored shard's endpoint (it used to fail 'no endpoint' until the run gave up).
-        cluster.add_node("ps2", env={"GOSSAMER_FAULT": "slow-start:seconds=12"})
+        serve = tmp_path / "serve"  # the shard serves once the worker is seen waiting for it, however slow either is
+        cluster.add_node("ps2", env={"GOSSAMER_FAULT": f"slow-start:until={serve}:seconds=180"})
         # ps2 first, alone: the coordinator hosts the shard on the first free node (a spot one too).
         wait_for(lambda: any(n["name"] == "ps2" for n in client.nodes()), 60, "ps2 to join")
         cluster.add_node("w1", spot=True, env=SLOW)
         wait_event(job, lambda e: e["kind"] == "resumed", 60, "the resumed event")
         wait_for(lambda: "not serving yet: waiting for their endpoints" in (cluster.log_dir / "w1.log").read_text(),
                  60, "the worker to wait for the restored shard")
+        serve.touch()
         result = job.wait(timeout=240)
         events = job.events()
     text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)

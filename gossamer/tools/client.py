@@ -286,25 +286,20 @@ class Client:
         return explain_rpc_error(err, self.address, self.security)
 
     def _call(self, method: Any, request: Any, timeout: float | None = None, retry: bool = True) -> Any:
-        """`method(request)`; with several coordinators, waiting for a leader and (`retry`) calling
-        again when the leader was lost mid-call, within the timeout."""
+        """`method(request)`, called again (`retry`) within the timeout when that can help: with several
+        coordinators, until a leader answers; with one, when it was reached but dropped the connection."""
         deadline = time.monotonic() + (timeout or self.timeout)
-        if not self._follow:
-            while True:
-                try:
-                    return method(request, timeout=max(0.1, deadline - time.monotonic()))
-                except grpc.RpcError as e:
-                    err = self._error(e)
-                    if not retry or not _reached_but_dropped(e, err) or time.monotonic() >= deadline:
-                        raise err from None
-                time.sleep(0.2)
+        ready = {"wait_for_ready": True} if self._follow else {}
         while True:
             try:
-                return method(request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True)
+                return method(request, timeout=max(0.1, deadline - time.monotonic()), **ready)
             except grpc.RpcError as e:
-                if not retry or e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
-                    raise self._error(e) from None
-            time.sleep(0.1)
+                # With several coordinators, the error is explained (probing the port) only when raised.
+                err = None if self._follow else self._error(e)
+                again = e.code() == grpc.StatusCode.UNAVAILABLE if err is None else _reached_but_dropped(e, err)
+                if not retry or not again or time.monotonic() >= deadline:
+                    raise (err or self._error(e)) from None
+            time.sleep(0.1 if self._follow else 0.2)
 
     def ping(self, timeout: float = 5.0) -> None:
         """Wait up to `timeout` s for the coordinator to answer.

@@ -16,6 +16,7 @@ from torch.utils.data import IterableDataset, default_collate
 
 from gossamer.core.errors import ConfigError, GossamerError, ShardError
 from gossamer.core.experiment import Experiment
+from gossamer.core.faults import die_at, gate_at, hold_at
 from gossamer.core.import_check import resolve
 from gossamer.core.modes import mode_of
 from gossamer.core.protocol import AssignmentUpdate
@@ -41,6 +42,18 @@ class _Runtime:
         self.steps = 0
         #: sync: backward exchanges the gradients (False inside `TrainContext.no_sync`).
         self.sync_grads = True
+        #: How the train function evaluates the model, where it gave one (`TrainContext.evaluate_with`).
+        self.evaluator: Callable[[], dict[str, float]] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def count(self, samples: int) -> None:
+        """`samples` more trained on (status' rate)."""
+
+    def evaluate_with(self, fn: Callable[[], dict[str, float]]) -> None:
+        self.evaluator = fn
 
     @property
     def rank(self) -> int:
@@ -171,6 +184,11 @@ class TrainContext:
         return self._runtime.world_size
 
     @property
+    def worker_index(self) -> int:
+        """This worker's index in the run: unlike `rank`, kept while others join and leave (its own sample stream)."""
+        return self._runtime.worker_index
+
+    @property
     def is_lead(self) -> bool:
         """The worker that evaluates and writes the final checkpoint."""
         return self._runtime.is_lead
@@ -179,6 +197,24 @@ class TrainContext:
     def step(self) -> int:
         """The run's progress in optimizer steps, as compared with `total_steps`."""
         return self._runtime.steps
+
+    @property
+    def device(self) -> torch.device:
+        """Where this worker trains: its GPU where the node has one (`ctx.prepare` moves the model there)."""
+        return self._runtime.device
+
+    def count(self, samples: int) -> None:
+        """`samples` more trained on, for the run's samples and rate (`ctx.data` counts the batches it yields)."""
+        self._runtime.count(samples)
+
+    def evaluate_with(self, fn: Callable[[], dict[str, float]]) -> None:
+        """gossamer evaluates the run's model with `fn()` (`{"accuracy": ...}`, reported as eval_* figures).
+
+        The lead calls it every `eval_every` steps and once the run has ended, on the run's parameters: at
+        the end those it checkpoints (async and diloco: pulled from the shards after the train function
+        returned), and in gossip the peers' push-sum average. The final figures are the run's result.
+        """
+        self._runtime.evaluate_with(fn)
 
     def should_stop(self) -> bool:
         """The run is over, cancelled, or this node was told to leave: end the loop."""
@@ -246,10 +282,11 @@ class TrainContext:
                           else torch.tensor([(batch * size + i) % n for i in range(size)]))
                 idx = sampler.even_split(picked, self.world_size, self.rank).tolist()
             elif shuffle:
-                idx = sampler.async_batch(n, size, batch, self.experiment.seed, self._runtime.worker_index).tolist()
+                idx = sampler.async_batch(n, size, batch, self.experiment.seed, self.worker_index).tolist()
             else:
                 start = (batch * self.world_size + self.rank) * size
                 idx = [(start + i) % n for i in range(min(size, n))]
+            self.count(len(idx))
             yield collate([dataset[i] for i in idx])
             batch += 1
 
@@ -275,7 +312,9 @@ class TrainContext:
                 continue
             items.append(item)
             if len(items) == size:
-                yield collate(sampler.even_split(items, self.world_size, self.rank) if split else items)
+                mine = sampler.even_split(items, self.world_size, self.rank) if split else items
+                self.count(len(mine))
+                yield collate(mine)
                 items = []
 
     def report(self, **values: float) -> None:
@@ -361,6 +400,19 @@ class _WorkerRuntime(_Runtime):
     def is_lead(self) -> bool:
         return self.ctx.lead
 
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    def count(self, samples: int) -> None:
+        if self.trainer is not None:
+            self.trainer.stats.samples += samples
+
+    def evaluate_with(self, fn: Callable[[], dict[str, float]]) -> None:
+        self.evaluator = fn
+        if self.trainer is not None:
+            self.trainer.evaluator = fn
+
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         hooks = {k: v for k, v in self.hooks.items() if k not in ("report_final", "serving")}
         mode = mode_of(self.exp)
@@ -369,6 +421,7 @@ class _WorkerRuntime(_Runtime):
         else:
             self.trainer = (TrainFunctionTrainer if mode.servers else GossipFunctionTrainer)(self.ctx, model, **hooks)
         self.trainer.report_final = self.hooks["report_final"]
+        self.trainer.evaluator = self.evaluator
         self.hooks["serving"](self.trainer.endpoint)  # a gossip worker's peers reach it there
         self.trainer.start()
         self.steps = self.trainer.progress
@@ -394,6 +447,7 @@ class _UserModel:
 
     _user_model: nn.Module
     ctx: RankContext
+    on_metrics: Hook
     clock: int
     stats: StepStats
     reports_loss = False  # the train function reports its own loss
@@ -401,20 +455,31 @@ class _UserModel:
     def _build(self) -> tuple[nn.Module, Any, Any]:
         return self._user_model.to(self.ctx.device), [], []
 
+    #: The train function's evaluation (`TrainContext.evaluate_with`); without one it reports its own eval_*.
+    evaluator: Callable[[], dict[str, float]] | None = None
+
     def _evaluates(self) -> bool:
-        return False  # the train function evaluates and reports its own eval_* figures
+        return self.evaluator is not None and self.ctx.lead
 
     def _evaluate(self, step: int) -> dict[str, float]:
-        return {}
+        """The train function's evaluation, where it gave one, reported as gossamer's loop reports its own."""
+        if self.evaluator is None:
+            return {}
+        values = {k if k.startswith("eval_") else f"eval_{k}": float(v) for k, v in self.evaluator().items()}
+        self.on_metrics(step, {**values, "eval_step": float(step)})
+        return values
 
     _t_report = 0.0
+    _samples_reported = 0
     done = False
 
     def _user_stepped(self, optimizer: torch.optim.Optimizer) -> None:
-        """The user's step, counted."""
+        """The user's step, counted (a `delay` fault slows this worker's every step, as a straggler's)."""
         optimizer.step()
         self.clock += 1
         self.stats.steps += 1
+        if self.ctx.step_delay_s:
+            time.sleep(self.ctx.step_delay_s)
 
     def _counted_to_clock(self) -> None:
         """Done once this worker's own steps reach `total_steps` (gossip, sync: each worker takes every step)."""
@@ -430,8 +495,10 @@ class _UserModel:
         """The trainer's counters (bytes, updates, ...) once a second and at the end."""
         now = time.monotonic()
         if now - self._t_report >= 1.0 or self.done:
-            self._t_report = now
-            self._report(0.0)  # type: ignore[attr-defined]  # the trainer's own: bytes, updates, ...
+            since = self.stats.samples - self._samples_reported
+            rate = since / max(1e-9, now - self._t_report) if self._t_report else 0.0
+            self._t_report, self._samples_reported = now, self.stats.samples
+            self._report(rate)  # type: ignore[attr-defined]  # the trainer's own: bytes, updates, ...
 
 
 class GossipFunctionTrainer(_UserModel, GossipTrainer):
@@ -447,6 +514,7 @@ class GossipFunctionTrainer(_UserModel, GossipTrainer):
         """Take the most advanced peer's parameters and step (a worker joining mid-run)."""
         self._apply_updates()
         self._join()
+        self._last_eval = self.clock // self.exp.eval_every if self.exp.eval_every else 0
         self.done = self.clock >= self.exp.total_steps
 
     def user_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -463,9 +531,11 @@ class GossipFunctionTrainer(_UserModel, GossipTrainer):
         if self.outer is None or self.clock % self.exp.inner_steps == 0 or self.clock >= self.exp.total_steps:
             self._exchange()
         self._counted_to_clock()
+        self._eval_average_when_due()
 
     def end(self) -> None:
         """The lead averages the peers' parameters and saves them; the others serve until the run completes."""
+        self._end_eval_gather()
         if self.done:
             self._finish_or_serve()
         elif self.peer is not None:
@@ -515,6 +585,7 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
             self._exchange_change(change)
         self._basis = self.layout.chunk_values()
         self._report_now_and_then()
+        self._maybe_eval(self.progress)
 
     def _exchange_change(self, change: dict[int, torch.Tensor]) -> None:
         """Push this step's change and take the shards' values; under a re-formed barrier, to the new round."""
@@ -544,6 +615,11 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
             with self.profiler.region("communication"):
                 self.client.push_async(change, clock=self.clock, basis=dict(self.versions))
 
+    def _past_the_end(self) -> None:
+        """Past the last step: its final counters go next (a test holds or kills it here, as gossamer's loop)."""
+        hold_at("final-report", **self.client.fault_ctx)
+        die_at("final-report", step=self.clock, **self.client.fault_ctx)
+
     @property
     def progress(self) -> int:
         """Optimizer steps of the run: shard versions, times `inner_steps` for diloco's rounds."""
@@ -559,6 +635,7 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
             self._note_versions(res.versions)
             self.done = self._assemble(res.values, res.done) or self.done
         if self.done:
+            self._past_the_end()
             self._await_lead()
             if self.ctx.lead and not self._stopping():
                 self.pull()
@@ -629,6 +706,8 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         values = _flat(self._params)
         push = {c.index: torch.cat([grads[c.flat_offset:c.flat_offset + c.numel],
                                     values[c.flat_offset:c.flat_offset + c.numel]]) for c in self.mine}
+        gate_at("push", step=self.progress, **self.client.fault_ctx)
+        die_at("mid-push", step=self.clock, **self.client.fault_ctx)
         t0 = time.perf_counter()
         for attempt in range(100):
             generation = self.ctx.generation
@@ -674,6 +753,7 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         self._apply_updates()
         self._user_stepped(optimizer)
         self._counted_to_clock()
+        self._maybe_eval(self.progress)
 
     @property
     def progress(self) -> int:
@@ -688,6 +768,7 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
             self._hold_place()
         self._exchanging = False
         if self.done:
+            self._past_the_end()
             self._await_lead()
             if self.ctx.lead and not self._stopping():
                 self.finish()

@@ -94,3 +94,13 @@ def reshapes(ctx) -> None:  # type: ignore[no-untyped-def]
     first.data = torch.zeros(3, 3)
     for _ in ctx.data(data()[0], batch_size=8):
         optimizer.step()
+
+
+def builtin_equivalent(ctx) -> None:  # type: ignore[no-untyped-def]
+    """What the built-in loop does for `model=digits:mlp`, `dataset=digits:data`, SGD with momentum 0.9, lr 0.05."""
+    model = mlp()
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    for x, y in ctx.data(data()[0]):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()

@@ -1,0 +1,53 @@
+"""Which loop an experiment runs: a train function (the user's, or gossamer's built-in one) or the older trainers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gossamer.core.experiment import BUILTIN_TRAIN, Experiment
+from gossamer.core.modes import mode_of
+
+__all__ = ["BUILTIN_TRAIN", "builtin_train_function", "old_path_reason"]
+
+
+def old_path_reason(exp: Experiment, *, local_ranks: int = 1) -> str:
+    """Why an experiment without `train` runs on its mode's own trainer (ps_trainer, diloco, gossip_loop) on a
+    node of `local_ranks` ranks; empty where gossamer's built-in train function runs it, through the trainers a
+    user's train function runs on (`training/builtin_train.py`).
+
+    What the train-function trainers do not do yet, or do otherwise:
+    - async: the shards step the experiment's optimizer on each worker's gradient (one momentum for the run,
+      the staleness-aware lr); a train function's optimizer steps on its worker and the shards add the change.
+    - sync: a re-formed barrier takes the same gradient again rather than the step computed over the new
+      workers, and a worker that joins starts from the shards' parameters of the last round with a fresh
+      optimizer state; the built-in sync ends where one process ends through kills and joins.
+    - diloco: the built-in round keeps memory down (the inner step inside backward, the round's start folded
+      with the codec's residual, exchanged shard by shard) and pushes the workers' mean pseudo-gradient.
+    - several local ranks on a node, fsdp and pipeline, fp16 (loss scaling): a train function's trainer
+      holds the whole model on one rank. `profile_steps`: the profiler's regions are in the built-in trainers. Gossip has no shards, so nodes of either path gossip together and
+      the choice is each node's.
+    """
+    if exp.train:
+        return ""
+    row = mode_of(exp)
+    if row.rounds:
+        return f"mode {row.label}: the built-in round's memory savings and the workers' mean pseudo-gradient"
+    if row.barrier:
+        return "mode sync: a re-formed barrier or a joining worker would not end where one process ends"
+    if row.servers:
+        return "mode async: the shards step the experiment's optimizer on the workers' gradients"
+    if exp.parallelism != "ddp" or local_ranks > 1:
+        return f"{local_ranks} local ranks, parallelism {exp.parallelism!r}: a train function runs one rank per node"
+    if exp.precision == "fp16":
+        return "precision 'fp16': loss scaling is the built-in trainer's"
+    if exp.profile_steps:
+        return "profile_steps: the profiler's compute and communication regions are the built-in trainer's"
+    return ""
+
+
+def builtin_train_function(exp: Experiment, *, local_ranks: int = 1) -> Experiment:
+    """`exp` as a node of `local_ranks` ranks runs it: without `train` and without an `old_path_reason`, with the
+    built-in train function as its `train` (the node then runs what a user's train function runs)."""
+    if exp.train or old_path_reason(exp, local_ranks=local_ranks):
+        return exp
+    return dataclasses.replace(exp, train=BUILTIN_TRAIN)

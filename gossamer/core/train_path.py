@@ -18,9 +18,10 @@ def old_path_reason(exp: Experiment, *, local_ranks: int = 1) -> str:
     What the train-function trainers do not do yet, or do otherwise:
     - async: the shards step the experiment's optimizer on each worker's gradient (one momentum for the run,
       the staleness-aware lr); a train function's optimizer steps on its worker and the shards add the change.
-    - sync: a re-formed barrier takes the same gradient again rather than the step computed over the new
-      workers, and a worker that joins starts from the shards' parameters of the last round with a fresh
-      optimizer state; the built-in sync ends where one process ends through kills and joins.
+    - sync: a worker that joins starts from the parameters the shards hold (those of the last round, a step
+      behind) with a fresh optimizer state, while the built-in sync ends where one process ends through joins
+      too (its shards hold the optimizer). A kill is the same on both: the built-in train function computes the
+      step again over the re-formed barrier (`StepRedo`).
     - diloco: the built-in round keeps memory down (the inner step inside backward, the round's start folded
       with the codec's residual, exchanged shard by shard) and pushes the workers' mean pseudo-gradient.
     - several local ranks on a node, fsdp and pipeline, fp16 (loss scaling): a train function's trainer
@@ -33,7 +34,7 @@ def old_path_reason(exp: Experiment, *, local_ranks: int = 1) -> str:
     if row.rounds:
         return f"mode {row.label}: the built-in round's memory savings and the workers' mean pseudo-gradient"
     if row.barrier:
-        return "mode sync: a re-formed barrier or a joining worker would not end where one process ends"
+        return "mode sync: a joining worker would start a step behind with a fresh optimizer state"
     if row.servers:
         return "mode async: the shards step the experiment's optimizer on the workers' gradients"
     if exp.parallelism != "ddp" or local_ranks > 1:

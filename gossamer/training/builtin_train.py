@@ -19,7 +19,7 @@ from gossamer.engine.loss import Objective
 from gossamer.engine.model import build, evaluate_metrics, experiment_data, user_metrics
 from gossamer.paramserver.optimizer import set_lr_factor
 from gossamer.training.local_optimizer import inner_optimizer
-from gossamer.training.train_function import TrainContext
+from gossamer.training.train_function import StepRedo, TrainContext
 
 __all__ = ["train"]
 
@@ -59,7 +59,10 @@ def _loop(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Opti
             out = objective.forward(model, batch)
         total, _ = objective.loss_sum(out, batch)
         per_sample = objective.per_sample(batch)
-        (total / (share * per_sample)).backward()
+        try:
+            (total / (share * per_sample)).backward()
+        except StepRedo:
+            continue  # sync: the barrier re-formed; the step's samples are the new workers' shares
         if exp.max_grad_norm:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), exp.max_grad_norm))
         n = want_len(want)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import IterableDataset, default_collate
 
 from gossamer.core.errors import ConfigError, GossamerError, ShardError
-from gossamer.core.experiment import Experiment
+from gossamer.core.experiment import BUILTIN_TRAIN, Experiment
 from gossamer.core.faults import die_at, gate_at, hold_at
 from gossamer.core.import_check import resolve
 from gossamer.core.modes import mode_of
@@ -30,7 +30,12 @@ from gossamer.transport.router import FAILED_PRECONDITION, REFORM
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GossamerOptimizer", "TrainContext", "capture_model", "run_local"]
+__all__ = ["GossamerOptimizer", "StepRedo", "TrainContext", "capture_model", "run_local"]
+
+
+class StepRedo(Exception):  # noqa: N818 - control flow between the sync trainer and gossamer's own loop
+    """sync: the barrier re-formed during this step's exchange; its samples are now the new workers' shares, so
+    gossamer's own loop computes the step again (out of `backward()`). A user's loop sends the same gradient."""
 
 
 class _Runtime:
@@ -417,7 +422,8 @@ class _WorkerRuntime(_Runtime):
         hooks = {k: v for k, v in self.hooks.items() if k not in ("report_final", "serving")}
         mode = mode_of(self.exp)
         if mode.barrier and not mode.rounds:
-            self.trainer = SyncFunctionTrainer(self.ctx, model, wants_exchange=lambda: self.sync_grads, **hooks)
+            self.trainer = SyncFunctionTrainer(self.ctx, model, wants_exchange=lambda: self.sync_grads,
+                                               redo_on_reform=self.exp.train == BUILTIN_TRAIN, **hooks)
         else:
             self.trainer = (TrainFunctionTrainer if mode.servers else GossipFunctionTrainer)(self.ctx, model, **hooks)
         self.trainer.report_final = self.hooks["report_final"]
@@ -657,11 +663,13 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
     """
 
     def __init__(self, ctx: RankContext, model: nn.Module, *, wants_exchange: Callable[[], bool] = lambda: True,
-                 **hooks: Any) -> None:
+                 redo_on_reform: bool = False, **hooks: Any) -> None:
         super().__init__(ctx, model, **hooks)
         if ctx.local_world > 1:
             raise ConfigError("train", "a train function's sync runs one rank per node")
         self.wants_exchange = wants_exchange
+        #: A re-formed barrier raises `StepRedo` out of backward (gossamer's own loop), not the same gradient again.
+        self.redo_on_reform = redo_on_reform
         self._queued = False
         self._exchanged = False  # a backward pass since the last step ended with the workers' mean
         self._params = list(self.layout.module.parameters())
@@ -683,9 +691,9 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
     def _exchange_grads(self) -> None:
         """End of a backward pass: the round's mean gradient into every `.grad` (the same bits on every worker)."""
         self._queued = False
-        self._exchanged = True
         grads = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params])
         res = self._round(grads)
+        self._exchanged = True
         mean = torch.zeros_like(grads)
         for idx, v in res.values.items():
             c = self.plan.chunks[idx]
@@ -719,12 +727,14 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
             except ShardError as e:  # the barrier re-formed, or the shards moved on: the same gradient goes again
                 if attempt == 99 or not ({REFORM, FAILED_PRECONDITION} & set(e.codes)):
                     raise
+                self.redone += 1
                 if REFORM in e.codes:
                     self._await_generation(generation)
+                    if self.redo_on_reform and not idle:
+                        raise StepRedo from e
                 else:
                     time.sleep(0.05 * min(attempt, 10))
                     self._note_versions(self.client.pull().versions)
-                self.redone += 1
         self.exchange_s += time.perf_counter() - t0
         self._note_versions(res.versions)
         return res

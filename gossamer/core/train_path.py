@@ -25,7 +25,7 @@ def old_path_reason(exp: Experiment, *, local_ranks: int = 1) -> str:
     - diloco: the built-in round keeps memory down (the inner step inside backward, the round's start folded
       with the codec's residual, exchanged shard by shard) and pushes the workers' mean pseudo-gradient.
     - several local ranks on a node, fsdp and pipeline, fp16 (loss scaling): a train function's trainer
-      holds the whole model on one rank. `profile_steps`: the profiler's regions are in the built-in trainers. Gossip has no shards, so nodes of either path gossip together and
+      holds the whole model on one rank. Gossip has no shards, so nodes of either path gossip together and
       the choice is each node's.
     """
     if exp.train:
@@ -41,8 +41,6 @@ def old_path_reason(exp: Experiment, *, local_ranks: int = 1) -> str:
         return f"{local_ranks} local ranks, parallelism {exp.parallelism!r}: a train function runs one rank per node"
     if exp.precision == "fp16":
         return "precision 'fp16': loss scaling is the built-in trainer's"
-    if exp.profile_steps:
-        return "profile_steps: the profiler's compute and communication regions are the built-in trainer's"
     return ""
 
 

@@ -21,6 +21,7 @@ from gossamer.core.import_check import resolve
 from gossamer.core.modes import mode_of
 from gossamer.core.protocol import AssignmentUpdate
 from gossamer.engine import sampler
+from gossamer.engine.profiling import StepProfiler
 from gossamer.engine.rank import Hook, RankContext, StepAbandoned, StepStats
 from gossamer.paramserver import PullResult
 from gossamer.training.gossip_loop import GossipTrainer
@@ -431,12 +432,17 @@ class _WorkerRuntime(_Runtime):
         self.hooks["serving"](self.trainer.endpoint)  # a gossip worker's peers reach it there
         self.trainer.start()
         self.steps = self.trainer.progress
+        self.trainer.user_computes()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.trainer is None:
             raise ConfigError("train", "optimizer.step() before ctx.prepare(model, optimizer)")
-        self.trainer.user_step(optimizer)
-        self.steps = self.trainer.progress
+        self.trainer.user_computed()
+        try:
+            self.trainer.user_step(optimizer)
+        finally:
+            self.steps = self.trainer.progress
+            self.trainer.user_computes()
 
     def done(self) -> bool:
         return self.trainer is not None and self.trainer.done
@@ -454,6 +460,7 @@ class _UserModel:
     _user_model: nn.Module
     ctx: RankContext
     on_metrics: Hook
+    profiler: StepProfiler
     clock: int
     stats: StepStats
     reports_loss = False  # the train function reports its own loss
@@ -478,6 +485,23 @@ class _UserModel:
     _t_report = 0.0
     _samples_reported = 0
     done = False
+    _computing: contextlib.ExitStack | None = None
+
+    def user_computes(self) -> None:
+        """From here to its next step the user's code computes: the profiler's window moves on and times it."""
+        self.profiler.step(self.clock)
+        self._computing = contextlib.ExitStack()
+        self._computing.enter_context(self.profiler.region("compute"))
+
+    def user_computed(self) -> None:
+        """The user's code reached its step (or returned)."""
+        if self._computing is not None:
+            self._computing.close()
+            self._computing = None
+
+    def _profile_end(self) -> None:
+        self.user_computed()
+        self.profiler.close(self.clock)
 
     def _user_stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """The user's step, counted (a `delay` fault slows this worker's every step, as a straggler's)."""
@@ -528,12 +552,13 @@ class GossipFunctionTrainer(_UserModel, GossipTrainer):
             return
         self._apply_updates()
         self._user_stepped(optimizer)
-        if self.peer is not None and self.outer is None:
-            self._bound_lag()
-            self.peer.mix(self.flat)
-        if self.peer is not None:
-            self.peer.serve(self.flat, self.clock)
-        self._node_sync()
+        with self.profiler.region("communication"):
+            if self.peer is not None and self.outer is None:
+                self._bound_lag()
+                self.peer.mix(self.flat)
+            if self.peer is not None:
+                self.peer.serve(self.flat, self.clock)
+            self._node_sync()
         if self.outer is None or self.clock % self.exp.inner_steps == 0 or self.clock >= self.exp.total_steps:
             self._exchange()
         self._counted_to_clock()
@@ -541,6 +566,7 @@ class GossipFunctionTrainer(_UserModel, GossipTrainer):
 
     def end(self) -> None:
         """The lead averages the peers' parameters and saves them; the others serve until the run completes."""
+        self._profile_end()
         self._end_eval_gather()
         if self.done:
             self._finish_or_serve()
@@ -633,6 +659,7 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
 
     def end(self) -> None:
         """The train function returned: finish the run as gossamer's own loop does."""
+        self._profile_end()
         self._exchanging = False
         if self.client.in_flight and self._stopping():  # told to leave mid-overlap: the change goes or not, whole
             self.client.abandon()
@@ -717,6 +744,15 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         gate_at("push", step=self.progress, **self.client.fault_ctx)
         die_at("mid-push", step=self.clock, **self.client.fault_ctx)
         t0 = time.perf_counter()
+        with self.profiler.region("communication"):
+            res = self._push_round(push, idle=idle)
+        self.exchange_s += time.perf_counter() - t0
+        self._note_versions(res.versions)
+        return res
+
+    def _push_round(self, push: dict[int, torch.Tensor], *, idle: bool) -> PullResult:
+        """The push under the barrier, again where it re-formed or the shards moved on (the same gradient, or
+        `StepRedo` for gossamer's own loop to compute the step over the new workers)."""
         for attempt in range(100):
             generation = self.ctx.generation
             try:
@@ -735,8 +771,6 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
                 else:
                     time.sleep(0.05 * min(attempt, 10))
                     self._note_versions(self.client.pull().versions)
-        self.exchange_s += time.perf_counter() - t0
-        self._note_versions(res.versions)
         return res
 
     def _hold_place(self) -> None:
@@ -772,6 +806,7 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
 
     def end(self) -> None:
         """The lead writes its own parameters (the shards hold those of the last exchange, a step before)."""
+        self._profile_end()
         for h in self._hooks:
             h.remove()
         if self.done:

@@ -28,7 +28,6 @@ def test_a_builtin_gossip_experiment_runs_as_the_builtin_train_function_with_its
     ({"mode": "diloco"}, "diloco"),
     ({"mode": "diloco", "outer_step": "gossip", "num_ps_shards": 0}, "diloco/gossip"),
     ({"mode": "gossip", "num_ps_shards": 0, "precision": "fp16"}, "fp16"),
-    ({"mode": "gossip", "num_ps_shards": 0, "profile_steps": 5}, "profile_steps"),
 ])
 def test_what_the_train_function_trainers_do_otherwise_keeps_the_old_path_and_says_why(
         fields: dict[str, Any], said: str) -> None:

@@ -51,7 +51,7 @@ class References:
 
     https://arxiv.org/abs/1902.00340 -- compressing the parameters themselves leaves every
     exchange an error proportional to the parameters, so push-sum with a value codec stops
-    at the codec's relative precision (qsgd:127 at 1.3e-2). Sending ``C(z - v)`` against a
+    at the codec's relative precision (qsgd:127 at 6.2e-2). Sending ``C(z - v)`` against a
     value ``v`` both ends hold makes the error proportional to how far z moved since, which
     vanishes as the peers agree. Here ``v`` is the value of the last MASS to that neighbour
     that it applied (ACKed): the receiver keeps the values of the last `REFS_PER_SENDER`

@@ -18,6 +18,8 @@ TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
 ATTEMPT_S = 3.0
 BACKOFF_S = (0.2, 2.0)
+#: How often a Leave still not delivered says so again (the first refusal is said at once).
+REPEAT_S = 10.0
 
 
 async def deliver_leave(stub: Any, request: pb.LeaveRequest, *, until: float) -> grpc.StatusCode | None:
@@ -28,11 +30,14 @@ async def deliver_leave(stub: Any, request: pb.LeaveRequest, *, until: float) ->
     promoted; a Leave sent once into a coordinator's restart (a second or two, or an HA failover)
     would do exactly that, so transient failures are retried. Leave is idempotent on the server.
     """
-    delay, warned = BACKOFF_S[0], False
+    delay, warned, started = BACKOFF_S[0], False, time.monotonic()
+    said = started
     while True:
         left = until - time.monotonic()
         try:
-            await stub.Leave(request, timeout=max(0.05, min(ATTEMPT_S, left)))
+            # Queued until the channel connects (within the attempt), not failed at once: it goes out
+            # the moment the restarted coordinator answers the channel's next dial.
+            await stub.Leave(request, timeout=max(0.05, min(ATTEMPT_S, left)), wait_for_ready=True)
             if warned:
                 log.info("Leave delivered")
             return None
@@ -40,9 +45,12 @@ async def deliver_leave(stub: Any, request: pb.LeaveRequest, *, until: float) ->
             code = e.code()
             if code not in TRANSIENT or time.monotonic() + delay >= until:
                 return code
+            now = time.monotonic()
             if not warned:
-                log.warning("Leave not delivered yet (%s); retrying for up to %.0f s", code.name,
-                            until - time.monotonic())
+                log.warning("Leave not delivered yet (%s); retrying for up to %.0f s", code.name, until - now)
                 warned = True
+            elif now - said >= REPEAT_S:
+                log.info("Leave still not delivered after %.0f s (%s)", now - started, code.name)
+                said = now
         await asyncio.sleep(delay)
         delay = min(BACKOFF_S[1], delay * 2)

@@ -93,14 +93,9 @@ def client_files(directory: str | os.PathLike[str]) -> dict[str, str]:
 
 
 # --- attaching the token ----------------------------------------------------------------------
-class _TokenPlugin(grpc.AuthMetadataPlugin):
-    def __init__(self, token: str) -> None:
-        self._metadata = (bearer(token),)
-
-    def __call__(self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback) -> None:
-        callback(self._metadata, None)
-
-
+# The token rides on interceptors over TLS too, never on a `grpc.metadata_call_credentials` plugin: gRPC calls
+# and destroys such a plugin on its own threads, taking the GIL, and a server being destroyed in the same
+# process holds the GIL while it waits for those threads (an AB-BA deadlock that froze a whole process).
 class _CallDetails(collections.namedtuple(
         "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
         grpc.ClientCallDetails):
@@ -109,7 +104,7 @@ class _CallDetails(collections.namedtuple(
 
 class _BearerInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                          grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds the token to every call of a plaintext synchronous channel."""
+    """Adds the token to every call of a synchronous channel."""
 
     def __init__(self, token: str) -> None:
         self._pair = bearer(token)
@@ -159,14 +154,6 @@ def _warn_plaintext_token(address: str) -> None:
                     "(use --tls-ca, or --secure DIR)", address)
 
 
-def _credentials(security: ChannelSecurity) -> grpc.ChannelCredentials:
-    assert security.tls is not None
-    creds = security.tls.channel_credentials()
-    if security.token:
-        creds = grpc.composite_channel_credentials(creds, grpc.metadata_call_credentials(_TokenPlugin(security.token)))
-    return creds
-
-
 def coordinator_addresses(address: str | Sequence[str]) -> list[str]:
     """The coordinators named by "a:1,b:2" (or a list of them), each HOST:PORT, in order."""
     parts = [address] if isinstance(address, str) else list(address)
@@ -177,10 +164,14 @@ def coordinator_addresses(address: str | Sequence[str]) -> list[str]:
 
 
 #: Several coordinators (one leads, docs/ha.md): route every call to the one whose health service
-#: says SERVING (the leader; standbys say NOT_SERVING), and look again soon after a connection drops.
+#: says SERVING (the leader; standbys say NOT_SERVING).
 _FOLLOW_LEADER = json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}})
-_LEADER_OPTIONS = (("grpc.service_config", _FOLLOW_LEADER), ("grpc.initial_reconnect_backoff_ms", 200),
-                   ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000))
+_LEADER_OPTIONS = (("grpc.service_config", _FOLLOW_LEADER),)
+#: How soon a channel dials a coordinator that went away again: gRPC's default backoff grows to 120 s, so
+#: a node whose coordinator was down for 25 s dialled next up to 17 s after it was back, past the one lease
+#: a restarted coordinator gives every node to re-attach (5 s in tests), and was counted lost.
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 2000))
 
 
 def _target(address: str | Sequence[str], security: ChannelSecurity | None) -> tuple[str, list[tuple[str, Any]]]:
@@ -188,7 +179,7 @@ def _target(address: str | Sequence[str], security: ChannelSecurity | None) -> t
     one channel over their resolved IPs that follows the leader."""
     addresses = coordinator_addresses(address)
     if len(addresses) == 1:
-        return addresses[0], []
+        return addresses[0], list(RECONNECT_OPTIONS)
     resolved = []
     for a in addresses:
         host, sep, port = a.rpartition(":")
@@ -199,7 +190,7 @@ def _target(address: str | Sequence[str], security: ChannelSecurity | None) -> t
         except (OSError, IndexError):
             raise ConfigError("coordinator", f"cannot resolve {host!r} of {a!r}") from None
         resolved.append(f"{ip}:{port}")
-    options: list[tuple[str, Any]] = list(_LEADER_OPTIONS)
+    options: list[tuple[str, Any]] = [*_LEADER_OPTIONS, *RECONNECT_OPTIONS]
     if security is not None and security.tls is not None and not security.tls.server_name:
         # The certificates must name the first host (docs/ha.md): TLS checks the channel's authority.
         options.append(("grpc.default_authority", addresses[0].rpartition(":")[0].strip("[]")))
@@ -212,10 +203,13 @@ def open_channel(address: str | Sequence[str], security: ChannelSecurity | None 
     target, extra = _target(address, security)
     options = [*extra, *options]
     if security is not None and security.tls is not None:
-        return grpc.secure_channel(target, _credentials(security), options=[*options, *security.tls.channel_options()])
-    channel = grpc.insecure_channel(target, options=list(options))
+        channel = grpc.secure_channel(target, security.tls.channel_credentials(),
+                                      options=[*options, *security.tls.channel_options()])
+    else:
+        channel = grpc.insecure_channel(target, options=list(options))
     if security is not None and security.token:
-        _warn_plaintext_token(target)
+        if security.tls is None:
+            _warn_plaintext_token(target)
         channel = grpc.intercept_channel(channel, _BearerInterceptor(security.token))
     return channel
 
@@ -225,13 +219,15 @@ def open_aio_channel(address: str | Sequence[str], security: ChannelSecurity | N
     """An asyncio channel to the coordinator (the leader of several) with TLS and the token as configured."""
     target, extra = _target(address, security)
     options = [*extra, *options]
-    if security is not None and security.tls is not None:
-        return grpc.aio.secure_channel(target, _credentials(security),
-                                       options=[*options, *security.tls.channel_options()])
     interceptors: list[Any] = []
     if security is not None and security.token:
-        _warn_plaintext_token(target)
+        if security.tls is None:
+            _warn_plaintext_token(target)
         interceptors = [_AioBearerUnaryUnary(security.token), _AioBearerUnaryStream(security.token)]
+    if security is not None and security.tls is not None:
+        return grpc.aio.secure_channel(target, security.tls.channel_credentials(),
+                                       options=[*options, *security.tls.channel_options()],
+                                       interceptors=interceptors or None)
     return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors or None)
 
 

@@ -620,9 +620,20 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         self._maybe_eval(self.progress)
 
     def _exchange_change(self, change: dict[int, torch.Tensor]) -> None:
-        """Push this step's change and take the shards' values; under a re-formed barrier, to the new round."""
+        """Push this step's change and take the shards' values; under a re-formed barrier, to the new round.
+
+        A DiLoCo round's shards add up the workers' pushes and take the outer step on the sum, so each
+        worker pushes its change over the workers in the round (the outer gradient is their mean), as
+        gossamer's own round does; a round redone after the barrier re-formed is scaled to its new count.
+        """
+        scaled = 1.0  # what `change` is already multiplied by: scaled in place (the caller's own copy)
         for attempt in range(100):
             generation = self.ctx.generation
+            if self.mode.rounds:
+                want = 1.0 / self.ctx.num_workers
+                for c in change.values():
+                    c.mul_(want / scaled)
+                scaled = want
             try:
                 self.done = self._push_pull(change, step=self.version)
                 return

@@ -30,12 +30,17 @@ def _loop(ctx, *, no_sync: bool) -> None:  # type: ignore[no-untyped-def]
     warmup = LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     model, optimizer = ctx.prepare(model, optimizer)
     train_set, eval_set = data()
-    hold = int(os.environ.get("USER_LOOP_HOLD_ALONE_FROM", "0"))
+    hold = int(os.environ.get("USER_LOOP_HOLD_FROM", "0"))
+    release = os.environ.get("USER_LOOP_RELEASE_FILE", "")
+    started_at = ctx.step
+    lockstep = ctx.experiment.mode == "sync"
     held_since = 0.0
     for i, (x, y) in enumerate(ctx.data(train_set, batch_size=16)):
-        if hold and ctx.step >= hold and ctx.world_size < 2 and held_since < 120:
-            # A test's worker left alone past `hold` waits for another to join (at most 120 s), so a
-            # joining worker trains before the run ends however fast the run is.
+        waiting = ctx.world_size < 2 if lockstep else not os.path.exists(release)
+        if hold and started_at < hold <= ctx.step and waiting and held_since < 120:
+            # A test's worker that started before `hold` waits there until the test releases it (at most 120 s),
+            # so a worker joining mid-run trains before the run ends however fast the run is; one that joins past
+            # `hold` is never held. In sync mode a joiner steps with the others, so they wait only for it to come.
             time.sleep(0.05)
             held_since += 0.05
             continue
@@ -101,6 +106,30 @@ def builtin_equivalent(ctx) -> None:  # type: ignore[no-untyped-def]
     model = mlp()
     model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     for x, y in ctx.data(data()[0]):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+class Drift(torch.optim.Optimizer):
+    """An optimizer a user wrote: every step moves every parameter by -`by`, whatever its gradient."""
+
+    def __init__(self, params, by: float) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(params, {"by": by})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.sub_(group["by"])
+
+
+def drift(ctx) -> None:  # type: ignore[no-untyped-def]
+    """Each worker's change over a DiLoCo round is known exactly: `inner_steps` x 0.01 on every value."""
+    model = mlp(hidden=64)
+    model, optimizer = ctx.prepare(model, Drift(model.parameters(), by=0.01))
+    train_set, _ = data()
+    for x, y in ctx.data(train_set, batch_size=16):
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()

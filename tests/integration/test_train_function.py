@@ -13,6 +13,7 @@ from gossamer import Client
 from gossamer.core.experiment import Experiment
 from gossamer.examples.digits import mlp
 from gossamer.tools.local_cluster import LocalCluster
+from gossamer.training.train_function import capture_model
 from tests._fixtures import write_toml
 from tests.integration._cli_cluster import cli, spot_cluster
 
@@ -152,6 +153,31 @@ def test_async_with_one_worker_ends_with_one_plain_process_parameters(cluster: L
     assert max((plain[k] - mlp(hidden=64).state_dict()[k]).abs().max().item() for k in plain) > 1e-2  # it trained
 
 
+def test_diloco_takes_the_outer_step_on_the_workers_mean_change(cluster: LocalCluster, tmp_path: Path) -> None:
+    # Every worker's change over a round is 5 x 0.01 on every value; with plain outer SGD at lr 1 a round
+    # moves the run by their mean, 0.05, with 1 worker or 2 (their sum would move it by 0.1 with 2).
+    total, rounds = 20, 4
+    address, client = spot_cluster(cluster, workers=2)
+    moved: dict[int, dict[str, torch.Tensor]] = {}
+    for workers in (1, 2):
+        spec = write_toml(tmp_path / f"drift{workers}.toml", name=f"drift-{workers}", train=f"{U}:drift",
+                          mode="diloco", total_steps=total, min_workers=workers, max_workers=workers,
+                          num_ps_shards=1, ps_backup=False, inner_steps=total // rounds, outer_lr=1.0,
+                          outer_momentum=0.0)
+        out = cli("submit", str(spec), "--coordinator", address, "--wait", "--quiet")
+        assert out.returncode == 0, out.stdout + out.stderr
+        result = client.job(out.stdout.splitlines()[0].strip()).wait(timeout=30)
+        assert result.status == "completed", result
+        state = gossamer.load_checkpoint(result.checkpoint)
+        init = capture_model(Experiment(name="init", train=f"{U}:drift", mode="diloco")).state_dict()
+        moved[workers] = state
+    client.close()
+    # fp32 round-off of 20 steps and 4 outer steps on values near 1: a few 1e-5 (their sum would be 0.2 off)
+    off = {w: max((init[k] - s[k] - rounds * 0.05).abs().max().item() for k in s) for w, s in moved.items()}
+    assert all(gap <= 1e-4 for gap in off.values()), off
+    assert max((moved[1][k] - moved[2][k]).abs().max().item() for k in init) <= 1e-6, off
+
+
 def _progress(client: Client, exp_id: str) -> int:
     return int(client.job(exp_id).status()["steps"])
 
@@ -169,8 +195,10 @@ def _await_progress(client: Client, exp_id: str, step: int, timeout: float = 180
 def test_a_killed_worker_costs_the_run_nothing_and_a_joining_one_starts_from_the_runs_state(
         cluster: LocalCluster, tmp_path: Path, mode: str) -> None:
     total = 4000
-    # A worker alone past half the run waits for another: the joiner trains before the end, however fast the run.
-    hold = {"USER_LOOP_HOLD_ALONE_FROM": str(total // 2)}
+    # The workers that started the run wait at half of it until the test has seen the joiner train: the joiner
+    # trains before the end, however fast the run.
+    release = tmp_path / "joiner-trained"
+    hold = {"USER_LOOP_HOLD_FROM": str(total // 2), "USER_LOOP_RELEASE_FILE": str(release)}
     address, client = spot_cluster(cluster, workers=2, env=hold)
     spec = write_toml(tmp_path / "loop.toml", name=f"elastic-{mode}", train=f"{U}:train", mode=mode, total_steps=total,
                  min_workers=1, max_workers=2, **MODE_FIELDS[mode])
@@ -195,6 +223,7 @@ def test_a_killed_worker_costs_the_run_nothing_and_a_joining_one_starts_from_the
         assert client.job(exp_id).status()["state"] == "running", "the run ended before a joining worker trained"
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    release.touch()
     result = client.job(exp_id).wait(timeout=300)
     assert result.status == "completed", result
     first = sorted(first_loss_by_source().values())[0]

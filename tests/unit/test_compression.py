@@ -27,6 +27,7 @@ from gossamer.compression import (
     parse_codec,
 )
 from gossamer.compression.codec_spec import codec_class
+from gossamer.compression.quantization import QSGD_BUCKET
 from gossamer.compression.randk import positions
 from gossamer.core.codec_table import IntArg, RatioArg
 from gossamer.core.errors import ConfigError, ProtocolError
@@ -248,20 +249,70 @@ def test_error_feedback_rejects_a_gradient_of_another_shape():
 # --- QSGD -----------------------------------------------------------------------------------
 
 
+def _bucket_norms(x: torch.Tensor) -> torch.Tensor:
+    """Each element's QSGD bucket norm (float64), in `x`'s flat order."""
+    flat = x.reshape(-1).double()
+    pad = -flat.numel() % QSGD_BUCKET
+    norms = torch.cat([flat, flat.new_zeros(pad)]).view(-1, QSGD_BUCKET).norm(dim=1)
+    return norms.repeat_interleave(QSGD_BUCKET)[: flat.numel()]
+
+
 @pytest.mark.parametrize("levels", [1, 4])
 def test_qsgd_is_unbiased_mean_of_many_decodes_matches_the_vector(levels):
-    x = torch.randn(64, generator=torch.Generator().manual_seed(7)) * torch.logspace(-2, 1, 64)
+    # Three buckets (the last one short) whose scales differ by 10**4: each element's noise is
+    # its own bucket's, so the small buckets' means must be as precise as their norms allow.
+    n = 2 * QSGD_BUCKET + 76
+    x = torch.randn(n, generator=torch.Generator().manual_seed(7)) * torch.logspace(-3, 1, n)
     codec = QSGDCodec(levels, seed=1234)
-    n = 2000
-    acc = torch.zeros(64, dtype=torch.float64)
-    for _ in range(n):
-        acc += codec.decode(codec.encode(x), (64,), torch.float32).double()
-    mean = acc / n
-    # Each draw is norm/L * (floor or floor+1): per-coordinate std <= norm / (2 L).
-    step = float(x.double().norm()) / levels
-    sigma_of_mean = step / 2 / math.sqrt(n)
+    draws = 2000
+    acc = torch.zeros(n, dtype=torch.float64)
+    for _ in range(draws):
+        acc += codec.decode(codec.encode(x), (n,), torch.float32).double()
+    mean = acc / draws
+    # Each draw is norm/L * (floor or floor+1), norm its bucket's: per-coordinate std <= norm / (2 L).
+    sigma_of_mean = _bucket_norms(x) / levels / 2 / math.sqrt(draws)
     z = ((mean - x.double()).abs() / sigma_of_mean).max()
     assert z < 5.0, f"max |z| = {z:.2f}"
+
+
+@pytest.mark.parametrize("levels", [16, 127])
+def test_qsgd_relative_variance_is_bounded_by_the_bucket_not_the_tensor_size(levels):
+    # A whole-tensor norm gives variance up to sqrt(d) / L * |x|**2: ~5x the signal at a million
+    # values and L = 127. Per bucket of B it is at most min(B / L**2, sqrt(B) / L), any d.
+    bound = min(QSGD_BUCKET / levels**2, math.sqrt(QSGD_BUCKET) / levels)
+    codec = QSGDCodec(levels, seed=5)
+    g = torch.Generator().manual_seed(3)
+    for x in (torch.randn(1_000_000, generator=g), torch.randn(1_000_000, generator=g) * torch.logspace(-4, 2, 1_000_000)):
+        y = codec.decode(codec.encode(x), tuple(x.shape), torch.float32)
+        rel = float((y.double() - x.double()).norm() ** 2 / x.double().norm() ** 2)
+        assert rel <= bound, f"relative squared error {rel:.3g} > {bound:.3g}"
+
+
+def test_qsgd_errors_are_bounded_by_their_own_bucket():
+    # One loud bucket beside a quiet one: the quiet bucket's values keep its own precision.
+    x = torch.cat([torch.randn(QSGD_BUCKET) * 1e4, torch.randn(QSGD_BUCKET)])
+    codec = QSGDCodec(127, seed=9)
+    err = (codec.decode(codec.encode(x), tuple(x.shape), torch.float32) - x).abs().double()
+    quiet = float(x[QSGD_BUCKET:].double().norm())
+    assert float(err[QSGD_BUCKET:].max()) <= quiet / 127 * (1 + 2.0**-18) + 1e-6
+    assert bool((err <= codec.error_bound(x)).all())
+    assert torch.allclose(codec.error_bound(x)[QSGD_BUCKET:], _bucket_norms(x)[QSGD_BUCKET:] / 127, rtol=1e-5)
+
+
+def test_qsgd_payload_matches_the_golden_vector():
+    # Values whose |x| / norm * L are whole numbers: the levels are exact, whatever the draws.
+    x = torch.zeros(2 * QSGD_BUCKET + 2)
+    x[:7] = torch.tensor([1.0, -1.0, 1.0, 1.0, 2.0, -2.0, 2.0])  # norm 4: levels 1 and 2 at L = 4
+    x[-1] = -3.0  # the second bucket is all zeros; the third (short) one has norm 3
+    p = QSGDCodec(4, seed=0).encode(x)
+    assert p.meta == {"levels": 4, "bucket": 512}
+    assert p.tensors["norm"].dtype == torch.float32 and p.tensors["norm"].tolist() == [4.0, 0.0, 3.0]
+    levels = torch.zeros(x.numel(), dtype=torch.int8)
+    levels[:7] = torch.tensor([1, -1, 1, 1, 2, -2, 2], dtype=torch.int8)
+    levels[-1] = -4
+    assert torch.equal(p.tensors["levels"], levels)
+    assert torch.equal(QSGDCodec(4).decode(p, tuple(x.shape), torch.float32), x)
+    assert QSGDCodec(4)._payload_bytes(tuple(x.shape)) == x.numel() + 4 * 3
 
 
 def test_qsgd_with_a_seed_is_reproducible():
@@ -521,6 +572,16 @@ MALFORMED = {
     "qsgd negative norm": ("qsgd:4", (30,), lambda p: _set(p, "norm", -p.tensors["norm"])),
     "qsgd nan norm": ("qsgd:4", (30,), lambda p: _set(p, "norm", torch.tensor([math.nan]))),
     "qsgd norm of two": ("qsgd:4", (30,), lambda p: _set(p, "norm", p.tensors["norm"].repeat(2))),
+    "qsgd one norm for two buckets": ("qsgd:4", (600,), lambda p: _set(p, "norm", p.tensors["norm"][:1])),
+    "qsgd norm per bucket as 2-d": ("qsgd:4", (600,), lambda p: _set(p, "norm", p.tensors["norm"].view(1, 2))),
+    "qsgd negative last norm": ("qsgd:4", (600,), lambda p: _set(p, "norm", _edit(p.tensors["norm"], 1, -1.0))),
+    "qsgd infinite norm": ("qsgd:4", (600,), lambda p: _set(p, "norm", _edit(p.tensors["norm"], 0, math.inf))),
+    "qsgd norm as fp16": ("qsgd:4", (600,), lambda p: _set(p, "norm", p.tensors["norm"].half())),
+    "qsgd level -5 in the tail": ("qsgd:4", (600,), lambda p: _set(p, "levels", _edit(p.tensors["levels"], -1, -5))),
+    "qsgd levels truncated": ("qsgd:4", (600,), lambda p: _set(p, "levels", p.tensors["levels"][:-1])),
+    "qsgd bucket meta": ("qsgd:4", (600,), lambda p: _with_meta(p, bucket=256)),
+    "qsgd bucket meta bool": ("qsgd:4", (600,), lambda p: _with_meta(p, bucket=True)),
+    "qsgd bucket meta missing": ("qsgd:4", (600,), lambda p: Payload(dict(p.tensors), {"levels": 4})),
     "qsgd levels meta": ("qsgd:4", (30,), lambda p: _with_meta(p, levels=3)),
     "qsgd levels meta float": ("qsgd:4", (30,), lambda p: _with_meta(p, levels=4.0)),
     "qsgd levels meta none": ("qsgd:4", (30,), lambda p: _with_meta(p, levels=None)),

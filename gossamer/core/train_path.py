@@ -7,7 +7,16 @@ import dataclasses
 from gossamer.core.experiment import BUILTIN_TRAIN, Experiment
 from gossamer.core.modes import mode_of
 
-__all__ = ["BUILTIN_TRAIN", "builtin_train_function", "old_path_reason"]
+__all__ = ["BUILTIN_TRAIN", "builtin_train_function", "old_path_reason", "shards_step_optimizer"]
+
+
+def shards_step_optimizer(exp: Experiment) -> bool:
+    """Whether the shards step the experiment's optimizer on the gradients the workers push: gossamer's built-in
+    loop in async (through its train function too), so the run keeps one momentum or Adam state on the shards,
+    its lr schedule and the staleness-aware lr. A user's train function steps its own optimizer on the worker,
+    which pushes the change it made for the shards to add (any optimizer keeps its meaning there)."""
+    row = mode_of(exp)
+    return exp.train in ("", BUILTIN_TRAIN) and row.servers and not row.barrier and not row.rounds
 
 
 def old_path_reason(exp: Experiment, *, local_ranks: int = 1) -> str:
@@ -15,9 +24,10 @@ def old_path_reason(exp: Experiment, *, local_ranks: int = 1) -> str:
     node of `local_ranks` ranks; empty where gossamer's built-in train function runs it, through the trainers a
     user's train function runs on (`training/builtin_train.py`).
 
+    async runs on the one path: the built-in train function's step pushes its gradient and the shards step the
+    experiment's optimizer on it, as the older trainer did (`shards_step_optimizer`).
+
     What the train-function trainers do not do yet, or do otherwise:
-    - async: the shards step the experiment's optimizer on each worker's gradient (one momentum for the run,
-      the staleness-aware lr); a train function's optimizer steps on its worker and the shards add the change.
     - sync: a worker that joins starts from the parameters the shards hold (those of the last round, a step
       behind) with a fresh optimizer state, while the built-in sync ends where one process ends through joins
       too (its shards hold the optimizer). A kill is the same on both: the built-in train function computes the
@@ -35,8 +45,6 @@ def old_path_reason(exp: Experiment, *, local_ranks: int = 1) -> str:
         return f"mode {row.label}: the built-in round's memory savings and the workers' mean pseudo-gradient"
     if row.barrier:
         return "mode sync: a joining worker would start a step behind with a fresh optimizer state"
-    if row.servers:
-        return "mode async: the shards step the experiment's optimizer on the workers' gradients"
     if exp.parallelism != "ddp" or local_ranks > 1:
         return f"{local_ranks} local ranks, parallelism {exp.parallelism!r}: a train function runs one rank per node"
     if exp.precision == "fp16":

@@ -26,7 +26,6 @@ from gossamer.core.protocol import (
     RoleSpec,
     ShardStop,
 )
-from gossamer.core.train_path import builtin_train_function
 from gossamer.engine.model import build
 from gossamer.node._role_process import EXIT_REPORTED, drain, keyring_of, refresh_keyring
 from gossamer.node.node_metrics import MetricsFeed
@@ -59,7 +58,7 @@ class ServerRole:
     def __init__(self, spec: RoleSpec, conn: Connection | None, stop: threading.Event) -> None:
         self.spec, self.conn, self.stop = spec, conn, stop
         self.shard = spec.index
-        self.exp = builtin_train_function(Experiment.from_json(spec.experiment_json))
+        self.exp = Experiment.from_json(spec.experiment_json)
         self.feed = MetricsFeed(spec.metrics_socket, {"experiment": spec.experiment_id, "role": "ps",
                                                       "shard": self.shard})  # this node's /metrics
         self.reporter = Reporter(spec.coordinator, spec.experiment_id, f"{spec.node_id}/ps{self.shard}",

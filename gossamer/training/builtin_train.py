@@ -12,6 +12,7 @@ import torch
 from gossamer.core.experiment import Experiment
 from gossamer.core.lr_schedule import lr_multiplier
 from gossamer.core.modes import mode_of
+from gossamer.core.train_path import shards_step_optimizer
 from gossamer.engine import sampler
 from gossamer.engine.batches import Data, to_device
 from gossamer.engine.loader import StepLoader, Want, index_tuple, want_len
@@ -19,7 +20,7 @@ from gossamer.engine.loss import Objective
 from gossamer.engine.model import build, evaluate_metrics, experiment_data, user_metrics
 from gossamer.paramserver.optimizer import set_lr_factor
 from gossamer.training.local_optimizer import inner_optimizer
-from gossamer.training.train_function import StepRedo, TrainContext
+from gossamer.training.train_function import ShardStepped, StepRedo, TrainContext
 
 __all__ = ["train"]
 
@@ -27,10 +28,13 @@ __all__ = ["train"]
 def train(ctx: TrainContext) -> None:
     """gossamer's loop: each step this worker's samples (`_want`), the experiment's loss, clipping, optimizer and
     lr schedule; the mode's exchange is in the optimizer's step (sync: in backward), and the lead evaluates the
-    run's model every `eval_every` steps and at the end (`TrainContext.evaluate_with`)."""
+    run's model every `eval_every` steps and at the end (`TrainContext.evaluate_with`). In async the shards step
+    the experiment's optimizer on the gradient the step pushes (`ShardStepped`)."""
     exp = ctx.experiment
     model, train_set, eval_set = build(exp, ctx.device)
-    model, optimizer = ctx.prepare(model, inner_optimizer(exp, model.parameters()))
+    on_shards = shards_step_optimizer(exp)
+    local = ShardStepped(model.parameters()) if on_shards else inner_optimizer(exp, model.parameters())
+    model, optimizer = ctx.prepare(model, local)
     train_data, eval_data = experiment_data(exp, train_set, eval_set)
     objective = Objective(exp.loss)
 
@@ -50,8 +54,11 @@ def _loop(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Opti
           objective: Objective) -> None:
     exp = ctx.experiment
     t_report, samples, loss_sum, grad_norm = time.monotonic(), 0, 0.0, float("nan")
+    # async: a worker's samples follow its own steps, as the older trainer's (the run's steps are shard versions)
+    own_steps = shards_step_optimizer(exp)
+    mine = 0
     while not ctx.should_stop():
-        step, workers = ctx.step, ctx.world_size
+        step, workers = mine if own_steps else ctx.step, ctx.world_size
         want, share = _want(ctx, loader.data, step)
         batch = to_device(loader.get(step, _wants(ctx, loader.data, step, want)), ctx.device)
         model.zero_grad(set_to_none=True)
@@ -60,7 +67,7 @@ def _loop(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Opti
         total, _ = objective.loss_sum(out, batch)
         per_sample = objective.per_sample(batch)
         try:
-            (total / (share * per_sample)).backward()
+            (total * (1.0 / (share * per_sample))).backward()  # the older trainers' arithmetic: the same bits
         except StepRedo:
             continue  # sync: the barrier re-formed; the step's samples are the new workers' shares
         if exp.max_grad_norm:
@@ -70,6 +77,7 @@ def _loop(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Opti
         set_lr_factor(optimizer, exp.lr, exp.linear_lr_factor(workers)
                       * lr_multiplier(step, exp.total_steps, exp.lr_schedule, exp.warmup_steps))
         optimizer.step()
+        mine += 1
         samples, loss_sum = samples + n, loss_sum + float(total.detach()) / per_sample
         now = time.monotonic()
         if now - t_report >= 1.0 or ctx.should_stop():

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from gossamer.core.faults import die_at, gate_at, hold_at
 from gossamer.core.import_check import resolve
 from gossamer.core.modes import mode_of
 from gossamer.core.protocol import AssignmentUpdate
+from gossamer.core.train_path import shards_step_optimizer
 from gossamer.engine import sampler
 from gossamer.engine.profiling import StepProfiler
 from gossamer.engine.rank import Hook, RankContext, StepAbandoned, StepStats
@@ -31,7 +33,7 @@ from gossamer.transport.router import FAILED_PRECONDITION, REFORM
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GossamerOptimizer", "StepRedo", "TrainContext", "capture_model", "run_local"]
+__all__ = ["GossamerOptimizer", "ShardStepped", "StepRedo", "TrainContext", "capture_model", "run_local"]
 
 
 class StepRedo(Exception):  # noqa: N818 - control flow between the sync trainer and gossamer's own loop
@@ -160,6 +162,25 @@ class GossamerOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"GossamerOptimizer({self.optimizer!r})"
+
+
+class ShardStepped(torch.optim.Optimizer):
+    """What gossamer's built-in loop prepares in async: the experiment's optimizer runs on the shards, on the
+    gradient each step pushes (`shards_step_optimizer`), so nothing steps here and no state is kept here.
+
+    Built without `Optimizer.__init__`, which imports torch's dynamo (about a second a process): the one group
+    is what LR code and `clip_grad_norm_` read.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:  # noqa: D107
+        self.defaults = {"lr": 0.0}
+        self.param_groups = [{"params": list(params), "lr": 0.0}]
+        self.state = collections.defaultdict(dict)
+        self._optimizer_step_pre_hooks = collections.OrderedDict()
+        self._optimizer_step_post_hooks = collections.OrderedDict()
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        raise ConfigError("train", "ShardStepped steps on the shards: it is gossamer's built-in loop's in async")
 
 
 class TrainContext:
@@ -487,17 +508,23 @@ class _UserModel:
     done = False
     _computing: contextlib.ExitStack | None = None
 
+    _computing_since = 0.0
+    #: Seconds the user's code computed before its latest step (the adaptive link weighs the exchange by it).
+    computed_s = 0.0
+
     def user_computes(self) -> None:
         """From here to its next step the user's code computes: the profiler's window moves on and times it."""
         self.profiler.step(self.clock)
         self._computing = contextlib.ExitStack()
         self._computing.enter_context(self.profiler.region("compute"))
+        self._computing_since = time.perf_counter()
 
     def user_computed(self) -> None:
         """The user's code reached its step (or returned)."""
         if self._computing is not None:
             self._computing.close()
             self._computing = None
+            self.computed_s = time.perf_counter() - self._computing_since
 
     def _profile_end(self) -> None:
         self.user_computed()
@@ -580,7 +607,9 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
 
     async: after each user step the change since the last pull is pushed (the shard adds it) and the
     shard's values come back; diloco: the user's optimizer is the inner one, and every `inner_steps`
-    steps the round's change goes to the shards' outer optimizer (under the barrier).
+    steps the round's change goes to the shards' outer optimizer (under the barrier). gossamer's built-in
+    loop in async pushes its gradient instead, for the shards to step the experiment's optimizer on
+    (`shards_step_optimizer`), as the older trainer does.
     """
 
     def __init__(self, ctx: RankContext, model: nn.Module, *, on_metrics: Hook | None = None,
@@ -591,12 +620,15 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         self.done = False
         self._basis: dict[int, torch.Tensor] = {}
         self._inner = 0
+        #: The shards step the experiment's optimizer on this worker's gradients (gossamer's built-in async).
+        self.pushes_gradients = shards_step_optimizer(self.exp)
+        self._params = list(self.layout.module.parameters())
 
     def start(self) -> None:
         """Register with the shards and take the run's current values."""
         self.client.hello(fresh=True)
         self.done = self.pull()
-        self._basis = self.layout.chunk_values()
+        self._basis = {} if self.pushes_gradients else self.layout.chunk_values()
         self._exchanging = True
 
     def user_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -604,6 +636,11 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         if self.done:
             return
         self._apply_updates()
+        if self.pushes_gradients:
+            self._push_gradient()
+            self._report_now_and_then()
+            self._maybe_eval(self.progress)
+            return
         self._user_stepped(optimizer)
         if self.mode.rounds:
             self._inner += 1
@@ -618,6 +655,18 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         self._basis = self.layout.chunk_values()
         self._report_now_and_then()
         self._maybe_eval(self.progress)
+
+    def _push_gradient(self) -> None:
+        """This step's gradient to the shards and their values back, as the older trainer's step pushes it (its
+        codec, density warm-up, adaptive link and overlap); then the step is counted."""
+        if self.ctx.step_delay_s:  # a `delay` fault: a straggler's every step
+            time.sleep(self.ctx.step_delay_s)
+        flat = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params])
+        grads = {c.index: flat[c.flat_offset:c.flat_offset + c.numel] for c in self.mine}
+        self.compute_s += self.computed_s
+        self.done = self._send_gradient(grads, self.computed_s)
+        self.clock += 1
+        self.stats.steps += 1
 
     def _exchange_change(self, change: dict[int, torch.Tensor]) -> None:
         """Push this step's change and take the shards' values; under a re-formed barrier, to the new round.
@@ -680,8 +729,11 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
             self.done = self._assemble(res.values, res.done) or self.done
         if self.done:
             self._past_the_end()
+            self._apply_updates()
             self._await_lead()
             if self.ctx.lead and not self._stopping():
+                die_at("before-finish", step=self.progress, **self.client.fault_ctx)
+                self._drop_training_state()  # before the final values come in: nothing trains again
                 self.pull()
                 self.finish()
         self.client.leave()

@@ -14,7 +14,7 @@ from gossamer.examples.digits import mlp
 from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import write_toml
 from tests.integration._cli_cluster import cli, spot_cluster
-from tests.integration._ps_harness import reference_sync
+from tests.integration._ps_harness import reference_sync, run_async
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,6 +23,7 @@ ONE_WORKER: dict[str, object] = {"total_steps": 40, "min_workers": 1, "max_worke
 SYNC: dict[str, object] = {"mode": "sync", "global_batch_size": 32, "num_ps_shards": 1, "ps_backup": False,
                            **ONE_WORKER}
 GOSSIP: dict[str, object] = {"mode": "gossip", "num_ps_shards": 0, "batch_size": 32, **ONE_WORKER}
+ASYNC: dict[str, object] = {"mode": "async", "num_ps_shards": 1, "ps_backup": False, "batch_size": 32, **ONE_WORKER}
 DIGITS: dict[str, object] = {"model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data",
                              "optimizer": "sgd", "lr": 0.05, "momentum": 0.9}
 USER = "tests.integration._user_loop:builtin_equivalent"
@@ -68,4 +69,21 @@ def test_a_builtin_gossip_experiment_runs_as_the_builtin_train_function_and_ends
     got = gossamer.load_checkpoint(builtin.checkpoint)
     assert _gap(got, gossamer.load_checkpoint(user.checkpoint)) <= 1e-5
     assert _gap(got, mlp().state_dict()) > 1e-2
+    assert builtin.metrics["steps"] == 40 and builtin.metrics["eval_accuracy"] > 0.5
+
+
+def test_a_builtin_async_experiment_runs_as_the_builtin_train_function_and_ends_where_the_older_trainer_does(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """The built-in async pushes gradients and the shards step the experiment's optimizer (SGD, momentum 0.9) on
+    them: one worker's run through the train function ends with the older trainer's parameters on such shards."""
+    address, client = spot_cluster(cluster, workers=1)
+    builtin = _run(address, client, write_toml(tmp_path / "builtin.toml", name="builtin", **DIGITS, **ASYNC))
+    client.close()
+    assert read_manifest(builtin.checkpoint)["experiment"]["train"] == BUILTIN_TRAIN  # it took the one path
+    model = mlp()
+    model.load_state_dict(gossamer.load_checkpoint(builtin.checkpoint))
+    old = run_async(Experiment(name="old", **DIGITS, **ASYNC), workers=1)  # type: ignore[arg-type]
+    want = flatten_params(old["trainers"][0].model)  # type: ignore[index]
+    assert (flatten_params(model) - want).abs().max().item() <= 1e-6
+    assert (flatten_params(model) - flatten_params(mlp())).abs().max().item() > 1e-2  # it trained
     assert builtin.metrics["steps"] == 40 and builtin.metrics["eval_accuracy"] > 0.5

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
 from gossamer.core.errors import ConfigError
 from gossamer.core.experiment import Experiment
-from gossamer.core.train_path import BUILTIN_TRAIN, builtin_train_function, old_path_reason
+from gossamer.core.train_path import (
+    BUILTIN_TRAIN,
+    builtin_train_function,
+    old_path_reason,
+    shards_step_optimizer,
+)
+from gossamer.paramserver.shard_config import ShardConfig
 
 DIGITS: dict[str, Any] = {"name": "d", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data"}
 
@@ -23,11 +30,12 @@ def test_a_builtin_gossip_experiment_runs_as_the_builtin_train_function_with_its
 
 
 @pytest.mark.parametrize(("fields", "said"), [
-    ({"mode": "async"}, "async"),
     ({"mode": "sync"}, "sync"),
     ({"mode": "diloco"}, "diloco"),
     ({"mode": "diloco", "outer_step": "gossip", "num_ps_shards": 0}, "diloco/gossip"),
     ({"mode": "gossip", "num_ps_shards": 0, "precision": "fp16"}, "fp16"),
+    ({"mode": "async", "precision": "fp16"}, "fp16"),
+    ({"mode": "async", "parallelism": "fsdp"}, "fsdp"),
 ])
 def test_what_the_train_function_trainers_do_otherwise_keeps_the_old_path_and_says_why(
         fields: dict[str, Any], said: str) -> None:
@@ -36,8 +44,30 @@ def test_what_the_train_function_trainers_do_otherwise_keeps_the_old_path_and_sa
     assert builtin_train_function(exp) is exp
 
 
-def test_a_node_of_several_local_ranks_keeps_the_old_gossip_trainer() -> None:
-    exp = Experiment(**DIGITS, mode="gossip", num_ps_shards=0)
+def test_a_builtin_async_experiment_runs_as_the_builtin_train_function_with_the_same_shards() -> None:
+    exp = Experiment(**DIGITS, mode="async", optimizer="adamw", lr=3e-3, lr_schedule="cosine", warmup_steps=5,
+                     lr_scaling="linear", staleness=4)
+    assert old_path_reason(exp) == ""
+    routed = builtin_train_function(exp)
+    assert routed.train == BUILTIN_TRAIN
+    # The shards step the experiment's optimizer on the pushed gradients either way (its schedule, its lr).
+    assert shards_step_optimizer(exp) and shards_step_optimizer(routed)
+    old, new = ShardConfig.for_experiment(exp, "e", 0), ShardConfig.for_experiment(routed, "e", 0)
+    assert new.lr_linear is not None and new.lr_linear(4) == old.lr_linear(4)  # type: ignore[misc]
+    assert dataclasses.replace(new, lr_linear=None) == dataclasses.replace(old, lr_linear=None)
+    assert (new.optimizer.name, new.lr_schedule, new.lr_staleness_scaling) == ("adamw", "cosine", True)
+
+
+def test_a_users_async_train_function_steps_on_the_worker_and_the_shards_add_its_change() -> None:
+    exp = Experiment(name="u", train="tests.integration._user_loop:train", mode="async")
+    assert not shards_step_optimizer(exp)
+    cfg = ShardConfig.for_experiment(exp, "e", 0)
+    assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.lr_schedule) == ("sgd", 1.0, "constant")
+
+
+@pytest.mark.parametrize("mode", ["gossip", "async"])
+def test_a_node_of_several_local_ranks_keeps_the_old_trainer(mode: str) -> None:
+    exp = Experiment(**DIGITS, mode=mode, **({"num_ps_shards": 0} if mode == "gossip" else {}))
     assert "2 local ranks" in old_path_reason(exp, local_ranks=2)
     assert builtin_train_function(exp, local_ranks=2) is exp
 

@@ -264,7 +264,7 @@ def _check_train_function(exp: Experiment) -> None:
     if exp.mode not in TRAIN_FUNCTION_MODES:
         raise ConfigError("mode", f"a train function runs in {', '.join(TRAIN_FUNCTION_MODES)}; "
                                   f"mode {exp.mode!r} is not one of them")
-    if exp.mode == "sync":
+    if exp.mode == "sync" and exp.train != BUILTIN_TRAIN:  # gossamer's own: the shards step on the gradients
         # Every worker steps its optimizer on the round's mean gradient: exact, or the workers drift apart.
         for f in ("compression", "pull_compression"):
             if getattr(exp, f) not in ("auto", "none"):

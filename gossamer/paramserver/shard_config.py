@@ -114,11 +114,11 @@ class ShardConfig:
         per_version = exp.inner_steps if row.rounds else 1
         # A train function's sync: a version is a round of gradients, one per backward pass the user makes (not
         # known here); the workers count the optimizer steps and end the run.
-        reduce = bool(exp.train) and row.barrier and not row.rounds
-        outer = row.outer_optimizer
-        # A user's train function steps its optimizer on the worker; gossamer's built-in loop in async pushes its
-        # gradients for the experiment's optimizer here, through its train function too.
+        # A user's train function steps its optimizer on the worker; gossamer's built-in loop pushes its gradients
+        # for the experiment's optimizer here, through its train function too.
         on_worker = bool(exp.train) and not shards_step_optimizer(exp)
+        reduce = on_worker and row.barrier and not row.rounds
+        outer = row.outer_optimizer
         if outer:
             # Nesterov applied per arrival carries stale pseudo-gradients past the optimum
             # (digits, 4 workers, H=20: eval accuracy 0.63 with 0.6, 0.975 without): the

@@ -27,9 +27,9 @@ __all__ = ["train"]
 
 def train(ctx: TrainContext) -> None:
     """gossamer's loop: each step this worker's samples (`_want`), the experiment's loss, clipping, optimizer and
-    lr schedule; the mode's exchange is in the optimizer's step (sync: in backward), and the lead evaluates the
-    run's model every `eval_every` steps and at the end (`TrainContext.evaluate_with`). In async the shards step
-    the experiment's optimizer on the gradient the step pushes (`ShardStepped`)."""
+    lr schedule; the mode's exchange is in the optimizer's step, and the lead evaluates the run's model every
+    `eval_every` steps and at the end (`TrainContext.evaluate_with`). In async and sync the shards step the
+    experiment's optimizer on the gradient the step pushes (`ShardStepped`), as with the older trainers."""
     exp = ctx.experiment
     model, train_set, eval_set = build(exp, ctx.device)
     on_shards = shards_step_optimizer(exp)
@@ -55,7 +55,7 @@ def _loop(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Opti
     exp = ctx.experiment
     t_report, samples, loss_sum, grad_norm = time.monotonic(), 0, 0.0, float("nan")
     # async: a worker's samples follow its own steps, as the older trainer's (the run's steps are shard versions)
-    own_steps = shards_step_optimizer(exp)
+    own_steps = shards_step_optimizer(exp) and not mode_of(exp).allows_global_batch
     mine = 0
     while not ctx.should_stop():
         step, workers = mine if own_steps else ctx.step, ctx.world_size
@@ -66,17 +66,18 @@ def _loop(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Opti
             out = objective.forward(model, batch)
         total, _ = objective.loss_sum(out, batch)
         per_sample = objective.per_sample(batch)
-        try:
-            (total * (1.0 / (share * per_sample))).backward()  # the older trainers' arithmetic: the same bits
-        except StepRedo:
-            continue  # sync: the barrier re-formed; the step's samples are the new workers' shares
+        (total * (1.0 / (share * per_sample))).backward()  # the older trainers' arithmetic: the same bits
         if exp.max_grad_norm:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), exp.max_grad_norm))
         n = want_len(want)
         ctx.count(n)
         set_lr_factor(optimizer, exp.lr, exp.linear_lr_factor(workers)
                       * lr_multiplier(step, exp.total_steps, exp.lr_schedule, exp.warmup_steps))
-        optimizer.step()
+        try:
+            optimizer.step()
+        except StepRedo:
+            ctx.count(-n)  # counted once the step goes through
+            continue  # sync: the barrier re-formed or the shards moved on; the step's samples are the workers' now
         mine += 1
         samples, loss_sum = samples + n, loss_sum + float(total.detach()) / per_sample
         now = time.monotonic()
@@ -88,9 +89,9 @@ def _loop(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Opti
 def _want(ctx: TrainContext, data: Data, step: int) -> tuple[Want, float]:
     """This worker's samples of `step`, and what their summed loss is divided by.
 
-    sync: its share of the step's global batch (the same samples whatever the workers), over the global batch
-    divided by the workers, so the workers' mean gradient is one process's over the global batch. Otherwise its
-    own batch (a stream: its piece of the step's span), over its size.
+    sync: its share of the step's global batch (the same samples whatever the workers), over the global batch,
+    so the sum of the workers' gradients the shards step on is one process's over the global batch. Otherwise
+    its own batch (a stream: its piece of the step's span), over its size.
     """
     exp = ctx.experiment
     if not mode_of(exp).allows_global_batch:
@@ -103,9 +104,9 @@ def _want(ctx: TrainContext, data: Data, step: int) -> tuple[Want, float]:
     g = exp.effective_global_batch(ctx.world_size)
     if data.stream:  # the step's span of the stream, this worker's piece of it
         start, stop = sampler.stream_span(step, g, ctx.world_size, ctx.rank)
-        return ("span", start, stop), g / ctx.world_size
+        return ("span", start, stop), float(g)
     idx = sampler.sync_global_batch(len(data), g, step, exp.seed)
-    return ("idx", index_tuple(sampler.even_split(idx, ctx.world_size, ctx.rank))), g / ctx.world_size
+    return ("idx", index_tuple(sampler.even_split(idx, ctx.world_size, ctx.rank))), float(g)
 
 
 def _wants(ctx: TrainContext, data: Data, step: int, want: Want) -> Callable[[int], Want]:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import IterableDataset, default_collate
 
 from gossamer.core.errors import ConfigError, GossamerError, ShardError
-from gossamer.core.experiment import BUILTIN_TRAIN, Experiment
+from gossamer.core.experiment import Experiment
 from gossamer.core.faults import die_at, gate_at, hold_at
 from gossamer.core.import_check import resolve
 from gossamer.core.modes import mode_of
@@ -37,8 +37,9 @@ __all__ = ["GossamerOptimizer", "ShardStepped", "StepRedo", "TrainContext", "cap
 
 
 class StepRedo(Exception):  # noqa: N818 - control flow between the sync trainer and gossamer's own loop
-    """sync: the barrier re-formed during this step's exchange; its samples are now the new workers' shares, so
-    gossamer's own loop computes the step again (out of `backward()`). A user's loop sends the same gradient."""
+    """sync: the barrier re-formed during this step's exchange, or the shards moved on; its samples are now the
+    new workers' shares, so gossamer's own loop computes the step again (out of `optimizer.step()`, as the older
+    trainer does). A user's loop sends the same gradient again."""
 
 
 class _Runtime:
@@ -443,9 +444,8 @@ class _WorkerRuntime(_Runtime):
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         hooks = {k: v for k, v in self.hooks.items() if k not in ("report_final", "serving")}
         mode = mode_of(self.exp)
-        if mode.barrier and not mode.rounds:
-            self.trainer = SyncFunctionTrainer(self.ctx, model, wants_exchange=lambda: self.sync_grads,
-                                               redo_on_reform=self.exp.train == BUILTIN_TRAIN, **hooks)
+        if mode.barrier and not mode.rounds and not shards_step_optimizer(self.exp):
+            self.trainer = SyncFunctionTrainer(self.ctx, model, wants_exchange=lambda: self.sync_grads, **hooks)
         else:
             self.trainer = (TrainFunctionTrainer if mode.servers else GossipFunctionTrainer)(self.ctx, model, **hooks)
         self.trainer.report_final = self.hooks["report_final"]
@@ -608,8 +608,8 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
     async: after each user step the change since the last pull is pushed (the shard adds it) and the
     shard's values come back; diloco: the user's optimizer is the inner one, and every `inner_steps`
     steps the round's change goes to the shards' outer optimizer (under the barrier). gossamer's built-in
-    loop in async pushes its gradient instead, for the shards to step the experiment's optimizer on
-    (`shards_step_optimizer`), as the older trainer does.
+    loop in async and sync pushes its gradient instead, for the shards to step the experiment's optimizer
+    on (`shards_step_optimizer`), as the older trainer does.
     """
 
     def __init__(self, ctx: RankContext, model: nn.Module, *, on_metrics: Hook | None = None,
@@ -620,9 +620,10 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         self.done = False
         self._basis: dict[int, torch.Tensor] = {}
         self._inner = 0
-        #: The shards step the experiment's optimizer on this worker's gradients (gossamer's built-in async).
+        #: The shards step the experiment's optimizer on this worker's gradients (gossamer's built-in loop).
         self.pushes_gradients = shards_step_optimizer(self.exp)
         self._params = list(self.layout.module.parameters())
+        self._redos = 0  # sync: the steps computed again in a row (`_push_gradient`)
 
     def start(self) -> None:
         """Register with the shards and take the run's current values."""
@@ -635,12 +636,13 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         """The user's step, then the mode's exchange."""
         if self.done:
             return
-        self._apply_updates()
-        if self.pushes_gradients:
+        if self.pushes_gradients:  # the membership changes after the push: its gradient is of the step's workers
             self._push_gradient()
+            self._apply_updates()
             self._report_now_and_then()
             self._maybe_eval(self.progress)
             return
+        self._apply_updates()
         self._user_stepped(optimizer)
         if self.mode.rounds:
             self._inner += 1
@@ -658,13 +660,32 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
 
     def _push_gradient(self) -> None:
         """This step's gradient to the shards and their values back, as the older trainer's step pushes it (its
-        codec, density warm-up, adaptive link and overlap); then the step is counted."""
+        codec, density warm-up, adaptive link and overlap); then the step is counted.
+
+        sync: where the barrier re-formed or the shards moved on, `StepRedo`: gossamer's own loop computes the
+        step again over the workers now (the older trainer's redo), so nothing is counted twice.
+        """
         if self.ctx.step_delay_s:  # a `delay` fault: a straggler's every step
             time.sleep(self.ctx.step_delay_s)
         flat = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params])
         grads = {c.index: flat[c.flat_offset:c.flat_offset + c.numel] for c in self.mine}
+        generation = self.ctx.generation  # the step's: no update is taken between its compute and its push
+        try:
+            self.done = self._send_gradient(grads, self.computed_s)
+        except ShardError as e:
+            if not self.barrier or not ({REFORM, FAILED_PRECONDITION} & set(e.codes)) or self._redos >= 99:
+                raise
+            self.redone += 1
+            self._redos += 1
+            if REFORM in e.codes:
+                self._await_generation(generation)
+            else:
+                log.info("shards moved on or rolled back (%s); pulling and computing the step again", e)
+                time.sleep(0.05 * min(self._redos, 10))
+                self.done = self.pull()
+            raise StepRedo from e
+        self._redos = 0
         self.compute_s += self.computed_s
-        self.done = self._send_gradient(grads, self.computed_s)
         self.clock += 1
         self.stats.steps += 1
 
@@ -753,13 +774,11 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
     """
 
     def __init__(self, ctx: RankContext, model: nn.Module, *, wants_exchange: Callable[[], bool] = lambda: True,
-                 redo_on_reform: bool = False, **hooks: Any) -> None:
+                 **hooks: Any) -> None:
         super().__init__(ctx, model, **hooks)
         if ctx.local_world > 1:
             raise ConfigError("train", "a train function's sync runs one rank per node")
         self.wants_exchange = wants_exchange
-        #: A re-formed barrier raises `StepRedo` out of backward (gossamer's own loop), not the same gradient again.
-        self.redo_on_reform = redo_on_reform
         self._queued = False
         self._exchanged = False  # a backward pass since the last step ended with the workers' mean
         self._params = list(self.layout.module.parameters())
@@ -814,8 +833,7 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         return res
 
     def _push_round(self, push: dict[int, torch.Tensor], *, idle: bool) -> PullResult:
-        """The push under the barrier, again where it re-formed or the shards moved on (the same gradient, or
-        `StepRedo` for gossamer's own loop to compute the step over the new workers)."""
+        """The push under the barrier, again where it re-formed or the shards moved on (the same gradient)."""
         for attempt in range(100):
             generation = self.ctx.generation
             try:
@@ -829,8 +847,6 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
                 self.redone += 1
                 if REFORM in e.codes:
                     self._await_generation(generation)
-                    if self.redo_on_reform and not idle:
-                        raise StepRedo from e
                 else:
                     time.sleep(0.05 * min(attempt, 10))
                     self._note_versions(self.client.pull().versions)

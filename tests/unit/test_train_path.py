@@ -30,7 +30,6 @@ def test_a_builtin_gossip_experiment_runs_as_the_builtin_train_function_with_its
 
 
 @pytest.mark.parametrize(("fields", "said"), [
-    ({"mode": "sync"}, "sync"),
     ({"mode": "diloco"}, "diloco"),
     ({"mode": "diloco", "outer_step": "gossip", "num_ps_shards": 0}, "diloco/gossip"),
     ({"mode": "gossip", "num_ps_shards": 0, "precision": "fp16"}, "fp16"),
@@ -56,6 +55,21 @@ def test_a_builtin_async_experiment_runs_as_the_builtin_train_function_with_the_
     assert new.lr_linear is not None and new.lr_linear(4) == old.lr_linear(4)  # type: ignore[misc]
     assert dataclasses.replace(new, lr_linear=None) == dataclasses.replace(old, lr_linear=None)
     assert (new.optimizer.name, new.lr_schedule, new.lr_staleness_scaling) == ("adamw", "cosine", True)
+
+
+def test_a_builtin_sync_experiment_runs_as_the_builtin_train_function_and_its_shards_hold_the_optimizer() -> None:
+    exp = Experiment(**DIGITS, mode="sync", global_batch_size=64, momentum=0.9, compression="int8")
+    routed = builtin_train_function(exp)
+    assert old_path_reason(exp) == "" and routed.train == BUILTIN_TRAIN  # compressed too: the shards step on it
+    old, new = ShardConfig.for_experiment(exp, "e", 0), ShardConfig.for_experiment(routed, "e", 0)
+    assert dataclasses.replace(new, lr_linear=None) == dataclasses.replace(old, lr_linear=None)
+    assert not new.reduce and new.optimizer.momentum == 0.9
+
+
+def test_a_users_sync_train_function_has_the_shards_answer_the_mean() -> None:
+    cfg = ShardConfig.for_experiment(Experiment(name="u", train="tests.integration._user_loop:train", mode="sync"),
+                                     "e", 0)
+    assert cfg.reduce and (cfg.optimizer.name, cfg.optimizer.lr) == ("sgd", 1.0)
 
 
 def test_a_users_async_train_function_steps_on_the_worker_and_the_shards_add_its_change() -> None:

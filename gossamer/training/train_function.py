@@ -166,8 +166,8 @@ class GossamerOptimizer(torch.optim.Optimizer):
 
 
 class ShardStepped(torch.optim.Optimizer):
-    """What gossamer's built-in loop prepares in async: the experiment's optimizer runs on the shards, on the
-    gradient each step pushes (`shards_step_optimizer`), so nothing steps here and no state is kept here.
+    """What gossamer's built-in loop prepares in async and sync: the experiment's optimizer runs on the shards, on
+    the gradient each step pushes (`shards_step_optimizer`), so nothing steps here and no state is kept here.
 
     Built without `Optimizer.__init__`, which imports torch's dynamo (about a second a process): the one group
     is what LR code and `clip_grad_norm_` read.
@@ -181,7 +181,7 @@ class ShardStepped(torch.optim.Optimizer):
         self._optimizer_step_post_hooks = collections.OrderedDict()
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        raise ConfigError("train", "ShardStepped steps on the shards: it is gossamer's built-in loop's in async")
+        raise ConfigError("train", "ShardStepped steps on the shards: it is gossamer's built-in loop's")
 
 
 class TrainContext:
@@ -781,7 +781,6 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         self.wants_exchange = wants_exchange
         self._queued = False
         self._exchanged = False  # a backward pass since the last step ended with the workers' mean
-        self._params = list(self.layout.module.parameters())
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params if p.requires_grad]
 
     def start(self) -> None:

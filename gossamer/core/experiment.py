@@ -44,6 +44,8 @@ LOSSES = ("cross_entropy", "mse", "model")
 CODE_FIELDS = ("train", "model", "dataset", "loss", "collate", "metrics")
 #: The modes a train function runs in (its optimizer steps on the worker; see training/train_function.py).
 TRAIN_FUNCTION_MODES = ("sync", "async", "diloco", "gossip")
+#: gossamer's own loop over `model`, `dataset`, `loss`, ... as a train function (core/train_path.py routes to it).
+BUILTIN_TRAIN = "gossamer.training.builtin_train:train"
 LR_SCALINGS = ("none", "linear")
 _CALLABLE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 #: Integers travel through TOML, SQLite and msgpack: all three stop at 64 bits.
@@ -256,13 +258,13 @@ def _check_train_function(exp: Experiment) -> None:
         raise ConfigError("train", f"must look like 'package.module:fn', got {exp.train!r}")
     given = [f for f, default in (("model", ""), ("dataset", ""), ("loss", "cross_entropy"), ("collate", ""),
                                   ("metrics", "")) if getattr(exp, f) != default]
-    if given:
+    if given and exp.train != BUILTIN_TRAIN:  # gossamer's own train function reads them
         raise ConfigError(given[0], f"the train function {exp.train!r} builds its own model, data, loss and "
                                     f"metrics; leave out {', '.join(given)}")
     if exp.mode not in TRAIN_FUNCTION_MODES:
         raise ConfigError("mode", f"a train function runs in {', '.join(TRAIN_FUNCTION_MODES)}; "
                                   f"mode {exp.mode!r} is not one of them")
-    if exp.mode == "sync":
+    if exp.mode == "sync" and exp.train != BUILTIN_TRAIN:  # gossamer's own: the shards step on the gradients
         # Every worker steps its optimizer on the round's mean gradient: exact, or the workers drift apart.
         for f in ("compression", "pull_compression"):
             if getattr(exp, f) not in ("auto", "none"):
@@ -283,7 +285,8 @@ def _check_identity(exp: Experiment) -> None:
         raise ConfigError("train", f"must be a string 'package.module:fn' (or empty), got {type(exp.train).__name__}")
     if exp.train:
         _check_train_function(exp)
-        return
+        if exp.train != BUILTIN_TRAIN:
+            return
     for f in ("model", "dataset"):
         v = getattr(exp, f)
         if not isinstance(v, str) or not _CALLABLE.fullmatch(v):

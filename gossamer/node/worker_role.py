@@ -17,6 +17,7 @@ from gossamer.core.experiment import CODE_FIELDS, Experiment
 from gossamer.core.import_check import resolve
 from gossamer.core.modes import mode_of
 from gossamer.core.protocol import AssignmentUpdate, RoleSpec
+from gossamer.core.train_path import BUILTIN_TRAIN, builtin_train_function
 from gossamer.engine.process_group import end_process_group, start_process_group
 from gossamer.engine.rank import RankContext
 from gossamer.node._role_process import (
@@ -93,7 +94,7 @@ class WorkerRankRole:
         spec, a = self.spec, self.spec.assignment
         return RankContext(
             experiment_id=spec.experiment_id,
-            experiment=Experiment.from_json(spec.experiment_json),
+            experiment=builtin_train_function(Experiment.from_json(spec.experiment_json), local_ranks=self.world),
             node_id=spec.node_id,
             worker_index=self.index,
             worker_rank=a.worker_rank,
@@ -148,7 +149,8 @@ class WorkerRankRole:
     def _train_function(self, ctx: RankContext) -> bool:
         """Call the experiment's train function; gossamer's exchange runs inside its optimizer's step."""
         if self.world > 1:
-            raise ConfigError("train", f"a train function runs one rank per node; this node runs {self.world} "
+            what = "gossamer's built-in train function" if ctx.experiment.train == BUILTIN_TRAIN else "a train function"
+            raise ConfigError("train", f"{what} runs one rank per node; this node runs {self.world} "
                                        "(join it with --nproc-per-node 1)")
         if self.rank == 0:
             self._record_environment()

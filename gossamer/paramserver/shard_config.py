@@ -10,6 +10,7 @@ from gossamer.compression.momentum_placement import momentum_on_worker
 from gossamer.core.errors import ConfigError
 from gossamer.core.lr_schedule import LR_SCHEDULES
 from gossamer.core.modes import BARRIER_CONSISTENCY, SHARD_CONSISTENCIES, mode_of
+from gossamer.core.train_path import shards_step_optimizer
 from gossamer.paramserver.optimizer import OptimizerConfig
 from gossamer.transport.frames import FrameLimits
 from gossamer.transport.outgoing import ReplyBudget
@@ -113,7 +114,10 @@ class ShardConfig:
         per_version = exp.inner_steps if row.rounds else 1
         # A train function's sync: a version is a round of gradients, one per backward pass the user makes (not
         # known here); the workers count the optimizer steps and end the run.
-        reduce = bool(exp.train) and row.barrier and not row.rounds
+        # A user's train function steps its optimizer on the worker; gossamer's built-in loop pushes its gradients
+        # for the experiment's optimizer here, through its train function too.
+        on_worker = bool(exp.train) and not shards_step_optimizer(exp)
+        reduce = on_worker and row.barrier and not row.rounds
         outer = row.outer_optimizer
         if outer:
             # Nesterov applied per arrival carries stale pseudo-gradients past the optimum
@@ -123,7 +127,7 @@ class ShardConfig:
             optimizer = OptimizerConfig(name="sgd", lr=exp.outer_lr, momentum=momentum,
                                         nesterov=momentum > 0 and row.barrier,
                                         delayed=momentum > 0 and not row.barrier)
-        elif exp.train:
+        elif on_worker:
             # A train function's optimizer steps on the worker, which pushes the change it made: the
             # shard adds each change as it comes (SGD, lr 1), so any optimizer keeps its meaning.
             optimizer = OptimizerConfig(name="sgd", lr=1.0)
@@ -139,12 +143,12 @@ class ShardConfig:
             staleness=exp.staleness if row.staleness_applies else None, optimizer=optimizer,
             total_steps=_UNBOUNDED if reduce else -(-exp.total_steps // per_version), reduce=reduce,
             # Rounds: tau is the staleness in rounds (versions since the basis / workers).
-            lr_staleness_scaling=row.rounds or (exp.lr_staleness_scaling and not exp.train),
+            lr_staleness_scaling=row.rounds or (exp.lr_staleness_scaling and not on_worker),
             staleness_in_rounds=row.rounds,
             wait_for_stragglers=exp.wait_for_stragglers,
             # The outer optimizer has its own lr: no schedule, warmup or linear scaling.
-            lr_schedule="constant" if outer or exp.train else exp.lr_schedule,
-            warmup_steps=0 if outer or exp.train else exp.warmup_steps,
-            lr_linear=exp.linear_lr_factor if not (outer or exp.train) and exp.lr_scaling != "none" else None,
+            lr_schedule="constant" if outer or on_worker else exp.lr_schedule,
+            warmup_steps=0 if outer or on_worker else exp.warmup_steps,
+            lr_linear=exp.linear_lr_factor if not (outer or on_worker) and exp.lr_scaling != "none" else None,
             checkpoint_every=-(-exp.checkpoint_every // per_version), expect_backup=exp.ps_backup,
         )

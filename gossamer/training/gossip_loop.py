@@ -170,24 +170,33 @@ class GossipTrainer(RankTrainer):
             if now - t_report >= 1.0 or self.clock >= self.exp.total_steps:
                 self._report((self.stats.samples - samples0) / max(1e-9, now - t_report))
                 t_report, samples0 = now, self.stats.samples
-            every = self.exp.eval_every
-            if every and self.clock // every > self._last_eval and self.clock < self.exp.total_steps:
-                self._last_eval = self.clock // every
-                if self.ctx.lead and self.peer is not None and self._collecting is None:
-                    self._collecting = _SnapshotCollector(self.peer, list(self.members), self.clock)
-            if self._collecting is not None and self._collecting.done():
-                self._eval_average(self._collecting.step, self._collecting.result())
-                self._collecting = None
-        if self._collecting is not None:
-            self._collecting.abandon()
-            if self.clock >= self.exp.total_steps:  # the run outpaced the gather: report what came in
-                self._eval_average(self._collecting.step, self._collecting.result())
-            self._collecting = None
+            self._eval_average_when_due()
+        self._end_eval_gather()
         self.profiler.close(self.clock)
         self._finish_or_serve()
         self.finished = self.clock >= self.exp.total_steps  # the node's ranks share the clock
         log.info("worker %s rank %d finished after %d steps (%.1f s)", self.me, self.ctx.local_rank,
                  self.stats.steps, time.monotonic() - t0)
+
+    def _eval_average_when_due(self) -> None:
+        """Every `eval_every` steps the lead gathers the peers' parameters (off the training path) and, once they
+        are in, evaluates their push-sum average."""
+        every = self.exp.eval_every
+        if every and self.clock // every > self._last_eval and self.clock < self.exp.total_steps:
+            self._last_eval = self.clock // every
+            if self._evaluates() and self.peer is not None and self._collecting is None:
+                self._collecting = _SnapshotCollector(self.peer, list(self.members), self.clock)
+        if self._collecting is not None and self._collecting.done():
+            self._eval_average(self._collecting.step, self._collecting.result())
+            self._collecting = None
+
+    def _end_eval_gather(self) -> None:
+        """Past the loop: a gather still going is abandoned (at the end, what came in is evaluated)."""
+        if self._collecting is not None:
+            self._collecting.abandon()
+            if self.clock >= self.exp.total_steps:  # the run outpaced the gather: report what came in
+                self._eval_average(self._collecting.step, self._collecting.result())
+            self._collecting = None
 
     def _exchange(self) -> None:
         """Send a share of the parameters to this round's peer (decentralized DiLoCo: after

@@ -221,17 +221,20 @@ class ParameterServerTrainer(RankTrainer):
         if not self.step_ok:  # fp16 overflow: nothing is pushed, the scale went down, the batch is redone
             self.skipped_steps += 1
             return self.pull()
-        grads = self.layout.chunk_grads()
+        done = self._send_gradient(self.layout.chunk_grads(), compute_s)
+        self._count(node_samples)
+        return done
+
+    def _send_gradient(self, grads: dict[int, torch.Tensor], compute_s: float) -> bool:
+        """This step's gradient to the shards (`compute_s` spent on it) and their values back; True at the end."""
         if self.warmup is not None:
             self.warmup.at(self.clock)
         if self.exp.overlap:
-            done = self._exchange_overlapped(grads, compute_s)
-        else:
-            sent0, t_exchange = self.client.bytes_up, time.perf_counter()
-            done = self._push_pull(grads, step=self.version)
-            if self.adaptive is not None:
-                self.adaptive.after_step(compute_s, self.client.bytes_up - sent0, time.perf_counter() - t_exchange)
-        self._count(node_samples)
+            return self._exchange_overlapped(grads, compute_s)
+        sent0, t_exchange = self.client.bytes_up, time.perf_counter()
+        done = self._push_pull(grads, step=self.version)
+        if self.adaptive is not None:
+            self.adaptive.after_step(compute_s, self.client.bytes_up - sent0, time.perf_counter() - t_exchange)
         return done
 
     def _push_pull(self, grads: dict[int, torch.Tensor], *, step: int, consume: bool = False,
@@ -453,7 +456,7 @@ class ParameterServerTrainer(RankTrainer):
         if self.skipped_steps or self.scaler is not None:
             values["skipped_steps"] = float(self.skipped_steps)
             values["loss_scale"] = self._loss_scale()
-        if self.exp.max_grad_norm:
+        if self.exp.max_grad_norm and not math.isnan(self.grad_norm):  # a train function reports its own
             values["grad_norm"] = self.grad_norm
         if c.compressor is not None:
             values["encode_s"] = c.compressor.encode_seconds

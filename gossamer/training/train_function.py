@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,13 @@ from torch.utils.data import IterableDataset, default_collate
 
 from gossamer.core.errors import ConfigError, GossamerError, ShardError
 from gossamer.core.experiment import Experiment
+from gossamer.core.faults import die_at, gate_at, hold_at
 from gossamer.core.import_check import resolve
 from gossamer.core.modes import mode_of
 from gossamer.core.protocol import AssignmentUpdate
+from gossamer.core.train_path import shards_step_optimizer
 from gossamer.engine import sampler
+from gossamer.engine.profiling import StepProfiler
 from gossamer.engine.rank import Hook, RankContext, StepAbandoned, StepStats
 from gossamer.paramserver import PullResult
 from gossamer.training.gossip_loop import GossipTrainer
@@ -29,7 +33,13 @@ from gossamer.transport.router import FAILED_PRECONDITION, REFORM
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GossamerOptimizer", "TrainContext", "capture_model", "run_local"]
+__all__ = ["GossamerOptimizer", "ShardStepped", "StepRedo", "TrainContext", "capture_model", "run_local"]
+
+
+class StepRedo(Exception):  # noqa: N818 - control flow between the sync trainer and gossamer's own loop
+    """sync: the barrier re-formed during this step's exchange, or the shards moved on; its samples are now the
+    new workers' shares, so gossamer's own loop computes the step again (out of `optimizer.step()`, as the older
+    trainer does). A user's loop sends the same gradient again."""
 
 
 class _Runtime:
@@ -41,6 +51,18 @@ class _Runtime:
         self.steps = 0
         #: sync: backward exchanges the gradients (False inside `TrainContext.no_sync`).
         self.sync_grads = True
+        #: How the train function evaluates the model, where it gave one (`TrainContext.evaluate_with`).
+        self.evaluator: Callable[[], dict[str, float]] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def count(self, samples: int) -> None:
+        """`samples` more trained on (status' rate)."""
+
+    def evaluate_with(self, fn: Callable[[], dict[str, float]]) -> None:
+        self.evaluator = fn
 
     @property
     def rank(self) -> int:
@@ -143,6 +165,25 @@ class GossamerOptimizer(torch.optim.Optimizer):
         return f"GossamerOptimizer({self.optimizer!r})"
 
 
+class ShardStepped(torch.optim.Optimizer):
+    """What gossamer's built-in loop prepares in async and sync: the experiment's optimizer runs on the shards, on
+    the gradient each step pushes (`shards_step_optimizer`), so nothing steps here and no state is kept here.
+
+    Built without `Optimizer.__init__`, which imports torch's dynamo (about a second a process): the one group
+    is what LR code and `clip_grad_norm_` read.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:  # noqa: D107
+        self.defaults = {"lr": 0.0}
+        self.param_groups = [{"params": list(params), "lr": 0.0}]
+        self.state = collections.defaultdict(dict)
+        self._optimizer_step_pre_hooks = collections.OrderedDict()
+        self._optimizer_step_post_hooks = collections.OrderedDict()
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        raise ConfigError("train", "ShardStepped steps on the shards: it is gossamer's built-in loop's")
+
+
 class TrainContext:
     """What a train function gets: its worker's place in the run, the run's state and its share of the data.
 
@@ -171,6 +212,11 @@ class TrainContext:
         return self._runtime.world_size
 
     @property
+    def worker_index(self) -> int:
+        """This worker's index in the run: unlike `rank`, kept while others join and leave (its own sample stream)."""
+        return self._runtime.worker_index
+
+    @property
     def is_lead(self) -> bool:
         """The worker that evaluates and writes the final checkpoint."""
         return self._runtime.is_lead
@@ -179,6 +225,24 @@ class TrainContext:
     def step(self) -> int:
         """The run's progress in optimizer steps, as compared with `total_steps`."""
         return self._runtime.steps
+
+    @property
+    def device(self) -> torch.device:
+        """Where this worker trains: its GPU where the node has one (`ctx.prepare` moves the model there)."""
+        return self._runtime.device
+
+    def count(self, samples: int) -> None:
+        """`samples` more trained on, for the run's samples and rate (`ctx.data` counts the batches it yields)."""
+        self._runtime.count(samples)
+
+    def evaluate_with(self, fn: Callable[[], dict[str, float]]) -> None:
+        """gossamer evaluates the run's model with `fn()` (`{"accuracy": ...}`, reported as eval_* figures).
+
+        The lead calls it every `eval_every` steps and once the run has ended, on the run's parameters: at
+        the end those it checkpoints (async and diloco: pulled from the shards after the train function
+        returned), and in gossip the peers' push-sum average. The final figures are the run's result.
+        """
+        self._runtime.evaluate_with(fn)
 
     def should_stop(self) -> bool:
         """The run is over, cancelled, or this node was told to leave: end the loop."""
@@ -246,10 +310,11 @@ class TrainContext:
                           else torch.tensor([(batch * size + i) % n for i in range(size)]))
                 idx = sampler.even_split(picked, self.world_size, self.rank).tolist()
             elif shuffle:
-                idx = sampler.async_batch(n, size, batch, self.experiment.seed, self._runtime.worker_index).tolist()
+                idx = sampler.async_batch(n, size, batch, self.experiment.seed, self.worker_index).tolist()
             else:
                 start = (batch * self.world_size + self.rank) * size
                 idx = [(start + i) % n for i in range(min(size, n))]
+            self.count(len(idx))
             yield collate([dataset[i] for i in idx])
             batch += 1
 
@@ -275,7 +340,9 @@ class TrainContext:
                 continue
             items.append(item)
             if len(items) == size:
-                yield collate(sampler.even_split(items, self.world_size, self.rank) if split else items)
+                mine = sampler.even_split(items, self.world_size, self.rank) if split else items
+                self.count(len(mine))
+                yield collate(mine)
                 items = []
 
     def report(self, **values: float) -> None:
@@ -361,23 +428,42 @@ class _WorkerRuntime(_Runtime):
     def is_lead(self) -> bool:
         return self.ctx.lead
 
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    def count(self, samples: int) -> None:
+        if self.trainer is not None:
+            self.trainer.stats.samples += samples
+
+    def evaluate_with(self, fn: Callable[[], dict[str, float]]) -> None:
+        self.evaluator = fn
+        if self.trainer is not None:
+            self.trainer.evaluator = fn
+
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         hooks = {k: v for k, v in self.hooks.items() if k not in ("report_final", "serving")}
         mode = mode_of(self.exp)
-        if mode.barrier and not mode.rounds:
+        if mode.barrier and not mode.rounds and not shards_step_optimizer(self.exp):
             self.trainer = SyncFunctionTrainer(self.ctx, model, wants_exchange=lambda: self.sync_grads, **hooks)
         else:
             self.trainer = (TrainFunctionTrainer if mode.servers else GossipFunctionTrainer)(self.ctx, model, **hooks)
         self.trainer.report_final = self.hooks["report_final"]
+        self.trainer.evaluator = self.evaluator
         self.hooks["serving"](self.trainer.endpoint)  # a gossip worker's peers reach it there
         self.trainer.start()
         self.steps = self.trainer.progress
+        self.trainer.user_computes()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.trainer is None:
             raise ConfigError("train", "optimizer.step() before ctx.prepare(model, optimizer)")
-        self.trainer.user_step(optimizer)
-        self.steps = self.trainer.progress
+        self.trainer.user_computed()
+        try:
+            self.trainer.user_step(optimizer)
+        finally:
+            self.steps = self.trainer.progress
+            self.trainer.user_computes()
 
     def done(self) -> bool:
         return self.trainer is not None and self.trainer.done
@@ -394,6 +480,8 @@ class _UserModel:
 
     _user_model: nn.Module
     ctx: RankContext
+    on_metrics: Hook
+    profiler: StepProfiler
     clock: int
     stats: StepStats
     reports_loss = False  # the train function reports its own loss
@@ -401,20 +489,54 @@ class _UserModel:
     def _build(self) -> tuple[nn.Module, Any, Any]:
         return self._user_model.to(self.ctx.device), [], []
 
+    #: The train function's evaluation (`TrainContext.evaluate_with`); without one it reports its own eval_*.
+    evaluator: Callable[[], dict[str, float]] | None = None
+
     def _evaluates(self) -> bool:
-        return False  # the train function evaluates and reports its own eval_* figures
+        return self.evaluator is not None and self.ctx.lead
 
     def _evaluate(self, step: int) -> dict[str, float]:
-        return {}
+        """The train function's evaluation, where it gave one, reported as gossamer's loop reports its own."""
+        if self.evaluator is None:
+            return {}
+        values = {k if k.startswith("eval_") else f"eval_{k}": float(v) for k, v in self.evaluator().items()}
+        self.on_metrics(step, {**values, "eval_step": float(step)})
+        return values
 
     _t_report = 0.0
+    _samples_reported = 0
     done = False
+    _computing: contextlib.ExitStack | None = None
+
+    _computing_since = 0.0
+    #: Seconds the user's code computed before its latest step (the adaptive link weighs the exchange by it).
+    computed_s = 0.0
+
+    def user_computes(self) -> None:
+        """From here to its next step the user's code computes: the profiler's window moves on and times it."""
+        self.profiler.step(self.clock)
+        self._computing = contextlib.ExitStack()
+        self._computing.enter_context(self.profiler.region("compute"))
+        self._computing_since = time.perf_counter()
+
+    def user_computed(self) -> None:
+        """The user's code reached its step (or returned)."""
+        if self._computing is not None:
+            self._computing.close()
+            self._computing = None
+            self.computed_s = time.perf_counter() - self._computing_since
+
+    def _profile_end(self) -> None:
+        self.user_computed()
+        self.profiler.close(self.clock)
 
     def _user_stepped(self, optimizer: torch.optim.Optimizer) -> None:
-        """The user's step, counted."""
+        """The user's step, counted (a `delay` fault slows this worker's every step, as a straggler's)."""
         optimizer.step()
         self.clock += 1
         self.stats.steps += 1
+        if self.ctx.step_delay_s:
+            time.sleep(self.ctx.step_delay_s)
 
     def _counted_to_clock(self) -> None:
         """Done once this worker's own steps reach `total_steps` (gossip, sync: each worker takes every step)."""
@@ -430,8 +552,10 @@ class _UserModel:
         """The trainer's counters (bytes, updates, ...) once a second and at the end."""
         now = time.monotonic()
         if now - self._t_report >= 1.0 or self.done:
-            self._t_report = now
-            self._report(0.0)  # type: ignore[attr-defined]  # the trainer's own: bytes, updates, ...
+            since = self.stats.samples - self._samples_reported
+            rate = since / max(1e-9, now - self._t_report) if self._t_report else 0.0
+            self._t_report, self._samples_reported = now, self.stats.samples
+            self._report(rate)  # type: ignore[attr-defined]  # the trainer's own: bytes, updates, ...
 
 
 class GossipFunctionTrainer(_UserModel, GossipTrainer):
@@ -447,6 +571,7 @@ class GossipFunctionTrainer(_UserModel, GossipTrainer):
         """Take the most advanced peer's parameters and step (a worker joining mid-run)."""
         self._apply_updates()
         self._join()
+        self._last_eval = self.clock // self.exp.eval_every if self.exp.eval_every else 0
         self.done = self.clock >= self.exp.total_steps
 
     def user_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -454,18 +579,22 @@ class GossipFunctionTrainer(_UserModel, GossipTrainer):
             return
         self._apply_updates()
         self._user_stepped(optimizer)
-        if self.peer is not None and self.outer is None:
-            self._bound_lag()
-            self.peer.mix(self.flat)
-        if self.peer is not None:
-            self.peer.serve(self.flat, self.clock)
-        self._node_sync()
+        with self.profiler.region("communication"):
+            if self.peer is not None and self.outer is None:
+                self._bound_lag()
+                self.peer.mix(self.flat)
+            if self.peer is not None:
+                self.peer.serve(self.flat, self.clock)
+            self._node_sync()
         if self.outer is None or self.clock % self.exp.inner_steps == 0 or self.clock >= self.exp.total_steps:
             self._exchange()
         self._counted_to_clock()
+        self._eval_average_when_due()
 
     def end(self) -> None:
         """The lead averages the peers' parameters and saves them; the others serve until the run completes."""
+        self._profile_end()
+        self._end_eval_gather()
         if self.done:
             self._finish_or_serve()
         elif self.peer is not None:
@@ -478,7 +607,9 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
 
     async: after each user step the change since the last pull is pushed (the shard adds it) and the
     shard's values come back; diloco: the user's optimizer is the inner one, and every `inner_steps`
-    steps the round's change goes to the shards' outer optimizer (under the barrier).
+    steps the round's change goes to the shards' outer optimizer (under the barrier). gossamer's built-in
+    loop in async and sync pushes its gradient instead, for the shards to step the experiment's optimizer
+    on (`shards_step_optimizer`), as the older trainer does.
     """
 
     def __init__(self, ctx: RankContext, model: nn.Module, *, on_metrics: Hook | None = None,
@@ -489,17 +620,27 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
         self.done = False
         self._basis: dict[int, torch.Tensor] = {}
         self._inner = 0
+        #: The shards step the experiment's optimizer on this worker's gradients (gossamer's built-in loop).
+        self.pushes_gradients = shards_step_optimizer(self.exp)
+        self._params = list(self.layout.module.parameters())
+        self._redos = 0  # sync: the steps computed again in a row (`_push_gradient`)
 
     def start(self) -> None:
         """Register with the shards and take the run's current values."""
         self.client.hello(fresh=True)
         self.done = self.pull()
-        self._basis = self.layout.chunk_values()
+        self._basis = {} if self.pushes_gradients else self.layout.chunk_values()
         self._exchanging = True
 
     def user_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The user's step, then the mode's exchange."""
         if self.done:
+            return
+        if self.pushes_gradients:  # the membership changes after the push: its gradient is of the step's workers
+            self._push_gradient()
+            self._apply_updates()
+            self._report_now_and_then()
+            self._maybe_eval(self.progress)
             return
         self._apply_updates()
         self._user_stepped(optimizer)
@@ -515,6 +656,38 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
             self._exchange_change(change)
         self._basis = self.layout.chunk_values()
         self._report_now_and_then()
+        self._maybe_eval(self.progress)
+
+    def _push_gradient(self) -> None:
+        """This step's gradient to the shards and their values back, as the older trainer's step pushes it (its
+        codec, density warm-up, adaptive link and overlap); then the step is counted.
+
+        sync: where the barrier re-formed or the shards moved on, `StepRedo`: gossamer's own loop computes the
+        step again over the workers now (the older trainer's redo), so nothing is counted twice.
+        """
+        if self.ctx.step_delay_s:  # a `delay` fault: a straggler's every step
+            time.sleep(self.ctx.step_delay_s)
+        flat = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params])
+        grads = {c.index: flat[c.flat_offset:c.flat_offset + c.numel] for c in self.mine}
+        generation = self.ctx.generation  # the step's: no update is taken between its compute and its push
+        try:
+            self.done = self._send_gradient(grads, self.computed_s)
+        except ShardError as e:
+            if not self.barrier or not ({REFORM, FAILED_PRECONDITION} & set(e.codes)) or self._redos >= 99:
+                raise
+            self.redone += 1
+            self._redos += 1
+            if REFORM in e.codes:
+                self._await_generation(generation)
+            else:
+                log.info("shards moved on or rolled back (%s); pulling and computing the step again", e)
+                time.sleep(0.05 * min(self._redos, 10))
+                self.done = self.pull()
+            raise StepRedo from e
+        self._redos = 0
+        self.compute_s += self.computed_s
+        self.clock += 1
+        self.stats.steps += 1
 
     def _exchange_change(self, change: dict[int, torch.Tensor]) -> None:
         """Push this step's change and take the shards' values; under a re-formed barrier, to the new round.
@@ -555,6 +728,11 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
             with self.profiler.region("communication"):
                 self.client.push_async(change, clock=self.clock, basis=dict(self.versions))
 
+    def _past_the_end(self) -> None:
+        """Past the last step: its final counters go next (a test holds or kills it here, as gossamer's loop)."""
+        hold_at("final-report", **self.client.fault_ctx)
+        die_at("final-report", step=self.clock, **self.client.fault_ctx)
+
     @property
     def progress(self) -> int:
         """Optimizer steps of the run: shard versions, times `inner_steps` for diloco's rounds."""
@@ -562,6 +740,7 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
 
     def end(self) -> None:
         """The train function returned: finish the run as gossamer's own loop does."""
+        self._profile_end()
         self._exchanging = False
         if self.client.in_flight and self._stopping():  # told to leave mid-overlap: the change goes or not, whole
             self.client.abandon()
@@ -570,8 +749,12 @@ class TrainFunctionTrainer(_UserModel, ParameterServerTrainer):
             self._note_versions(res.versions)
             self.done = self._assemble(res.values, res.done) or self.done
         if self.done:
+            self._past_the_end()
+            self._apply_updates()
             self._await_lead()
             if self.ctx.lead and not self._stopping():
+                die_at("before-finish", step=self.progress, **self.client.fault_ctx)
+                self._drop_training_state()  # before the final values come in: nothing trains again
                 self.pull()
                 self.finish()
         self.client.leave()
@@ -598,7 +781,6 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         self.wants_exchange = wants_exchange
         self._queued = False
         self._exchanged = False  # a backward pass since the last step ended with the workers' mean
-        self._params = list(self.layout.module.parameters())
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params if p.requires_grad]
 
     def start(self) -> None:
@@ -617,9 +799,9 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
     def _exchange_grads(self) -> None:
         """End of a backward pass: the round's mean gradient into every `.grad` (the same bits on every worker)."""
         self._queued = False
-        self._exchanged = True
         grads = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params])
         res = self._round(grads)
+        self._exchanged = True
         mean = torch.zeros_like(grads)
         for idx, v in res.values.items():
             c = self.plan.chunks[idx]
@@ -640,7 +822,17 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         values = _flat(self._params)
         push = {c.index: torch.cat([grads[c.flat_offset:c.flat_offset + c.numel],
                                     values[c.flat_offset:c.flat_offset + c.numel]]) for c in self.mine}
+        gate_at("push", step=self.progress, **self.client.fault_ctx)
+        die_at("mid-push", step=self.clock, **self.client.fault_ctx)
         t0 = time.perf_counter()
+        with self.profiler.region("communication"):
+            res = self._push_round(push, idle=idle)
+        self.exchange_s += time.perf_counter() - t0
+        self._note_versions(res.versions)
+        return res
+
+    def _push_round(self, push: dict[int, torch.Tensor], *, idle: bool) -> PullResult:
+        """The push under the barrier, again where it re-formed or the shards moved on (the same gradient)."""
         for attempt in range(100):
             generation = self.ctx.generation
             try:
@@ -651,14 +843,12 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
             except ShardError as e:  # the barrier re-formed, or the shards moved on: the same gradient goes again
                 if attempt == 99 or not ({REFORM, FAILED_PRECONDITION} & set(e.codes)):
                     raise
+                self.redone += 1
                 if REFORM in e.codes:
                     self._await_generation(generation)
                 else:
                     time.sleep(0.05 * min(attempt, 10))
                     self._note_versions(self.client.pull().versions)
-                self.redone += 1
-        self.exchange_s += time.perf_counter() - t0
-        self._note_versions(res.versions)
         return res
 
     def _hold_place(self) -> None:
@@ -685,6 +875,7 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
         self._apply_updates()
         self._user_stepped(optimizer)
         self._counted_to_clock()
+        self._maybe_eval(self.progress)
 
     @property
     def progress(self) -> int:
@@ -693,12 +884,14 @@ class SyncFunctionTrainer(TrainFunctionTrainer):
 
     def end(self) -> None:
         """The lead writes its own parameters (the shards hold those of the last exchange, a step before)."""
+        self._profile_end()
         for h in self._hooks:
             h.remove()
         if self.done:
             self._hold_place()
         self._exchanging = False
         if self.done:
+            self._past_the_end()
             self._await_lead()
             if self.ctx.lead and not self._stopping():
                 self.finish()

@@ -104,6 +104,16 @@ def reshapes(ctx) -> None:  # type: ignore[no-untyped-def]
         optimizer.step()
 
 
+def builtin_equivalent(ctx) -> None:  # type: ignore[no-untyped-def]
+    """What the built-in loop does for `model=digits:mlp`, `dataset=digits:data`, SGD with momentum 0.9, lr 0.05."""
+    model = mlp()
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    for x, y in ctx.data(data()[0]):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 class Drift(torch.optim.Optimizer):
     """An optimizer a user wrote: every step moves every parameter by -`by`, whatever its gradient."""
 

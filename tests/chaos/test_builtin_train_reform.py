@@ -1,0 +1,54 @@
+"""gossamer's own train function in sync: a worker killed mid-run re-forms the barrier, and the step is computed
+again over the survivors, so the run still ends where one process ends on the same global batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gossamer import Client, Experiment, load_checkpoint
+from gossamer.core.experiment import BUILTIN_TRAIN
+from gossamer.engine.model import build
+from gossamer.paramserver import flatten_params
+from tests._fixtures import MakeCluster
+from tests.chaos._wait import assert_running, wait_for, wait_steps
+from tests.integration._ps_harness import reference_sync
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def test_a_killed_worker_makes_the_builtin_train_function_compute_the_step_again_over_the_survivors(
+        tmp_path: Path, make_cluster: MakeCluster) -> None:
+    spec = {
+        "name": "builtin-reform", "train": BUILTIN_TRAIN, "model": "gossamer.examples.digits:mlp",
+        "dataset": "gossamer.examples.digits:data", "mode": "sync", "lr": 0.1, "momentum": 0.9,
+        "global_batch_size": 96, "num_ps_shards": 1, "ps_backup": False, "min_workers": 2, "max_workers": 3,
+        "total_steps": 400, "eval_every": 0,
+    }
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
+        client = Client(cluster.start_coordinator(port=0))
+        cluster.add_node("ps")
+        wait_for(lambda: len(client.nodes()) == 1, 60, "ps")
+        slow = {"GOSSAMER_FAULT": "delay:seconds=0.03"}  # lets the kill land mid-run
+        for name in ("w0", "w1", "w2"):
+            cluster.add_node(name, spot=True, env=slow)
+        wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 4, 60, "nodes")
+        job = client.submit(spec)
+        wait_steps(job, 100, 120, "100 steps")
+        cluster.kill_node("w1")  # mid-step, surely: the survivors wait on its contribution
+        assert_running(job, "the kill of w1")
+        result = job.wait(timeout=240)
+        events = job.events()
+    text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
+    assert result.status == "completed", (result, text)
+    assert any(e["kind"] == "lost" and "node w1 " in e["message"] for e in events), text
+    assert not any(e["kind"] == "reassign" and "joins as worker" in e["message"] for e in events), text
+    assert result.metrics["redone_steps"] >= 1  # the step the kill interrupted was computed again
+    exp = Experiment.from_dict(spec)
+    model, _, _ = build(exp, torch.device("cpu"))
+    model.load_state_dict(load_checkpoint(result.checkpoint))
+    ours, ref = flatten_params(model), reference_sync(exp, 96)
+    # Up to the order of float sums (the survivors split each global batch in two, not three).
+    assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-3), float((ours - ref).abs().max())

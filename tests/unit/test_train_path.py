@@ -1,0 +1,103 @@
+"""Which experiments run through a train function: `old_path_reason` names what keeps one on the mode trainers."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from gossamer.core.errors import ConfigError
+from gossamer.core.experiment import Experiment
+from gossamer.core.train_path import (
+    BUILTIN_TRAIN,
+    builtin_train_function,
+    old_path_reason,
+    shards_step_optimizer,
+)
+from gossamer.paramserver.shard_config import ShardConfig
+
+DIGITS: dict[str, Any] = {"name": "d", "model": "gossamer.examples.digits:mlp", "dataset": "gossamer.examples.digits:data"}
+
+
+def test_a_builtin_gossip_experiment_runs_as_the_builtin_train_function_with_its_fields_kept() -> None:
+    exp = Experiment(**DIGITS, mode="gossip", num_ps_shards=0, lr=0.1, momentum=0.9)
+    assert old_path_reason(exp) == ""
+    routed = builtin_train_function(exp)
+    assert routed.train == BUILTIN_TRAIN
+    assert (routed.model, routed.dataset, routed.lr, routed.momentum) == (exp.model, exp.dataset, 0.1, 0.9)
+    assert Experiment.from_json(routed.to_json()) == routed  # it travels to the roles as it is
+
+
+@pytest.mark.parametrize(("fields", "said"), [
+    ({"mode": "diloco"}, "diloco"),
+    ({"mode": "diloco", "outer_step": "gossip", "num_ps_shards": 0}, "diloco/gossip"),
+    ({"mode": "gossip", "num_ps_shards": 0, "precision": "fp16"}, "fp16"),
+    ({"mode": "async", "precision": "fp16"}, "fp16"),
+    ({"mode": "async", "parallelism": "fsdp"}, "fsdp"),
+])
+def test_what_the_train_function_trainers_do_otherwise_keeps_the_old_path_and_says_why(
+        fields: dict[str, Any], said: str) -> None:
+    exp = Experiment(**DIGITS, **fields)
+    assert said in old_path_reason(exp)
+    assert builtin_train_function(exp) is exp
+
+
+def test_a_builtin_async_experiment_runs_as_the_builtin_train_function_with_the_same_shards() -> None:
+    exp = Experiment(**DIGITS, mode="async", optimizer="adamw", lr=3e-3, lr_schedule="cosine", warmup_steps=5,
+                     lr_scaling="linear", staleness=4)
+    assert old_path_reason(exp) == ""
+    routed = builtin_train_function(exp)
+    assert routed.train == BUILTIN_TRAIN
+    # The shards step the experiment's optimizer on the pushed gradients either way (its schedule, its lr).
+    assert shards_step_optimizer(exp) and shards_step_optimizer(routed)
+    old, new = ShardConfig.for_experiment(exp, "e", 0), ShardConfig.for_experiment(routed, "e", 0)
+    assert new.lr_linear is not None and new.lr_linear(4) == old.lr_linear(4)  # type: ignore[misc]
+    assert dataclasses.replace(new, lr_linear=None) == dataclasses.replace(old, lr_linear=None)
+    assert (new.optimizer.name, new.lr_schedule, new.lr_staleness_scaling) == ("adamw", "cosine", True)
+
+
+def test_a_builtin_sync_experiment_runs_as_the_builtin_train_function_and_its_shards_hold_the_optimizer() -> None:
+    exp = Experiment(**DIGITS, mode="sync", global_batch_size=64, momentum=0.9, compression="int8")
+    routed = builtin_train_function(exp)
+    assert old_path_reason(exp) == "" and routed.train == BUILTIN_TRAIN  # compressed too: the shards step on it
+    old, new = ShardConfig.for_experiment(exp, "e", 0), ShardConfig.for_experiment(routed, "e", 0)
+    assert dataclasses.replace(new, lr_linear=None) == dataclasses.replace(old, lr_linear=None)
+    assert not new.reduce and new.optimizer.momentum == 0.9
+
+
+def test_a_users_sync_train_function_has_the_shards_answer_the_mean() -> None:
+    cfg = ShardConfig.for_experiment(Experiment(name="u", train="tests.integration._user_loop:train", mode="sync"),
+                                     "e", 0)
+    assert cfg.reduce and (cfg.optimizer.name, cfg.optimizer.lr) == ("sgd", 1.0)
+
+
+def test_a_users_async_train_function_steps_on_the_worker_and_the_shards_add_its_change() -> None:
+    exp = Experiment(name="u", train="tests.integration._user_loop:train", mode="async")
+    assert not shards_step_optimizer(exp)
+    cfg = ShardConfig.for_experiment(exp, "e", 0)
+    assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.lr_schedule) == ("sgd", 1.0, "constant")
+
+
+@pytest.mark.parametrize("mode", ["gossip", "async"])
+def test_a_node_of_several_local_ranks_keeps_the_old_trainer(mode: str) -> None:
+    exp = Experiment(**DIGITS, mode=mode, **({"num_ps_shards": 0} if mode == "gossip" else {}))
+    assert "2 local ranks" in old_path_reason(exp, local_ranks=2)
+    assert builtin_train_function(exp, local_ranks=2) is exp
+
+
+def test_a_users_train_function_is_left_as_it_is() -> None:
+    exp = Experiment(name="u", train="tests.integration._user_loop:train", mode="sync")
+    assert old_path_reason(exp) == "" and builtin_train_function(exp) is exp
+
+
+def test_a_users_train_function_still_may_not_name_a_model() -> None:
+    with pytest.raises(ConfigError) as e:
+        Experiment(name="u", train="tests.integration._user_loop:train", model="gossamer.examples.digits:mlp")
+    assert e.value.field == "model"
+
+
+def test_the_builtin_train_function_needs_the_model_and_dataset_it_reads() -> None:
+    with pytest.raises(ConfigError) as e:
+        Experiment(name="b", train=BUILTIN_TRAIN, mode="sync")
+    assert e.value.field == "model"

@@ -170,7 +170,8 @@ def test_preempted_job_leaves_gracefully_is_requeued_and_completes_the_experimen
     events = [(str(k), str(m)) for k, m in query(db, "SELECT kind, message FROM events ORDER BY id")]
     left = [m for k, m in events if k == "leave" and m.endswith("left: signal")]
     assert len(left) >= NODES, events  # each preempted agent said it left; none was found lost
-    assert not [m for k, m in events if k == "lost" and "-shards-" not in m], events
+    lost_nodes = [m for k, m in events if k == "lost" and "-shards-" not in m]
+    assert not lost_nodes, (lost_nodes, events, job_output(tmp_path, job)[-6000:])
     # The shard host, stopped gracefully at the job's end, wrote the shard's final checkpoint before it
     # left (the coordinator already gone): the requeued run restores it from there and loses nothing.
     (restored,) = [m for k, m in events if k == "restored"]

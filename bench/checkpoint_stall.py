@@ -69,10 +69,10 @@ def _server(q: Any, stop: Any, ckpt_on: Any, numel: int, every: int, root: str) 
         """A snapshot opened and not yet delivered to the writer (a copier's), or not yet written (a stream's)."""
         return pending[0] or not getattr(opened[0], "done", True)
 
-    def timed_step(grads: dict[int, torch.Tensor], lr_factor: float, *, schedule: bool) -> float:
+    def timed_step(grads: dict[int, torch.Tensor], lr_factor: float, **how: Any) -> float:
         was = is_pending()
         t0 = time.thread_time()
-        out = step(grads, lr_factor, schedule=schedule)
+        out = step(grads, lr_factor, **how)
         steps.append((ckpt_on.is_set(), was, time.thread_time() - t0, time.time()))
         return out
 

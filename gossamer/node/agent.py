@@ -37,8 +37,7 @@ from gossamer.node.heartbeat import HeartbeatThread
 from gossamer.node.host_load import spare_cpus
 from gossamer.node.late_imports import LATE_MODULES
 from gossamer.node.launcher import Launch, default_run_dir, visible_cuda_devices
-from gossamer.node.leave import ATTEMPT_S as LEAVE_ATTEMPT_S
-from gossamer.node.leave import deliver_leave
+from gossamer.node.leave import GraceSplit, deliver_leave
 from gossamer.node.node_metrics import NodeMetrics
 from gossamer.node.ports import reserve_port
 from gossamer.node.role_log_files import RoleLogs
@@ -374,20 +373,14 @@ class NodeAgent:
         t0 = time.monotonic()
         deadline = t0 + self.config.grace_s
         log.info("leaving (%s): stopping %d role(s) within %.0f s", reason, len(self.running), self.config.grace_s)
-        # Keep a quarter of the grace (at most 5 s) to stop the shards once the Leave is answered.
-        reserve = min(5.0, 0.25 * self.config.grace_s)
-        # The Leave always gets one whole attempt: one cut short leaves the node counted lost, its
-        # shards' backups waiting for a lease to run out (a loaded coordinator may take seconds to answer).
-        leave_s = min(LEAVE_ATTEMPT_S, 0.3 * self.config.grace_s)
+        split = GraceSplit.of(self.config.grace_s)
         workers = {k: r for k, r in self.running.items() if k[1] != pb.ROLE_PARAMETER_SERVER}
-        left = deadline - time.monotonic()
-        await self._stop_runs(workers, max(0.0, min(0.6 * left, left - reserve - leave_s)))
+        await self._stop_runs(workers, split.workers_s(deadline - time.monotonic()))
         assert self._stub is not None
-        # And as much again for the Leave itself after the shards' final checkpoints.
-        await self._final_checkpoints(max(0.0, deadline - time.monotonic() - reserve - max(reserve, leave_s)))
+        await self._final_checkpoints(split.checkpoints_s(deadline - time.monotonic()))
         self._leaving = True
         failed = await deliver_leave(self._stub, pb.LeaveRequest(node_id=self.node_id, reason=reason),
-                                     until=max(time.monotonic() + max(1.0, leave_s), deadline - reserve))
+                                     until=split.leave_until(time.monotonic(), deadline))
         if failed is not None:
             log.warning("Leave not delivered (%s); the lease will expire instead", failed.name)
         elif self.running:  # let workers pick up the promoted backups before the shards go

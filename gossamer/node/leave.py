@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -21,6 +22,34 @@ BACKOFF_S = (0.2, 2.0)
 #: How often a Leave still not delivered says so again (the first refusal is said at once).
 REPEAT_S = 10.0
 
+
+
+@dataclass(frozen=True)
+class GraceSplit:
+    """How a leaving node spends its grace (pure arithmetic, times passed in): the workers' stop, the shards'
+    final checkpoints, the Leave, and the shards' stop once the Leave is answered."""
+
+    #: Kept to stop the shards once the Leave is answered: a quarter of the grace, at most 5 s.
+    reserve_s: float
+    #: The Leave's one whole attempt: one cut short leaves the node counted lost, its shards' backups waiting
+    #: for a lease to run out (a loaded coordinator may take seconds to answer).
+    leave_s: float
+
+    @classmethod
+    def of(cls, grace_s: float) -> GraceSplit:
+        return cls(reserve_s=min(5.0, 0.25 * grace_s), leave_s=min(ATTEMPT_S, 0.3 * grace_s))
+
+    def workers_s(self, left: float) -> float:
+        """The workers' stop, with `left` seconds of grace: 0.6 of it, less where the Leave and reserve need it."""
+        return max(0.0, min(0.6 * left, left - self.reserve_s - self.leave_s))
+
+    def checkpoints_s(self, left: float) -> float:
+        """The shards' final checkpoints, with `left` seconds of grace: what the Leave and the reserve leave."""
+        return max(0.0, left - self.reserve_s - max(self.reserve_s, self.leave_s))
+
+    def leave_until(self, now: float, deadline: float) -> float:
+        """When the Leave is given up: the grace less the reserve, but never before one whole attempt."""
+        return max(now + max(1.0, self.leave_s), deadline - self.reserve_s)
 
 async def deliver_leave(stub: Any, request: pb.LeaveRequest, *, until: float) -> grpc.StatusCode | None:
     """Send `request` (a NodeServiceStub's Leave) until it is answered or `until` (time.monotonic()) passes.

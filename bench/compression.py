@@ -27,7 +27,7 @@ from bench._report import report_path, write_report
 from gossamer.core.experiment import Experiment
 from gossamer.engine.rank import RankContext
 from gossamer.paramserver.local import LocalShards
-from gossamer.training.ps_trainer import ParameterServerTrainer
+from gossamer.training.shards.ps_trainer import ParameterServerTrainer
 
 CODECS = ["none", "fp16", "bf16", "int8", "qsgd:16", "topk:0.01", "randk:0.1", "powersgd:4", "sign"]
 LM_ARGS = {"d_model": 32, "n_layers": 1, "n_heads": 4, "seq_len": 32}

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from bench._report import write_report
-from gossamer.gossip import PushSumPeer, out_peer
+from gossamer.training.gossip import PushSumPeer, out_peer
 
 CASES = (("none", False), ("int8", False), ("int8", True), ("qsgd:127", False), ("qsgd:127", True),
          ("fp16", False), ("fp16", True))

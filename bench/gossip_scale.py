@@ -4,7 +4,7 @@
 
 Two ways of running the same algorithm, compared where both run:
 
-* real: `gossamer.gossip.PushSumPeer` objects in this process (real ZMQ sockets on loopback, real
+* real: `gossamer.training.gossip.PushSumPeer` objects in this process (real ZMQ sockets on loopback, real
   I/O threads, exact mass accounting with ACKs), up to `--real-max` peers (default 256: a peer dials
   a neighbour at its first send, so an exponential graph holds n log2 n connections, where dialling
   every member made n^2 and ZMQ handshakes timed out at 64 peers here; past 256, the 3 threads per
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from bench._report import RESULTS, write_report
-from gossamer.gossip.pushsum import PushSumPeer
-from gossamer.gossip.topology import TOPOLOGIES, out_peer
+from gossamer.training.gossip.pushsum import PushSumPeer
+from gossamer.training.gossip.topology import TOPOLOGIES, out_peer
 
 DIM = 16
 CHURN = 0.05

@@ -38,8 +38,12 @@ class Mode:
     staleness_applies: bool = True
     #: A shard version is an outer round of `inner_steps` worker steps, not one step.
     rounds: bool = False
-    #: "module:Class" of the trainer a worker rank runs (imported lazily: it needs torch).
+    #: "module:Class" of the trainer gossamer's built-in loop runs where `train_path.old_path_reason` says it
+    #: keeps its mode's own (imported lazily: it needs torch).
     trainer: str
+    #: "module:Class" of the mode's unit around a train function: it wraps the user's model and optimizer, and
+    #: its `user_step` is the mode's exchange (`training.train_function.function_trainer`).
+    function_trainer: str
     #: `compression = "auto"` and `optimizer = "auto"` resolve to these.
     default_compression: str = "none"
     default_optimizer: str = "sgd"
@@ -84,35 +88,41 @@ class Mode:
         return ("ddp", "fsdp", "pipeline") if self.servers else ("ddp",)
 
 
-_PS_TRAINER = "gossamer.training.ps_trainer:ParameterServerTrainer"
-_GOSSIP_TRAINER = "gossamer.training.gossip_loop:GossipTrainer"
-_DILOCO_TRAINER = "gossamer.training.diloco:DilocoTrainer"
+_PS_TRAINER = "gossamer.training.shards.ps_trainer:ParameterServerTrainer"
+_GOSSIP_TRAINER = "gossamer.training.gossip.gossip_trainer:GossipTrainer"
+_DILOCO_TRAINER = "gossamer.training.diloco.diloco_trainer:DilocoTrainer"
+_SYNC_UNIT = "gossamer.training.sync.sync_function:SyncFunctionTrainer"
+_ASYNC_UNIT = "gossamer.training.asynchronous.async_function:AsyncFunctionTrainer"
+_GOSSIP_UNIT = "gossamer.training.gossip.gossip_function:GossipFunctionTrainer"
+_DILOCO_UNIT = "gossamer.training.diloco.diloco_function:DilocoFunctionTrainer"
 
 _TABLE: tuple[Mode, ...] = (
     Mode(name="sync", summary="parameter servers, every worker's gradient each step (BSP)",
-         shard_consistency="sync", trainer=_PS_TRAINER, allows_global_batch=True),
+         shard_consistency="sync", trainer=_PS_TRAINER, function_trainer=_SYNC_UNIT, allows_global_batch=True),
     Mode(name="async", summary="parameter servers, push gradient / pull parameters (SSP with `staleness`)",
-         trainer=_PS_TRAINER, allows_overlap=True),
+         trainer=_PS_TRAINER, function_trainer=_ASYNC_UNIT, allows_overlap=True),
     Mode(name="gossip", summary="no servers: push-sum (SGP) averaging over a time-varying graph",
          servers=False, shard_consistency="", staleness_applies=False, trainer=_GOSSIP_TRAINER,
-         allows_overlap=True, exchanges_values=True, worker_optimizer=True),
+         function_trainer=_GOSSIP_UNIT, allows_overlap=True, exchanges_values=True, worker_optimizer=True),
     Mode(name="diloco", outer_step="sync", summary="H local steps, outer Nesterov on the servers, a barrier per round",
          shard_consistency="sync", staleness_applies=False, rounds=True, trainer=_DILOCO_TRAINER,
+         function_trainer=_DILOCO_UNIT,
          default_compression="int8", default_optimizer="adamw", outer_optimizer=True,
          worker_optimizer=True),
     Mode(name="diloco", outer_step="async", summary="H local steps, outer step applied on arrival on the servers",
-         staleness_applies=False, rounds=True, trainer=_DILOCO_TRAINER,
+         staleness_applies=False, rounds=True, trainer=_DILOCO_TRAINER, function_trainer=_DILOCO_UNIT,
          default_compression="int8", default_optimizer="adamw", outer_optimizer=True,
          worker_optimizer=True),
     Mode(name="diloco", outer_step="gossip", summary="H local steps, outer average by gossip (no servers)",
          servers=False, shard_consistency="", staleness_applies=False, rounds=True, trainer=_GOSSIP_TRAINER,
+         function_trainer=_GOSSIP_UNIT,
          default_compression="int8", default_optimizer="adamw", exchanges_values=True, worker_optimizer=True),
 )
 
 #: Every value of `Experiment.mode`, in table order.
 MODES: tuple[str, ...] = tuple(dict.fromkeys(m.name for m in _TABLE))
 #: Every value of `Experiment.outer_step`.
-#: The gossip topologies a user may name; gossip/topology.py has one function per name.
+#: The gossip topologies a user may name; training/gossip/topology.py has one function per name.
 TOPOLOGIES: tuple[str, ...] = ("exponential", "ring", "random")
 
 OUTER_STEPS: tuple[str, ...] = tuple(m.outer_step for m in _TABLE if m.outer_step)

@@ -20,7 +20,8 @@ from gossamer.engine.loss import Objective
 from gossamer.engine.model import build, evaluate_metrics, experiment_data, user_metrics
 from gossamer.paramserver.optimizer import set_lr_factor
 from gossamer.training.local_optimizer import inner_optimizer
-from gossamer.training.train_function import ShardStepped, StepRedo, TrainContext
+from gossamer.training.shards.gradient_push import StepRedo
+from gossamer.training.train_function import ShardStepped, TrainContext
 
 __all__ = ["train"]
 

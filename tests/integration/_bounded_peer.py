@@ -14,7 +14,7 @@ EXPERIMENT = "peer-bounds"
 def serve(endpoint_file: str) -> None:
     """Run peer "0" and answer snapshot requests as a trainer does between its steps, until killed."""
     torch.set_num_threads(1)
-    from gossamer.gossip import PushSumPeer
+    from gossamer.training.gossip import PushSumPeer
 
     peer = PushSumPeer(experiment=EXPERIMENT, peer_id="0", numel=NUMEL)
     z = torch.zeros(NUMEL)

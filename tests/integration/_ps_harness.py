@@ -42,8 +42,8 @@ def run_trainers(exp: Experiment, endpoints: dict[int, str], workers: int, check
     import threading
 
     from gossamer.engine.rank import RankContext
-    from gossamer.training.diloco import DilocoTrainer
-    from gossamer.training.ps_trainer import ParameterServerTrainer
+    from gossamer.training.diloco.diloco_trainer import DilocoTrainer
+    from gossamer.training.shards.ps_trainer import ParameterServerTrainer
 
     cls = DilocoTrainer if exp.mode == "diloco" else ParameterServerTrainer
     trainers = [

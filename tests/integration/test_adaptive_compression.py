@@ -10,7 +10,7 @@ import torch
 
 from gossamer.core.experiment import Experiment
 from gossamer.engine.rank import RankContext
-from gossamer.training.ps_trainer import ParameterServerTrainer
+from gossamer.training.shards.ps_trainer import ParameterServerTrainer
 from gossamer.transport.throttle import TokenBucket
 from tests.integration._ps_harness import Shards
 

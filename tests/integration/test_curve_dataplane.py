@@ -13,9 +13,9 @@ import torch
 import zmq
 
 from gossamer.core.errors import ShardError, UnavailableError
-from gossamer.gossip import PushSumPeer
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
 from gossamer.security.curve import CurveKeyPair, CurveKeyring, HandshakeMonitor
+from gossamer.training.gossip import PushSumPeer
 from gossamer.transport.frames import MIN_MESSAGE_BYTES, FrameLimits, Message, decode, encode
 from gossamer.transport.ratelimit import RateLimit
 from tests._fixtures import InProcessCoordinator, MakeCluster, StartCoordinator

@@ -11,11 +11,11 @@ import pytest
 import torch
 import zmq
 
-from gossamer.gossip import PushSumPeer
 from gossamer.paramserver import OptimizerConfig, ShardClient, ShardConfig, ShardPlan, ShardServer
 from gossamer.paramserver._updates import GATHERING_PER_SENDER
 from gossamer.security.curve import CurveKeyPair, CurveKeyring
 from gossamer.security.sender_tokens import new_key, primary_sender, token_for
+from gossamer.training.gossip import PushSumPeer
 from gossamer.transport.frames import FrameLimits, Message, decode, encode
 from gossamer.transport.router import ABORTED, NOT_A_WORKER, UNAUTHENTICATED
 

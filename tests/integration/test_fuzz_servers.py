@@ -1114,7 +1114,7 @@ def test_gossip_peer_survives_random_and_mutated_frames_and_still_reaches_consen
     """A push-sum peer's ROUTER gets the same kinds of storm (MASS/CANCEL/SNAP recorded from a real
     neighbour, mutated); it never fails inside, its (z, weight) stay finite, and it still
     averages exactly with its real neighbour afterwards."""
-    from gossamer.gossip import PushSumPeer
+    from gossamer.training.gossip import PushSumPeer
 
     numel = 64
     rng = random.Random(SEED)
@@ -1218,7 +1218,7 @@ def test_gossip_peer_survives_random_and_mutated_frames_and_still_reaches_consen
 def test_gossip_mass_with_an_impossible_weight_is_refused() -> None:
     """A MASS with weight 1e308 was accepted as finite; the receiver's next send then overflowed
     (z * weight is Inf) and raised on every step after."""
-    from gossamer.gossip import PushSumPeer
+    from gossamer.training.gossip import PushSumPeer
 
     a = PushSumPeer(experiment=EXP, peer_id="a", numel=4)
     ctx = zmq.Context()

@@ -13,9 +13,9 @@ import torch
 import zmq
 
 from gossamer.compression.wire_pool import MIN_POOLED
-from gossamer.gossip import PushSumPeer, out_peer
-from gossamer.gossip.neighbours import MAX_IDLE_SOCKETS
-from gossamer.gossip.shares import LagBound, ShareWait, senders_to
+from gossamer.training.gossip import PushSumPeer, out_peer
+from gossamer.training.gossip.neighbours import MAX_IDLE_SOCKETS
+from gossamer.training.gossip.shares import LagBound, ShareWait, senders_to
 from gossamer.transport.frames import Message, decode, encode
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ import torch
 from gossamer import Client, Experiment, load_checkpoint
 from gossamer.compression.quantization import Int8Codec
 from gossamer.engine.model import build, evaluate
-from gossamer.training.gossip_loop import consensus_distance
+from gossamer.training.gossip.gossip_trainer import consensus_distance
 from tests._fixtures import MakeCluster
 from tests.chaos._wait import wait_for
 

@@ -11,7 +11,7 @@ import torch
 from gossamer.core.experiment import Experiment
 from gossamer.engine.rank import RankContext
 from gossamer.node.ports import reserve_port
-from gossamer.training.ps_trainer import ParameterServerTrainer
+from gossamer.training.shards.ps_trainer import ParameterServerTrainer
 from tests._fixtures import experiment, warm_context
 from tests.integration._ps_harness import Shards, reference_sync, run_trainers
 

@@ -18,7 +18,7 @@ from gossamer.engine.rank import RankContext
 from gossamer.engine.shard_plan import flatten_params
 from gossamer.node.ports import reserve_port
 from gossamer.paramserver.local import LocalShards
-from gossamer.training.ps_trainer import ParameterServerTrainer
+from gossamer.training.shards.ps_trainer import ParameterServerTrainer
 from tests._fixtures import warm_context
 from tests.integration import _user_regression as user
 from tests.integration._ps_harness import run_trainers

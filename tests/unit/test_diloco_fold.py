@@ -14,7 +14,7 @@ from gossamer.core.errors import ShardError
 from gossamer.core.experiment import Experiment
 from gossamer.engine.rank import RankContext
 from gossamer.paramserver.local import LocalShards
-from gossamer.training.diloco import DilocoTrainer
+from gossamer.training.diloco.diloco_trainer import DilocoTrainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -199,7 +199,7 @@ def test_a_round_start_refolded_at_another_worker_count_pushes_that_counts_share
     from gossamer.compression.chunk_codec import ChunkCompressor
     from gossamer.engine.layout import ReplicatedLayout
     from gossamer.paramserver import ShardPlan
-    from gossamer.training.round_start import RoundStart
+    from gossamer.training.diloco.round_start import RoundStart
 
     exp = Experiment(name="c", mode="diloco", chunk_numel=300, **DIGITS)  # type: ignore[arg-type]
     torch.manual_seed(0)

@@ -16,10 +16,10 @@ from gossamer.engine.layout import NodeLayout, ReplicatedLayout, make_layout
 from gossamer.engine.rank import RankContext
 from gossamer.paramserver import ShardClient, ShardPlan
 from gossamer.paramserver.local import LocalShards
-from gossamer.training import ps_trainer
-from gossamer.training.diloco import DilocoTrainer
+from gossamer.training.diloco.diloco_trainer import DilocoTrainer
+from gossamer.training.diloco.step_in_backward import StepInBackward
 from gossamer.training.local_optimizer import inner_optimizer
-from gossamer.training.step_in_backward import StepInBackward
+from gossamer.training.shards import ps_trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -353,7 +353,7 @@ def test_a_large_adamw_parameter_is_stepped_a_slice_at_a_time_to_the_same_bits(m
     """Past `SLICE_NUMEL` values an AdamW parameter stepped inside backward makes its temporaries (the
     denominator) a slice's size, not the parameter's; the parameters and the state end bit for bit where one
     whole `opt.step()` after backward puts them, from the first step (the state made lazily) on."""
-    from gossamer.training import step_in_backward
+    from gossamer.training.diloco import step_in_backward
 
     slice_numel = 64
     monkeypatch.setattr(step_in_backward, "SLICE_NUMEL", slice_numel)

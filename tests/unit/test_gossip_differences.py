@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gossamer.compression.codec_spec import parse_codec
-from gossamer.gossip.differences import EXACT, References, value_mass
+from gossamer.training.gossip.differences import EXACT, References, value_mass
 
 
 def _receiver_value(codec_spec: str, payload, ref_value: torch.Tensor | None, n: int) -> torch.Tensor:  # type: ignore[no-untyped-def]

@@ -7,7 +7,7 @@ import pytest
 from gossamer.compression import CODECS, parse_codec
 from gossamer.core.codec_table import codec_entry
 from gossamer.core.errors import ConfigError
-from gossamer.gossip import parse_value_codec
+from gossamer.training.gossip import parse_value_codec
 
 
 @pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "int8", "qsgd:127"])

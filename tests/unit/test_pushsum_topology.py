@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from gossamer.gossip import TOPOLOGIES, out_peer
-from gossamer.gossip.topology import revisit_rounds
+from gossamer.training.gossip import TOPOLOGIES, out_peer
+from gossamer.training.gossip.topology import revisit_rounds
 
 SIZES = [2, 3, 4, 5, 7, 8, 16, 33]
 
@@ -97,7 +97,7 @@ def test_random_is_deterministic_and_depends_on_seed_and_round() -> None:
 
 
 def test_random_is_the_same_in_another_process() -> None:
-    import gossamer.gossip.topology as topology
+    import gossamer.training.gossip.topology as topology
 
     # Load the module alone under different hash salts.
     code = (
@@ -118,7 +118,7 @@ def test_random_is_the_same_in_another_process() -> None:
 
 
 def test_importing_the_topologies_does_not_import_torch() -> None:
-    code = "import sys, gossamer.gossip; gossamer.gossip.out_peer; print('torch' in sys.modules)"
+    code = "import sys, gossamer.training.gossip; gossamer.training.gossip.out_peer; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -101,8 +101,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("transport", "checkpoint"),  # the wire (frames, router, beats, HTTP); checkpoint files
     ("engine",),  # one rank: layouts, flat parameters, model, loss, batches, loaders
     ("compression",),
-    ("paramserver", "gossip"),
-    ("training",),  # the rank loops and the modes' algorithms
+    ("paramserver",),
+    ("training",),  # the rank loop, the train function, one folder per mode (sync, asynchronous, diloco, gossip)
     ("node", "coordinator"),
     ("tools", "examples"),  # the user's tools: CLI, client, demo, watch, plot, export
 )

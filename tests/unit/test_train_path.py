@@ -9,6 +9,8 @@ import pytest
 
 from gossamer.core.errors import ConfigError
 from gossamer.core.experiment import Experiment
+from gossamer.core.import_check import resolve
+from gossamer.core.modes import Mode, rows
 from gossamer.core.train_path import (
     BUILTIN_TRAIN,
     builtin_train_function,
@@ -101,3 +103,38 @@ def test_the_builtin_train_function_needs_the_model_and_dataset_it_reads() -> No
     with pytest.raises(ConfigError) as e:
         Experiment(name="b", train=BUILTIN_TRAIN, mode="sync")
     assert e.value.field == "model"
+
+
+@pytest.mark.parametrize("row", rows(), ids=lambda m: m.label)
+def test_every_mode_names_its_unit_which_lives_in_the_modes_own_folder(row: Mode) -> None:
+    from gossamer.training.gossip.gossip_function import GossipFunctionTrainer
+    from gossamer.training.shards.shard_function import ShardFunctionTrainer
+
+    unit = resolve(row.function_trainer)
+    assert issubclass(unit, ShardFunctionTrainer if row.servers else GossipFunctionTrainer), row.function_trainer
+    folder = unit.__module__.split(".")[2]  # gossamer.training.<folder>.<module>
+    # diloco's gossip outer step is gossip's unit (it averages by push-sum); every other row is its mode's own
+    assert folder == ("gossip" if row.gossips else {"async": "asynchronous"}.get(row.name, row.name)), unit.__module__
+
+
+@pytest.mark.parametrize(("fields", "unit"), [
+    ({"mode": "sync"}, "SyncFunctionTrainer"),
+    ({"mode": "async"}, "AsyncFunctionTrainer"),
+    ({"mode": "diloco"}, "DilocoFunctionTrainer"),
+    ({"mode": "diloco", "outer_step": "async"}, "DilocoFunctionTrainer"),
+    ({"mode": "gossip", "num_ps_shards": 0}, "GossipFunctionTrainer"),
+    ({"mode": "diloco", "outer_step": "gossip", "num_ps_shards": 0}, "GossipFunctionTrainer"),
+])
+def test_a_users_train_function_runs_over_its_modes_unit(fields: dict[str, object], unit: str) -> None:
+    from gossamer.training.train_function import function_trainer
+
+    assert function_trainer(Experiment(name="t", train="tests.integration._user_loop:train", **fields)).__name__ == unit
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_builtin_loop_in_async_and_sync_pushes_its_gradient(mode: str) -> None:
+    from gossamer.training.train_function import function_trainer
+
+    exp = builtin_train_function(Experiment(name="t", model="gossamer.examples.digits:mlp",
+                                            dataset="gossamer.examples.digits:data", mode=mode))
+    assert function_trainer(exp).__name__ == "GradientPushTrainer"

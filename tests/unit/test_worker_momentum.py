@@ -13,7 +13,7 @@ from gossamer.engine.shard_plan import ShardPlan
 from gossamer.paramserver.delayed_nesterov import DelayedNesterov
 from gossamer.paramserver.optimizer import build_optimizer
 from gossamer.paramserver.shard_config import ShardConfig
-from gossamer.training.density_warmup import warm_spec
+from gossamer.training.shards.density_warmup import warm_spec
 
 BASE = {"name": "m", "model": "m:f", "dataset": "d:f", "total_steps": 200}
 

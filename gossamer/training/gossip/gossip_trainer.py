@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from gossamer.core.protocol import AssignmentUpdate
 from gossamer.engine.rank import Hook, RankContext
-from gossamer.gossip import PushSumPeer, Snapshot, out_peer
-from gossamer.gossip.shares import LagBound, ShareWait, senders_to
+from gossamer.training.gossip import PushSumPeer, Snapshot, out_peer
+from gossamer.training.gossip.shares import LagBound, ShareWait, senders_to
 from gossamer.training.local_optimizer import inner_optimizer, schedule_lr
 from gossamer.training.rank_trainer import OnSaved, RankTrainer
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from gossamer.gossip.topology import TOPOLOGIES, out_peer
+from gossamer.training.gossip.topology import TOPOLOGIES, out_peer
 
 if TYPE_CHECKING:
-    from gossamer.gossip.pushsum import MixStats, PushSumPeer, Snapshot
-    from gossamer.gossip.value_codec import GOSSIP_CODECS, parse_value_codec
+    from gossamer.training.gossip.pushsum import MixStats, PushSumPeer, Snapshot
+    from gossamer.training.gossip.value_codec import GOSSIP_CODECS, parse_value_codec
 
 __all__ = [
     "GOSSIP_CODECS",
@@ -36,4 +36,4 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"gossamer.gossip.{module}"), name)
+    return getattr(importlib.import_module(f"gossamer.training.gossip.{module}"), name)

@@ -22,9 +22,9 @@ from gossamer.engine.loader import Want, index_tuple
 from gossamer.engine.rank import Hook, RankContext, StepAbandoned
 from gossamer.engine.shard_plan import chunk_groups
 from gossamer.paramserver import ShardClient
-from gossamer.training.adaptive_link import AdaptiveLink
-from gossamer.training.density_warmup import DensityWarmup
 from gossamer.training.rank_trainer import OnSaved, RankTrainer
+from gossamer.training.shards.adaptive_link import AdaptiveLink
+from gossamer.training.shards.density_warmup import DensityWarmup
 from gossamer.transport.router import FAILED_PRECONDITION, REFORM
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ import zmq
 from gossamer.compression import Codec, Payload
 from gossamer.core.errors import ProtocolError
 from gossamer.core.protocol import CancelMeta, MassMeta, SnapMeta
-from gossamer.gossip.differences import EXACT, ReceivedValues
+from gossamer.training.gossip.differences import EXACT, ReceivedValues
 from gossamer.transport.frames import FrameLimits, Message, decode, encode
 from gossamer.transport.outgoing import Reservation
 from gossamer.transport.router import (
@@ -40,7 +40,7 @@ from gossamer.transport.router import (
     Router,
 )
 
-logger = logging.getLogger("gossamer.gossip._io")  # one logger for the peer's I/O thread, whichever part logs
+logger = logging.getLogger("gossamer.training.gossip._io")  # one logger for the peer's I/O thread, whichever part logs
 
 MASS, ACK, NACK, CANCEL, CANCELLED = "MASS", "ACK", "NACK", "CANCEL", "CANCELLED"
 SNAP, SNAPSHOT, ERROR = "SNAP", "SNAPSHOT", "ERROR"

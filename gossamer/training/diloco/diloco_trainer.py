@@ -14,11 +14,11 @@ from gossamer.core.errors import ShardError, UnavailableError
 from gossamer.core.protocol import AssignmentUpdate
 from gossamer.engine.layout import ReplicatedLayout
 from gossamer.engine.rank import Hook, RankContext, StepAbandoned
+from gossamer.training.diloco.round_start import RoundStart
+from gossamer.training.diloco.step_in_backward import StepInBackward
 from gossamer.training.local_optimizer import inner_optimizer, schedule_lr
-from gossamer.training.ps_trainer import ParameterServerTrainer
 from gossamer.training.rank_trainer import OnSaved
-from gossamer.training.round_start import RoundStart
-from gossamer.training.step_in_backward import StepInBackward
+from gossamer.training.shards.ps_trainer import ParameterServerTrainer
 
 log = logging.getLogger(__name__)
 

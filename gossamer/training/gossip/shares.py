@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from gossamer.gossip.pushsum import PushSumPeer
-from gossamer.gossip.topology import out_peer, revisit_rounds
+from gossamer.training.gossip.pushsum import PushSumPeer
+from gossamer.training.gossip.topology import out_peer, revisit_rounds
 
 __all__ = ["LagBound", "ShareWait", "senders_to"]
 

@@ -28,7 +28,8 @@ import zmq
 
 from gossamer.compression import Codec
 from gossamer.core.errors import AuthError
-from gossamer.gossip._peer_protocol import (
+from gossamer.security.curve import CurveKeyring, HandshakeMonitor
+from gossamer.training.gossip._peer_protocol import (
     ACK,
     CANCEL,
     CANCELLED,
@@ -40,8 +41,7 @@ from gossamer.gossip._peer_protocol import (
     Incoming,
     PeerProtocol,
 )
-from gossamer.gossip.neighbours import NeighbourSockets
-from gossamer.security.curve import CurveKeyring, HandshakeMonitor
+from gossamer.training.gossip.neighbours import NeighbourSockets
 from gossamer.transport.frames import FrameLimits, Message, frames_nbytes
 from gossamer.transport.outgoing import OutgoingReplies, ReplyBudget, Reservation, track
 from gossamer.transport.ratelimit import RateLimit

@@ -22,7 +22,7 @@ hold, a hold to a removed peer) into ``z`` without adding its weight. Once every
 in generation g and the holds have settled, ``sum(w_i)`` equals the number of members.
 
 Threads: every method runs on the trainer's thread except `request_snapshot`, which may be
-called from any thread. A background I/O thread (`gossamer.gossip._io`) owns the sockets
+called from any thread. A background I/O thread (`gossamer.training.gossip._io`) owns the sockets
 and never touches ``z``.
 """
 
@@ -44,11 +44,11 @@ import torch
 
 from gossamer.core.errors import ConfigError, ProtocolError
 from gossamer.core.protocol import MassMeta, SnapMeta, SnapshotMeta
-from gossamer.gossip._io import MASS, SNAP, SNAPSHOT, Fault, Incoming, PeerIO
-from gossamer.gossip.differences import References, model_buffers, value_mass
-from gossamer.gossip.value_codec import parse_value_codec
 from gossamer.security import curve as curve_keys
 from gossamer.security.curve import CurveKeyring
+from gossamer.training.gossip._io import MASS, SNAP, SNAPSHOT, Fault, Incoming, PeerIO
+from gossamer.training.gossip.differences import References, model_buffers, value_mass
+from gossamer.training.gossip.value_codec import parse_value_codec
 from gossamer.transport.frames import FrameLimits, Message, encode
 from gossamer.transport.outgoing import ReplyBudget
 from gossamer.transport.ratelimit import RateLimit
@@ -111,7 +111,7 @@ class PushSumPeer:
         ack_timeout_s: how long a hold waits for an answer before each CANCEL.
         limits: frame limits for everything received, ZMQ MAXMSGSIZE included (default:
             twice a fp32 `numel` plus a header when `numel` is given, else `FrameLimits()`).
-        fault: test hook, see `gossamer.gossip._io.Fault`.
+        fault: test hook, see `gossamer.training.gossip._io.Fault`.
         numel: the size of z, if known before the first `send`/`mix`/`serve` (until then
             incoming mass is NACKed and comes back to its sender).
         curve: serve and connect with CurveZMQ: only the keyring's members may connect,
@@ -123,7 +123,7 @@ class PushSumPeer:
             bytes over all; None: unbounded); a snapshot request over it gets ERROR
             RESOURCE_EXHAUSTED (reason "reply_budget") and is not answered.
         differences: send each MASS as a compressed difference against the value of the last
-            one the neighbour applied (CHOCO-SGD, `gossamer.gossip.differences`), so a lossy
+            one the neighbour applied (CHOCO-SGD, `gossamer.training.gossip.differences`), so a lossy
             codec's error shrinks with the disagreement instead of staying proportional to
             the parameters; None: on for every codec but "none".
 

@@ -1,0 +1,158 @@
+"""sync around a train function, as torch DDP: each backward pass ends with the workers' mean gradient in `.grad`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from gossamer.core.errors import ConfigError, ShardError
+from gossamer.core.faults import die_at, gate_at
+from gossamer.engine.rank import RankContext, StepAbandoned
+from gossamer.paramserver import PullResult
+from gossamer.training.shards.shard_function import ShardFunctionTrainer
+from gossamer.training.user_model import flat_values
+from gossamer.transport.router import FAILED_PRECONDITION, REFORM
+
+__all__ = ["SyncFunctionTrainer"]
+
+
+class SyncFunctionTrainer(ShardFunctionTrainer):
+    """A train function's sync, as torch DDP: every backward pass ends with the workers' mean gradient in `.grad`.
+
+    Each parameter's post-accumulate-grad hook queues one callback at the end of the backward pass, which pushes
+    this worker's accumulated gradients to the shards under the barrier and writes the round's mean back into
+    every `.grad` before `backward()` returns; the user's clipping and optimizer then see the mean, as one process
+    would over all the workers' samples, and every worker takes the same step. Each push carries the parameters
+    too, which the shards hold as the run's (for checkpoints and workers that join). `total_steps` counts the
+    user's `optimizer.step()` calls; a shard version is one exchange.
+    """
+
+    keeps_basis = False  # the parameters go with each push
+
+    def __init__(self, ctx: RankContext, model: nn.Module, **hooks: Any) -> None:
+        super().__init__(ctx, model, **hooks)
+        if ctx.local_world > 1:
+            raise ConfigError("train", "a train function's sync runs one rank per node")
+        self.wants_exchange = lambda: True  # the runtime's says where `TrainContext.no_sync` holds it
+        self._queued = False
+        self._exchanged = False  # a backward pass since the last step ended with the workers' mean
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params if p.requires_grad]
+
+    def start(self) -> None:
+        """Register with the shards and take the run's parameters and step count (those of its last exchange)."""
+        self.client.hello(fresh=True)
+        self.pull()
+        self.clock = max(self.client.steps.values(), default=0)  # a worker joining mid-run counts on from there
+        self.done = self.clock >= self.exp.total_steps
+        self._exchanging = True
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._queued and not self.done and self.wants_exchange():
+            self._queued = True  # once per backward pass, whichever parameter's gradient is first
+            torch.autograd.Variable._execution_engine.queue_callback(self._exchange_grads)  # type: ignore[attr-defined]
+
+    def _exchange_grads(self) -> None:
+        """End of a backward pass: the round's mean gradient into every `.grad` (the same bits on every worker)."""
+        self._queued = False
+        grads = flat_values([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params])
+        res = self._round(grads)
+        self._exchanged = True
+        mean = torch.zeros_like(grads)
+        for idx, v in res.values.items():
+            c = self.plan.chunks[idx]
+            mean[c.flat_offset:c.flat_offset + c.numel] = v.reshape(-1)
+        offset = 0
+        with torch.no_grad():
+            for p in self._params:
+                piece = mean[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype)
+                offset += p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(piece)
+                elif bool(piece.any()):  # another worker's gradient reached it; none of the workers': left None
+                    p.grad = piece.clone()
+
+    def _round(self, grads: torch.Tensor, *, idle: bool = False) -> PullResult:
+        """One exchange under the barrier: `grads` (flat) and the parameters pushed, the shards' answer."""
+        self._apply_updates()
+        values = flat_values(self._params)
+        push = {c.index: torch.cat([grads[c.flat_offset:c.flat_offset + c.numel],
+                                    values[c.flat_offset:c.flat_offset + c.numel]]) for c in self.mine}
+        gate_at("push", step=self.progress, **self.client.fault_ctx)
+        die_at("mid-push", step=self.clock, **self.client.fault_ctx)
+        t0 = time.perf_counter()
+        with self.profiler.region("communication"):
+            res = self._push_round(push, idle=idle)
+        self.exchange_s += time.perf_counter() - t0
+        self._note_versions(res.versions)
+        return res
+
+    def _push_round(self, push: dict[int, torch.Tensor], *, idle: bool) -> PullResult:
+        """The push under the barrier, again where it re-formed or the shards moved on (the same gradient)."""
+        for attempt in range(100):
+            generation = self.ctx.generation
+            try:
+                res = self.client.push_pull(push, clock=self.clock, basis=self.versions, step=self.version,
+                                            num_workers=self.ctx.num_workers, generation=generation, values=False,
+                                            idle=idle)
+                break
+            except ShardError as e:  # the barrier re-formed, or the shards moved on: the same gradient goes again
+                if attempt == 99 or not ({REFORM, FAILED_PRECONDITION} & set(e.codes)):
+                    raise
+                self.redone += 1
+                if REFORM in e.codes:
+                    self._await_generation(generation)
+                else:
+                    time.sleep(0.05 * min(attempt, 10))
+                    self._note_versions(self.client.pull().versions)
+        return res
+
+    def _hold_place(self) -> None:
+        """Done: push idle (the barrier's place, no gradient) for the workers still stepping (one that joined may
+        be a backward or a step behind) until a round of idle pushes alone says every worker is done."""
+        zeros = torch.zeros(self.plan.total_numel)
+        try:
+            while not self._stopping():
+                step = self.version
+                if max(self._round(zeros, idle=True).versions.values(), default=step) <= step:
+                    return  # no version made: every worker is done
+        except StepAbandoned:
+            self.client.abandon()
+
+    def user_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The user's step on the mean gradient its backward left; counted."""
+        if self.done:
+            return
+        if not self._exchanged:
+            raise ConfigError("train", "in sync optimizer.step() steps on the workers' mean gradient, which the last "
+                                       "backward() before it leaves in .grad: none since the previous step ran "
+                                       "outside ctx.no_sync()")
+        self._exchanged = False
+        self._apply_updates()
+        self._user_stepped(optimizer)
+        self._counted_to_clock()
+        self._maybe_eval(self.progress)
+
+    @property
+    def progress(self) -> int:
+        """The user's optimizer steps (every worker takes each one)."""
+        return self.clock
+
+    def end(self) -> None:
+        """The lead writes its own parameters (the shards hold those of the last exchange, a step before)."""
+        self._profile_end()
+        for h in self._hooks:
+            h.remove()
+        if self.done:
+            self._hold_place()
+        self._exchanging = False
+        if self.done:
+            self._past_the_end()
+            self._await_lead()
+            if self.ctx.lead and not self._stopping():
+                self.finish()
+        self.client.leave()
+        self.client.close()
+        self.finished = self.done

@@ -1,9 +1,9 @@
-"""Polling wait shared by the benches that drive real clusters."""
+"""Polling wait and process reaping shared by the benches that drive real processes."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -17,3 +17,11 @@ def wait(pred: Callable[[], Any], timeout: float, what: str, period: float = 0.1
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(period)
+
+
+def reap(procs: Iterable[Any], timeout: float = 30.0) -> None:
+    """Join each process of a bench (multiprocessing), killing any still alive after `timeout` s."""
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()

@@ -40,6 +40,7 @@ import grpc
 
 from bench._load_nodes import LoaderConfig, loader_main
 from bench._report import RESULTS, plot_path, write_report
+from bench._wait import reap
 from gossamer.core.experiment import Experiment
 from gossamer.v1 import coordinator_pb2 as pb
 from gossamer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -233,10 +234,7 @@ def run_point(n: int, *, loaders: int, warm_s: float, measure_s: float, pin: boo
         stats = [out.get(timeout=120) for _ in procs]
     finally:
         stop.set()
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+        reap(procs)
         coord.stop()
     lat = [x for s in stats for x in s["latencies_ms"]]
     unsaid = {k for s in stats for k in s["leave_undelivered"]}

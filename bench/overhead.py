@@ -3,8 +3,10 @@
     python -m bench.overhead [--steps 2000] [--batch 32] [--repeats 3]
 
 Rows `train:MODE` time a train function (bench/_train_loop.py: the user's own AdamW loop) through
-`TrainFunctionTrainer` against the same function run in one plain process (`gossamer.run_local`): every
-mode with parameter-server shards (gossip has none: bench/modes.py measures it against sync).
+the mode's unit (`Mode.function_trainer`) against the same function run in one plain process
+(`gossamer.run_local`), every mode. Gossip has no shards: its row is two worker processes mixing with
+each other each step (push-sum, no codec), the lead's time per step; the others are one worker and one
+shard process.
 
 Writes bench/results/overhead.{json,md}. Target: gossamer / plain <= 1.5.
 
@@ -22,21 +24,27 @@ import multiprocessing as mp
 import os
 import statistics
 import time
+from tempfile import TemporaryDirectory
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from bench._report import write_report
+from bench._wait import reap
 from gossamer.core.experiment import Experiment
 from gossamer.engine import sampler
 from gossamer.engine.model import build
 from gossamer.engine.rank import RankContext
-from gossamer.training.ps_trainer import ParameterServerTrainer
+from gossamer.training.shards.ps_trainer import ParameterServerTrainer
 from gossamer.training.train_function import run_local, run_train_function
 
 
 def _exp(steps: int, batch: int, mode: str) -> Experiment:
     overlap = mode.endswith("async+overlap")
+    if mode == "train:gossip":
+        return Experiment(name="overhead", train="bench._train_loop:train", mode="gossip", num_ps_shards=0,
+                          min_workers=2, batch_size=batch, total_steps=steps)
     if mode.startswith("train:"):
         return Experiment(name="overhead", train="bench._train_loop:train",
                           mode="async" if overlap else mode.removeprefix("train:"), overlap=overlap,
@@ -174,6 +182,57 @@ def gossamer_loop(exp: Experiment) -> tuple[float, int]:
             proc.kill()
 
 
+def _gossip_worker(exp_json: str, index: int, out: Any, peers_in: Any, done: Any, checkpoints: str) -> None:
+    """One gossip worker of `gossip_loop`: its endpoint out, both peers' in, then the train function; its seconds
+    per step and bytes out (the lead: once the final average is taken; the other serves until `done`)."""
+    from gossamer.core.protocol import AssignmentUpdate
+
+    torch.set_num_threads(1)
+    exp = Experiment.from_json(exp_json)
+    rank = RankContext(experiment_id="bench", experiment=exp, node_id=f"n{index}", worker_index=index, num_workers=2,
+                       endpoints={}, checkpoint_dir=checkpoints, lead=index == 0, generation=1)
+    told: list[bool] = []
+
+    def updates() -> AssignmentUpdate | None:
+        if told or peers_in.empty():
+            return None
+        told.append(True)
+        return AssignmentUpdate(lead=index == 0, num_workers=2, generation=1, worker_rank=index, peers=peers_in.get())
+
+    def nothing(*_: object) -> None:
+        return None
+
+    t0 = time.perf_counter()
+    trainer = run_train_function(rank, on_metrics=nothing, updates=updates, should_stop=done.is_set,
+                                 on_saved=nothing, report_final=nothing, serving=lambda ep: out.put((index, ep)))
+    peer = getattr(trainer, "peer", None)
+    moved = peer.bytes_up + peer.bytes_down if peer is not None else 0
+    out.put(("done", index, (time.perf_counter() - t0) / exp.total_steps, moved))
+
+
+def gossip_loop(exp: Experiment) -> tuple[float, int]:
+    """Seconds per step of the lead of two gossip workers in two processes, and the bytes each step moved."""
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    inboxes = [ctx.Queue() for _ in range(2)]
+    done = ctx.Event()
+    with TemporaryDirectory() as checkpoints:
+        procs = [ctx.Process(target=_gossip_worker, args=(exp.to_json(), i, out, inboxes[i], done, checkpoints))
+                 for i in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            peers = dict(out.get(timeout=120) for _ in range(2))
+            for q in inboxes:
+                q.put(peers)
+            _, _, per_step, moved = out.get(timeout=600)  # the lead's: it ends once the average is taken
+            done.set()
+            return per_step, moved
+        finally:
+            done.set()
+            reap(procs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=2000)
@@ -182,10 +241,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
-    for mode in ("async", "async+overlap", "sync", "train:async", "train:async+overlap", "train:sync", "train:diloco"):
+    for mode in ("async", "async+overlap", "sync", "train:async", "train:async+overlap", "train:sync", "train:diloco",
+                 "train:gossip"):
         exp = _exp(args.steps, args.batch, mode)
         plain = [plain_loop(exp) for _ in range(args.repeats)]
-        ours = [gossamer_loop(exp) for _ in range(args.repeats)]
+        ours = [(gossip_loop if mode == "train:gossip" else gossamer_loop)(exp) for _ in range(args.repeats)]
         per_way = ours[0][1] // args.steps // 2  # a step's bytes, about half each way
         raw = [raw_round_trip(args.steps, per_way, per_way) for _ in range(args.repeats)]
         p, g, r = statistics.median(plain), statistics.median(t for t, _ in ours), statistics.median(raw)
@@ -199,7 +259,8 @@ def main() -> None:
             "load_1min": round(os.getloadavg()[0], 2),
         })
         print(rows[-1], flush=True)
-    write_report("overhead", rows, "digits MLP (64-128-128-10, 26k params), 1 worker + 1 shard process, "
+    write_report("overhead", rows, "digits MLP (64-128-128-10, 26k params), 1 worker + 1 shard process "
+                 "(train:gossip: 2 worker processes, the lead's step), "
                  f"median of {args.repeats}, torch threads = 1, loopback ZMQ; raw_zmq_rtt_ms: a DEALER/ROUTER "
                  "round trip of the step's bytes between two processes, no framing or apply (the floor of a "
                  "step that waits for its exchange: floor_ratio = (plain + rtt) / plain; async+overlap hides it)")

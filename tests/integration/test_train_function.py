@@ -218,11 +218,15 @@ def test_a_killed_worker_costs_the_run_nothing_and_a_joining_one_starts_from_the
                 first.setdefault(p["source"], (int(p["step"]), float(p["loss"])))
         return first
 
+    # The joiner is the worker whose losses come from a source new since the kill. Its first step is at least the
+    # kill's: in diloco one let into the round the kill interrupted starts at that round's step, the kill's own.
+    before = set(first_loss_by_source())
     deadline = time.monotonic() + 120
-    while not (joiners := {s: v for s, v in first_loss_by_source().items() if v[0] > killed_at}):
+    while not (joiners := {s: v for s, v in first_loss_by_source().items() if s not in before}):
         assert client.job(exp_id).status()["state"] == "running", "the run ended before a joining worker trained"
-        assert time.monotonic() < deadline
+        assert time.monotonic() < deadline, (killed_at, first_loss_by_source())
         time.sleep(0.2)
+    assert all(step >= killed_at for step, _ in joiners.values()), (killed_at, joiners)
     release.touch()
     result = client.job(exp_id).wait(timeout=300)
     assert result.status == "completed", result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 
 import torch
@@ -19,7 +20,7 @@ from gossamer.transport.router import REFORM
 __all__ = ["ShardFunctionTrainer"]
 
 
-class ShardFunctionTrainer(UserModel, ParameterServerTrainer):
+class ShardFunctionTrainer(UserModel, ParameterServerTrainer, abc.ABC):
     """A train function's worker over the experiment's shards: it registers, takes the run's values, pushes what
     its mode's `user_step` says (async's change, DiLoCo's round, sync's gradient) and ends the run as gossamer's
     own loop does. Each mode's unit subclasses it (`Mode.function_trainer`)."""
@@ -43,9 +44,9 @@ class ShardFunctionTrainer(UserModel, ParameterServerTrainer):
         self._basis = self.layout.chunk_values() if self.keeps_basis else {}
         self._exchanging = True
 
+    @abc.abstractmethod
     def user_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The user's step and the mode's exchange (each mode's unit says how)."""
-        raise NotImplementedError
 
     def _send_change(self) -> None:
         """The change since the last exchange out, the run's values in, and the next change's basis taken (a copy

@@ -270,7 +270,7 @@ def _check_train_function(exp: Experiment) -> None:
             if getattr(exp, f) not in ("auto", "none"):
                 raise ConfigError(f, f"a train function's sync exchanges exact gradients; got {getattr(exp, f)!r}")
     if exp.parallelism != "ddp":
-        raise ConfigError("parallelism", "a train function runs with parallelism='ddp' (one rank per node holds "
+        raise ConfigError("parallelism", "a train function runs with parallelism='ddp' (every local rank holds "
                                          "the whole model)")
 
 

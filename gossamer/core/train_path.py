@@ -32,9 +32,11 @@ def old_path_reason(exp: Experiment, *, local_ranks: int = 1) -> str:
     What the train-function trainers do not do yet, or do otherwise:
     - diloco: the built-in round keeps memory down (the inner step inside backward, the round's start folded
       with the codec's residual, exchanged shard by shard) and pushes the workers' mean pseudo-gradient.
-    - several local ranks on a node, fsdp and pipeline, fp16 (loss scaling): a train function's trainer
-      holds the whole model on one rank. Nodes of either path train together (in gossip they exchange
-      parameters, in async and sync both push gradients to the same shards), so the choice is each node's.
+    - several local ranks on a node: the built-in loop splits a node's batch over its ranks (`batch_size` is
+      the node's), where a train function's `ctx.data` gives each rank its own batch; fsdp and pipeline
+      shard the model over the ranks, where a train function's units hold it whole on each; fp16 (loss
+      scaling). Nodes of either path train together (in gossip they exchange parameters, in async and
+      sync both push gradients to the same shards), so the choice is each node's.
     """
     if exp.train:
         return ""
@@ -42,7 +44,8 @@ def old_path_reason(exp: Experiment, *, local_ranks: int = 1) -> str:
     if row.rounds:
         return f"mode {row.label}: the built-in round's memory savings and the workers' mean pseudo-gradient"
     if exp.parallelism != "ddp" or local_ranks > 1:
-        return f"{local_ranks} local ranks, parallelism {exp.parallelism!r}: a train function runs one rank per node"
+        return (f"{local_ranks} local ranks, parallelism {exp.parallelism!r}: the built-in loop's node batch split "
+                "over its ranks, or its sharded layouts")
     if exp.precision == "fp16":
         return "precision 'fp16': loss scaling is the built-in trainer's"
     return ""

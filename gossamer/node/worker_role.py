@@ -17,7 +17,7 @@ from gossamer.core.experiment import CODE_FIELDS, Experiment
 from gossamer.core.import_check import resolve
 from gossamer.core.modes import mode_of
 from gossamer.core.protocol import AssignmentUpdate, RoleSpec
-from gossamer.core.train_path import BUILTIN_TRAIN, builtin_train_function
+from gossamer.core.train_path import builtin_train_function
 from gossamer.engine.process_group import end_process_group, start_process_group
 from gossamer.engine.rank import RankContext
 from gossamer.node._role_process import (
@@ -148,10 +148,6 @@ class WorkerRankRole:
 
     def _train_function(self, ctx: RankContext) -> bool:
         """Call the experiment's train function; gossamer's exchange runs inside its optimizer's step."""
-        if self.world > 1:
-            what = "gossamer's built-in train function" if ctx.experiment.train == BUILTIN_TRAIN else "a train function"
-            raise ConfigError("train", f"{what} runs one rank per node; this node runs {self.world} "
-                                       "(join it with --nproc-per-node 1)")
         if self.rank == 0:
             self._record_environment()
 
@@ -162,7 +158,7 @@ class WorkerRankRole:
 
         trainer = run_train_function(ctx, on_metrics=self.feed.tee(self.reporter.metric), updates=self._updates,
                                      should_stop=self.stop.is_set, on_saved=self.reporter.checkpoint,
-                                     report_final=self._report_final, serving=serving)
+                                     report_final=self._report_final, serving=serving, flush=self.reporter.flush)
         self.reporter.flush()
         if trainer is not None and trainer.final_path:
             self.reporter.complete(self.spec.node_id, trainer.final_metrics, trainer.final_path)

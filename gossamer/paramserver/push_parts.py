@@ -67,7 +67,7 @@ def push_rounds(reqs: Mapping[int, Message], make: MakePush,
         parts[s] = [make(s, dataclasses.replace(meta, part=k, more=k < len(groups) - 1).to_meta(), group)
                     for k, group in enumerate(groups)]
         parted[s] = sorted(parse_chunk_key(name) for name in msg.tensors)
-    last = max(len(p) for p in parts.values())
+    last = max((len(p) for p in parts.values()), default=1)  # no messages (a rank with no chunks): one empty round
     rounds = [{s: p[r] for s, p in parts.items() if r < len(p) - 1} for r in range(last - 1)]
     rounds.append({s: p[-1] for s, p in parts.items()})
     return rounds, parted

@@ -8,9 +8,10 @@ import logging
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import IterableDataset, default_collate
 
@@ -26,6 +27,8 @@ from gossamer.training.shards.gradient_push import GradientPushTrainer
 from gossamer.training.shards.shard_function import ShardFunctionTrainer
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T", torch.Tensor, list[Any])
 
 __all__ = ["GossamerOptimizer", "ShardStepped", "TrainContext", "capture_model", "function_trainer", "run_local",
            "run_train_function"]
@@ -63,6 +66,22 @@ class _Runtime:
 
     @property
     def worker_index(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def local_world_size(self) -> int:
+        return 1
+
+    @property
+    def num_workers(self) -> int:
+        return 1
+
+    @property
+    def worker_rank(self) -> int:
         return 0
 
     @property
@@ -192,18 +211,30 @@ class TrainContext:
 
     @property
     def rank(self) -> int:
-        """This worker's rank among the current workers (changes as workers join and leave)."""
+        """This process's rank among the run's current processes (worker rank x local ranks + local rank; changes
+        as workers join and leave): with your own DataLoader, read the `rank`-th of `world_size` shares."""
         return self._runtime.rank
 
     @property
     def world_size(self) -> int:
-        """The number of workers now."""
+        """The run's processes now: the workers times each node's local ranks (every node runs as many)."""
         return self._runtime.world_size
 
     @property
     def worker_index(self) -> int:
         """This worker's index in the run: unlike `rank`, kept while others join and leave (its own sample stream)."""
         return self._runtime.worker_index
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (`worker join --nproc-per-node N`: 0 to N - 1; one GPU each)."""
+        return self._runtime.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """The processes of this node (`--nproc-per-node`): each runs the train function, and every backward pass
+        ends with the node's mean gradient in `.grad` (as torch DDP's), so they all take the same step."""
+        return self._runtime.local_world_size
 
     @property
     def is_lead(self) -> bool:
@@ -269,16 +300,17 @@ class TrainContext:
 
     def data(self, dataset: Any, batch_size: int | None = None, collate_fn: Callable[[list[Any]], Any] | None = None,
              shuffle: bool = True) -> Iterator[Any]:
-        """This worker's batches of `dataset` (map-style, `IterableDataset` or a Hugging Face dataset).
+        """This process's batches of `dataset` (map-style, `IterableDataset` or a Hugging Face dataset).
 
         A map-style set is sampled deterministically from the experiment's seed, an independent
-        stream per worker; an iterable one is dealt out by the current rank. Ends when the run is done,
-        cancelled, or this node leaves.
+        stream per worker (a node of several local ranks deals each of its batches of `batch_size` x ranks
+        out to them, `batch_size` each); an iterable one is dealt out by the current rank. Ends when the run
+        is done, cancelled, or this node leaves.
 
         sync with `global_batch_size` G: the run's i-th batch is the same G samples whatever the number of
         workers (drawn from the seed, or the stream's next G), and each worker gets its rank's share of them
-        (G / workers, the first ones one more where G does not divide): N workers' mean gradient is one
-        process's over G samples. `batch_size`, if given, must then be G.
+        (G / workers, the first ones one more where G does not divide), cut again among its local ranks:
+        N workers' mean gradient is one process's over G samples. `batch_size`, if given, must then be G.
         """
         size = batch_size or self.experiment.batch_size
         if size < 1:
@@ -297,15 +329,23 @@ class TrainContext:
             if split:
                 picked = (sampler.sync_global_batch(n, size, batch, self.experiment.seed) if shuffle
                           else torch.tensor([(batch * size + i) % n for i in range(size)]))
-                idx = sampler.even_split(picked, self.world_size, self.rank).tolist()
-            elif shuffle:
-                idx = sampler.async_batch(n, size, batch, self.experiment.seed, self.worker_index).tolist()
+                idx = self._share(picked).tolist()
+            elif shuffle:  # the node's own stream, its batch dealt out to its local ranks
+                local = self._runtime.local_world_size
+                node = sampler.async_batch(n, size * local, batch, self.experiment.seed, self.worker_index)
+                idx = sampler.even_split(node, local, self._runtime.local_rank).tolist()
             else:
                 start = (batch * self.world_size + self.rank) * size
                 idx = [(start + i) % n for i in range(min(size, n))]
             self.count(len(idx))
             yield collate([dataset[i] for i in idx])
             batch += 1
+
+    def _share(self, items: T) -> T:
+        """This process's share of one global batch: its worker's share, then its local rank's of that."""
+        r = self._runtime
+        return sampler.even_split(sampler.even_split(items, r.num_workers, r.worker_rank), r.local_world_size,
+                                  r.local_rank)
 
     def _global_batch(self, batch_size: int | None) -> int:
         """The samples of one batch over all workers (sync with `global_batch_size`), else 0."""
@@ -329,7 +369,7 @@ class TrainContext:
                 continue
             items.append(item)
             if len(items) == size:
-                mine = sampler.even_split(items, self.world_size, self.rank) if split else items
+                mine = self._share(items) if split else items
                 self.count(len(mine))
                 yield collate(mine)
                 items = []
@@ -403,15 +443,31 @@ class _WorkerRuntime(_Runtime):
 
     @property
     def rank(self) -> int:
-        return self.ctx.worker_rank
+        return self.worker_rank * self.local_world_size + self.local_rank
 
     @property
     def world_size(self) -> int:
-        return max(1, self.ctx.num_workers)
+        return self.num_workers * self.local_world_size
 
     @property
     def worker_index(self) -> int:
         return self.ctx.worker_index
+
+    @property
+    def local_rank(self) -> int:
+        return self.ctx.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self.ctx.local_world
+
+    @property
+    def num_workers(self) -> int:
+        return max(1, self.ctx.num_workers)
+
+    @property
+    def worker_rank(self) -> int:
+        return self.ctx.worker_rank
 
     @property
     def is_lead(self) -> bool:
@@ -431,7 +487,7 @@ class _WorkerRuntime(_Runtime):
             self.trainer.evaluator = fn
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        hooks = {k: v for k, v in self.hooks.items() if k not in ("report_final", "serving")}
+        hooks = {k: v for k, v in self.hooks.items() if k not in ("report_final", "serving", "flush")}
         self.trainer = function_trainer(self.exp)(self.ctx, model, **hooks)
         self.trainer.wants_exchange = lambda: self.sync_grads
         self.trainer.report_final = self.hooks["report_final"]
@@ -455,6 +511,8 @@ class _WorkerRuntime(_Runtime):
         return self.trainer is not None and self.trainer.done
 
     def stopping(self) -> bool:
+        if self.trainer is not None:  # several local ranks: the stop they agreed on
+            return self.trainer.node_stopping()
         return bool(self.hooks["should_stop"]())
 
     def report(self, values: dict[str, float]) -> None:
@@ -476,9 +534,11 @@ def run_train_function(ctx: RankContext, **hooks: Any) -> ShardFunctionTrainer |
     """Call the experiment's train function on this worker rank; the trainer that ran its exchange.
 
     `hooks`: on_metrics, updates, should_stop, on_saved and report_final, as the role process wires a trainer,
-    and serving(endpoint), told where this worker serves once its model is prepared.
+    serving(endpoint), told where this worker serves once its model is prepared, and flush(), which delivers this
+    process's reports (the train function's closing ones, before the run completes).
     """
     hooks.setdefault("serving", lambda endpoint: None)
+    hooks.setdefault("flush", lambda: None)
     runtime = _WorkerRuntime(ctx, hooks)
     try:
         _call(ctx.experiment, runtime)
@@ -496,5 +556,8 @@ def run_train_function(ctx: RankContext, **hooks: Any) -> ShardFunctionTrainer |
         raise ConfigError("train", f"{ctx.experiment.train!r} returned at step {trainer.progress} of "
                                    f"{ctx.experiment.total_steps}, before the run ended (loop until "
                                    "ctx.should_stop() or over ctx.data(...))")
+    hooks["flush"]()
+    if ctx.local_world > 1:  # every rank's own reports are in before rank 0 says the node is done or completes
+        dist.barrier()
     trainer.end()
     return trainer

@@ -8,8 +8,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from gossamer.core.errors import ConfigError
 from gossamer.engine.profiling import StepProfiler
 from gossamer.engine.rank import Hook, RankContext, StepStats
 
@@ -73,8 +75,78 @@ class UserModel:
         self.user_computed()
         self.profiler.close(self.clock)
 
+    # --- several local ranks: the node's mean gradient, as torch DDP takes it -----------------------------
+    should_stop: Callable[[], bool]
+    _backward_queued = False
+    #: A backward pass since the last step ended with the node's mean gradient (or the workers', in sync).
+    _mean_taken = False
+    #: Several local ranks: the stop the node's ranks agreed on at the end of the last backward pass.
+    _node_stop = False
+    _backward_hooks: tuple[Any, ...] = ()
+
+    def _watch_backward(self, *, always: bool = False) -> None:
+        """End every backward pass (outside `TrainContext.no_sync`) with `_backward_ended`: with several local
+        ranks, or `always` (sync's exchange)."""
+        if always or self.ctx.local_world > 1:
+            self._backward_hooks = tuple(p.register_post_accumulate_grad_hook(self._on_grad)
+                                         for p in self.layout.module.parameters()  # type: ignore[attr-defined]
+                                         if p.requires_grad)
+
+    def _unwatch_backward(self) -> None:
+        for h in self._backward_hooks:
+            h.remove()
+        self._backward_hooks = ()
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._backward_queued and not self.done and self.wants_exchange():
+            self._backward_queued = True  # once per backward pass, whichever parameter's gradient is first
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)  # type: ignore[attr-defined]
+
+    def _backward_ended(self) -> None:
+        self._backward_queued = False
+        self._node_mean()
+        self._mean_taken = True
+
+    def _node_mean(self) -> None:
+        """Several local ranks: every rank's `.grad` becomes the node's mean, in one all-reduce that also carries
+        each rank's stop flag, so the ranks take the same step and end their loops at the same one."""
+        if self.ctx.local_world == 1:
+            return
+        params = list(self.layout.module.parameters())  # type: ignore[attr-defined]
+        device = params[0].device if params else self.ctx.device
+        flat = torch.cat([*(p.grad.detach().reshape(-1).float() if p.grad is not None
+                            else torch.zeros(p.numel(), device=p.device) for p in params),
+                          torch.tensor([float(self.should_stop())], device=device)])
+        dist.all_reduce(flat)
+        self._node_stop = bool(flat[-1].item() > 0)
+        flat[:-1].div_(self.ctx.local_world)
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                piece = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(piece)
+                elif bool(piece.any()):  # another rank's gradient reached it
+                    p.grad = piece.to(p.dtype).clone()
+
+    def _check_mean_taken(self) -> None:
+        """Several local ranks: the step must follow a backward pass that took the node's mean (else the ranks
+        would step apart)."""
+        if self.ctx.local_world > 1 and not self._mean_taken:
+            raise ConfigError("train", "with several local ranks optimizer.step() steps on the node's mean gradient, "
+                                       "which the last backward() before it leaves in .grad: none since the previous "
+                                       "step ran outside ctx.no_sync()")
+        self._mean_taken = False
+
+    def node_stopping(self) -> bool:
+        """Whether this rank's loop should end for a stop: its own flag alone, or with several local ranks the
+        one the node's ranks agreed on (a rank never leaves the others inside a collective)."""
+        return self._node_stop if self.ctx.local_world > 1 else self.should_stop()
+
     def _user_stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """The user's step, counted (a `delay` fault slows this worker's every step, as a straggler's)."""
+        self._check_mean_taken()
         optimizer.step()
         self.clock += 1
         self.stats.steps += 1

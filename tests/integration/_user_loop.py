@@ -24,7 +24,16 @@ def train_no_sync(ctx) -> None:  # type: ignore[no-untyped-def]
     _loop(ctx, no_sync=True)
 
 
-def _loop(ctx, *, no_sync: bool) -> None:  # type: ignore[no-untyped-def]
+def train_reporting_ranks(ctx) -> None:  # type: ignore[no-untyped-def]
+    """`train` (`no_sync` from the environment), then every process reports where it is and a checksum of its model."""
+    model = _loop(ctx, no_sync=os.environ.get("USER_LOOP_NO_SYNC") == "1")
+    checksum = sum(float(p.detach().double().mul(torch.arange(1, p.numel() + 1, dtype=torch.float64).view_as(p)).sum())
+                   for p in model.parameters())
+    ctx.report(checksum=checksum, local_rank=ctx.local_rank, local_world_size=ctx.local_world_size, rank=ctx.rank,
+               world_size=ctx.world_size)
+
+
+def _loop(ctx, *, no_sync: bool) -> torch.nn.Module:  # type: ignore[no-untyped-def]
     model = mlp(hidden=64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     warmup = LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
@@ -59,6 +68,7 @@ def _loop(ctx, *, no_sync: bool) -> None:  # type: ignore[no-untyped-def]
             ctx.report(loss=loss.item() * ACCUMULATE, lr=warmup.get_last_lr()[0])
     if ctx.is_lead:
         ctx.report(eval_accuracy=accuracy(model, eval_set))
+    return model
 
 
 def accuracy(model: torch.nn.Module, eval_set: torch.utils.data.Dataset) -> float:  # type: ignore[type-arg]

@@ -39,4 +39,4 @@ class DilocoFunctionTrainer(ShardFunctionTrainer):
     @property
     def progress(self) -> int:
         """Optimizer steps of the run: rounds (shard versions) times `inner_steps`."""
-        return self.version * self.exp.inner_steps
+        return self.node_version * self.exp.inner_steps

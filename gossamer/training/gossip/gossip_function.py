@@ -22,6 +22,8 @@ class GossipFunctionTrainer(UserModel, GossipTrainer):
         self._user_model = model
         super().__init__(ctx, **hooks)
         self.done = False
+        self.wants_exchange = lambda: True  # the runtime's says where `TrainContext.no_sync` holds it
+        self._watch_backward()
 
     def start(self) -> None:
         """Take the most advanced peer's parameters and step (a worker joining mid-run)."""
@@ -52,6 +54,7 @@ class GossipFunctionTrainer(UserModel, GossipTrainer):
     def end(self) -> None:
         """The lead averages the peers' parameters and saves them; the others serve until the run completes."""
         self._profile_end()
+        self._unwatch_backward()
         self._end_eval_gather()
         if self.done:
             self._finish_or_serve()

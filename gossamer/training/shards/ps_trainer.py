@@ -135,7 +135,7 @@ class ParameterServerTrainer(RankTrainer):
         t0 = time.perf_counter()
         done = self.layout.write_chunks(values, done)
         self.assemble_s += time.perf_counter() - t0
-        return done if self.layout.holds_full_model else self._agree(done)
+        return self._agree(done) if self._agrees_on_node() else done
 
     def pull(self) -> bool:
         res = self.client.pull()
@@ -158,7 +158,17 @@ class ParameterServerTrainer(RankTrainer):
     @property
     def progress(self) -> int:
         """Steps done by the experiment, as compared with `total_steps` and `eval_every`."""
-        return self.version if self.layout.holds_full_model else self._node_progress
+        return self.node_version
+
+    @property
+    def node_version(self) -> int:
+        """The shard version this rank counts from: its own, or the one its node's ranks agreed on."""
+        return self._node_progress if self._agrees_on_node() else self.version
+
+    def _agrees_on_node(self) -> bool:
+        """Whether the node's local ranks decide the end, progress, lead and stop together (`_agree`): sharded
+        layouts, whose ranks talk to different shards and meet in collectives."""
+        return not self.layout.holds_full_model
 
     @property
     def barrier(self) -> bool:
@@ -354,7 +364,7 @@ class ParameterServerTrainer(RankTrainer):
             self._ckpt_thread.join()
         if done:
             self._apply_updates()
-            if not self.layout.holds_full_model:
+            if self._agrees_on_node():
                 self._agree(True)  # every rank of the node agrees on the lead flag, then on the finish
             self._await_lead()
             if self.ctx.lead and not self._stopping():
@@ -390,12 +400,12 @@ class ParameterServerTrainer(RankTrainer):
         while not self.ctx.lead and not self._stopping():
             time.sleep(0.1)
             self._apply_updates()
-            if not self.layout.holds_full_model:
+            if self._agrees_on_node():
                 self._agree(True)  # the node's ranks take the lead flag and the stop together
 
     def _stopping(self) -> bool:
         """ddp: this rank's stop flag; sharded layouts: the flag the node's ranks agreed on."""
-        return self.should_stop() if self.layout.holds_full_model else self._node_stop
+        return self._node_stop if self._agrees_on_node() else self.should_stop()
 
     def _shard_endpoints(self, wait_s: float = 120.0) -> dict[int, str]:
         """The endpoints of the shards this rank exchanges with, waiting (at most `wait_s`) for any
@@ -424,9 +434,13 @@ class ParameterServerTrainer(RankTrainer):
 
     def _on_wait(self) -> None:
         self._apply_updates()
-        # Sharded layouts never abandon a step alone: the other ranks would wait in a collective.
-        if self._exchanging and self.layout.holds_full_model and self.should_stop():
+        if self._exchanging and self._abandons_alone() and self.should_stop():
             raise StepAbandoned
+
+    def _abandons_alone(self) -> bool:
+        """Whether this rank may give a step up on its own stop flag: sharded layouts never do (the other ranks
+        would wait in a collective)."""
+        return self.layout.holds_full_model
 
     def _apply_updates(self) -> AssignmentUpdate | None:
         upd = super()._apply_updates()

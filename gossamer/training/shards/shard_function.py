@@ -27,6 +27,8 @@ class ShardFunctionTrainer(UserModel, ParameterServerTrainer, abc.ABC):
 
     #: Changes are taken against the values of the last exchange (False: the step pushes something else).
     keeps_basis = True
+    #: Every backward pass ends with the mode's exchange (sync), not only with the node's mean (several local ranks).
+    exchanges_in_backward = False
 
     def __init__(self, ctx: RankContext, model: nn.Module, *, on_metrics: Hook | None = None,
                  updates: Callable[[], AssignmentUpdate | None] | None = None,
@@ -36,6 +38,8 @@ class ShardFunctionTrainer(UserModel, ParameterServerTrainer, abc.ABC):
         self.done = False
         self._basis: dict[int, torch.Tensor] = {}
         self._params = list(self.layout.module.parameters())
+        self.wants_exchange = lambda: True  # the runtime's says where `TrainContext.no_sync` holds it
+        self._watch_backward(always=self.exchanges_in_backward)
 
     def start(self) -> None:
         """Register with the shards and take the run's current values (the basis of the first change)."""
@@ -90,11 +94,22 @@ class ShardFunctionTrainer(UserModel, ParameterServerTrainer, abc.ABC):
     @property
     def progress(self) -> int:
         """Optimizer steps of the run: shard versions (DiLoCo's unit counts its rounds' inner steps)."""
-        return self.version
+        return self.node_version
+
+    def _agrees_on_node(self) -> bool:
+        """Several local ranks decide the end, progress, lead and stop together: each talks to the shards of its
+        own chunks (a small model's may be none) and all of them meet in the backward pass's all-reduce."""
+        return self.ctx.local_world > 1 or super()._agrees_on_node()
+
+    def _abandons_alone(self) -> bool:
+        """A step is given up mid-exchange by one rank only where it is the node's only one: otherwise the node's
+        ranks stop together, at the step they agreed on."""
+        return self.ctx.local_world == 1
 
     def end(self) -> None:
         """The train function returned: finish the run as gossamer's own loop does."""
         self._profile_end()
+        self._unwatch_backward()
         self._exchanging = False
         if self.client.in_flight and self._stopping():  # told to leave mid-overlap: the change goes or not, whole
             self.client.abandon()
@@ -105,6 +120,8 @@ class ShardFunctionTrainer(UserModel, ParameterServerTrainer, abc.ABC):
         if self.done:
             self._past_the_end()
             self._apply_updates()
+            if self._agrees_on_node():
+                self._agree(True)  # the node's ranks take the lead flag and the stop together
             self._await_lead()
             if self.ctx.lead and not self._stopping():
                 die_at("before-finish", step=self.progress, **self.client.fault_ctx)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
-from torch import nn
+import torch.distributed as dist
 
 from gossamer.core.errors import ConfigError, ShardError
 from gossamer.core.faults import die_at, gate_at
-from gossamer.engine.rank import RankContext, StepAbandoned
+from gossamer.engine.rank import StepAbandoned
 from gossamer.paramserver import PullResult
 from gossamer.training.shards.shard_function import ShardFunctionTrainer
 from gossamer.training.user_model import flat_values
@@ -31,39 +30,33 @@ class SyncFunctionTrainer(ShardFunctionTrainer):
     """
 
     keeps_basis = False  # the parameters go with each push
-
-    def __init__(self, ctx: RankContext, model: nn.Module, **hooks: Any) -> None:
-        super().__init__(ctx, model, **hooks)
-        if ctx.local_world > 1:
-            raise ConfigError("train", "a train function's sync runs one rank per node")
-        self.wants_exchange = lambda: True  # the runtime's says where `TrainContext.no_sync` holds it
-        self._queued = False
-        self._exchanged = False  # a backward pass since the last step ended with the workers' mean
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params if p.requires_grad]
+    exchanges_in_backward = True
 
     def start(self) -> None:
         """Register with the shards and take the run's parameters and step count (those of its last exchange)."""
         self.client.hello(fresh=True)
         self.pull()
-        self.clock = max(self.client.steps.values(), default=0)  # a worker joining mid-run counts on from there
+        self.clock = self._node_max(max(self.client.steps.values(), default=0))  # a joiner counts on from there
         self.done = self.clock >= self.exp.total_steps
         self._exchanging = True
 
-    def _on_grad(self, param: torch.Tensor) -> None:
-        if not self._queued and not self.done and self.wants_exchange():
-            self._queued = True  # once per backward pass, whichever parameter's gradient is first
-            torch.autograd.Variable._execution_engine.queue_callback(self._exchange_grads)  # type: ignore[attr-defined]
+    def _backward_ended(self) -> None:
+        """End of a backward pass: the node's mean (several local ranks), then the round's mean of the workers'."""
+        self._backward_queued = False
+        self._node_mean()
+        self._exchange_grads()
+        self._mean_taken = True
 
     def _exchange_grads(self) -> None:
         """End of a backward pass: the round's mean gradient into every `.grad` (the same bits on every worker)."""
-        self._queued = False
         grads = flat_values([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params])
         res = self._round(grads)
-        self._exchanged = True
         mean = torch.zeros_like(grads)
         for idx, v in res.values.items():
             c = self.plan.chunks[idx]
             mean[c.flat_offset:c.flat_offset + c.numel] = v.reshape(-1)
+        if self.ctx.local_world > 1:  # each local rank pushed its share of the chunks: the others' come from them
+            dist.all_reduce(mean)
         offset = 0
         with torch.no_grad():
             for p in self._params:
@@ -109,6 +102,14 @@ class SyncFunctionTrainer(ShardFunctionTrainer):
                     self._note_versions(self.client.pull().versions)
         return res
 
+    def _node_max(self, value: int) -> int:
+        """The largest `value` of the node's local ranks (each talks to the shards of its own chunks)."""
+        if self.ctx.local_world == 1:
+            return value
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
     def _hold_place(self) -> None:
         """Done: push idle (the barrier's place, no gradient) for the workers still stepping (one that joined may
         be a backward or a step behind) until a round of idle pushes alone says every worker is done."""
@@ -116,8 +117,8 @@ class SyncFunctionTrainer(ShardFunctionTrainer):
         try:
             while not self._stopping():
                 step = self.version
-                if max(self._round(zeros, idle=True).versions.values(), default=step) <= step:
-                    return  # no version made: every worker is done
+                if not self._node_max(max(self._round(zeros, idle=True).versions.values(), default=step) > step):
+                    return  # no version made (on any of the node's ranks' shards): every worker is done
         except StepAbandoned:
             self.client.abandon()
 
@@ -125,11 +126,10 @@ class SyncFunctionTrainer(ShardFunctionTrainer):
         """The user's step on the mean gradient its backward left; counted."""
         if self.done:
             return
-        if not self._exchanged:
+        if not self._mean_taken:
             raise ConfigError("train", "in sync optimizer.step() steps on the workers' mean gradient, which the last "
                                        "backward() before it leaves in .grad: none since the previous step ran "
                                        "outside ctx.no_sync()")
-        self._exchanged = False
         self._apply_updates()
         self._user_stepped(optimizer)
         self._counted_to_clock()
@@ -143,13 +143,14 @@ class SyncFunctionTrainer(ShardFunctionTrainer):
     def end(self) -> None:
         """The lead writes its own parameters (the shards hold those of the last exchange, a step before)."""
         self._profile_end()
-        for h in self._hooks:
-            h.remove()
+        self._unwatch_backward()
         if self.done:
             self._hold_place()
         self._exchanging = False
         if self.done:
             self._past_the_end()
+            if self._agrees_on_node():
+                self._agree(True)  # the node's ranks take the lead flag and the stop together
             self._await_lead()
             if self.ctx.lead and not self._stopping():
                 self.finish()

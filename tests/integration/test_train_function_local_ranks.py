@@ -1,0 +1,107 @@
+"""A user's train function on nodes of two local ranks (`worker join --nproc-per-node 2`, gloo): every process runs
+it, each backward pass ends with the node's mean gradient, and the node's ranks step alike."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+import gossamer
+from gossamer import Client
+from gossamer.core.experiment import Experiment
+from gossamer.examples.digits import mlp
+from gossamer.tools.local_cluster import LocalCluster
+from tests._fixtures import ranks_env
+from tests.integration._cli_cluster import wait_ready
+
+pytestmark = pytest.mark.timeout(420)
+
+U = "tests.integration._user_loop"
+SYNC = {"num_ps_shards": 1, "ps_backup": False, "global_batch_size": 16}
+MODE_FIELDS: dict[str, dict[str, object]] = {
+    "async": {"num_ps_shards": 1, "ps_backup": False},
+    "diloco": {"num_ps_shards": 1, "ps_backup": False, "inner_steps": 10},
+    "gossip": {"num_ps_shards": 0},
+}
+
+
+def _ranks_cluster(cluster: LocalCluster, workers: int, env: dict[str, str]) -> Client:
+    """A coordinator, one on-demand node of one rank (the shards') and `workers` spot nodes of two ranks each."""
+    address = cluster.start_coordinator(port=0)
+    cluster.add_node("od0", env=env)
+    for i in range(workers):
+        cluster.add_node(f"spot{i}", spot=True, nproc_per_node=2, env={**ranks_env(2), **env})
+    client = Client(address)
+    wait_ready(client, 1 + workers)
+    return client
+
+
+def _final_points(job: gossamer.Job, processes: int) -> list[dict[str, float]]:
+    """Each process's closing report (`_user_loop.train_reporting_ranks`): one per process of the run."""
+    points = [p for p in job.metrics() if "checksum" in p]
+    assert len({p["source"] for p in points}) == processes, points
+    assert sorted(int(p["rank"]) for p in points) == list(range(processes)), points
+    assert {(p["world_size"], p["local_world_size"]) for p in points} == {(processes, 2)}, points
+    return points
+
+
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_sync_on_nodes_of_two_local_ranks_ends_with_one_plain_process_parameters(cluster: LocalCluster,
+                                                                                  no_sync: bool) -> None:
+    # AdamW (0.9, 0.95), a warm-up, accumulation 2 (each backward exchanged, or the first inside no_sync) and
+    # clipping, over 1 node of 2 ranks and 2 nodes of 2: every process steps on the mean gradient of the same 16
+    # samples a plain process trains on, so all of them end with its parameters.
+    total = 40
+    client = _ranks_cluster(cluster, 2, {"USER_LOOP_NO_SYNC": "1" if no_sync else "0"})
+    states = []
+    for workers in (1, 2):
+        job = client.submit({"name": f"sync-{workers}x2", "train": f"{U}:train_reporting_ranks", "mode": "sync",
+                             "total_steps": total, "min_workers": workers, "max_workers": workers, **SYNC})
+        result = job.wait(timeout=300)
+        assert result.status == "completed", result.message
+        states.append(gossamer.load_checkpoint(result.checkpoint))
+        points = _final_points(job, 2 * workers)
+        assert len({p["checksum"] for p in points}) == 1, points  # every process took the same steps
+    client.close()
+    plain = gossamer.run_local(Experiment(name="plain", train=f"{U}:train", mode="sync", total_steps=total,
+                                          **SYNC))  # type: ignore[arg-type]
+    one, two = states
+    assert set(one) == set(two) == set(plain)
+    gaps = {name: max((a[k] - b[k]).abs().max().item() for k in plain)
+            for name, a, b in (("1x2-plain", one, plain), ("2x2-plain", two, plain), ("2x2-1x2", two, one))}
+    assert all(gap <= 1e-5 for gap in gaps.values()), gaps
+    assert max((plain[k] - mlp(hidden=64).state_dict()[k]).abs().max().item() for k in plain) > 1e-2  # it trained
+
+
+@pytest.mark.parametrize("mode", ["async", "diloco", "gossip"])
+def test_a_users_loop_on_nodes_of_two_local_ranks_learns_digits_and_each_nodes_ranks_step_alike(
+        cluster: LocalCluster, mode: str) -> None:
+    client = _ranks_cluster(cluster, 2, {})
+    job = client.submit({"name": f"ranks-{mode}", "train": f"{U}:train_reporting_ranks", "mode": mode,
+                         "total_steps": 300, "min_workers": 2, "max_workers": 2, **MODE_FIELDS[mode]})
+    result = job.wait(timeout=360)
+    assert result.status == "completed", result.message
+    points = _final_points(job, 4)
+    accuracy = [p["eval_accuracy"] for p in job.metrics() if "eval_accuracy" in p]
+    assert accuracy and min(accuracy) > 0.9, accuracy  # every process of the lead node evaluated its model
+    by_node: dict[int, set[float]] = defaultdict(set)
+    for p in points:
+        by_node[int(p["rank"]) // 2].add(p["checksum"])
+    assert len(by_node) == 2 and all(len(sums) == 1 for sums in by_node.values()), points
+    state = gossamer.load_checkpoint(result.checkpoint)
+    mlp(hidden=64).load_state_dict(state)  # the user's own key names
+    client.close()
+
+
+def test_a_step_whose_backward_was_inside_no_sync_on_two_local_ranks_fails_the_run_naming_no_sync(
+        cluster: LocalCluster) -> None:
+    # In async the ranks' gradients are averaged by backward alone: stepping on each rank's own would take the
+    # node's ranks apart.
+    client = _ranks_cluster(cluster, 1, {})
+    job = client.submit({"name": "ranks-no-sync", "train": f"{U}:steps_inside_no_sync", "mode": "async",
+                         "total_steps": 300, **MODE_FIELDS["async"]})
+    result = job.wait(timeout=120)
+    client.close()
+    assert result.status == "failed", result
+    assert "ctx.no_sync()" in result.message and "local ranks" in result.message, result.message

@@ -16,6 +16,7 @@ from gossamer.tools.local_cluster import LocalCluster
 from gossamer.training.train_function import capture_model
 from tests._fixtures import write_toml
 from tests.integration._cli_cluster import cli, spot_cluster
+from tests.integration._plain_equal import assert_sync_runs_equal_plain
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -122,14 +123,7 @@ def test_sync_users_loop_with_1_and_2_workers_at_one_global_batch_ends_with_one_
         assert result.status == "completed", result
         states.append(gossamer.load_checkpoint(result.checkpoint))
     client.close()
-    plain = gossamer.run_local(Experiment(name="plain", train=f"{U}:{fn}", mode="sync", total_steps=total,
-                                          **MODE_FIELDS["sync"]))  # type: ignore[arg-type]
-    one, two = states
-    assert set(one) == set(two) == set(plain)
-    gaps = {name: max((a[k] - b[k]).abs().max().item() for k in plain)
-            for name, a, b in (("1-plain", one, plain), ("2-plain", two, plain), ("2-1", two, one))}
-    assert all(gap <= 1e-5 for gap in gaps.values()), gaps
-    assert max((plain[k] - mlp(hidden=64).state_dict()[k]).abs().max().item() for k in plain) > 1e-2  # it trained
+    assert_sync_runs_equal_plain(dict(zip(("1", "2"), states, strict=True)), f"{U}:{fn}", total, MODE_FIELDS["sync"])
 
 
 @pytest.mark.parametrize("mode", ["async", "async-overlap"])

@@ -9,11 +9,11 @@ import pytest
 
 import gossamer
 from gossamer import Client
-from gossamer.core.experiment import Experiment
 from gossamer.examples.digits import mlp
 from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import ranks_env
 from tests.integration._cli_cluster import wait_ready
+from tests.integration._plain_equal import assert_sync_runs_equal_plain
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -64,14 +64,7 @@ def test_sync_on_nodes_of_two_local_ranks_ends_with_one_plain_process_parameters
         points = _final_points(job, 2 * workers)
         assert len({p["checksum"] for p in points}) == 1, points  # every process took the same steps
     client.close()
-    plain = gossamer.run_local(Experiment(name="plain", train=f"{U}:train", mode="sync", total_steps=total,
-                                          **SYNC))  # type: ignore[arg-type]
-    one, two = states
-    assert set(one) == set(two) == set(plain)
-    gaps = {name: max((a[k] - b[k]).abs().max().item() for k in plain)
-            for name, a, b in (("1x2-plain", one, plain), ("2x2-plain", two, plain), ("2x2-1x2", two, one))}
-    assert all(gap <= 1e-5 for gap in gaps.values()), gaps
-    assert max((plain[k] - mlp(hidden=64).state_dict()[k]).abs().max().item() for k in plain) > 1e-2  # it trained
+    assert_sync_runs_equal_plain(dict(zip(("1x2", "2x2"), states, strict=True)), f"{U}:train", total, SYNC)
 
 
 @pytest.mark.parametrize("mode", ["async", "diloco", "gossip"])

@@ -381,6 +381,16 @@ class Updates:
             part.answered = True
             self.replies.params(part.identity, part.rid, [], staleness=0)
 
+    def _check_values_finite(self, pushed: dict[int, torch.Tensor]) -> None:
+        """A train function's sync push: the values it carries become the run's, so they must be finite. Its
+        gradient may not be: an fp16 step that overflowed (torch's GradScaler) goes into the round's mean, which
+        is then not finite on every worker, so each worker's GradScaler skips the step alike, as with torch DDP.
+        The shards never step on it (the workers do)."""
+        for idx, t in pushed.items():
+            values = t[self.state.chunks[idx].numel:]
+            if not (bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all())):
+                raise Reject(f"chunk {idx}: the parameters pushed are not finite")
+
     def _validate_grads(self, msg: Message) -> tuple[dict[int, torch.Tensor], EncodedPart | None, list[int]]:
         """The push's dense chunk gradients, its compressed form if worth forwarding to the backup, and
         its chunks. A compressed push waiting for a sync step is checked (decoded chunk by chunk) and
@@ -390,7 +400,10 @@ class Updates:
         compression = PushCompression.from_meta(msg.meta)
         if compression is None:
             grads = self.decoders.dense(msg.tensors, "PUSH", per_chunk=2 if self.config.reduce else 1)
-            check_finite(msg)
+            if self.config.reduce:
+                self._check_values_finite(grads)
+            else:
+                check_finite(msg)
             return grads, None, []
         if self.config.reduce:
             raise Reject("a train function's sync push carries plain gradients and values, never compressed ones")

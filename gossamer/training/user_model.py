@@ -38,7 +38,8 @@ class UserModel:
     evaluator: Callable[[], dict[str, float]] | None = None
 
     def _evaluates(self) -> bool:
-        return self.evaluator is not None and self.ctx.lead
+        """The lead's local rank 0 evaluates (as at the end): one figure per evaluation, not one per rank."""
+        return self.evaluator is not None and self.ctx.lead and self.ctx.local_rank == 0
 
     def _evaluate(self, step: int) -> dict[str, float]:
         """The train function's evaluation, where it gave one, reported as gossamer's loop reports its own."""

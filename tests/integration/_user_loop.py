@@ -146,3 +146,28 @@ def drift(ctx) -> None:  # type: ignore[no-untyped-def]
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
+
+
+def train_fp16(ctx) -> None:  # type: ignore[no-untyped-def]
+    """fp16 autocast with torch's own GradScaler around the prepared optimizer; the last rank's step 5 overflows.
+
+    `scaler.step(optimizer)` skips the step of a non-finite gradient (the scale halves): in sync every worker
+    sees the workers' mean, inf for all of them, and all skip it together.
+    """
+    model = mlp(hidden=64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    model, optimizer = ctx.prepare(model, optimizer)
+    scaler = torch.amp.GradScaler(ctx.device.type, init_scale=2.0**10)
+    train_set, _ = data()
+    for step, (x, y) in enumerate(ctx.data(train_set, batch_size=16)):
+        with torch.autocast(ctx.device.type, dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        if step == 5 and ctx.rank == ctx.world_size - 1:
+            loss = loss * float("inf")  # an overflow on this worker alone
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    checksum = sum(float(p.detach().double().mul(torch.arange(1, p.numel() + 1, dtype=torch.float64).view_as(p)).sum())
+                   for p in model.parameters())
+    ctx.report(scale=scaler.get_scale(), checksum=checksum, rank=ctx.rank)

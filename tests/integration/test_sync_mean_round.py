@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
+from gossamer.core.errors import ShardError
 from gossamer.paramserver import (
     OptimizerConfig,
     PullResult,
@@ -134,6 +136,34 @@ def test_a_done_workers_idle_push_holds_its_place_and_idle_pushes_alone_make_no_
         results, _ = _round(plan, endpoint, pushes, order=[1, 0], clients=clients, step=1, idle=(0, 1))
         assert all(res.versions == {0: 1} and not res.values for res in results.values())
         assert server.version == 1
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+
+
+def test_an_overflowed_gradient_makes_the_rounds_mean_not_finite_for_every_worker_and_values_must_be_finite() -> None:
+    """One worker's fp16 step overflowed: its gradient goes into the mean, inf on every worker (each one's
+    GradScaler skips the step), and the shard still holds finite values. Non-finite values are refused."""
+    plan = ShardPlan.build([("w", 64)], 1, chunk_numel=16)
+    server, endpoint = _server(plan)
+    values = torch.linspace(-1, 1, 64)
+    overflowed = torch.ones(64)
+    overflowed[3] = float("inf")
+    clients: list[ShardClient] = []
+    try:
+        results, clients = _round(plan, endpoint, [(torch.ones(64), values.clone()), (overflowed, values.clone())],
+                                  order=[0, 1])
+        for res in results.values():
+            mean = _flat(plan, res.values)
+            assert not bool(torch.isfinite(mean).all()) and mean[3] == float("inf"), mean
+        pulled = clients[0].pull()
+        assert torch.equal(_flat(plan, pulled.values), values) and pulled.versions == {0: 1}
+        bad = values.clone()
+        bad[5] = float("nan")
+        with pytest.raises(ShardError, match="parameters pushed are not finite"):
+            _push(clients[0], plan, torch.ones(64), bad, step=1, num_workers=1)
+        assert server.discarded["nonfinite"] == 1
     finally:
         for c in clients:
             c.close()

@@ -12,7 +12,6 @@ from gossamer.core.faults import die_at, gate_at
 from gossamer.engine.rank import StepAbandoned
 from gossamer.paramserver import PullResult
 from gossamer.training.shards.shard_function import ShardFunctionTrainer
-from gossamer.training.user_model import flat_values
 from gossamer.transport.router import FAILED_PRECONDITION, REFORM
 
 __all__ = ["SyncFunctionTrainer"]
@@ -34,6 +33,7 @@ class SyncFunctionTrainer(ShardFunctionTrainer):
 
     def start(self) -> None:
         """Register with the shards and take the run's parameters and step count (those of its last exchange)."""
+        self._chunk_pieces: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}
         self.client.hello(fresh=True)
         self.pull()
         self.clock = self._node_max(max(self.client.steps.values(), default=0))  # a joiner counts on from there
@@ -49,30 +49,68 @@ class SyncFunctionTrainer(ShardFunctionTrainer):
 
     def _exchange_grads(self) -> None:
         """End of a backward pass: the round's mean gradient into every `.grad` (the same bits on every worker)."""
-        grads = flat_values([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params])
-        res = self._round(grads)
-        mean = torch.zeros_like(grads)
-        for idx, v in res.values.items():
-            c = self.plan.chunks[idx]
-            mean[c.flat_offset:c.flat_offset + c.numel] = v.reshape(-1)
+        res = self._round()
         if self.ctx.local_world > 1:  # each local rank pushed its share of the chunks: the others' come from them
+            mean = torch.zeros(self.plan.total_numel)
+            for idx, v in res.values.items():
+                c = self.plan.chunks[idx]
+                mean[c.flat_offset:c.flat_offset + c.numel] = v.reshape(-1)
             dist.all_reduce(mean)
-        offset = 0
+            res.values.update({c.index: mean[c.flat_offset:c.flat_offset + c.numel] for c in self.plan.chunks})
         with torch.no_grad():
-            for p in self._params:
-                piece = mean[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype)
-                offset += p.numel()
-                if p.grad is not None:
-                    p.grad.copy_(piece)
-                elif bool(piece.any()):  # another worker's gradient reached it; none of the workers': left None
-                    p.grad = piece.clone()
+            for idx, v in res.values.items():
+                flat = v.reshape(-1)
+                for p, start, count, at in self._pieces(idx):
+                    piece = flat[at:at + count]
+                    if p.grad is None:
+                        if not bool(piece.any()):
+                            continue  # none of the workers' gradients reached it (yet): left None
+                        p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    if p.grad.is_contiguous():
+                        p.grad.view(-1)[start:start + count].copy_(piece)
+                    else:  # a gradient in another layout (channels_last): through a contiguous copy
+                        whole = p.grad.contiguous()
+                        whole.view(-1)[start:start + count].copy_(piece)
+                        p.grad.copy_(whole)
 
-    def _round(self, grads: torch.Tensor, *, idle: bool = False) -> PullResult:
-        """One exchange under the barrier: `grads` (flat) and the parameters pushed, the shards' answer."""
+    def _pieces(self, idx: int) -> list[tuple[torch.Tensor, int, int, int]]:
+        """Chunk `idx`'s flat range as pieces of the parameters: (parameter, its first element there, how many,
+        where in the chunk), so the push is written from the parameters and the mean into their `.grad` without
+        a flat copy of the whole model on the way."""
+        pieces = self._chunk_pieces.get(idx)
+        if pieces is None:
+            c = self.plan.chunks[idx]
+            pieces, offset = [], 0
+            for p in self._params:
+                lo, hi = max(offset, c.flat_offset), min(offset + p.numel(), c.flat_offset + c.numel)
+                if lo < hi:
+                    pieces.append((p, lo - offset, hi - lo, lo - c.flat_offset))
+                offset += p.numel()
+            self._chunk_pieces[idx] = pieces
+        return pieces
+
+    def _push_of(self, idle: bool) -> dict[int, torch.Tensor]:
+        """This rank's chunks as a round pushes each: its gradient (zero where idle, or for a parameter without
+        one), then its values, each written once from the parameters into the chunk's buffer."""
+        push: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for c in self.mine:
+                buf = torch.empty(2 * c.numel)
+                for p, start, count, at in self._pieces(c.index):
+                    grad = buf[at:at + count]
+                    if idle or p.grad is None:
+                        grad.zero_()
+                    else:
+                        grad.copy_(p.grad.reshape(-1)[start:start + count])
+                    buf[c.numel + at:c.numel + at + count].copy_(p.reshape(-1)[start:start + count])
+                push[c.index] = buf
+        return push
+
+    def _round(self, *, idle: bool = False) -> PullResult:
+        """One exchange under the barrier: this rank's gradients (none where `idle`) and parameters pushed, the
+        shards' answer."""
         self._apply_updates()
-        values = flat_values(self._params)
-        push = {c.index: torch.cat([grads[c.flat_offset:c.flat_offset + c.numel],
-                                    values[c.flat_offset:c.flat_offset + c.numel]]) for c in self.mine}
+        push = self._push_of(idle)
         gate_at("push", step=self.progress, **self.client.fault_ctx)
         die_at("mid-push", step=self.clock, **self.client.fault_ctx)
         t0 = time.perf_counter()
@@ -113,11 +151,10 @@ class SyncFunctionTrainer(ShardFunctionTrainer):
     def _hold_place(self) -> None:
         """Done: push idle (the barrier's place, no gradient) for the workers still stepping (one that joined may
         be a backward or a step behind) until a round of idle pushes alone says every worker is done."""
-        zeros = torch.zeros(self.plan.total_numel)
         try:
             while not self._stopping():
                 step = self.version
-                if not self._node_max(max(self._round(zeros, idle=True).versions.values(), default=step) > step):
+                if not self._node_max(max(self._round(idle=True).versions.values(), default=step) > step):
                     return  # no version made (on any of the node's ranks' shards): every worker is done
         except StepAbandoned:
             self.client.abandon()

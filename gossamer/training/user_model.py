@@ -115,20 +115,24 @@ class UserModel:
             return
         params = list(self.layout.module.parameters())  # type: ignore[attr-defined]
         device = params[0].device if params else self.ctx.device
+        # After the gradients: which parameters have one on this rank, and the stop flag.
+        flags = torch.tensor([*(float(p.grad is not None) for p in params), float(self.should_stop())],
+                             device=device)
         flat = torch.cat([*(p.grad.detach().reshape(-1).float() if p.grad is not None
-                            else torch.zeros(p.numel(), device=p.device) for p in params),
-                          torch.tensor([float(self.should_stop())], device=device)])
+                            else torch.zeros(p.numel(), device=p.device) for p in params), flags])
         dist.all_reduce(flat)
+        total = flat.numel() - flags.numel()
+        has = flat[total:-1].tolist()
         self._node_stop = bool(flat[-1].item() > 0)
-        flat[:-1].div_(self.ctx.local_world)
+        flat[:total].div_(self.ctx.local_world)
         offset = 0
         with torch.no_grad():
-            for p in params:
+            for p, any_rank in zip(params, has, strict=True):
                 piece = flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
                 if p.grad is not None:
                     p.grad.copy_(piece)
-                elif bool(piece.any()):  # another rank's gradient reached it
+                elif any_rank > 0:  # another rank's gradient reached it: every rank steps it alike (as torch DDP)
                     p.grad = piece.to(p.dtype).clone()
 
     def _check_mean_taken(self) -> None:

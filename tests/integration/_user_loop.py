@@ -171,3 +171,20 @@ def train_fp16(ctx) -> None:  # type: ignore[no-untyped-def]
     checksum = sum(float(p.detach().double().mul(torch.arange(1, p.numel() + 1, dtype=torch.float64).view_as(p)).sum())
                    for p in model.parameters())
     ctx.report(scale=scaler.get_scale(), checksum=checksum, rank=ctx.rank)
+
+
+def train_one_rank_touches_a_parameter(ctx) -> None:  # type: ignore[no-untyped-def]
+    """Local rank 0 gives `extra` a zero gradient, the other ranks none; AdamW's weight decay then steps it only
+    where it has one, so the node's ranks stay alike only if every rank gets a gradient wherever one did."""
+    model = mlp(hidden=8)
+    model.extra = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.5)
+    model, optimizer = ctx.prepare(model, optimizer)
+    for x, y in ctx.data(data()[0], batch_size=8):
+        loss = F.cross_entropy(model(x), y)
+        if ctx.local_rank == 0:
+            loss = loss + 0.0 * model.extra.sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    ctx.report(extra=float(model.extra.sum()), local_rank=ctx.local_rank)

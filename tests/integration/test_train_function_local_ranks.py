@@ -98,3 +98,17 @@ def test_a_step_whose_backward_was_inside_no_sync_on_two_local_ranks_fails_the_r
     client.close()
     assert result.status == "failed", result
     assert "ctx.no_sync()" in result.message and "local ranks" in result.message, result.message
+
+
+def test_a_parameter_with_a_gradient_on_one_local_rank_only_is_stepped_on_every_rank(cluster: LocalCluster) -> None:
+    client = _ranks_cluster(cluster, 1, {})
+    # sync: nothing but the steps keeps the ranks' parameters alike (async writes the shards' values into both)
+    job = client.submit({"name": "ranks-unused", "train": f"{U}:train_one_rank_touches_a_parameter", "mode": "sync",
+                         "total_steps": 20, **MODE_FIELDS["async"]})
+    result = job.wait(timeout=120)
+    points = [p for p in job.metrics() if "extra" in p]
+    client.close()
+    assert result.status == "completed", result.message
+    assert sorted(p["local_rank"] for p in points) == [0.0, 1.0], points
+    extra = {p["extra"] for p in points}
+    assert len(extra) == 1 and extra.pop() < 4.0, points  # decayed alike on both ranks

@@ -27,8 +27,7 @@ def train_no_sync(ctx) -> None:  # type: ignore[no-untyped-def]
 def train_reporting_ranks(ctx) -> None:  # type: ignore[no-untyped-def]
     """`train` (`no_sync` from the environment), then every process reports where it is and a checksum of its model."""
     model = _loop(ctx, no_sync=os.environ.get("USER_LOOP_NO_SYNC") == "1")
-    checksum = sum(float(p.detach().double().mul(torch.arange(1, p.numel() + 1, dtype=torch.float64).view_as(p)).sum())
-                   for p in model.parameters())
+    checksum = _checksum(model)
     ctx.report(checksum=checksum, local_rank=ctx.local_rank, local_world_size=ctx.local_world_size, rank=ctx.rank,
                world_size=ctx.world_size)
 
@@ -69,6 +68,12 @@ def _loop(ctx, *, no_sync: bool) -> torch.nn.Module:  # type: ignore[no-untyped-
     if ctx.is_lead:
         ctx.report(eval_accuracy=accuracy(model, eval_set))
     return model
+
+
+def _checksum(model: torch.nn.Module) -> float:
+    """Each parameter's values weighted by their positions, summed: equal only for (bit-)equal models."""
+    return sum(float(p.detach().double().mul(torch.arange(1, p.numel() + 1, dtype=torch.float64).view_as(p)).sum())
+               for p in model.parameters())
 
 
 def accuracy(model: torch.nn.Module, eval_set: torch.utils.data.Dataset) -> float:  # type: ignore[type-arg]
@@ -168,8 +173,7 @@ def train_fp16(ctx) -> None:  # type: ignore[no-untyped-def]
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
-    checksum = sum(float(p.detach().double().mul(torch.arange(1, p.numel() + 1, dtype=torch.float64).view_as(p)).sum())
-                   for p in model.parameters())
+    checksum = _checksum(model)
     ctx.report(scale=scaler.get_scale(), checksum=checksum, rank=ctx.rank)
 
 

@@ -32,20 +32,20 @@ def old_path_reason(exp: Experiment, *, local_ranks: int = 1) -> str:
     What the train-function trainers do not do yet, or do otherwise:
     - diloco: the built-in round keeps memory down (the inner step inside backward, the round's start folded
       with the codec's residual, exchanged shard by shard) and pushes the workers' mean pseudo-gradient.
-    - several local ranks on a node: the built-in loop splits a node's batch over its ranks (`batch_size` is
-      the node's), where a train function's `ctx.data` gives each rank its own batch; fsdp and pipeline
-      shard the model over the ranks, where a train function's units hold it whole on each; fp16 (loss
-      scaling). Nodes of either path train together (in gossip they exchange parameters, in async and
-      sync both push gradients to the same shards), so the choice is each node's.
+    - fsdp and pipeline shard the model over a node's ranks, where a train function's units hold it whole on
+      each; fp16 (loss scaling). Nodes of either path train together (in gossip they exchange parameters, in
+      async and sync both push gradients to the same shards), so the choice is each node's.
+
+    A node of several local ranks with `parallelism = "ddp"` runs the built-in train function: `batch_size`
+    stays the node's, each rank taking its share of the node's batch (`builtin_train._want`).
     """
     if exp.train:
         return ""
     row = mode_of(exp)
     if row.rounds:
         return f"mode {row.label}: the built-in round's memory savings and the workers' mean pseudo-gradient"
-    if exp.parallelism != "ddp" or local_ranks > 1:
-        return (f"{local_ranks} local ranks, parallelism {exp.parallelism!r}: the built-in loop's node batch split "
-                "over its ranks, or its sharded layouts")
+    if exp.parallelism != "ddp":
+        return f"parallelism {exp.parallelism!r}: the model sharded over the node's {local_ranks} local ranks"
     if exp.precision == "fp16":
         return "precision 'fp16': loss scaling is the built-in trainer's"
     return ""

@@ -36,7 +36,7 @@ from gossamer.node.beat_sender import UdpBeats
 from gossamer.node.heartbeat import HeartbeatThread
 from gossamer.node.host_load import spare_cpus
 from gossamer.node.late_imports import LATE_MODULES
-from gossamer.node.launcher import Launch, default_run_dir, visible_cuda_devices
+from gossamer.node.launcher import Launch, default_run_dir, ensure_run_dir, visible_cuda_devices
 from gossamer.node.leave import GraceSplit, deliver_leave
 from gossamer.node.node_metrics import NodeMetrics
 from gossamer.node.ports import reserve_port
@@ -538,7 +538,7 @@ class NodeAgent:
         """This node's role logs (under its node id: agents of one host share the log directory).
 
         Not in an explicit `run_dir`: that holds the agent's sockets only and is left empty when it exits."""
-        base = self.config.log_dir or os.path.join(default_run_dir(), "logs")
+        base = self.config.log_dir or str(ensure_run_dir() / "logs")  # private: 0700
         return RoleLogs(os.path.join(base, self.node_id or "unjoined"))
 
     @staticmethod

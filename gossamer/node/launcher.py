@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import stat
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Literal
 
 from gossamer.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: Slurm's own step ids (batch script, extern, interactive, pending, ...): no srun step runs there.
 _SLURM_SPECIAL_STEPS = 0xFFFFFFF0
@@ -68,22 +71,29 @@ def default_run_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"gossamer-{os.getuid()}")
 
 
-def ensure_run_dir(path: str) -> Path:
-    """Create `path` (mode 0700) or check that it is a directory private to this user.
+def ensure_run_dir(path: str = "") -> Path:
+    """Create `path` (mode 0700) or check that it is a directory private to this user; by default
+    `default_run_dir()`, which is this user's by its name: one left open to others (older gossamer
+    made it 0755 when it wrote its role logs there first) is made 0700 again, with a warning.
 
     Raises:
         ConfigError: it is a symlink, someone else's, or open to the group or others (anyone who
             can connect to the socket could send the agent's local ranks their work).
     """
-    p = Path(path)
-    p.mkdir(mode=0o700, parents=True, exist_ok=True)
+    own = not path
+    p = Path(path or default_run_dir())
+    for missing in [d for d in (*reversed(p.parents), p) if not d.exists()]:
+        missing.mkdir(mode=0o700, exist_ok=True)  # `parents=True` would make the missing parents 0755
     st = p.lstat()
     if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError("run_dir", f"{path} is not a directory (a symlink?)")
+        raise ConfigError("run_dir", f"{p} is not a directory (a symlink?)")
     if st.st_uid != os.getuid():
-        raise ConfigError("run_dir", f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
-    if st.st_mode & 0o077:
-        raise ConfigError("run_dir", f"{path} is open to other users (mode {st.st_mode & 0o777:o}): chmod 700 it")
+        raise ConfigError("run_dir", f"{p} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
+    if st.st_mode & 0o077 and own:
+        log.warning("%s was open to other users (mode %o): made 0700", p, st.st_mode & 0o777)
+        p.chmod(0o700)
+    elif st.st_mode & 0o077:
+        raise ConfigError("run_dir", f"{p} is open to other users (mode {st.st_mode & 0o777:o}): chmod 700 it")
     return p
 
 

@@ -129,7 +129,7 @@ def cmd_worker_join(args: argparse.Namespace) -> int:
         launcher.check_cuda_ranks(nproc, launcher.visible_cuda_devices())
     launcher.scrub_cross_node_env(launch)
     if launch.shared:
-        launcher.ensure_run_dir(args.run_dir or launcher.default_run_dir())
+        launcher.ensure_run_dir(args.run_dir or "")
     if launch.shared and launch.local_rank > 0:
         from gossamer.node.attach import run_attached_rank
 

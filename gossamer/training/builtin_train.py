@@ -58,8 +58,11 @@ def _loop(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Opti
     # async: a worker's samples follow its own steps, as the older trainer's (the run's steps are shard versions)
     own_steps = shards_step_optimizer(exp) and not mode_of(exp).allows_global_batch
     mine = 0
+    # Several local ranks: each backward ends with the node's mean of the ranks' gradients, so each rank's loss
+    # is over its share of the node's batch times the ranks (the mean is then the node batch's gradient).
+    ranks = ctx.local_world_size
     while not ctx.should_stop():
-        step, workers = mine if own_steps else ctx.step, ctx.world_size
+        step, workers = mine if own_steps else ctx.step, ctx.world_size // ranks
         want, share = _want(ctx, loader.data, step)
         batch = to_device(loader.get(step, _wants(ctx, loader.data, step, want)), ctx.device)
         model.zero_grad(set_to_none=True)
@@ -67,7 +70,7 @@ def _loop(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Opti
             out = objective.forward(model, batch)
         total, _ = objective.loss_sum(out, batch)
         per_sample = objective.per_sample(batch)
-        (total * (1.0 / (share * per_sample))).backward()  # the older trainers' arithmetic: the same bits
+        (total * (ranks / (share * per_sample))).backward()  # the older trainers' arithmetic: the same bits
         if exp.max_grad_norm:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), exp.max_grad_norm))
         n = want_len(want)
@@ -88,26 +91,37 @@ def _loop(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Opti
 
 
 def _want(ctx: TrainContext, data: Data, step: int) -> tuple[Want, float]:
-    """This worker's samples of `step`, and what their summed loss is divided by.
+    """This rank's samples of `step`, and what the node's summed loss is divided by.
 
-    sync: its share of the step's global batch (the same samples whatever the workers), over the global batch,
-    so the sum of the workers' gradients the shards step on is one process's over the global batch. Otherwise
-    its own batch (a stream: its piece of the step's span), over its size.
+    sync: its worker's share of the step's global batch (the same samples whatever the workers), over the global
+    batch, so the sum of the workers' gradients the shards step on is one process's over the global batch.
+    Otherwise its worker's own batch of `batch_size` (a stream: its piece of the step's span), over its size.
+    `batch_size` is a node's: several local ranks each take their share of the node's samples.
     """
     exp = ctx.experiment
+    ranks = ctx.local_world_size
+    workers, me = ctx.world_size // ranks, ctx.rank // ranks
     if not mode_of(exp).allows_global_batch:
         if data.stream:
-            span = exp.batch_size * ctx.world_size
-            start, stop = sampler.stream_span(step, span, ctx.world_size, ctx.rank)
-            return ("span", start, stop), float(stop - start)
+            start, stop = sampler.stream_span(step, exp.batch_size * workers, workers, me)
+            return _rank_span(ctx, start, stop), float(stop - start)
         idx = sampler.async_batch(len(data), exp.batch_size, step, exp.seed, ctx.worker_index)
-        return ("idx", index_tuple(idx)), float(idx.numel())
-    g = exp.effective_global_batch(ctx.world_size)
+        return ("idx", index_tuple(sampler.even_split(idx, ranks, ctx.local_rank))), float(idx.numel())
+    g = exp.effective_global_batch(workers)
     if data.stream:  # the step's span of the stream, this worker's piece of it
-        start, stop = sampler.stream_span(step, g, ctx.world_size, ctx.rank)
-        return ("span", start, stop), float(g)
-    idx = sampler.sync_global_batch(len(data), g, step, exp.seed)
-    return ("idx", index_tuple(sampler.even_split(idx, ctx.world_size, ctx.rank))), float(g)
+        start, stop = sampler.stream_span(step, g, workers, me)
+        return _rank_span(ctx, start, stop), float(g)
+    idx = sampler.even_split(sampler.sync_global_batch(len(data), g, step, exp.seed), workers, me)
+    return ("idx", index_tuple(sampler.even_split(idx, ranks, ctx.local_rank))), float(g)
+
+
+def _rank_span(ctx: TrainContext, start: int, stop: int) -> Want:
+    """This rank's run of the node's stream positions [start, stop) (the whole run on a node of one rank)."""
+    if ctx.local_world_size == 1:
+        return ("span", start, stop)
+    mine = sampler.even_split(torch.arange(start, stop), ctx.local_world_size, ctx.local_rank)
+    lo = int(mine[0]) if len(mine) else start
+    return ("span", lo, lo + len(mine))
 
 
 def _wants(ctx: TrainContext, data: Data, step: int, want: Want) -> Callable[[int], Want]:

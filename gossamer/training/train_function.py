@@ -478,8 +478,8 @@ class _WorkerRuntime(_Runtime):
         return self.ctx.device
 
     def count(self, samples: int) -> None:
-        if self.trainer is not None:
-            self.trainer.stats.samples += samples
+        if self.trainer is not None:  # the node's (local rank 0 reports it): its ranks take equal shares, to one sample
+            self.trainer.stats.samples += samples * self.local_world_size
 
     def evaluate_with(self, fn: Callable[[], dict[str, float]]) -> None:
         self.evaluator = fn

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gossamer.core.errors import ConfigError
+from gossamer.core.faults import die_at
 from gossamer.engine.profiling import StepProfiler
 from gossamer.engine.rank import Hook, RankContext, StepStats
 
@@ -120,6 +121,7 @@ class UserModel:
                              device=device)
         flat = torch.cat([*(p.grad.detach().reshape(-1).float() if p.grad is not None
                             else torch.zeros(p.numel(), device=p.device) for p in params), flags])
+        die_at("mid-allreduce", step=self.clock, worker=self.ctx.worker_index, rank=self.ctx.local_rank)
         dist.all_reduce(flat)
         total = flat.numel() - flags.numel()
         has = flat[total:-1].tolist()

@@ -12,7 +12,7 @@ from gossamer import Client, Experiment, load_checkpoint
 from gossamer.core.experiment import BUILTIN_TRAIN
 from gossamer.engine.model import build
 from gossamer.paramserver import flatten_params
-from tests._fixtures import MakeCluster
+from tests._fixtures import MakeCluster, ranks_env
 from tests.chaos._wait import assert_running, wait_for, wait_steps
 from tests.integration._ps_harness import reference_sync
 
@@ -52,3 +52,39 @@ def test_a_killed_worker_makes_the_builtin_train_function_compute_the_step_again
     ours, ref = flatten_params(model), reference_sync(exp, 96)
     # Up to the order of float sums (the survivors split each global batch in two, not three).
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-3), float((ours - ref).abs().max())
+
+
+def test_nodes_of_two_local_ranks_send_their_step_again_when_a_killed_worker_re_forms_the_barrier(
+        tmp_path: Path, make_cluster: MakeCluster) -> None:
+    """The survivors are nodes of two local ranks whose ranks push their own chunks to two shards: a rank refused
+    by the re-formed barrier sends the same gradient again (its node's other rank may have been answered, or wait
+    on its part), and the run completes with every rank in step."""
+    spec = {
+        "name": "builtin-reform-ranks", "train": BUILTIN_TRAIN, "model": "gossamer.examples.digits:mlp",
+        "dataset": "gossamer.examples.digits:data", "mode": "sync", "lr": 0.1, "momentum": 0.9,
+        "global_batch_size": 96, "num_ps_shards": 2, "ps_backup": False, "chunk_numel": 512, "min_workers": 2,
+        "max_workers": 3, "total_steps": 400, "eval_every": 0,
+    }
+    with make_cluster(state_dir=tmp_path / "state") as cluster:
+        client = Client(cluster.start_coordinator(port=0))
+        for name in ("ps0", "ps1"):
+            cluster.add_node(name)
+        wait_for(lambda: len(client.nodes()) == 2, 60, "ps")
+        slow = {"GOSSAMER_FAULT": "delay:seconds=0.03"}  # lets the kill land mid-run
+        cluster.add_node("w0", spot=True, nproc_per_node=2, env=slow | ranks_env(2))
+        cluster.add_node("w1", spot=True, env=slow)
+        cluster.add_node("w2", spot=True, nproc_per_node=2, env=slow | ranks_env(2))
+        wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 5, 90, "nodes")
+        job = client.submit(spec)
+        wait_steps(job, 100, 180, "100 steps")
+        cluster.kill_node("w1")  # mid-step, surely: the survivors wait on its contribution
+        assert_running(job, "the kill of w1")
+        result = job.wait(timeout=300)
+        events = job.events()
+    text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
+    assert result.status == "completed", (result, text)
+    assert any(e["kind"] == "lost" and "node w1 " in e["message"] for e in events), text
+    assert result.metrics["redone_steps"] >= 1, result.metrics  # a rank's push was refused and sent again
+    assert result.metrics["eval_accuracy"] > 0.9, result.metrics
+    model, _, _ = build(Experiment.from_dict(spec), torch.device("cpu"))
+    model.load_state_dict(load_checkpoint(result.checkpoint))  # one model: the nodes' ranks ended in step

@@ -9,6 +9,7 @@ import time
 
 from gossamer import Client
 from gossamer.tools.local_cluster import LocalCluster
+from tests._fixtures import ranks_env
 
 
 def wait_ready(client: Client, n: int, timeout: float = 90) -> None:
@@ -34,3 +35,17 @@ def spot_cluster(cluster: LocalCluster, workers: int, env: dict[str, str] | None
     client = Client(address)
     wait_ready(client, 1 + workers)
     return address, client
+
+
+def ranks_cluster(cluster: LocalCluster, workers: int, env: dict[str, str] | None = None, *,
+                  shard_nodes: int = 1) -> Client:
+    """A coordinator, `shard_nodes` on-demand nodes of one rank (the shards') and `workers` spot nodes of two local
+    ranks each (gloo), all ready; a client."""
+    address = cluster.start_coordinator(port=0)
+    for i in range(shard_nodes):
+        cluster.add_node(f"od{i}", env=env)
+    for i in range(workers):
+        cluster.add_node(f"spot{i}", spot=True, nproc_per_node=2, env={**ranks_env(2), **(env or {})})
+    client = Client(address)
+    wait_ready(client, shard_nodes + workers)
+    return client

@@ -8,11 +8,9 @@ from collections import defaultdict
 import pytest
 
 import gossamer
-from gossamer import Client
 from gossamer.examples.digits import mlp
 from gossamer.tools.local_cluster import LocalCluster
-from tests._fixtures import ranks_env
-from tests.integration._cli_cluster import wait_ready
+from tests.integration._cli_cluster import ranks_cluster
 from tests.integration._plain_equal import assert_sync_runs_equal_plain
 
 pytestmark = pytest.mark.timeout(420)
@@ -24,17 +22,6 @@ MODE_FIELDS: dict[str, dict[str, object]] = {
     "diloco": {"num_ps_shards": 1, "ps_backup": False, "inner_steps": 10},
     "gossip": {"num_ps_shards": 0},
 }
-
-
-def _ranks_cluster(cluster: LocalCluster, workers: int, env: dict[str, str]) -> Client:
-    """A coordinator, one on-demand node of one rank (the shards') and `workers` spot nodes of two ranks each."""
-    address = cluster.start_coordinator(port=0)
-    cluster.add_node("od0", env=env)
-    for i in range(workers):
-        cluster.add_node(f"spot{i}", spot=True, nproc_per_node=2, env={**ranks_env(2), **env})
-    client = Client(address)
-    wait_ready(client, 1 + workers)
-    return client
 
 
 def _final_points(job: gossamer.Job, processes: int) -> list[dict[str, float]]:
@@ -53,7 +40,7 @@ def test_sync_on_nodes_of_two_local_ranks_ends_with_one_plain_process_parameters
     # clipping, over 1 node of 2 ranks and 2 nodes of 2: every process steps on the mean gradient of the same 16
     # samples a plain process trains on, so all of them end with its parameters.
     total = 40
-    client = _ranks_cluster(cluster, 2, {"USER_LOOP_NO_SYNC": "1" if no_sync else "0"})
+    client = ranks_cluster(cluster, 2, {"USER_LOOP_NO_SYNC": "1" if no_sync else "0"})
     states = []
     for workers in (1, 2):
         job = client.submit({"name": f"sync-{workers}x2", "train": f"{U}:train_reporting_ranks", "mode": "sync",
@@ -70,7 +57,7 @@ def test_sync_on_nodes_of_two_local_ranks_ends_with_one_plain_process_parameters
 @pytest.mark.parametrize("mode", ["async", "diloco", "gossip"])
 def test_a_users_loop_on_nodes_of_two_local_ranks_learns_digits_and_each_nodes_ranks_step_alike(
         cluster: LocalCluster, mode: str) -> None:
-    client = _ranks_cluster(cluster, 2, {})
+    client = ranks_cluster(cluster, 2, {})
     job = client.submit({"name": f"ranks-{mode}", "train": f"{U}:train_reporting_ranks", "mode": mode,
                          "total_steps": 300, "min_workers": 2, "max_workers": 2, **MODE_FIELDS[mode]})
     result = job.wait(timeout=360)
@@ -91,7 +78,7 @@ def test_a_step_whose_backward_was_inside_no_sync_on_two_local_ranks_fails_the_r
         cluster: LocalCluster) -> None:
     # In async the ranks' gradients are averaged by backward alone: stepping on each rank's own would take the
     # node's ranks apart.
-    client = _ranks_cluster(cluster, 1, {})
+    client = ranks_cluster(cluster, 1, {})
     job = client.submit({"name": "ranks-no-sync", "train": f"{U}:steps_inside_no_sync", "mode": "async",
                          "total_steps": 300, **MODE_FIELDS["async"]})
     result = job.wait(timeout=120)
@@ -101,7 +88,7 @@ def test_a_step_whose_backward_was_inside_no_sync_on_two_local_ranks_fails_the_r
 
 
 def test_a_parameter_with_a_gradient_on_one_local_rank_only_is_stepped_on_every_rank(cluster: LocalCluster) -> None:
-    client = _ranks_cluster(cluster, 1, {})
+    client = ranks_cluster(cluster, 1, {})
     # sync: nothing but the steps keeps the ranks' parameters alike (async writes the shards' values into both)
     job = client.submit({"name": "ranks-unused", "train": f"{U}:train_one_rank_touches_a_parameter", "mode": "sync",
                          "total_steps": 20, **MODE_FIELDS["async"]})

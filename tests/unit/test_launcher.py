@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from gossamer.core.errors import ConfigError
 from gossamer.node.launcher import (
     Launch,
     check_cuda_ranks,
+    default_run_dir,
     detect,
     ensure_run_dir,
     parse_tasks_per_node,
@@ -151,6 +153,23 @@ def test_run_dir_is_created_private_and_a_shared_one_is_refused(tmp_path: Path) 
     link.symlink_to(made)
     with pytest.raises(ConfigError, match="not a directory"):
         ensure_run_dir(str(link))
+
+
+def test_a_run_dirs_missing_parents_are_private_too_and_the_default_one_is_made_private_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ensure_run_dir(str(tmp_path / "p" / "q" / "run"))
+    assert all((tmp_path / d).stat().st_mode & 0o777 == 0o700 for d in ("p", "p/q", "p/q/run"))
+    # The default run dir is this user's by its name: one an older agent left 0755 is tightened, not refused.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    try:
+        default = Path(default_run_dir())
+        assert default.parent == tmp_path
+        default.mkdir(mode=0o755)
+        default.chmod(0o755)
+        assert ensure_run_dir() == default and default.stat().st_mode & 0o777 == 0o700
+    finally:
+        tempfile.tempdir = None
 
 
 def test_a_socket_path_too_long_for_unix_sockets_is_refused() -> None:

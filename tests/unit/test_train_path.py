@@ -81,10 +81,16 @@ def test_a_users_async_train_function_steps_on_the_worker_and_the_shards_add_its
     assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.lr_schedule) == ("sgd", 1.0, "constant")
 
 
-@pytest.mark.parametrize("mode", ["gossip", "async"])
-def test_a_node_of_several_local_ranks_keeps_the_old_trainer(mode: str) -> None:
+@pytest.mark.parametrize("mode", ["gossip", "async", "sync"])
+def test_a_ddp_node_of_several_local_ranks_runs_the_builtin_train_function(mode: str) -> None:
     exp = Experiment(**DIGITS, mode=mode, **({"num_ps_shards": 0} if mode == "gossip" else {}))
-    assert "2 local ranks" in old_path_reason(exp, local_ranks=2)
+    assert old_path_reason(exp, local_ranks=2) == ""
+    assert builtin_train_function(exp, local_ranks=2).train == BUILTIN_TRAIN
+
+
+def test_a_node_sharding_its_model_over_its_local_ranks_keeps_the_old_trainer() -> None:
+    exp = Experiment(**DIGITS, mode="async", parallelism="pipeline")
+    assert "pipeline" in old_path_reason(exp, local_ranks=2) and "2 local ranks" in old_path_reason(exp, local_ranks=2)
     assert builtin_train_function(exp, local_ranks=2) is exp
 
 

@@ -52,27 +52,36 @@ class GradientPushTrainer(ShardFunctionTrainer):
         the step is counted.
 
         sync: where the barrier re-formed or the shards moved on, `StepRedo`: gossamer's own loop computes the
-        step again over the workers now (the older trainer's redo), so nothing is counted twice.
+        step again over the workers now (the older trainer's redo), so nothing is counted twice. A node of several
+        local ranks sends the same gradient again instead, as a user's loop does: its ranks push their own chunks,
+        perhaps to different shards, so one rank may be refused where another's push went through (or waits on
+        the refused one's part), and a rank computing again alone would meet the others in other collectives.
         """
         if self.ctx.step_delay_s:  # a `delay` fault: a straggler's every step
             time.sleep(self.ctx.step_delay_s)
         flat = flat_values([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params])
         grads = {c.index: flat[c.flat_offset:c.flat_offset + c.numel] for c in self.mine}
-        generation = self.ctx.generation  # the step's: no update is taken between its compute and its push
-        try:
-            self.done = self._send_gradient(grads, self.computed_s)
-        except ShardError as e:
-            if not self.barrier or not ({REFORM, FAILED_PRECONDITION} & set(e.codes)) or self._redos >= 99:
-                raise
-            self.redone += 1
-            self._redos += 1
-            if REFORM in e.codes:
-                self._await_generation(generation)
-            else:
-                log.info("shards moved on or rolled back (%s); pulling and computing the step again", e)
-                time.sleep(0.05 * min(self._redos, 10))
-                self.done = self.pull()
-            raise StepRedo from e
+        while True:
+            generation = self.ctx.generation  # the step's: no update is taken between its compute and its push
+            try:
+                self.done = self._send_gradient(grads, self.computed_s)
+                break
+            except ShardError as e:
+                if not self.barrier or not ({REFORM, FAILED_PRECONDITION} & set(e.codes)) or self._redos >= 99:
+                    raise
+                self.redone += 1
+                self._redos += 1
+                if REFORM in e.codes:
+                    self._await_generation(generation)
+                else:
+                    log.info("shards moved on or rolled back (%s); pulling, and the step again", e)
+                    time.sleep(0.05 * min(self._redos, 10))
+                    if self.ctx.local_world > 1:  # this rank's shards' versions (the values come with the push)
+                        self._note_versions(self.client.pull().versions)
+                    else:
+                        self.done = self.pull()
+                if self.ctx.local_world == 1:
+                    raise StepRedo from e
         self._redos = 0
         self.compute_s += self.computed_s
         self.clock += 1

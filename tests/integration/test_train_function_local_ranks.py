@@ -99,3 +99,26 @@ def test_a_parameter_with_a_gradient_on_one_local_rank_only_is_stepped_on_every_
     assert sorted(p["local_rank"] for p in points) == [0.0, 1.0], points
     extra = {p["extra"] for p in points}
     assert len(extra) == 1 and extra.pop() < 4.0, points  # decayed alike on both ranks
+
+
+def test_a_hugging_face_trainer_on_a_node_of_two_local_ranks_trains_and_its_ranks_step_alike(
+        cluster: LocalCluster) -> None:
+    # transformers.Trainer in each process of the node, on the prepared model and optimizer. It finds no launcher's
+    # environment (gossamer's group is formed over tcp://), so it runs NOT_PARALLEL without a DDP wrapper of its
+    # own, and each backward's node mean keeps the two ranks on the same parameters.
+    pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+    pytest.importorskip("accelerate", reason="the [hf] extra (accelerate, for transformers.Trainer) is not installed")
+    client = ranks_cluster(cluster, 1)
+    job = client.submit({"name": "hf-ranks", "train": "gossamer.examples.hf_trainer:train", "mode": "diloco",
+                         "inner_steps": 10, "num_ps_shards": 1, "ps_backup": False, "total_steps": 60,
+                         "min_workers": 1, "max_workers": 1})
+    result = job.wait(timeout=360)
+    assert result.status == "completed", result.message
+    points = job.metrics()
+    losses = [p["loss"] for p in points if "loss" in p]
+    evals = [p["eval_loss"] for p in points if "eval_loss" in p]
+    assert losses and evals and evals[-1] < 4.5, (losses[:3], evals)  # from about ln 256 = 5.5 nats a byte
+    assert len({p["source"] for p in points if "loss" in p}) == 2  # both processes ran the Trainer
+    state = gossamer.load_checkpoint(result.checkpoint)
+    assert any(k.startswith("transformer.") for k in state)
+    client.close()

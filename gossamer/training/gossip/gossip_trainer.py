@@ -37,9 +37,8 @@ class GossipTrainer(RankTrainer):
     weight; the model holds the de-biased parameters), take a local optimizer step on this
     node's gradient (all-reduced inside the node), then send a share of the parameters to
     one peer of the time-varying graph (`topology`). The send leaves in the background
-    while the next step computes; with `overlap` off the next send waits until the peer has
-    acknowledged it (one share in flight at a time). Local rank 0 talks to the other nodes and
-    broadcasts inside the node.
+    while the next step computes; with `overlap` off the step waits until the peer has
+    acknowledged it. Local rank 0 talks to the other nodes and broadcasts inside the node.
 
     `total_steps` counts each worker's steps (as in sync mode). A late joiner starts from
     the parameters and step of the most advanced peer. At every `eval_every` steps and at
@@ -223,11 +222,9 @@ class GossipTrainer(RankTrainer):
             self.skipped_sends += 1
             return
         with self.profiler.region("communication"):
-            if not self.exp.overlap:  # the previous step's share: its round trip went on while this step computed
-                self._wait_settled(limit_s=1.0)
             self.peer.send(self.flat, to, self.clock)
             self.sends += 1
-            if not self.exp.overlap and self.clock >= self.exp.total_steps:  # the last share settles before the end
+            if not self.exp.overlap:
                 self._wait_settled(limit_s=1.0)
 
     def _outer_step(self) -> None:

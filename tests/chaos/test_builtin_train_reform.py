@@ -4,19 +4,36 @@ again over the survivors, so the run still ends where one process ends on the sa
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from gossamer import Client, Experiment, load_checkpoint
+from gossamer import Client, Experiment, Result, load_checkpoint
 from gossamer.core.experiment import BUILTIN_TRAIN
 from gossamer.engine.model import build
 from gossamer.paramserver import flatten_params
+from gossamer.tools.local_cluster import LocalCluster
 from tests._fixtures import MakeCluster, ranks_env
 from tests.chaos._wait import assert_running, wait_for, wait_steps
 from tests.integration._ps_harness import reference_sync
 
 pytestmark = pytest.mark.timeout(420)
+
+
+def _run_killing_w1(cluster: LocalCluster, client: Client, spec: dict[str, Any]) -> tuple[Result, list[dict[str, Any]], str]:
+    """`spec` run until 100 steps, node w1 killed there (mid-step, surely: the survivors wait on its contribution),
+    then to its end: completed, with w1 counted lost; its result, events and their text."""
+    job = client.submit(spec)
+    wait_steps(job, 100, 180, "100 steps")
+    cluster.kill_node("w1")
+    assert_running(job, "the kill of w1")
+    result = job.wait(timeout=300)
+    events = job.events()
+    text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
+    assert result.status == "completed", (result, text)
+    assert any(e["kind"] == "lost" and "node w1 " in e["message"] for e in events), text
+    return result, events, text
 
 
 def test_a_killed_worker_makes_the_builtin_train_function_compute_the_step_again_over_the_survivors(
@@ -35,15 +52,7 @@ def test_a_killed_worker_makes_the_builtin_train_function_compute_the_step_again
         for name in ("w0", "w1", "w2"):
             cluster.add_node(name, spot=True, env=slow)
         wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 4, 60, "nodes")
-        job = client.submit(spec)
-        wait_steps(job, 100, 120, "100 steps")
-        cluster.kill_node("w1")  # mid-step, surely: the survivors wait on its contribution
-        assert_running(job, "the kill of w1")
-        result = job.wait(timeout=240)
-        events = job.events()
-    text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
-    assert result.status == "completed", (result, text)
-    assert any(e["kind"] == "lost" and "node w1 " in e["message"] for e in events), text
+        result, events, text = _run_killing_w1(cluster, client, spec)
     assert not any(e["kind"] == "reassign" and "joins as worker" in e["message"] for e in events), text
     assert result.metrics["redone_steps"] >= 1  # the step the kill interrupted was computed again
     exp = Experiment.from_dict(spec)
@@ -75,15 +84,7 @@ def test_nodes_of_two_local_ranks_send_their_step_again_when_a_killed_worker_re_
         cluster.add_node("w1", spot=True, env=slow)
         cluster.add_node("w2", spot=True, nproc_per_node=2, env=slow | ranks_env(2))
         wait_for(lambda: sum(n["state"] == "ready" for n in client.nodes()) == 5, 90, "nodes")
-        job = client.submit(spec)
-        wait_steps(job, 100, 180, "100 steps")
-        cluster.kill_node("w1")  # mid-step, surely: the survivors wait on its contribution
-        assert_running(job, "the kill of w1")
-        result = job.wait(timeout=300)
-        events = job.events()
-    text = "\n".join(f"{e['kind']}: {e['message']}" for e in events)
-    assert result.status == "completed", (result, text)
-    assert any(e["kind"] == "lost" and "node w1 " in e["message"] for e in events), text
+        result, _, _ = _run_killing_w1(cluster, client, spec)
     assert result.metrics["redone_steps"] >= 1, result.metrics  # a rank's push was refused and sent again
     assert result.metrics["eval_accuracy"] > 0.9, result.metrics
     model, _, _ = build(Experiment.from_dict(spec), torch.device("cpu"))

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import torch
 
 #: Indices, items read from a stream, or either.
-T = TypeVar("T", torch.Tensor, list[Any], torch.Tensor | list[Any])
+T = TypeVar("T", torch.Tensor, list[Any], range, torch.Tensor | list[Any])
 
 
 @lru_cache(maxsize=8)  # one permutation per epoch and stream, not one per step

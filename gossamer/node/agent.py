@@ -7,6 +7,7 @@ other local ranks attach to it (`gossamer.node.attach`) to run its worker ranks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -538,8 +539,12 @@ class NodeAgent:
         """This node's role logs (under its node id: agents of one host share the log directory).
 
         Not in an explicit `run_dir`: that holds the agent's sockets only and is left empty when it exits."""
-        base = self.config.log_dir or str(ensure_run_dir() / "logs")  # private: 0700
-        return RoleLogs(os.path.join(base, self.node_id or "unjoined"))
+        return RoleLogs(os.path.join(self._log_base, self.node_id or "unjoined"))
+
+    @functools.cached_property
+    def _log_base(self) -> str:
+        """`log_dir`, or `logs` in the default run dir, made private (0700) once, not at every request for a log."""
+        return self.config.log_dir or str(ensure_run_dir() / "logs")
 
     @staticmethod
     def _key(a: pb.Assignment) -> tuple[str, int, int]:

@@ -117,11 +117,8 @@ def _want(ctx: TrainContext, data: Data, step: int) -> tuple[Want, float]:
 
 def _rank_span(ctx: TrainContext, start: int, stop: int) -> Want:
     """This rank's run of the node's stream positions [start, stop) (the whole run on a node of one rank)."""
-    if ctx.local_world_size == 1:
-        return ("span", start, stop)
-    mine = sampler.even_split(torch.arange(start, stop), ctx.local_world_size, ctx.local_rank)
-    lo = int(mine[0]) if len(mine) else start
-    return ("span", lo, lo + len(mine))
+    mine = sampler.even_split(range(start, stop), ctx.local_world_size, ctx.local_rank)
+    return ("span", mine.start, mine.stop)
 
 
 def _wants(ctx: TrainContext, data: Data, step: int, want: Want) -> Callable[[int], Want]:

@@ -74,7 +74,7 @@ class GradientPushTrainer(ShardFunctionTrainer):
                 if REFORM in e.codes:
                     self._await_generation(generation)
                 else:
-                    log.info("shards moved on or rolled back (%s); pulling, and the step again", e)
+                    log.info("shards moved on or rolled back (%s); pulling their versions", e)
                     time.sleep(0.05 * min(self._redos, 10))
                     if self.ctx.local_world > 1:  # this rank's shards' versions (the values come with the push)
                         self._note_versions(self.client.pull().versions)
